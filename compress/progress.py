@@ -1,0 +1,70 @@
+"""Progress bars and messages for long work (rich), on stderr so stdout stays clean."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+T = TypeVar("T")
+
+
+class Reporter:
+    """Shows progress and notes to a person; ``quiet=True`` shows only warnings."""
+
+    def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
+        self.console = console or Console(stderr=True)
+        self.quiet = quiet
+
+    def track(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
+        if self.quiet:
+            yield from items
+            return
+        columns = (
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=self.console) as progress:
+            task = progress.add_task(description, total=total if total is not None else _len(items))
+            for item in items:
+                yield item
+                progress.advance(task)
+
+    @contextmanager
+    def status(self, message: str) -> Iterator[None]:
+        if self.quiet:
+            yield
+            return
+        with self.console.status(message):
+            yield
+        self.console.print(f"[green]✓[/] {message}")
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.console.print(message)
+
+    def warn(self, message: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {message}")
+
+
+def _len(items: Iterable[object]) -> int | None:
+    try:
+        return len(items)  # type: ignore[arg-type]
+    except TypeError:
+        return None

@@ -1,0 +1,378 @@
+"""Recipe schema v1: parsed from YAML, validated strictly, errors name the key path and line.
+
+A recipe is data: where the model comes from, which text calibrates and evaluates it, the
+ordered compression stages, the exports, and the gates that decide pass or fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from compress.errors import RecipeError
+from compress.eval.metrics import METRICS
+from compress.quantizers import QuantizeConfig
+
+SCHEMA_VERSION = 1
+IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
+THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
+# Fields that hold filesystem paths; relative values resolve against the recipe's directory
+# (or, for --set overrides, against the current directory).
+PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(Strict):
+    source: str = Field(
+        description="A Hugging Face model directory, a Hugging Face id already in the local cache, "
+        "a .gguf file, or reference:<name> (see `compress assets list`)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the loaded model.")
+    trust_remote_code: bool = Field(False, description="Allow a model's own Python code to run (off by default).")
+    allow_pickle: bool = Field(
+        False, description="Allow pickle checkpoints (pytorch_model.bin): they can run arbitrary code when loaded."
+    )
+
+
+class TextSpec(Strict):
+    source: str = Field(
+        description="A .txt/.md/.rst/.jsonl file, a directory of them, a glob, or reference:<name>."
+    )
+    samples: int = Field(ge=1, description="Number of token chunks.")
+    seq_len: int = Field(ge=8, description="Tokens per chunk.")
+    seed: int = Field(0, description="Seed for choosing which text becomes chunks.")
+    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
+
+
+class CalibrationSpec(TextSpec):
+    """Text the compression stages learn from."""
+
+
+class EvaluationSpec(TextSpec):
+    """Text every artifact is scored on; kept apart from calibration text."""
+
+    min_context: int = Field(
+        32, ge=1, description="Score only positions with at least this many tokens of context before them."
+    )
+    batch_size: int = Field(1, ge=1, description="Chunks per forward pass.")
+
+    @model_validator(mode="after")
+    def _context_fits(self) -> EvaluationSpec:
+        if self.min_context >= self.seq_len:
+            raise ValueError(f"min_context ({self.min_context}) must be smaller than seq_len ({self.seq_len})")
+        return self
+
+
+class DataSpec(Strict):
+    calibration: CalibrationSpec | None = None
+    evaluation: EvaluationSpec | None = None
+    holdout: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="Share of the text of documents used for both calibration and evaluation that is "
+        "held out for evaluation only (split in ~4,000-character blocks).",
+    )
+
+
+class StageSpec(Strict):
+    """One stage: a mapping with exactly one key naming the stage kind."""
+
+    quantize: QuantizeConfig | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StageSpec:
+        kinds = [k for k in type(self).model_fields if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"a stage names exactly one of: {', '.join(type(self).model_fields)} (got {len(kinds)})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in type(self).model_fields if getattr(self, k) is not None)
+
+    @property
+    def config(self) -> BaseModel:
+        return getattr(self, self.kind)
+
+
+class GateSpec(Strict):
+    name: str | None = Field(None, description="Shown in reports; defaults to artifact.metric.threshold.")
+    metric: str = Field(description="One of: " + ", ".join(METRICS) + ".")
+    artifact: str = Field("compressed", description="Which artifact: baseline, compressed, or an export's name.")
+    max: float | None = Field(None, description="Pass when value <= max.")
+    min: float | None = Field(None, description="Pass when value >= min.")
+    max_increase_pct: float | None = Field(None, ge=0, description="Pass when value <= baseline * (1 + pct/100).")
+    max_decrease_pct: float | None = Field(None, ge=0, description="Pass when value >= baseline * (1 - pct/100).")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, v: str) -> str:
+        if v not in METRICS:
+            raise ValueError(f"unknown metric '{v}'; known: {', '.join(METRICS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_threshold(self) -> GateSpec:
+        given = [k for k in THRESHOLD_KEYS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a gate takes exactly one threshold of {', '.join(THRESHOLD_KEYS)} (got {given or 'none'})")
+        if given[0].endswith("_pct"):
+            if not METRICS[self.metric].relative:
+                raise ValueError(f"{given[0]} compares with the baseline, which is not meaningful for {self.metric}; use max or min")
+            if self.artifact == "baseline":
+                raise ValueError(f"{given[0]} compares an artifact with the baseline; it cannot gate the baseline itself")
+        return self
+
+    @property
+    def threshold_kind(self) -> str:
+        return next(k for k in THRESHOLD_KEYS if getattr(self, k) is not None)
+
+    @property
+    def threshold_value(self) -> float:
+        return float(getattr(self, self.threshold_kind))
+
+    @property
+    def display_name(self) -> str:
+        return self.name or f"{self.artifact}.{self.metric}.{self.threshold_kind}"
+
+
+class ComputeSpec(Strict):
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when available.")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: all cores).")
+
+
+class Recipe(Strict):
+    version: Literal[1] = Field(description="Recipe schema version; this release reads version 1.")
+    name: str | None = Field(None, description="A label for reports and the manifest.")
+    seed: int = Field(0, description="Global seed (torch, Python) for reproducible runs.")
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    compute: ComputeSpec = Field(default_factory=ComputeSpec)
+    stages: list[StageSpec] = Field(default_factory=list, description="Applied in order.")
+    exports: list[dict[str, Any]] = Field(
+        default_factory=list, description="Exported artifacts (GGUF, ONNX, TensorRT: coming in later releases)."
+    )
+    gates: list[GateSpec] = Field(default_factory=list)
+
+    @field_validator("exports")
+    @classmethod
+    def _no_exporters_yet(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if v:
+            fmt = v[0].get("format", "?") if isinstance(v[0], dict) else "?"
+            raise ValueError(f"export format '{fmt}' is not available in this release; no export formats are yet (leave exports empty)")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Recipe:
+        if self.gates and self.data.evaluation is None:
+            raise ValueError("gates need data.evaluation: there is no text to measure them on")
+        known = set(IN_MEMORY_ARTIFACTS)
+        for i, gate in enumerate(self.gates):
+            if gate.artifact not in known:
+                raise ValueError(f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")
+        names = [g.display_name for g in self.gates]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"gate names must be unique; repeated: {', '.join(dupes)} (give each a `name`)")
+        for i, stage in enumerate(self.stages):
+            if getattr(stage.config, "needs_calibration", False) and self.data.calibration is None:
+                raise ValueError(f"stages[{i}] ({stage.kind}) needs data.calibration")
+        return self
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe plus where it came from (for path resolution and the manifest)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    recipe: Recipe
+    path: Path
+    text: str
+    overrides: list[str]
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedRecipe:
+    """Read, override and validate a recipe file. Raises RecipeError with key path and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc}") from exc
+    data, lines = parse_yaml(text, str(path))
+    overrides = list(overrides or [])
+    for item in overrides:
+        apply_override(data, item, lines)
+    return LoadedRecipe(recipe=validate(data, lines, str(path)), path=path.resolve(), text=text, overrides=overrides)
+
+
+def parse_yaml(text: str, filename: str) -> tuple[dict[str, Any], dict[tuple, int]]:
+    """Parse YAML into plain data and a map from key path to 1-based line number."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{filename}:{mark.line + 1}" if mark else filename
+        raise RecipeError(f"{where}: not valid YAML: {exc.problem or exc}") from exc
+    if node is None or not isinstance(data, dict):
+        raise RecipeError(f"{filename}: a recipe is a YAML mapping (version, model, data, stages, exports, gates)")
+    lines: dict[tuple, int] = {(): node.start_mark.line + 1}
+    _walk(node, (), lines, filename)
+    return data, lines
+
+
+def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], filename: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) else key_node.value
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise RecipeError(f"{filename}:{line}: key '{_fmt((*path, key))}' repeats the key on line {seen[key]}")
+            seen[key] = line
+            lines[(*path, key)] = line
+            _walk(value_node, (*path, key), lines, filename)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[(*path, i)] = item.start_mark.line + 1
+            _walk(item, (*path, i), lines, filename)
+
+
+def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> None:
+    """Apply ``key.path=value`` (value parsed as YAML) to the raw recipe data in place."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set stages.0.quantize.bits=8")
+    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+    if key.strip() in PATH_FIELDS and isinstance(value, str) and not value.startswith("reference:"):
+        candidate = Path(value).expanduser()
+        if not candidate.is_absolute() and candidate.exists():
+            value = str(candidate.resolve())
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        nxt = parts[depth + 1]
+        if isinstance(node, list):
+            if not isinstance(part, int) or part >= len(node):
+                raise RecipeError(f"--set {item!r}: {_fmt(tuple(parts[: depth + 1]))} is not an item of a list of {len(node)}")
+            node = node[part]
+        elif isinstance(node, dict):
+            if part not in node or node[part] is None:
+                node[part] = [] if isinstance(nxt, int) else {}
+            node = node[part]
+        else:
+            raise RecipeError(f"--set {item!r}: {_fmt(tuple(parts[:depth]))} is a value, not a mapping or list")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not isinstance(last, int) or last >= len(node):
+            raise RecipeError(f"--set {item!r}: index {last} is outside a list of {len(node)}")
+        node[last] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise RecipeError(f"--set {item!r}: {_fmt(tuple(parts[:-1]))} is a value, not a mapping or list")
+    lines[tuple(parts)] = -1  # marks "from --set"
+
+
+def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(exc, lines, filename)) from None
+
+
+def format_validation_error(exc: ValidationError, lines: dict[tuple, int], filename: str) -> str:
+    messages = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        line = _line_for(loc, lines)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key '{loc[-1]}'" + _did_you_mean(loc, exc)
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        key = _fmt(loc) or "(recipe)"
+        where = "--set" if line == -1 else f"{filename}:{line}"
+        messages.append(f"{where}: {key}: {msg}")
+    head = f"recipe {filename} is not valid ({len(messages)} problem{'s' if len(messages) != 1 else ''}):"
+    return "\n".join([head, *("  " + m for m in messages)])
+
+
+def _did_you_mean(loc: tuple, exc: ValidationError) -> str:
+    import difflib
+
+    allowed = _allowed_keys(loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else (f" (allowed: {', '.join(allowed)})" if allowed else "")
+
+
+def _allowed_keys(parent: tuple) -> list[str]:
+    """Field names of the schema object at ``parent`` (a key path), for suggestions."""
+    model: Any = Recipe
+    for part in parent:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_of(annotation: Any) -> Any:
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _line_for(loc: tuple, lines: dict[tuple, int]) -> int:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return lines[loc[:n]]
+    return lines.get((), 1)
+
+
+def _fmt(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def json_schema() -> dict[str, Any]:
+    return Recipe.model_json_schema()

@@ -1,0 +1,1 @@
+"""Evaluation: accuracy metrics against the baseline, gates, and reports."""

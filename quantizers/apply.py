@@ -1,0 +1,93 @@
+"""Shared orchestration for weight quantizers: pick layers, install records, summarize.
+
+Kept apart from the math so a method module only says how one weight becomes a record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from compress.context import RunContext, StageRecord
+from compress.errors import CompressError
+from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, sqnr_db
+from compress.quantizers.targets import select_linears
+
+
+def select_or_fail(model: nn.Module, cfg: WeightQuantConfig, label: str) -> tuple[list[tuple[str, nn.Linear]], list[str]]:
+    chosen, unused_ignore = select_linears(model, cfg.targets, cfg.ignore)
+    if not chosen:
+        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:6]
+        raise CompressError(
+            f"{label}: targets {cfg.targets} with ignore {cfg.ignore} select no Linear layer. "
+            f"This model's Linear layers are named like: {', '.join(names) or '(none)'}."
+        )
+    return chosen, unused_ignore
+
+
+def install_record(model: nn.Module, name: str, module: nn.Linear, record: QuantizedWeight, ctx: RunContext, label: str) -> dict:
+    """Replace ``module``'s weight with the record's dequantized values and keep the record.
+
+    A new Parameter is installed, so a weight tied to another module (lm_head and the token
+    embedding) is untied rather than silently changing the other module.
+    Returns the per-layer summary for the manifest.
+    """
+    if name in ctx.quantized:
+        raise CompressError(f"{label}: layer {name} was already quantized by {ctx.quantized_by[name]}; quantize each layer once.")
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
+    original = module.weight.detach()
+    deq = record.dequantize(original.dtype).to(original.device)
+    module.weight = nn.Parameter(deq, requires_grad=False)
+    ctx.quantized[name] = record
+    ctx.quantized_by[name] = label
+    info = {
+        "shape": list(record.shape),
+        "sqnr_db": round(sqnr_db(original, deq), 3),
+        "bits_per_weight": round(record.bits_per_weight, 4),
+    }
+    if tied:
+        info["untied_from"] = tied
+    return info
+
+
+def quantize_each_layer(
+    model: nn.Module,
+    ctx: RunContext,
+    cfg: WeightQuantConfig,
+    label: str,
+    quantize: Callable[[torch.Tensor, QuantScheme], QuantizedWeight],
+) -> StageRecord:
+    """Run a calibration-free ``quantize(weight, scheme)`` on every selected layer independently."""
+    start = time.perf_counter()
+    scheme = cfg.scheme()
+    chosen, unused_ignore = select_or_fail(model, cfg, label)
+    layers: dict[str, dict] = {}
+    for name, module in ctx.reporter.track(chosen, f"{label} {cfg.method} {scheme.describe()}"):
+        record = quantize(module.weight.detach().to(ctx.device), scheme)
+        layers[name] = install_record(model, name, module, record, ctx, label)
+    return StageRecord(
+        kind="quantize",
+        method=cfg.method,
+        config=cfg.model_dump(mode="json"),
+        duration_s=time.perf_counter() - start,
+        summary=summarize(layers, unused_ignore, scheme),
+        layers=layers,
+    )
+
+
+def summarize(layers: dict[str, dict], unused_ignore: list[str], scheme: QuantScheme) -> dict:
+    params = sum(l["shape"][0] * l["shape"][1] for l in layers.values())
+    bits = sum(l["shape"][0] * l["shape"][1] * l["bits_per_weight"] for l in layers.values())
+    sqnrs = [l["sqnr_db"] for l in layers.values()]
+    return {
+        "scheme": scheme.model_dump(mode="json"),
+        "layers_quantized": len(layers),
+        "params_quantized": params,
+        "bits_per_weight": round(bits / params, 4),
+        "sqnr_db_mean": round(sum(sqnrs) / len(sqnrs), 3),
+        "sqnr_db_min": round(min(sqnrs), 3),
+        "ignore_patterns_unmatched": unused_ignore,
+    }

@@ -1,0 +1,252 @@
+"""Quantization core: the scheme, the QuantizedWeight record, and pure grouping math.
+
+Every weight quantizer (RTN here; GPTQ and AWQ later) produces `QuantizedWeight` records in
+one convention, and every exporter packs those records into its own format without
+re-quantizing. The convention:
+
+* codes are unsigned integers in ``[0, 2**bits - 1]``, stored unpacked (one uint8 per weight);
+* ``w ≈ (code - zero_point) * scale`` per group of ``group_size`` consecutive input features
+  of one output row (``group_size=None`` means one group per row: per-channel);
+* symmetric schemes use the fixed zero point ``2**(bits-1)`` and ``scale = 2*absmax/(2**bits-1)``
+  (so 4-bit symmetric is exactly llama.cpp's Q4_0 layout); asymmetric schemes use an integer
+  zero point per group and a range that includes 0 (Q4_1 with ``m = -scale * zero_point``);
+* scales are rounded up to ``scale_dtype`` (float16 by default) before the codes are computed
+  with them, so formats that store fp16 scales carry the record exactly;
+* a row whose width is not a multiple of ``group_size`` ends in a shorter, partial group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ScaleDType = Literal["float16", "bfloat16", "float32"]
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class QuantScheme(BaseModel):
+    """How one weight matrix is quantized. Frozen, hashable, and written in full to manifests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bits: int = Field(ge=2, le=8, description="Bits per weight code (2-8).")
+    group_size: int | None = Field(
+        default=128,
+        description="Input features per scale group; null means per-channel (one group per row).",
+    )
+    symmetric: bool = Field(
+        default=True,
+        description="Symmetric: fixed zero point 2**(bits-1). Asymmetric: one integer zero point per group.",
+    )
+    scale_dtype: ScaleDType = Field(
+        default="float16", description="Precision the scales are rounded to and stored in."
+    )
+
+    @field_validator("group_size")
+    @classmethod
+    def _positive_group(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("group_size must be a positive integer, or null for per-channel")
+        return v
+
+    @property
+    def qmax(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def symmetric_zero(self) -> int:
+        return 2 ** (self.bits - 1)
+
+    def group_width(self, in_features: int) -> int:
+        return in_features if self.group_size is None else self.group_size
+
+    def n_groups(self, in_features: int) -> int:
+        return math.ceil(in_features / self.group_width(in_features))
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self.scale_dtype]
+
+    def describe(self) -> str:
+        group = "per-channel" if self.group_size is None else f"g{self.group_size}"
+        return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized weight matrix: unpacked codes plus per-group scale and zero point.
+
+    Shapes: ``codes`` [out, in] uint8; ``scale`` [out, n_groups] in ``scheme.scale_dtype``;
+    ``zero_point`` [out, n_groups] uint8.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    scheme: QuantScheme
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
+
+    def validate(self) -> None:
+        """Raise ValueError when shapes, dtypes or value ranges break the convention."""
+        s = self.scheme
+        if self.codes.dim() != 2 or self.codes.dtype != torch.uint8:
+            raise ValueError(f"codes must be a 2-D uint8 tensor, got {self.codes.dtype} {tuple(self.codes.shape)}")
+        out_f, in_f = self.shape
+        expect = (out_f, s.n_groups(in_f))
+        for name, t in (("scale", self.scale), ("zero_point", self.zero_point)):
+            if tuple(t.shape) != expect:
+                raise ValueError(f"{name} must have shape {expect} for codes {self.shape} and {s.describe()}, got {tuple(t.shape)}")
+        if self.scale.dtype != s.torch_scale_dtype:
+            raise ValueError(f"scale dtype must be {s.scale_dtype}, got {self.scale.dtype}")
+        if self.zero_point.dtype != torch.uint8:
+            raise ValueError(f"zero_point must be uint8, got {self.zero_point.dtype}")
+        if self.codes.numel() and int(self.codes.max()) > s.qmax:
+            raise ValueError(f"codes exceed {s.qmax} for {s.bits}-bit scheme")
+        if self.zero_point.numel() and int(self.zero_point.max()) > s.qmax:
+            raise ValueError(f"zero points exceed {s.qmax} for {s.bits}-bit scheme")
+        if s.symmetric and bool((self.zero_point != s.symmetric_zero).any()):
+            raise ValueError(f"symmetric scheme requires every zero point to be {s.symmetric_zero}")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Return the float weight ``(codes - zero_point) * scale`` with shape [out, in]."""
+        out_f, in_f = self.shape
+        g = self.scheme.group_width(in_f)
+        scale = self.scale.to(torch.float32).repeat_interleave(g, dim=1)[:, :in_f]
+        zero = self.zero_point.to(torch.float32).repeat_interleave(g, dim=1)[:, :in_f]
+        return ((self.codes.to(torch.float32) - zero) * scale).to(dtype)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage cost per weight, including scales (and zero points when asymmetric)."""
+        out_f, in_f = self.shape
+        scale_bits = torch.finfo(self.scheme.torch_scale_dtype).bits
+        overhead = scale_bits + (0 if self.scheme.symmetric else self.scheme.bits)
+        return self.scheme.bits + overhead * self.scheme.n_groups(in_f) / in_f
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The record as named tensors for a safetensors file (scheme goes to the manifest)."""
+        return {
+            f"{prefix}.weight_codes": self.codes.contiguous(),
+            f"{prefix}.weight_scale": self.scale.contiguous(),
+            f"{prefix}.weight_zero_point": self.zero_point.contiguous(),
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, scheme: QuantScheme) -> QuantizedWeight:
+        return cls(
+            codes=tensors[f"{prefix}.weight_codes"],
+            scale=tensors[f"{prefix}.weight_scale"],
+            zero_point=tensors[f"{prefix}.weight_zero_point"],
+            scheme=scheme,
+        )
+
+
+# --------------------------------------------------------------------------- pure math
+
+
+def group_rows(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """View ``weight`` [out, in] as [out, n_groups, group] in float32, zero-padding a partial last group.
+
+    Zero padding is neutral for the statistics below because every group's range includes 0.
+    """
+    out_f, in_f = weight.shape
+    g = scheme.group_width(in_f)
+    n = scheme.n_groups(in_f)
+    w = weight.detach().to(torch.float32)
+    pad = n * g - in_f
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    return w.reshape(out_f, n, g)
+
+
+def compute_qparams(groups: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point for each group of ``groups`` [..., group] (min/max, range includes 0).
+
+    Returns ``scale`` (float32 holding values exactly representable in ``scheme.scale_dtype``)
+    and ``zero_point`` (float32 holding integers in [0, qmax]), both shaped ``groups.shape[:-1]``.
+    """
+    qmax = scheme.qmax
+    if scheme.symmetric:
+        # All 2**bits levels: [-absmax, absmax] maps onto [-(qmax/2), qmax/2] around the fixed
+        # zero point 2**(bits-1) (the GPTQ convention); the top code absorbs +absmax within half a step.
+        absmax = groups.abs().amax(dim=-1)
+        scale = 2 * absmax / qmax
+        zero = torch.full_like(scale, float(scheme.symmetric_zero))
+    else:
+        lo = groups.amin(dim=-1).clamp(max=0.0)
+        hi = groups.amax(dim=-1).clamp(min=0.0)
+        scale = (hi - lo) / qmax
+    scale = round_scale(scale, scheme)
+    if not scheme.symmetric:
+        zero = torch.clamp(torch.round(-lo / scale), 0, qmax)
+    return scale, zero
+
+
+def round_scale(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round scales up to the storage dtype (never shrinking the range the grid covers);
+    zero scales (all-zero groups) become the smallest normal number."""
+    dtype = scheme.torch_scale_dtype
+    scale = scale.clamp(min=torch.finfo(dtype).tiny)
+    stored = scale.to(dtype)
+    below = stored.to(torch.float32) < scale
+    stored = torch.where(below, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
+    return stored.to(torch.float32)
+
+
+def quantize_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round-to-nearest codes for ``groups`` [..., group] given per-group ``scale`` and ``zero``."""
+    q = torch.round(groups / scale.unsqueeze(-1)) + zero.unsqueeze(-1)
+    return q.clamp_(0, scheme.qmax)
+
+
+def pack_record(codes_grouped: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int, scheme: QuantScheme) -> QuantizedWeight:
+    """Build a QuantizedWeight from grouped float codes [out, n_groups, group] and per-group params."""
+    out_f = codes_grouped.shape[0]
+    codes = codes_grouped.reshape(out_f, -1)[:, :in_features].to(torch.uint8)
+    return QuantizedWeight(
+        codes=codes.contiguous(),
+        scale=scale.to(scheme.torch_scale_dtype).contiguous(),
+        zero_point=zero.to(torch.uint8).contiguous(),
+        scheme=scheme,
+    )
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (inf when exact)."""
+    ref = reference.detach().to(torch.float64)
+    noise = (ref - approx.detach().to(torch.float64)).pow(2).sum()
+    if noise == 0:
+        return math.inf
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+# --------------------------------------------------------------------------- method configs
+
+
+class WeightQuantConfig(QuantScheme):
+    """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
+
+    Patterns are matched against module names (``model.layers.0.mlp.down_proj``): a glob that
+    matches the whole name or its trailing components (``down_proj``, ``mlp.*``), or a regular
+    expression with the prefix ``re:`` that must match the whole name.
+    """
+
+    targets: list[str] = Field(default_factory=lambda: ["*"], description="Linear layers to quantize.")
+    ignore: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="Linear layers to leave in float (embeddings are never Linear layers and stay float).",
+    )
+
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(**{k: getattr(self, k) for k in QuantScheme.model_fields})

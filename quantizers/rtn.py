@@ -1,0 +1,47 @@
+"""Round-to-nearest (RTN) weight quantization: no calibration data, one pass over each weight."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from compress.quantizers.apply import quantize_each_layer
+from compress.quantizers.core import (
+    QuantizedWeight,
+    QuantScheme,
+    WeightQuantConfig,
+    compute_qparams,
+    group_rows,
+    pack_record,
+    quantize_codes,
+)
+
+
+class RTNConfig(WeightQuantConfig):
+    """`quantize: {method: rtn, bits, group_size, symmetric, targets, ignore}`."""
+
+    method: Literal["rtn"] = "rtn"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
+
+
+def rtn_quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+    """Quantize ``weight`` [out, in] to the nearest grid point of each group's min/max grid."""
+    groups = group_rows(weight, scheme)
+    scale, zero = compute_qparams(groups, scheme)
+    codes = quantize_codes(groups, scale, zero, scheme)
+    return pack_record(codes, scale, zero, weight.shape[1], scheme)
+
+
+class RTNStage:
+    """The recipe step ``quantize: {method: rtn, ...}``."""
+
+    def __init__(self, config: RTNConfig, label: str) -> None:
+        self.config = config
+        self.label = label
+
+    def apply(self, model, ctx):  # noqa: ANN001 - see compress.context.Stage
+        return quantize_each_layer(model, ctx, self.config, self.label, rtn_quantize)

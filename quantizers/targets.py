@@ -1,0 +1,35 @@
+"""Which Linear layers a quantizer touches: name patterns, matched explicitly."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+from torch import nn
+
+
+def matches(name: str, pattern: str) -> bool:
+    """True when ``pattern`` selects the module ``name``.
+
+    ``re:<regex>`` must match the whole name; any other pattern is a glob that matches the whole
+    name or its trailing dotted components (``down_proj`` matches ``model.layers.0.mlp.down_proj``).
+    """
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def select_linears(model: nn.Module, targets: list[str], ignore: list[str]) -> tuple[list[tuple[str, nn.Linear]], list[str]]:
+    """Linear modules matched by ``targets`` and by no ``ignore`` pattern, in model order.
+
+    Also returns the ignore patterns that matched no Linear layer (reported, not an error:
+    the default ``lm_head`` may not exist in every model).
+    """
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    chosen = [
+        (n, m)
+        for n, m in linears
+        if any(matches(n, p) for p in targets) and not any(matches(n, p) for p in ignore)
+    ]
+    unused_ignore = [p for p in ignore if not any(matches(n, p) for n, _ in linears)]
+    return chosen, unused_ignore

