@@ -268,3 +268,19 @@ def ensure(name: str, reporter: Reporter | None = None) -> Asset:
 def parse_reference(source: str) -> str | None:
     """``reference:NAME`` -> ``NAME``; anything else -> None."""
     return source.split(":", 1)[1] if source.startswith("reference:") else None
+
+
+def ensure_reference(source: str, kind: str, reporter: Reporter | None = None) -> Asset | None:
+    """The asset named by ``reference:NAME`` when it is of ``kind`` ("model"/"text"), fetched if needed.
+
+    Returns None when ``source`` is not a ``reference:`` source; raises AssetError when it names
+    no asset of that kind.
+    """
+    name = parse_reference(source)
+    if name is None:
+        return None
+    spec = ASSETS.get(name)
+    if spec is None or spec.kind != kind:
+        known = ", ".join(f"reference:{n}" for n, s in ASSETS.items() if s.kind == kind)
+        raise AssetError(f"'{source}' is not a reference {kind}; known: {known}")
+    return ensure(name, reporter)

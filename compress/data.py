@@ -74,13 +74,8 @@ class Chunks:
 
 def resolve_files(source: str, base_dir: Path, reporter: Reporter | None = None) -> tuple[list[Path], Path]:
     """Files of a source and the root their ids are relative to."""
-    ref = assets.parse_reference(source)
-    if ref is not None:
-        spec = assets.ASSETS.get(ref)
-        if spec is None or spec.kind != "text":
-            texts = [n for n, s in assets.ASSETS.items() if s.kind == "text"]
-            raise DataError(f"'{source}' is not a reference text; known: {', '.join('reference:' + t for t in texts)}")
-        asset = assets.ensure(ref, reporter)
+    asset = assets.ensure_reference(source, "text", reporter)
+    if asset is not None:
         return sorted(asset.files), asset.path
     path = Path(source).expanduser()
     if not path.is_absolute():

@@ -50,13 +50,8 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
     reporter = reporter or Reporter()
     _quiet_transformers()
     source = spec.source
-    ref = assets.parse_reference(source)
-    if ref is not None:
-        asset_spec = assets.ASSETS.get(ref)
-        if asset_spec is None or asset_spec.kind != "model":
-            models = [n for n, s in assets.ASSETS.items() if s.kind == "model"]
-            raise ModelLoadError(f"'{source}' is not a reference model; known: {', '.join('reference:' + m for m in models)}")
-        asset = assets.ensure(ref, reporter)
+    asset = assets.ensure_reference(source, "model", reporter)
+    if asset is not None:
         gguf = next(f for f in asset.files if f.suffix == ".gguf")
         loaded = _from_gguf(gguf, spec, reporter)
         loaded.facts.update(source=source, reference_asset=asset.meta["origin"], license=asset.meta["license"])

@@ -88,6 +88,12 @@ gates:
 """
 
 
+def write_recipe(directory: Path, text: str, name: str = "recipe.yaml") -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
 def run_cli(args: list[str]):
     """Invoke the CLI in-process; returns click's Result (exit_code, stdout, stderr, output)."""
     from typer.testing import CliRunner

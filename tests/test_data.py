@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from compress.data import DataPlan, bos_prefix, load_source, role_blocks, split_blocks
-from compress.errors import DataError
+from compress.errors import AssetError, DataError
 from compress.recipe import DataSpec
 from tests.helpers import make_text
 
@@ -95,7 +95,7 @@ def test_missing_and_empty_sources(tmp_path: Path) -> None:
     (tmp_path / "blank.txt").write_text("   \n")
     with pytest.raises(DataError, match="holds no text"):
         load_source(str(tmp_path / "blank.txt"), tmp_path)
-    with pytest.raises(DataError, match="not a reference text"):
+    with pytest.raises(AssetError, match="not a reference text; known: reference:shakespeare, reference:python-docs"):
         load_source("reference:smollm2-135m", tmp_path)
 
 

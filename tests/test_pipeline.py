@@ -17,7 +17,7 @@ from compress.pipeline import run_recipe
 from compress.progress import Reporter
 from compress.quantizers.rtn import RTNConfig, RTNStage
 from compress.recipe import load_recipe
-from tests.helpers import recipe_text, run_cli
+from tests.helpers import recipe_text, run_cli, write_recipe
 
 PASSING = """\
   - name: kl
@@ -26,12 +26,6 @@ PASSING = """\
   - metric: perplexity
     max_increase_pct: 1000
 """
-
-
-def write_recipe(tmp_path: Path, text: str) -> Path:
-    p = tmp_path / "recipe.yaml"
-    p.write_text(text)
-    return p
 
 
 def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from compress.errors import RecipeError
 from compress.recipe import load_recipe
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,15 +35,9 @@ gates:
 """
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    p = tmp_path / "recipe.yaml"
-    p.write_text(text)
-    return p
-
-
 def error_of(tmp_path: Path, text: str, overrides: list[str] | None = None) -> str:
     with pytest.raises(RecipeError) as info:
-        load_recipe(write(tmp_path, text), overrides)
+        load_recipe(write_recipe(tmp_path, text), overrides)
     return str(info.value)
 
 
@@ -55,7 +49,7 @@ def test_quickstart_is_valid() -> None:
 
 
 def test_good_recipe_defaults_are_expanded(tmp_path: Path) -> None:
-    r = load_recipe(write(tmp_path, GOOD)).recipe
+    r = load_recipe(write_recipe(tmp_path, GOOD)).recipe
     assert r.stages[0].quantize.symmetric is True
     assert r.stages[0].quantize.ignore == ["lm_head"]
     assert r.gates[0].artifact == "compressed"
@@ -117,7 +111,7 @@ def test_gates_need_evaluation_data(tmp_path: Path) -> None:
 
 
 def test_overrides(tmp_path: Path) -> None:
-    p = write(tmp_path, GOOD)
+    p = write_recipe(tmp_path, GOOD)
     r = load_recipe(p, ["stages.0.quantize.bits=8", "stages.0.quantize.group_size=null", "gates.0.max=0.5", "name=x y"]).recipe
     q = r.stages[0].quantize
     assert (q.bits, q.group_size, r.gates[0].max, r.name) == (8, None, 0.5, "x y")
@@ -130,7 +124,7 @@ def test_overrides(tmp_path: Path) -> None:
 
 
 def test_cli_validate_exit_codes(tmp_path: Path) -> None:
-    good = write(tmp_path, GOOD)
+    good = write_recipe(tmp_path, GOOD)
     assert run_cli(["validate", good]).exit_code == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text(GOOD.replace("bits: 4", "bitz: 4"))
@@ -142,7 +136,7 @@ def test_cli_validate_exit_codes(tmp_path: Path) -> None:
 
 def test_cli_run_bad_recipe_exits_2_without_traceback(tmp_path: Path) -> None:
     """The real console script, as a user runs it."""
-    bad = write(tmp_path, GOOD.replace("seq_len: 64", "seq_lenn: 64"))
+    bad = write_recipe(tmp_path, GOOD.replace("seq_len: 64", "seq_lenn: 64"))
     proc = subprocess.run(
         [sys.executable, "-m", "compress", "run", str(bad), "-o", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=120,
