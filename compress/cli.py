@@ -148,11 +148,11 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             )
     if report["evaluations"]:
         table = Table(title="evaluation (vs baseline)")
-        for col in ("artifact", "runtime", "device", "ppl", "KL", "KL p99", "top-1", "tokens"):
-            table.add_column(col, justify="right" if col not in ("artifact", "runtime", "device") else "left", no_wrap=True)
+        for col in ("artifact", "runtime/device", "ppl", "KL", "KL p99", "top-1", "tokens"):
+            table.add_column(col, justify="left" if col in ("artifact", "runtime/device") else "right", no_wrap=True)
         for ev in report["evaluations"]:
             m = ev["metrics"]
-            table.add_row(ev["artifact"], ev["runtime"], ev["device"], f"{m['perplexity']:.4f}", f"{m['kl_divergence']:.5f}",
+            table.add_row(ev["artifact"], f"{ev['runtime']}/{ev['device']}", f"{m['perplexity']:.4f}", f"{m['kl_divergence']:.5f}",
                           f"{m['kl_divergence_p99']:.4f}", f"{m['top1_agreement']:.2%}", f"{m['tokens_scored']:,}")
         out.print(table)
     if report["gates"]:

@@ -44,7 +44,7 @@ def error_of(tmp_path: Path, text: str, overrides: list[str] | None = None) -> s
 def test_quickstart_is_valid() -> None:
     loaded = load_recipe(ROOT / "recipes" / "quickstart.yaml")
     q = loaded.recipe.stages[0].quantize
-    assert (q.method, q.bits, q.group_size) == ("rtn", 4, 128)
+    assert (q.method, q.bits, q.group_size, q.symmetric) == ("rtn", 4, 128, False)
     assert loaded.recipe.gates
 
 
