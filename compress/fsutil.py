@@ -55,14 +55,18 @@ def clean_stale_partials(target: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def check_target(target: Path, overwrite: bool) -> None:
+    if target.exists() and not overwrite:
+        raise ArtifactError(f"{target} already exists; choose another directory or pass --overwrite")
+
+
 @contextmanager
 def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory; on success it replaces ``target`` in one rename."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_partials(target)
-    if target.exists() and not overwrite:
-        raise ArtifactError(f"{target} already exists; choose another directory or pass --overwrite")
+    check_target(target, overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
         yield tmp

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from compress import __version__
@@ -26,7 +27,7 @@ from compress.data import Chunks, DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.metrics import compare, torch_forward
-from compress.fsutil import atomic_directory
+from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
 from compress.progress import Reporter
 from compress.quantizers import QUANTIZE_METHODS
@@ -76,13 +77,8 @@ def resolve_device(name: str) -> torch.device:
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # numpy is a dependency; kept defensive for minimal installs
-        pass
 
 
 def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, reporter: Reporter | None = None) -> RunResult:
@@ -90,8 +86,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     reporter = reporter or Reporter()
     recipe, base_dir = loaded.recipe, loaded.base_dir
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise CompressError(f"output directory {out_dir} already exists; choose another or pass --overwrite")
+    check_target(out_dir, overwrite)  # before any heavy work; atomic_directory checks again at the end
     started = time.perf_counter()
     seed_everything(recipe.seed)
     threads = recipe.compute.threads or os.cpu_count() or 1

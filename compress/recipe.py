@@ -249,7 +249,7 @@ def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], filename: str) 
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
-            key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) else key_node.value
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise RecipeError(f"{filename}:{line}: key '{_fmt((*path, key))}' repeats the key on line {seen[key]}")
