@@ -38,14 +38,32 @@ def write_model(directory: Path, model: nn.Module, tokenizer: Any, quantized: di
     """Write config, tokenizer and weights (quantized layers as records) to ``directory``."""
     from safetensors.torch import save_file
 
+    write_config_and_tokenizer(directory, model, tokenizer)
+    tensors = float_tensors(model, quantized)
+    for name, record in quantized.items():
+        tensors.update({k: v.cpu() for k, v in record.tensors(name).items()})
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": WEIGHTS_FORMAT})
+
+
+def write_config_and_tokenizer(directory: Path, model: nn.Module, tokenizer: Any, quantization_config: dict[str, Any] | None = None) -> None:
+    """Save the model's config (tie flag as the model has it now; ``quantization_config`` when
+    given, else none), its generation config and the tokenizer files into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config.__class__.from_dict(model.config.to_dict())
     config.tie_word_embeddings = embeddings_tied(model)
+    if hasattr(config, "quantization_config"):  # an imported checkpoint's: the weights written now decide
+        del config.quantization_config
     config.save_pretrained(directory)
+    if quantization_config is not None:
+        path = directory / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": quantization_config}, indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
+
+def float_tensors(model: nn.Module, quantized: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """The state dict without the weights of quantized layers and without tied copies."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     skip = {f"{name}.weight" for name in quantized}
@@ -57,9 +75,7 @@ def write_model(directory: Path, model: nn.Module, tokenizer: Any, quantized: di
             continue
         seen.add(key)
         tensors[name] = tensor.detach().contiguous().cpu()
-    for name, record in quantized.items():
-        tensors.update({k: v.cpu() for k, v in record.tensors(name).items()})
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": WEIGHTS_FORMAT})
+    return tensors
 
 
 def checksums(root: Path) -> dict[str, str]:
@@ -69,7 +85,7 @@ def checksums(root: Path) -> dict[str, str]:
 def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any, dict[str, QuantizedWeight]]:
     """Rebuild the compressed model of an artifact directory (quantized layers dequantized)."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     directory = Path(directory)
     manifest_file, model_dir = directory / "manifest.json", directory / "model"
@@ -78,23 +94,37 @@ def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tu
     manifest = json.loads(manifest_file.read_text())
     dtype = dtype or getattr(torch, manifest["model"]["dtype"])
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = load_file(str(model_dir / WEIGHTS_FILE))
     records = {
         name: QuantizedWeight.from_tensors(tensors, name, QuantScheme(**info["scheme"]))
         for name, info in manifest["quantization"]["layers"].items()
     }
     floats = {k: v for k, v in tensors.items() if not k.endswith((".weight_codes", ".weight_scale", ".weight_zero_point"))}
+    model = assemble_model(config, floats, records, dtype, f"{directory}: {WEIGHTS_FILE}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model, tokenizer, records
+
+
+def assemble_model(config: Any, floats: dict[str, torch.Tensor], records: dict[str, QuantizedWeight], dtype: torch.dtype,
+                   where: str, trust_remote_code: bool = False) -> nn.Module:
+    """Build a model from ``config`` with the ``floats`` tensors and every record's dequantized
+    weight installed; ``where`` names the weight source in errors. Returned in eval mode, frozen."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     missing, unexpected = model.load_state_dict(floats, strict=False)
     if unexpected:
-        raise ArtifactError(f"{directory}: weights the model does not have: {unexpected[:5]}")
+        raise ArtifactError(f"{where}: weights the model does not have: {unexpected[:5]}")
     modules = dict(model.named_modules())
     for name, record in records.items():
-        modules[name].weight = nn.Parameter(record.dequantize(dtype), requires_grad=False)
+        module = modules.get(name)
+        if module is None or tuple(module.weight.shape) != record.shape:
+            found = "no such layer" if module is None else f"the model's layer is {tuple(module.weight.shape)}"
+            raise ArtifactError(f"{where}: quantized layer {name} {record.shape} does not fit the model's config ({found})")
+        module.weight = nn.Parameter(record.dequantize(dtype), requires_grad=False)
     if config.tie_word_embeddings:
         model.tie_weights()
     still_missing = [k for k in missing if k.removesuffix(".weight") not in records and not (config.tie_word_embeddings and k == "lm_head.weight")]
     if still_missing:
-        raise ArtifactError(f"{directory}: weights missing from {WEIGHTS_FILE}: {still_missing[:5]}")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return model.eval().requires_grad_(False), tokenizer, records
+        raise ArtifactError(f"{where}: weights missing: {still_missing[:5]}")
+    return model.eval().requires_grad_(False)

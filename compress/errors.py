@@ -33,3 +33,7 @@ class DataError(CompressError):
 
 class ArtifactError(CompressError):
     """The output directory or an existing artifact is not usable."""
+
+
+class FormatError(CompressError):
+    """Quantized weights cannot be written to, or read from, a checkpoint format."""

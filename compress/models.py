@@ -37,6 +37,9 @@ class LoadedModel:
     tokenizer: Any
     facts: dict[str, Any] = field(default_factory=dict)
     """For the manifest: source, kind, resolved path, sha256 of the weights, files."""
+    quantized: dict[str, Any] = field(default_factory=dict)
+    """QuantizedWeight records by layer name when the source was a quantized checkpoint
+    (compressed-tensors, GPTQ, AWQ); the model holds their dequantized weights."""
 
 
 def _quiet_transformers() -> None:
@@ -108,6 +111,11 @@ def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sou
             f"{path} ships its own Python code (auto_map in config.json). It is not run unless the recipe sets "
             "model.trust_remote_code: true."
         )
+    from compress.export.registry import detect_format
+
+    checkpoint_format = detect_format(path)
+    if checkpoint_format is not None:
+        return _from_quantized_dir(path, spec, reporter, kind, source, checkpoint_format.name)
     dtype = getattr(torch, spec.dtype)
     with reporter.status(f"loading model {source} ({spec.dtype})"):
         try:
@@ -124,6 +132,26 @@ def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sou
     model.eval().requires_grad_(False)
     digest, files = sha256_files([*(weights or pickles), path / "config.json"], path)
     return LoadedModel(model, tokenizer, {"source": source, "kind": kind, "path": str(path), "sha256": digest, "files": files})
+
+
+def _from_quantized_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str, fmt: str) -> LoadedModel:
+    """A quantized checkpoint through our importer: records plus their dequantized float model
+    (never re-quantized, never through transformers' quantizer backends)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from compress.export.registry import import_checkpoint
+
+    with reporter.status(f"importing {fmt} checkpoint {source} (dequantizing its records, {spec.dtype})"):
+        imported = import_checkpoint(path, getattr(torch, spec.dtype), spec.trust_remote_code)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"transformers could not load the tokenizer of {path}: {exc}") from exc
+    meta = [p for p in (path / "config.json", path / "quantize_config.json") if p.is_file()]
+    digest, files = sha256_files([*sorted(path.glob("*.safetensors")), *meta], path)
+    facts = {"source": source, "kind": kind, "path": str(path), "sha256": digest, "files": files, "quantized_checkpoint": imported.facts}
+    return LoadedModel(imported.model, tokenizer, facts, quantized=imported.records)
 
 
 def _from_gguf(path: Path, spec: ModelSpec, reporter: Reporter) -> LoadedModel:

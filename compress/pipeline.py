@@ -27,6 +27,8 @@ from compress.data import Chunks, DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.metrics import compare, torch_forward
+from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
+from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
 from compress.progress import Reporter
@@ -96,7 +98,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
 
     t = time.perf_counter()
     lm = load_model(recipe.model, base_dir, reporter)
-    baseline = lm.model.to(device)
+    baseline = lm.model  # stays on the CPU; layer-wise stages move one block at a time, evaluation moves whole models
     timings["load_model_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -114,16 +116,19 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     stages = build_stages(recipe)
     model = copy.deepcopy(baseline) if stages else baseline
     ctx = RunContext(seed=recipe.seed, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=calibration_tokens)
+    ctx.quantized.update(lm.quantized)  # layers of an imported quantized checkpoint are quantized already
+    ctx.quantized_by.update(dict.fromkeys(lm.quantized, "model.source"))
     records: list[StageRecord] = []
     for stage in stages:
         records.append(stage.apply(model, ctx))
+    check_exports(recipe.exports, model, ctx.quantized)  # before evaluation: fail fast on an impossible export
 
     evaluations: list[Evaluation] = []
     if eval_chunks is not None:
         t = time.perf_counter()
         evaluations = evaluate_in_memory(baseline, model if stages else None, eval_chunks, recipe, device, reporter)
         timings["evaluate_s"] = time.perf_counter() - t
-    gates = evaluate_gates(recipe.gates, {e.artifact: e for e in evaluations})
+    gates = evaluate_gates(recipe.gates, gate_evaluations(evaluations, recipe.exports))
 
     report = build_report(recipe, evaluations, gates, eval_chunks)
     manifest = build_manifest(loaded, lm.facts, baseline, data, eval_chunks, calibration.get("chunks"), records, ctx, device, threads)
@@ -131,6 +136,10 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         with reporter.status(f"writing artifact {out_dir}"):
             write_model(tmp / "model", model, lm.tokenizer, ctx.quantized)
             (tmp / "recipe.yaml").write_text(loaded.text)
+        exports = write_exports(tmp / EXPORTS_DIR, recipe.exports, model, lm.tokenizer, ctx.quantized, reporter)
+        report["exports"] = report_entries(exports, evaluations)
+        manifest["exports"] = exports
+        with reporter.status(f"writing artifact {out_dir}"):
             _write_json(tmp / "report.json", report)
             timings["total_s"] = time.perf_counter() - started
             manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
@@ -150,6 +159,9 @@ def evaluate_in_memory(
     """Baseline and compressed model on the evaluation chunks, with torch on ``device``."""
     spec = recipe.data.evaluation
     assert spec is not None
+    baseline.to(device)
+    if compressed is not None:
+        compressed.to(device)
     candidates = {"compressed": torch_forward(compressed, device)} if compressed is not None else {}
     metrics = compare(torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
     metrics.setdefault("compressed", dict(metrics["baseline"]))  # no stages: the compressed model is the baseline

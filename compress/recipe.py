@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from compress.errors import RecipeError
 from compress.eval.metrics import METRICS
+from compress.export.specs import ExportSpec
 from compress.quantizers import QuantizeConfig
 
 SCHEMA_VERSION = 1
@@ -158,24 +159,24 @@ class Recipe(Strict):
     data: DataSpec = Field(default_factory=DataSpec)
     compute: ComputeSpec = Field(default_factory=ComputeSpec)
     stages: list[StageSpec] = Field(default_factory=list, description="Applied in order.")
-    exports: list[dict[str, Any]] = Field(
-        default_factory=list, description="Exported artifacts (GGUF, ONNX, TensorRT: coming in later releases)."
+    exports: list[ExportSpec] = Field(
+        default_factory=list,
+        description="Checkpoints of the quantized weights, packed exactly (compressed-tensors, gptq); "
+        "each is written to exports/<name>/ in the artifact and verified by reloading it.",
     )
     gates: list[GateSpec] = Field(default_factory=list)
-
-    @field_validator("exports")
-    @classmethod
-    def _no_exporters_yet(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if v:
-            fmt = v[0].get("format", "?") if isinstance(v[0], dict) else "?"
-            raise ValueError(f"export format '{fmt}' is not available in this release; no export formats are yet (leave exports empty)")
-        return v
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         if self.gates and self.data.evaluation is None:
             raise ValueError("gates need data.evaluation: there is no text to measure them on")
-        known = set(IN_MEMORY_ARTIFACTS)
+        export_names = [x.name for x in self.exports]
+        repeated = sorted({n for n in export_names if export_names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"export names must be unique; repeated: {', '.join(repeated)} (give each a `name`)")
+        # Exports hold exactly the compressed model's records (verified when written), so gates on
+        # an export read the `compressed` evaluation; see README "Checkpoint formats".
+        known = set(IN_MEMORY_ARTIFACTS) | set(export_names)
         for i, gate in enumerate(self.gates):
             if gate.artifact not in known:
                 raise ValueError(f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")
@@ -311,11 +312,11 @@ def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Re
 def format_validation_error(exc: ValidationError, lines: dict[tuple, int], filename: str) -> str:
     messages = []
     for err in exc.errors():
-        loc = tuple(err["loc"])
+        loc, parent = _resolve_loc(tuple(err["loc"]))
         line = _line_for(loc, lines)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = f"unknown key '{loc[-1]}'" + _did_you_mean(loc, exc)
+            msg = f"unknown key '{loc[-1]}'" + _did_you_mean(str(loc[-1]), parent)
         elif err["type"] == "missing":
             msg = "required key is missing"
         key = _fmt(loc) or "(recipe)"
@@ -325,39 +326,50 @@ def format_validation_error(exc: ValidationError, lines: dict[tuple, int], filen
     return "\n".join([head, *("  " + m for m in messages)])
 
 
-def _did_you_mean(loc: tuple, exc: ValidationError) -> str:
+def _did_you_mean(key: str, parent: type[BaseModel] | None) -> str:
     import difflib
 
-    allowed = _allowed_keys(loc[:-1])
-    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    allowed = list(parent.model_fields) if parent is not None else []
+    close = difflib.get_close_matches(key, allowed, n=1)
     return f" (did you mean '{close[0]}'?)" if close else (f" (allowed: {', '.join(allowed)})" if allowed else "")
 
 
-def _allowed_keys(parent: tuple) -> list[str]:
-    """Field names of the schema object at ``parent`` (a key path), for suggestions."""
-    model: Any = Recipe
-    for part in parent:
+def _resolve_loc(loc: tuple) -> tuple[tuple, type[BaseModel] | None]:
+    """Drop discriminated-union tags (``quantize.rtn.bits`` -> ``quantize.bits``) from a pydantic
+    error location by walking the schema; also return the schema object holding the last key."""
+    clean: list[Any] = []
+    ann: Any = Recipe
+    parent: type[BaseModel] | None = None
+    for part in loc:
         if isinstance(part, int):
+            clean.append(part)
             continue
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = _model_of(field.annotation)
-        if model is None:
-            return []
-    return list(getattr(model, "model_fields", {}))
+        members = _models_in(ann)
+        owner = next((m for m in members if part in m.model_fields), None)
+        if owner is not None:
+            clean.append(part)
+            parent, ann = owner, owner.model_fields[part].annotation
+            continue
+        tagged = [m for m in members if part in {str(f.default) for f in m.model_fields.values() if f.default is not None}]
+        if len(members) > 1 and tagged:  # a union tag: not a key in the YAML
+            ann = tagged[0]
+            continue
+        clean.append(part)
+        parent = members[0] if len(members) == 1 else None
+        ann = None
+    return tuple(clean), parent
 
 
-def _model_of(annotation: Any) -> Any:
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """BaseModel classes inside an annotation (through Optional, list, Union, Annotated)."""
     import typing
 
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
+        return [annotation]
+    found: list[type[BaseModel]] = []
     for arg in typing.get_args(annotation):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
+        found.extend(m for m in _models_in(arg) if m not in found)
+    return found
 
 
 def _line_for(loc: tuple, lines: dict[tuple, int]) -> int:

@@ -5,12 +5,20 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Union
+
+from pydantic import Field
+
+from compress.quantizers.awq import AWQConfig, AWQStage
+from compress.quantizers.gptq import GPTQConfig, GPTQStage
 from compress.quantizers.rtn import RTNConfig, RTNStage
 
 # method name -> (config class, stage class)
 QUANTIZE_METHODS = {
     "rtn": (RTNConfig, RTNStage),
+    "gptq": (GPTQConfig, GPTQStage),
+    "awq": (AWQConfig, AWQStage),
 }
 
-# The recipe's `quantize:` value. Becomes a discriminated union on `method` as methods are added.
-QuantizeConfig = RTNConfig
+# The recipe's `quantize:` value, chosen by its `method`.
+QuantizeConfig = Annotated[Union[RTNConfig, GPTQConfig, AWQConfig], Field(discriminator="method")]

@@ -41,7 +41,7 @@ def install_record(model: nn.Module, name: str, module: nn.Linear, record: Quant
     original = module.weight.detach()
     deq = record.dequantize(original.dtype).to(original.device)
     module.weight = nn.Parameter(deq, requires_grad=False)
-    ctx.quantized[name] = record
+    ctx.quantized[name] = record.cpu()  # records wait on the CPU; only the block being worked on sits on the accelerator
     ctx.quantized_by[name] = label
     info = {
         "shape": list(record.shape),

@@ -118,6 +118,9 @@ class QuantizedWeight:
         if s.symmetric and bool((self.zero_point != s.symmetric_zero).any()):
             raise ValueError(f"symmetric scheme requires every zero point to be {s.symmetric_zero}")
 
+    def cpu(self) -> QuantizedWeight:
+        return QuantizedWeight(self.codes.cpu(), self.scale.cpu(), self.zero_point.cpu(), self.scheme)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Return the float weight ``(codes - zero_point) * scale`` with shape [out, in]."""
         out_f, in_f = self.shape

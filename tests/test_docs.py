@@ -46,8 +46,9 @@ def _field_names(model: type) -> set[str]:
 
 
 def test_recipe_reference_documents_every_field() -> None:
-    block = README.split("## Recipe reference", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
-    keys = set(re.findall(r"^\s*-?\s*([a-z_0-9]+):", block, flags=re.M))
+    section = README.split("## Recipe reference", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    keys = {k for block in blocks for k in re.findall(r"^\s*-?\s*([a-z_0-9]+):", block, flags=re.M)}
     missing = _field_names(Recipe) - keys
     assert not missing, f"README recipe reference lacks: {sorted(missing)}"
 
@@ -65,3 +66,13 @@ def test_readme_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
     (tmp_path / "r.yaml").write_text(block)
     recipe = load_recipe(tmp_path / "r.yaml").recipe
     assert [g.threshold_kind for g in recipe.gates] == ["max", "min", "max_increase_pct", "max_decrease_pct"]
+
+
+def test_readme_calibrated_method_examples_validate() -> None:
+    import yaml
+
+    from compress.recipe import StageSpec
+
+    section = README.split("## Recipe reference", 1)[1].split("\n## ", 1)[0]
+    stages = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, flags=re.S)[1])["stages"]
+    assert [StageSpec.model_validate(s).config.method for s in stages] == ["gptq", "awq"]

@@ -100,3 +100,32 @@ def test_w2_recipe_fails_its_gate_with_exit_1(tmp_path: Path) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["sha256"] == assets.SMOLLM2_GGUF_SHA256
     assert manifest["recipe"]["overrides"][0] == "stages.0.quantize.bits=2"
+
+
+def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_model(smollm2) -> None:
+    """Reduced calibration (16 x 256 tokens) to keep CI short; `compress bench quant` runs the full 128 x 512."""
+    from compress.quantizers.awq import AWQConfig, AWQStage
+    from compress.quantizers.gptq import GPTQConfig, GPTQStage
+
+    data = DataSpec(
+        calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256},
+        evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 256},
+    )
+    plan = DataPlan.load(data, ROOT, QUIET)
+    cal = plan.chunks("calibration", smollm2.tokenizer).tokens
+    ev = plan.chunks("evaluation", smollm2.tokenizer).tokens
+    stages = {
+        "rtn": RTNStage(RTNConfig(bits=3, group_size=128), "s"),
+        "gptq": GPTQStage(GPTQConfig(bits=3, group_size=128), "s"),
+        "awq": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=True, search_tokens=1024), "s"),
+    }
+    candidates = {}
+    for name, stage in stages.items():
+        model = copy.deepcopy(smollm2.model)
+        ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=smollm2.tokenizer, reporter=QUIET, calibration=lambda: cal)
+        record = stage.apply(model, ctx)
+        assert record.summary["layers_quantized"] == 210
+        candidates[name] = torch_forward(model, torch.device("cpu"))
+    kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(smollm2.model, torch.device("cpu")), candidates, ev, 32).items()}
+    assert kl["gptq"] < 0.85 * kl["rtn"], kl
+    assert kl["awq"] < 0.85 * kl["rtn"], kl

@@ -1,0 +1,163 @@
+"""`compress bench quant`: RTN vs GPTQ vs AWQ on one model, same calibration and evaluation data.
+
+Every candidate is quantized from the same baseline, timed, and its peak memory sampled; then a
+single evaluation pass scores all of them against the baseline (computed once) on evaluation
+text kept apart from the calibration text (see compress.data). Results go to a JSON file and a
+Markdown table.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.context import RunContext
+from compress.data import DataPlan
+from compress.eval.metrics import compare, torch_forward
+from compress.models import load_model
+from compress.progress import Reporter
+from compress.quantizers import QUANTIZE_METHODS
+from compress.recipe import DataSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class Setting:
+    bits: int
+    group_size: int | None
+    symmetric: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        """``W4g128s`` / ``W3g128a`` / ``W4pcs`` (per-channel)."""
+        t = text.strip().lower()
+        if not t.startswith("w") or t[-1] not in "sa":
+            raise ValueError(f"setting '{text}': expected like W4g128s (sym) or W3g64a (asym), W4pcs for per-channel")
+        body, sym = t[1:-1], t[-1] == "s"
+        bits, _, group = body.partition("g") if "g" in body else (body.removesuffix("pc"), "", "")
+        return cls(int(bits), int(group) if group else None, sym)
+
+    @property
+    def label(self) -> str:
+        return f"W{self.bits} {'per-channel' if self.group_size is None else f'g{self.group_size}'} {'sym' if self.symmetric else 'asym'}"
+
+
+class PeakRSS:
+    """Samples this process's resident memory every 20 ms. After the block: ``peak_mb``, and
+    ``extra_mb`` = peak minus the memory in use when the block started."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self.start_mb = self._proc.memory_info().rss / 2**20
+        self.peak_mb = self.start_mb
+
+    @property
+    def extra_mb(self) -> float:
+        return self.peak_mb - self.start_mb
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mb = max(self.peak_mb, self._proc.memory_info().rss / 2**20)
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, self._proc.memory_info().rss / 2**20)
+
+
+def run_quant_bench(
+    model_source: str,
+    data: DataSpec,
+    methods: list[str],
+    settings: list[Setting],
+    out_dir: Path,
+    threads: int,
+    reporter: Reporter,
+    method_options: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    device = torch.device("cpu")
+    base_dir = Path.cwd()
+    lm = load_model(ModelSpec(source=model_source), base_dir, reporter)
+    plan = DataPlan.load(data, base_dir, reporter)
+    evaluation = plan.chunks("evaluation", lm.tokenizer)
+    calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None
+    rows: list[dict[str, Any]] = []
+    candidates = {}
+    for setting in settings:
+        for method in methods:
+            config_cls, stage_cls = QUANTIZE_METHODS[method]
+            options = dict((method_options or {}).get(method, {}))
+            config = config_cls(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric, **options)
+            if getattr(config, "needs_calibration", False) and calibration is None:
+                raise ValueError(f"{method} needs calibration data")
+            name = f"{method} {setting.label}"
+            reporter.info(f"[bold]{name}[/]")
+            model = copy.deepcopy(lm.model)
+            ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter,
+                             calibration=lambda: calibration.tokens)  # type: ignore[union-attr]
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                record = stage_cls(config, "bench").apply(model, ctx)
+                seconds = time.perf_counter() - t0
+            candidates[name] = torch_forward(model, device)
+            rows.append({"name": name, "method": method, "setting": setting.label, "seconds": round(seconds, 2),
+                         "peak_extra_mb": round(mem.extra_mb), "bits_per_weight": record.summary["bits_per_weight"],
+                         "config": config.model_dump(mode="json")})
+    spec = data.evaluation
+    assert spec is not None
+    metrics = compare(torch_forward(lm.model, device), candidates, evaluation.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
+    for row in rows:
+        row["metrics"] = metrics[row["name"]]
+    result = {
+        "model": {"source": model_source, "sha256": lm.facts["sha256"]},
+        "baseline": metrics["baseline"],
+        "calibration": calibration.facts if calibration else None,
+        "evaluation": evaluation.facts,
+        "threads": threads,
+        "host": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown_table(result) + "\n")
+    return result
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    b = result["baseline"]
+    lines = [
+        f"Baseline perplexity {b['perplexity']:.3f}; {b['tokens_scored']:,} scored tokens; {result['threads']} threads.",
+        "",
+        "| method | setting | KL divergence | vs RTN | top-1 agreement | perplexity | time, s | peak extra memory, MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rtn = {r["setting"]: r["metrics"]["kl_divergence"] for r in result["rows"] if r["method"] == "rtn"}
+    for r in result["rows"]:
+        m = r["metrics"]
+        ref = rtn.get(r["setting"])
+        versus = "—" if r["method"] == "rtn" or ref is None else f"{(m['kl_divergence'] / ref - 1):+.1%}"
+        lines.append(
+            f"| {r['method']} | {r['setting']} | {m['kl_divergence']:.4f} | {versus} | {m['top1_agreement']:.2%} | "
+            f"{m['perplexity']:.2f} | {r['seconds']:.1f} | {r['peak_extra_mb']:,} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,257 @@
+"""compressed-tensors ``pack-quantized`` checkpoints (what vLLM and transformers load through the
+``compressed-tensors`` package): writer, reader and the exact layout.
+
+Layout of one quantized Linear ``<layer>`` (compressed-tensors 0.19,
+``compressors/pack_quantized``; our packing is checked bit for bit against its ``pack_to_int32``
+and our files are loaded by transformers in tests/test_formats.py):
+
+* ``<layer>.weight_packed`` int32 [out, ceil(in*bits/32)]: compressed-tensors quantizes to the
+  signed range [-2**(bits-1), 2**(bits-1)-1] and packs ``q + 2**(bits-1)``, which is exactly our
+  unsigned code; packed densely along the input dim (``packing.py``);
+* ``<layer>.weight_scale`` [out, n_groups] (per-channel: [out, 1]) in the records' scale dtype;
+* ``<layer>.weight_zero_point``, asymmetric schemes only: int32 [ceil(out*bits/32), n_groups], the
+  signed zero point offset back to unsigned (= our zero point), packed along the OUTPUT dim (0);
+  symmetric schemes store none (signed zero 0 = our fixed ``2**(bits-1)``);
+* ``<layer>.weight_shape`` int64 [2] = (out, in).
+
+Dequantization is ``(q - zq) * scale`` with signed q and zq, equal to our ``(code - zero) * scale``.
+
+Limits: compressed-tensors' group dequantization requires ``in_features % group_size == 0`` (it
+has no partial last group); bits are 2, 4 or 8, the widths whose layout every release agrees on
+(releases before the dense packer padded each word, so a 3-, 5-, 6- or 7-bit file would read
+differently depending on the reader's version; vLLM's int kernels take 4 and 8).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.errors import FormatError
+from compress.export.hf_checkpoint import (
+    QUANT_METHOD,
+    ImportedRecords,
+    build_record,
+    layers_with,
+    scale_dtype_name,
+    write_checkpoint,
+)
+from compress.export.packing import pack_int32, unpack_int32
+from compress.quantizers.core import QuantizedWeight, QuantScheme
+
+METHOD = "compressed-tensors"
+PACK_FORMAT = "pack-quantized"
+STATUS_COMPRESSED = "compressed"
+SUPPORTED_BITS = (2, 4, 8)
+LINEAR_TARGET = "Linear"
+REGEX_PREFIX = "re:"
+
+
+class Key:
+    """Per-layer tensor suffixes and config keys."""
+
+    PACKED = "weight_packed"
+    SCALE = "weight_scale"
+    ZERO = "weight_zero_point"
+    SHAPE = "weight_shape"
+    G_IDX = "weight_g_idx"
+    FORMAT = "format"
+    STATUS = "quantization_status"
+    GROUPS = "config_groups"
+    IGNORE = "ignore"
+    TARGETS = "targets"
+    WEIGHTS = "weights"
+
+
+class Strategy:
+    GROUP = "group"
+    CHANNEL = "channel"
+    TENSOR = "tensor"
+
+
+# --------------------------------------------------------------------------- pure conversion
+
+
+def pack_record(record: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The record as compressed-tensors tensors, keyed by suffix (``weight_packed``, ...)."""
+    s = record.scheme
+    out = {
+        Key.PACKED: pack_int32(record.codes, s.bits, dim=1),
+        Key.SCALE: record.scale.clone(),
+        Key.SHAPE: torch.tensor(record.shape, dtype=torch.int64),
+    }
+    if not s.symmetric:
+        out[Key.ZERO] = pack_int32(record.zero_point, s.bits, dim=0)
+    return out
+
+
+def unpack_record(tensors: dict[str, torch.Tensor], weights: dict[str, Any], where: str) -> QuantizedWeight:
+    """A record from one layer's tensors (by suffix) and its config group's ``weights`` args."""
+    bits, symmetric, strategy = int(weights["num_bits"]), bool(weights.get("symmetric", True)), weights.get("strategy")
+    group = weights.get("group_size")
+    out_f, in_f = (int(v) for v in tensors[Key.SHAPE].tolist())
+    codes = unpack_int32(tensors[Key.PACKED], bits, in_f, dim=1)
+    scale = tensors[Key.SCALE]
+    if strategy == Strategy.GROUP:
+        if not group or in_f % int(group):
+            raise FormatError(f"{where}: {in_f} input features are not a whole number of groups of {group}")
+        group_size: int | None = int(group)
+    elif strategy in (Strategy.CHANNEL, Strategy.TENSOR):
+        group_size = None
+        scale = scale.reshape(-1, 1).expand(out_f, 1)  # a per-tensor scale is the same scale on every row
+    else:
+        raise FormatError(f"{where}: strategy '{strategy}' is not supported (group, channel and tensor are)")
+    n_groups = math.ceil(in_f / (group_size or in_f))
+    if tuple(scale.shape) != (out_f, n_groups):
+        raise FormatError(f"{where}: {Key.SCALE} has shape {tuple(scale.shape)}, expected {(out_f, n_groups)}")
+    offset = 2 ** (bits - 1)
+    if symmetric:
+        zero = torch.full((out_f, n_groups), offset, dtype=torch.int32)
+    elif Key.ZERO not in tensors:
+        raise FormatError(f"{where}: asymmetric scheme but no {Key.ZERO}")
+    elif tensors[Key.ZERO].dtype == torch.int32:
+        zero = unpack_int32(tensors[Key.ZERO], bits, out_f, dim=0).reshape(-1, n_groups).expand(out_f, n_groups)
+    else:  # releases before zero-point packing stored signed int8 [out, n_groups] (or [1] per tensor)
+        zero = (tensors[Key.ZERO].to(torch.int32) + offset).reshape(-1, n_groups).expand(out_f, n_groups)
+    if Key.G_IDX in tensors:
+        expected = torch.arange(in_f) // (group_size or in_f)
+        if not torch.equal(tensors[Key.G_IDX].to(torch.int64).flatten(), expected):
+            raise FormatError(
+                f"{where}: {Key.G_IDX} assigns input columns to groups out of order (activation ordering); records keep "
+                "groups of consecutive columns, and permuting the columns would change the model. Re-quantize without "
+                "actorder=group, or load this checkpoint with transformers as a float model."
+            )
+    scheme = QuantScheme(bits=bits, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype_name(scale, where))
+    return build_record(codes, scale, zero, scheme, where)
+
+
+def weight_args(scheme: QuantScheme) -> dict[str, Any]:
+    """compressed-tensors ``QuantizationArgs`` for a weight scheme."""
+    return {
+        "num_bits": scheme.bits,
+        "type": "int",
+        "symmetric": scheme.symmetric,
+        "strategy": Strategy.CHANNEL if scheme.group_size is None else Strategy.GROUP,
+        "group_size": scheme.group_size,
+        "dynamic": False,
+        "actorder": None,
+    }
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def check(model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
+    """Raise FormatError naming the layers that pack-quantized cannot hold exactly."""
+    bad_bits = sorted(n for n, r in records.items() if r.scheme.bits not in SUPPORTED_BITS)
+    if bad_bits:
+        bits = records[bad_bits[0]].scheme.bits
+        raise FormatError(
+            f"compressed-tensors export: {len(bad_bits)} layer(s) use {bits}-bit codes ({', '.join(bad_bits[:3])}); "
+            f"pack-quantized is written for {', '.join(map(str, SUPPORTED_BITS))} bits. Quantize with bits 2, 4 or 8, "
+            "or export gptq (2, 3, 4, 8 bits)."
+        )
+    partial = sorted(n for n, r in records.items() if r.scheme.group_size is not None and r.shape[1] % r.scheme.group_size)
+    if partial:
+        first = records[partial[0]]
+        g = first.scheme.group_size
+        fit = math.gcd(g, *(records[n].shape[1] for n in partial))
+        raise FormatError(
+            f"compressed-tensors export: layer {partial[0]} has {first.shape[1]} input features, not a multiple of "
+            f"group_size {g} ({len(partial)} layer(s) like this: {', '.join(partial[:3])}); compressed-tensors has no "
+            f"partial last group. Use a group_size that divides every quantized layer's width (e.g. {fit}), "
+            "group_size: null (per-channel), ignore those layers, or export gptq, which stores partial groups."
+        )
+
+
+def quantization_config(model: nn.Module, records: dict[str, QuantizedWeight]) -> dict[str, Any]:
+    """config.json ``quantization_config``: one config group per scheme; float Linears in ``ignore``."""
+    by_scheme: dict[str, tuple[QuantScheme, list[str]]] = {}
+    for name, rec in records.items():
+        key = repr(sorted(weight_args(rec.scheme).items()))
+        by_scheme.setdefault(key, (rec.scheme, []))[1].append(name)
+    single = len(by_scheme) == 1
+    groups = {
+        f"group_{i}": {
+            Key.TARGETS: [LINEAR_TARGET] if single else sorted(names),
+            Key.WEIGHTS: weight_args(scheme),
+            "input_activations": None,
+            "output_activations": None,
+            Key.FORMAT: PACK_FORMAT,
+        }
+        for i, (scheme, names) in enumerate(by_scheme.values())
+    }
+    floats = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in records]
+    return {
+        QUANT_METHOD: METHOD,
+        Key.FORMAT: PACK_FORMAT,
+        Key.STATUS: STATUS_COMPRESSED,
+        Key.GROUPS: groups,
+        Key.IGNORE: floats,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+
+def write(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight]) -> None:
+    """Write a pack-quantized HF directory that transformers (with compressed-tensors) and vLLM load."""
+    check(model, records)
+    tensors = {f"{name}.{suffix}": t for name, rec in records.items() for suffix, t in pack_record(rec).items()}
+    write_checkpoint(directory, model, tokenizer, records, tensors, quantization_config(model, records))
+
+
+# --------------------------------------------------------------------------- reader
+
+
+def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> ImportedRecords:
+    """Records of every ``<layer>.weight_packed`` in a pack-quantized checkpoint."""
+    status = qcfg.get(Key.STATUS)
+    if status != STATUS_COMPRESSED:
+        raise FormatError(f"{where}: quantization_status is '{status}'; only '{STATUS_COMPRESSED}' checkpoints hold packed weights")
+    groups = qcfg.get(Key.GROUPS) or {}
+    for gname, group in groups.items():
+        fmt = group.get(Key.FORMAT) or qcfg.get(Key.FORMAT)
+        if fmt != PACK_FORMAT:
+            raise FormatError(f"{where}: config group {gname} has format '{fmt}'; compress reads '{PACK_FORMAT}' only")
+        weights = group.get(Key.WEIGHTS) or {}
+        if weights.get("type", "int") != "int" or int(weights.get("num_bits", 0)) not in SUPPORTED_BITS:
+            raise FormatError(f"{where}: config group {gname} stores {weights.get('type')} {weights.get('num_bits')}-bit weights; "
+                              f"compress reads int weights of {', '.join(map(str, SUPPORTED_BITS))} bits")
+        if group.get("input_activations") or group.get("output_activations"):
+            raise FormatError(f"{where}: config group {gname} also quantizes activations, which weight records cannot carry")
+    found = ImportedRecords(records={})
+    for name in layers_with(tensors, Key.PACKED):
+        label = f"{where}: layer {name}"
+        weights = groups[_group_of(name, groups, label)][Key.WEIGHTS]
+        layer = {s: tensors[f"{name}.{s}"] for s in (Key.PACKED, Key.SCALE, Key.ZERO, Key.SHAPE, Key.G_IDX) if f"{name}.{s}" in tensors}
+        if Key.SHAPE not in layer or Key.SCALE not in layer:
+            raise FormatError(f"{label}: {Key.PACKED} without {Key.SHAPE} and {Key.SCALE}")
+        found.records[name] = unpack_record(layer, weights, label)
+        found.consumed.update(f"{name}.{s}" for s in layer)
+    found.facts = {"format": METHOD, "pack_format": PACK_FORMAT, "config_groups": sorted(groups)}
+    return found
+
+
+def _group_of(name: str, groups: dict[str, Any], where: str) -> str:
+    """The config group whose targets match layer ``name``: exact name, then ``re:``, then class ``Linear``."""
+    ranked = []
+    for gname, group in groups.items():
+        for target in group.get(Key.TARGETS, []):
+            if target == name:
+                ranked.append((0, gname))
+            elif target.startswith(REGEX_PREFIX) and re.match(target[len(REGEX_PREFIX):], name):
+                ranked.append((1, gname))
+            elif target == LINEAR_TARGET:  # layers with weight_packed are Linear layers
+                ranked.append((2, gname))
+    if not ranked:
+        raise FormatError(f"{where}: has packed weights but no config group targets it")
+    best = min(r for r, _ in ranked)
+    chosen = sorted({g for r, g in ranked if r == best})
+    if len(chosen) > 1:
+        raise FormatError(f"{where}: config groups {', '.join(chosen)} all target it; which scheme applies is ambiguous")
+    return chosen[0]

@@ -1,0 +1,124 @@
+"""What the checkpoint formats share: a Hugging Face model directory whose config.json carries
+a ``quantization_config`` and whose safetensors hold float tensors plus per-layer packed tensors.
+
+Writers give the format's per-layer tensors and config; readers give back ``QuantizedWeight``
+records plus the names of the tensors they consumed, and the float model is assembled here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.artifact import assemble_model, float_tensors, write_config_and_tokenizer
+from compress.errors import FormatError
+from compress.quantizers.core import QuantizedWeight, QuantScheme
+
+CONFIG_FILE = "config.json"
+QUANTIZATION_CONFIG = "quantization_config"
+QUANT_METHOD = "quant_method"
+WEIGHTS_FILE = "model.safetensors"
+SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
+SCALE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class ImportedRecords:
+    """What a format's reader found: records by layer name, the tensors it consumed, and facts."""
+
+    records: dict[str, QuantizedWeight]
+    consumed: set[str] = field(default_factory=set)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def write_checkpoint(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+                     layer_tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any]) -> None:
+    """A loadable HF directory: config (with ``quantization_config``), tokenizer, one safetensors file."""
+    from safetensors.torch import save_file
+
+    write_config_and_tokenizer(directory, model, tokenizer, quantization_config)
+    tensors = float_tensors(model, records)
+    clash = sorted(set(tensors) & set(layer_tensors))
+    if clash:
+        raise FormatError(f"{directory}: packed tensors would overwrite model tensors: {clash[:3]}")
+    tensors.update({k: v.contiguous().cpu() for k, v in layer_tensors.items()})
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata=SAFETENSORS_METADATA)
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"cannot read {path}: {exc}") from exc
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``directory`` (sharded checkpoints too)."""
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FormatError(f"{directory} has no *.safetensors files; quantized checkpoints are read from safetensors only")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def layers_with(tensors: dict[str, torch.Tensor], suffix: str) -> list[str]:
+    """Layer names that have a tensor ``<layer>.<suffix>``."""
+    tail = "." + suffix
+    return sorted(k[: -len(tail)] for k in tensors if k.endswith(tail))
+
+
+def scale_dtype_name(scale: torch.Tensor, where: str) -> str:
+    if scale.dtype not in SCALE_DTYPES:
+        raise FormatError(f"{where}: scales are {scale.dtype}; records hold float16, bfloat16 or float32 scales")
+    return SCALE_DTYPES[scale.dtype]
+
+
+def build_record(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme, where: str) -> QuantizedWeight:
+    """A record from decoded tensors; a convention violation becomes a FormatError naming the layer."""
+    try:
+        return QuantizedWeight(codes=codes.to(torch.uint8).contiguous(), scale=scale.contiguous(),
+                               zero_point=zero.to(torch.uint8).contiguous(), scheme=scheme)
+    except ValueError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+
+
+def import_float_model(directory: Path, tensors: dict[str, torch.Tensor], found: ImportedRecords, dtype: torch.dtype,
+                       trust_remote_code: bool = False) -> nn.Module:
+    """The float model of a quantized checkpoint: non-quantized tensors as stored, quantized
+    layers dequantized from their records (never re-quantized)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
+    if hasattr(config, QUANTIZATION_CONFIG):  # the float model is not a quantized one for transformers
+        del config.quantization_config
+    floats = {k: v for k, v in tensors.items() if k not in found.consumed}
+    return assemble_model(config, floats, found.records, dtype, str(directory), trust_remote_code)
+
+
+def records_identical(expected: dict[str, QuantizedWeight], actual: dict[str, QuantizedWeight]) -> list[str]:
+    """Differences between two record sets (empty when codes, scales, zero points and schemes match exactly)."""
+    problems = []
+    if set(expected) != set(actual):
+        missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+        problems.append(f"layers differ: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name in sorted(set(expected) & set(actual)):
+        a, b = expected[name], actual[name]
+        if a.scheme != b.scheme:
+            problems.append(f"{name}: scheme {a.scheme.describe()} ({a.scheme.scale_dtype}) became {b.scheme.describe()} ({b.scheme.scale_dtype})")
+        elif not torch.equal(a.codes.cpu(), b.codes.cpu()):
+            problems.append(f"{name}: codes differ")
+        elif not torch.equal(a.scale.cpu(), b.scale.cpu()):
+            problems.append(f"{name}: scales differ")
+        elif not torch.equal(a.zero_point.cpu(), b.zero_point.cpu()):
+            problems.append(f"{name}: zero points differ")
+    return problems

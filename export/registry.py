@@ -1,0 +1,179 @@
+"""The checkpoint formats, in one explicit registry: who writes, who reads, and the glue the
+pipeline and the model loader call (write + verify exports, detect + import checkpoints).
+
+Exactness is the contract: a writer packs the in-memory ``QuantizedWeight`` records without
+re-quantizing, and every export is verified by reading it back with our reader and requiring
+identical codes, scales, zero points and schemes. Importers dequantize a checkpoint's records
+into a float model and hand the records on, so the pipeline treats those layers as quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.artifact import checksums
+from compress.errors import FormatError
+from compress.eval.gates import Evaluation
+from compress.export import autoawq, autogptq, compressed_tensors
+from compress.export.hf_checkpoint import (
+    CONFIG_FILE,
+    QUANT_METHOD,
+    QUANTIZATION_CONFIG,
+    ImportedRecords,
+    import_float_model,
+    read_config,
+    read_tensors,
+    records_identical,
+)
+from compress.export.specs import EXPORTS_DIR
+from compress.progress import Reporter
+from compress.quantizers.core import QuantizedWeight
+
+Writer = Callable[[Path, nn.Module, Any, dict[str, QuantizedWeight]], None]
+Checker = Callable[[nn.Module, dict[str, QuantizedWeight]], None]
+Reader = Callable[[dict[str, Any], dict[str, torch.Tensor], str], ImportedRecords]
+EXACTNESS_CHECK = "records identical after reload (codes, scales, zero points, schemes)"
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    name: str
+    quant_method: str  # config.json quantization_config.quant_method
+    read: Reader
+    write: Writer | None = None  # None: import only
+    check: Checker | None = None  # raises FormatError before any heavy work when records cannot be written exactly
+
+
+FORMATS: dict[str, CheckpointFormat] = {
+    "compressed-tensors": CheckpointFormat("compressed-tensors", compressed_tensors.METHOD, compressed_tensors.read,
+                                           compressed_tensors.write, compressed_tensors.check),
+    "gptq": CheckpointFormat("gptq", autogptq.METHOD, autogptq.read, autogptq.write, autogptq.check),
+    "awq": CheckpointFormat("awq", autoawq.METHOD, autoawq.read),
+}
+BY_QUANT_METHOD = {f.quant_method: f for f in FORMATS.values()}
+
+
+# --------------------------------------------------------------------------- import
+
+
+@dataclass
+class ImportedCheckpoint:
+    model: nn.Module
+    records: dict[str, QuantizedWeight]
+    facts: dict[str, Any]
+
+
+def quantization_config_of(directory: Path) -> dict[str, Any] | None:
+    """config.json's ``quantization_config``, else AutoGPTQ's ``quantize_config.json``, else None."""
+    qcfg = read_config(directory).get(QUANTIZATION_CONFIG)
+    if qcfg is None and (directory / autogptq.QUANTIZE_CONFIG_FILE).is_file():
+        qcfg = {QUANT_METHOD: autogptq.METHOD, **json.loads((directory / autogptq.QUANTIZE_CONFIG_FILE).read_text())}
+    return qcfg
+
+
+def detect_format(directory: Path) -> CheckpointFormat | None:
+    """The format of a quantized HF directory that our importers read, else None. Other
+    ``quant_method`` values stay with transformers (e.g. ``gguf`` in our converted GGUF cache,
+    which transformers loads as float)."""
+    qcfg = quantization_config_of(directory) or {}
+    return BY_QUANT_METHOD.get(qcfg.get(QUANT_METHOD))
+
+
+def read_records(directory: Path, fmt: CheckpointFormat | None = None) -> ImportedRecords:
+    """The records of a quantized checkpoint directory (no model is built)."""
+    return _read(directory, fmt, read_tensors(directory))
+
+
+def _read(directory: Path, fmt: CheckpointFormat | None, tensors: dict[str, torch.Tensor]) -> ImportedRecords:
+    fmt = fmt or detect_format(directory)
+    if fmt is None:
+        raise FormatError(f"{directory / CONFIG_FILE} has no quantization_config: not a quantized checkpoint")
+    found = fmt.read(quantization_config_of(directory) or {}, tensors, str(directory))
+    if not found.records:
+        raise FormatError(f"{directory}: a {fmt.name} checkpoint without quantized layers")
+    return found
+
+
+def import_checkpoint(directory: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> ImportedCheckpoint:
+    """Records plus the float model with their dequantized weights (never re-quantized)."""
+    fmt = detect_format(directory)
+    if fmt is None:
+        raise FormatError(f"{directory / CONFIG_FILE} has no quantization_config: not a quantized checkpoint")
+    tensors = read_tensors(directory)
+    found = _read(directory, fmt, tensors)
+    model = import_float_model(directory, tensors, found, dtype, trust_remote_code)
+    schemes = Counter(r.scheme.describe() + f" ({r.scheme.scale_dtype} scales)" for r in found.records.values())
+    facts = {**found.facts, "layers": len(found.records), "schemes": dict(schemes),
+             "quantization_config": quantization_config_of(directory)}
+    return ImportedCheckpoint(model, found.records, facts)
+
+
+# --------------------------------------------------------------------------- export (pipeline)
+
+
+def check_exports(specs: list[Any], model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
+    """Fail fast, before evaluation, when an export cannot hold the records exactly."""
+    for i, spec in enumerate(specs):
+        if not records:
+            raise FormatError(f"exports[{i}] ({spec.name}): a {spec.format} checkpoint packs quantized layers, and no layer is "
+                              "quantized; add a quantize stage, or load a quantized checkpoint as model.source")
+        fmt = FORMATS[spec.format]
+        if fmt.check is not None:
+            try:
+                fmt.check(model, records)
+            except FormatError as exc:
+                raise FormatError(f"exports[{i}] ({spec.name}): {exc}") from None
+
+
+def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+                  reporter: Reporter) -> list[dict[str, Any]]:
+    """Write each export to ``root/<name>/``, verify it by reloading, and return manifest entries."""
+    entries = []
+    for i, spec in enumerate(specs):
+        fmt, directory = FORMATS[spec.format], root / spec.name
+        assert fmt.write is not None, f"{fmt.name} has no writer"  # the recipe schema admits writable formats only
+        with reporter.status(f"exports[{i}] writing {spec.format} to {EXPORTS_DIR}/{spec.name} and verifying it"):
+            fmt.write(directory, model, tokenizer, records)
+            problems = records_identical(records, read_records(directory, fmt).records)
+        if problems:  # a packing bug: the whole artifact is abandoned rather than shipping a wrong checkpoint
+            raise FormatError(f"exports[{i}] ({spec.name}): reloading the {spec.format} checkpoint does not give the "
+                              f"records back: {'; '.join(problems[:5])}")
+        entries.append({
+            "name": spec.name,
+            "format": spec.format,
+            "path": f"{EXPORTS_DIR}/{spec.name}",
+            "layers": len(records),
+            "verified": True,
+            "check": EXACTNESS_CHECK,
+            "quantization_config": read_config(directory)[QUANTIZATION_CONFIG],
+            "files": checksums(directory),
+        })
+    return entries
+
+
+def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation]) -> list[dict[str, Any]]:
+    """The verification entries for report.json; ``evaluated_as`` names the evaluation that
+    covers the export (``compressed``, the same records), None when the run evaluated nothing."""
+    covered = "compressed" if any(e.artifact == "compressed" for e in evaluations) else None
+    keys = ("name", "format", "path", "verified", "check")
+    return [{**{k: e[k] for k in keys}, "evaluated_as": covered} for e in entries]
+
+
+def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> dict[str, Evaluation]:
+    """Evaluations by artifact name for the gates. An export holds exactly the records of the
+    in-memory compressed model (its verifier proves it, or the run fails), so a gate on an export
+    reads the ``compressed`` evaluation; runtime-specific measurements arrive with runtime exporters."""
+    by_name = {e.artifact: e for e in evaluations}
+    if "compressed" in by_name:
+        for spec in specs:
+            by_name[spec.name] = dataclasses.replace(by_name["compressed"], artifact=spec.name)
+    return by_name

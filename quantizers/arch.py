@@ -1,0 +1,76 @@
+"""Per-architecture facts the calibrated quantizers need: where the decoder blocks are, and
+which operations AWQ may rescale. One explicit table; an unsupported architecture is an error
+that says how to add an entry.
+
+An AWQ mapping ``prev -> linears`` says: the output of ``prev`` (a norm, or a Linear) is the
+input of every Linear in ``linears`` and of nothing else, with no nonlinearity in between, so
+scaling ``prev``'s output channels by ``1/s`` and the linears' input columns by ``s`` leaves the
+float model unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from compress.errors import CompressError
+
+
+@dataclass(frozen=True)
+class AWQMapping:
+    prev: str  # module name relative to the block
+    linears: tuple[str, ...]  # module names relative to the block
+    parent: str  # the module whose output the scale search compares (attention, MLP, or the Linear)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    blocks: str  # dotted path of the ModuleList of decoder blocks
+    awq: tuple[AWQMapping, ...]
+    norm_offset: float = 0.0
+    """RMSNorm computes ``x_hat * (norm_offset + weight)`` (Gemma uses 1 + weight)."""
+
+
+_ATTN = AWQMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn")
+_V_O = AWQMapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj")
+_UP_DOWN = AWQMapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+LLAMA_LIKE = (_ATTN, _V_O, AWQMapping("post_attention_layernorm", _GATE_UP, "mlp"), _UP_DOWN)
+# Gemma 2/3 norm the attention output before the residual (post_attention_layernorm) and feed
+# the MLP from pre_feedforward_layernorm.
+GEMMA_LIKE = (_ATTN, _V_O, AWQMapping("pre_feedforward_layernorm", _GATE_UP, "mlp"), _UP_DOWN)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama", "model.layers", LLAMA_LIKE),
+    "mistral": Architecture("mistral", "model.layers", LLAMA_LIKE),
+    "qwen2": Architecture("qwen2", "model.layers", LLAMA_LIKE),
+    "qwen3": Architecture("qwen3", "model.layers", LLAMA_LIKE),
+    "gemma2": Architecture("gemma2", "model.layers", GEMMA_LIKE, norm_offset=1.0),
+    "gemma3_text": Architecture("gemma3_text", "model.layers", GEMMA_LIKE, norm_offset=1.0),
+}
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    model_type = getattr(model.config, "model_type", None)
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None:
+        raise CompressError(
+            f"calibrated quantization does not know the architecture '{model_type}' ({type(model).__name__}). "
+            f"Supported: {', '.join(ARCHITECTURES)}. To add it, put an entry in ARCHITECTURES in "
+            "quantizers/arch.py: the dotted path of its decoder-block ModuleList and its AWQ mappings "
+            "(norm -> the Linears it feeds), following the llama entry; then add a tiny-model test in "
+            "tests/test_calibrated.py. Until then, use method: rtn."
+        )
+    return arch
+
+
+def decoder_blocks(model: nn.Module, arch: Architecture) -> nn.ModuleList:
+    module: nn.Module = model
+    for part in arch.blocks.split("."):
+        module = getattr(module, part)
+    if not isinstance(module, nn.ModuleList):
+        raise CompressError(f"{arch.blocks} of {type(model).__name__} is not a ModuleList; fix its entry in quantizers/arch.py")
+    return module

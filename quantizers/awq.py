@@ -1,0 +1,295 @@
+"""AWQ: activation-aware weight quantization (Lin et al., 2023).
+
+Per decoder block, for each mapping ``prev -> linears`` of the architecture table:
+
+1. search per-input-channel scales ``s = x_mean^α / w_mean^(1-α)`` (α on a grid; without
+   duo scaling ``s = x_mean^α``; no scaling is a candidate too), keeping the one whose
+   fake-quantized ``(W·s)/s`` reproduces the linears' outputs best on calibration tokens;
+2. fold them in: ``prev``'s output channels are divided by ``s`` (a norm's weight, or a
+   Linear's rows) and the linears' input columns multiplied by ``s`` — the float model computes
+   the same function (tested);
+3. search a clipping range per group (shrinking the group's max |w|) that minimizes each
+   group's partial output error (not for q/k projections, whose errors the softmax amplifies);
+4. round to nearest into QuantizedWeight records (asymmetric by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from compress.context import RunContext, StageRecord
+from compress.quantizers.apply import install_record
+from compress.quantizers.arch import Architecture, AWQMapping
+from compress.quantizers.core import QuantScheme, WeightQuantConfig, compute_qparams, group_rows, quantize_codes
+from compress.quantizers.rtn import rtn_quantize
+from compress.quantizers.sequential import BlockJob, run_layerwise
+
+NO_CLIP = ("q_proj", "k_proj")
+
+
+class AWQConfig(WeightQuantConfig):
+    """`quantize: {method: awq, bits, group_size, symmetric (default false), grid, duo_scaling, clip, ...}`."""
+
+    method: Literal["awq"] = "awq"
+    symmetric: bool = Field(False, description="AWQ defaults to asymmetric (integer zero point per group).")
+    grid: int = Field(20, ge=2, description="Points of the scale-exponent grid in [0, 1).")
+    duo_scaling: bool = Field(True, description="s = x_mean^α / w_mean^(1-α) (true) or x_mean^α (false).")
+    clip: bool = Field(True, description="Search a clipping range per group after scaling.")
+    clip_grid: int = Field(20, ge=2, description="Clipping steps: max |w| · (1 - i/clip_grid).")
+    max_shrink: float = Field(0.5, gt=0, lt=1, description="Largest share of max |w| the clipping search removes.")
+    search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
+    clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
+    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+# --------------------------------------------------------------------------- pure math
+
+
+def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round-to-nearest quantize-dequantize of ``weight`` [out, in] in float32."""
+    groups = group_rows(weight, scheme)
+    scale, zero = compute_qparams(groups, scheme)
+    deq = (quantize_codes(groups, scale, zero, scheme) - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
+    return deq.reshape(weight.shape[0], -1)[:, : weight.shape[1]]
+
+
+def weight_saliency(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Mean over output rows of |w| normalized by its group's max |w|, per input channel."""
+    groups = group_rows(weight, scheme).abs()
+    normed = groups / groups.amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    return normed.reshape(weight.shape[0], -1)[:, : weight.shape[1]].mean(dim=0)
+
+
+def search_scales(
+    x_mean: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, duo: bool, loss_of: Callable[[torch.Tensor], float]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Best per-input-channel scale for ``weight`` [out, in] (the mapping's linears stacked).
+
+    ``loss_of(s)`` measures the output error when the linears use ``quantize(W·s)/s``; the
+    candidates are no scaling and ``grid`` exponents α in [0, 1).
+    """
+    w_mean = weight_saliency(weight.to(torch.float32), scheme).clamp(min=1e-6)
+    x_mean = x_mean.to(torch.float32).clamp(min=1e-6)
+    best_s = torch.ones_like(x_mean)
+    best_loss = base_loss = loss_of(best_s)
+    best_alpha = None
+    for r in range(grid):
+        alpha = r / grid
+        s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if duo else x_mean.pow(alpha)
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        loss = loss_of(s)
+        if loss < best_loss:
+            best_loss, best_s, best_alpha = loss, s, alpha
+    return best_s, {"alpha": -1.0 if best_alpha is None else best_alpha, "loss": best_loss, "loss_unscaled": base_loss}
+
+
+def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, rows_per_step: int = 64) -> torch.Tensor:
+    """Per-group clipping bound [out, n_groups] minimizing each group's partial output error."""
+    x = x.to(torch.float32)
+    w_groups = group_rows(weight, scheme)  # [out, G, g]
+    out_f, n_groups, g = w_groups.shape
+    pad = n_groups * g - x.shape[1]
+    xg = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], n_groups, g)  # [t, G, g]
+    best = torch.empty(out_f, n_groups, dtype=torch.float32, device=weight.device)
+    for r0 in range(0, out_f, rows_per_step):
+        wg = w_groups[r0 : r0 + rows_per_step]
+        reference = torch.einsum("ogk,tgk->ogt", wg, xg)
+        org_max = wg.abs().amax(dim=-1)
+        best_err = torch.full_like(org_max, float("inf"))
+        best_max = org_max.clone()
+        for i in range(int(max_shrink * grid)):
+            max_val = org_max * (1 - i / grid)
+            clipped = torch.maximum(torch.minimum(wg, max_val.unsqueeze(-1)), -max_val.unsqueeze(-1))
+            scale, zero = compute_qparams(clipped, scheme)
+            q = (quantize_codes(clipped, scale, zero, scheme) - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
+            err = (torch.einsum("ogk,tgk->ogt", q, xg) - reference).pow(2).mean(dim=-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, max_val, best_max)
+        best[r0 : r0 + rows_per_step] = best_max
+    return best
+
+
+def apply_clip(weight: torch.Tensor, bound: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``weight`` clamped to ``[-bound, bound]`` per group."""
+    g = scheme.group_width(weight.shape[1])
+    b = bound.repeat_interleave(g, dim=1)[:, : weight.shape[1]]
+    return torch.maximum(torch.minimum(weight, b), -b)
+
+
+def fold_scales(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, norm_offset: float) -> None:
+    """Divide ``prev``'s output channels by ``s`` and multiply the linears' input columns by ``s``."""
+    with torch.no_grad():
+        if isinstance(prev, nn.Linear):
+            prev.weight.div_(s.to(prev.weight.dtype).unsqueeze(1))
+            if prev.bias is not None:
+                prev.bias.div_(s.to(prev.bias.dtype))
+        elif getattr(prev, "weight", None) is not None and prev.weight.dim() == 1:  # RMSNorm / LayerNorm
+            w = prev.weight
+            w.copy_(((norm_offset + w.to(torch.float32)) / s - norm_offset).to(w.dtype))
+            if getattr(prev, "bias", None) is not None:
+                prev.bias.div_(s.to(prev.bias.dtype))
+        else:
+            raise TypeError(f"cannot fold AWQ scales into {type(prev).__name__}")
+        for lin in linears:
+            lin.weight.mul_(s.to(lin.weight.dtype).unsqueeze(0))
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+class _InputSampler:
+    """Forward hook on a Linear: per-channel mean |x| over all tokens, plus a fixed random sample of tokens."""
+
+    def __init__(self, keep: list[torch.Tensor]) -> None:
+        self.keep = keep  # per batch: flat token indices to keep
+        self.batch = 0
+        self.abs_sum: torch.Tensor | None = None
+        self.count = 0
+        self.samples: list[torch.Tensor] = []
+
+    def __call__(self, _module: nn.Module, args: tuple, _output: torch.Tensor) -> None:
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+        total = x.abs().sum(dim=0)
+        self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
+        self.count += x.shape[0]
+        self.samples.append(x[self.keep[self.batch].to(x.device)])
+        self.batch += 1
+
+    @property
+    def mean(self) -> torch.Tensor:
+        assert self.abs_sum is not None
+        return self.abs_sum / self.count
+
+    @property
+    def x(self) -> torch.Tensor:
+        return torch.cat(self.samples)
+
+
+class _ParentRecorder:
+    """Forward hook (with kwargs) on a mapping's parent module: its inputs and output for whole
+    sequences, until ``tokens`` tokens are recorded."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.seen = 0
+        self.calls: list[tuple[tuple, dict[str, Any], torch.Tensor]] = []
+
+    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if self.seen >= self.tokens:
+            return
+        out = output[0] if isinstance(output, tuple) else output
+        self.calls.append((tuple(a.detach() if torch.is_tensor(a) else a for a in args), dict(kwargs), out.detach()))
+        self.seen += out.shape[0] * out.shape[1] if out.dim() == 3 else out.shape[0]
+
+    def loss(self, parent: nn.Module) -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for args, kwargs, reference in self.calls:
+                out = parent(*args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                total += float((out.float() - reference.float()).pow(2).sum())
+                count += reference.numel()
+        return total / count
+
+
+def _sample_plan(job: BlockJob, n: int, seed: int) -> list[torch.Tensor]:
+    sizes = [h.shape[0] * h.shape[1] for h in job.inputs.hidden]
+    total = sum(sizes)
+    chosen = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[: min(n, total)].sort().values
+    plan, offset = [], 0
+    for size in sizes:
+        plan.append(chosen[(chosen >= offset) & (chosen < offset + size)] - offset)
+        offset += size
+    return plan
+
+
+class AWQStage:
+    """The recipe step ``quantize: {method: awq, ...}``: layer-wise over the decoder blocks."""
+
+    def __init__(self, config: AWQConfig, label: str) -> None:
+        self.config = config
+        self.label = label
+
+    def apply(self, model: nn.Module, ctx: RunContext) -> StageRecord:
+        cfg = self.config
+        scheme = cfg.scheme()
+        skipped: dict[str, str] = {}
+
+        def process(job: BlockJob, arch: Architecture) -> None:
+            mappings = []
+            for mapping in arch.awq:
+                reason = _mapping_problem(job, mapping)
+                if reason:
+                    skipped[f"{job.prefix}{mapping.prev}"] = reason
+                else:
+                    mappings.append(mapping)
+            plan = _sample_plan(job, cfg.clip_tokens, ctx.seed * 1_000_003 + job.index)
+            samplers = {name: _InputSampler(plan) for name in job.linears}
+            parents = {m.parent: _ParentRecorder(cfg.search_tokens) for m in mappings}
+            handles = [m.register_forward_hook(samplers[n]) for n, m in job.linears.items()]
+            handles += [job.block.get_submodule(p).register_forward_hook(r, with_kwargs=True) for p, r in parents.items()]
+            try:
+                job.inputs.run(job.block)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            xs = {n: sampler.x for n, sampler in samplers.items()}
+            scaled: dict[str, dict] = {}
+            for mapping in mappings:
+                linears = [job.linears[n] for n in mapping.linears]
+                originals = [lin.weight.detach().clone() for lin in linears]
+                parent = job.block.get_submodule(mapping.parent)
+
+                def loss_of(s: torch.Tensor) -> float:
+                    for lin, w0 in zip(linears, originals):
+                        lin.weight.data = (fake_quantize(w0.float() * s, scheme) / s).to(w0.dtype)
+                    return parents[mapping.parent].loss(parent)
+
+                try:
+                    s, info = search_scales(samplers[mapping.linears[0]].mean, torch.cat(originals), scheme, cfg.grid, cfg.duo_scaling, loss_of)
+                finally:
+                    for lin, w0 in zip(linears, originals):
+                        lin.weight.data = w0
+                fold_scales(job.block.get_submodule(mapping.prev), linears, s, arch.norm_offset)
+                for n in mapping.linears:
+                    xs[n] = xs[n] / s  # the linears now see inputs divided by s
+                    scaled[n] = {"awq_alpha": info["alpha"], "awq_loss_ratio": round(info["loss"] / max(info["loss_unscaled"], 1e-30), 4)}
+            for name, module in job.linears.items():
+                weight = module.weight.detach().to(torch.float32)
+                info = dict(scaled.get(name, {"awq_alpha": None}))
+                if cfg.clip and not any(tag in name for tag in NO_CLIP):
+                    bound = search_clip(xs[name], weight, scheme, cfg.clip_grid, cfg.max_shrink)
+                    info["clipped_share"] = round(float((bound < group_rows(weight, scheme).abs().amax(-1)).float().mean()), 4)
+                    weight = apply_clip(weight, bound, scheme)
+                record = rtn_quantize(weight, scheme)
+                full = job.prefix + name
+                job.layer_info[full] = {**install_record(model, full, module, record, ctx, self.label), **info}
+
+        record = run_layerwise(model, ctx, cfg, self.label, "awq", process, cfg.batch_size)
+        record.summary["awq_mappings_skipped"] = skipped
+        return record
+
+
+def _mapping_problem(job: BlockJob, mapping: AWQMapping) -> str | None:
+    missing = [n for n in mapping.linears if n not in job.linears]
+    if missing:
+        return f"not scaled: {', '.join(missing)} not selected for quantization"
+    try:
+        prev = job.block.get_submodule(mapping.prev)
+    except AttributeError:
+        return f"not scaled: the block has no {mapping.prev}"
+    width = job.linears[mapping.linears[0]].in_features
+    if isinstance(prev, nn.Linear) and prev.out_features != width:
+        return f"not scaled: {mapping.prev} has {prev.out_features} outputs but the next layer takes {width} (grouped-query attention)"
+    return None

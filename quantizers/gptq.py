@@ -1,0 +1,184 @@
+"""GPTQ: quantize each Linear column by column, pushing each column's rounding error onto the
+columns not yet quantized, weighted by the inverse Hessian of the layer's inputs
+(Frantar et al., 2022). Pure math first (`accumulate_hessian`, `gptq_quantize`), the stage last.
+
+Groups stay contiguous in the original column order, also with act-order: group scales and
+zero points are computed up front from the original weights ("static groups"), then columns
+are visited in order of decreasing Hessian diagonal. The records therefore map onto Q4_0/Q4_1
+blocks and MatMulNBits without any reordering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from compress.context import RunContext, StageRecord
+from compress.quantizers.apply import install_record
+from compress.quantizers.arch import Architecture
+from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, compute_qparams, pack_record
+from compress.quantizers.sequential import BlockJob, run_layerwise
+
+
+class GPTQConfig(WeightQuantConfig):
+    """`quantize: {method: gptq, bits, group_size, symmetric, dampening, block_size, act_order, ...}`."""
+
+    method: Literal["gptq"] = "gptq"
+    dampening: float = Field(0.01, gt=0, lt=1, description="Added to the Hessian diagonal, as a share of its mean.")
+    block_size: int = Field(128, ge=1, description="Columns updated together (lazy batch updates).")
+    act_order: bool = Field(False, description="Visit columns by decreasing Hessian diagonal (groups stay static and contiguous).")
+    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor) -> int:
+    """Fold ``inputs`` [..., in] into the running ``H = 2/n · Σ x xᵀ`` (in place); returns the new n."""
+    x = inputs.reshape(-1, inputs.shape[-1]).to(torch.float32)
+    new = count + x.shape[0]
+    hessian.mul_(count / new)
+    x = x * (2.0 / new) ** 0.5
+    hessian.addmm_(x.t(), x)
+    return new
+
+
+def _inverse_cholesky(hessian: torch.Tensor, dampening: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of H⁻¹ after dampening; raises dampening tenfold until H is positive definite."""
+    mean_diag = float(torch.diag(hessian).mean())
+    damp = dampening
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    for _ in range(5):
+        try:
+            chol = torch.linalg.cholesky(hessian + damp * mean_diag * eye)
+            inverse = torch.cholesky_inverse(chol)
+            return torch.linalg.cholesky(inverse, upper=True), damp
+        except torch.linalg.LinAlgError:
+            damp *= 10
+    raise torch.linalg.LinAlgError(f"Hessian is not positive definite even with dampening {damp / 10:g}")
+
+
+@contextmanager
+def _one_cpu_thread() -> Iterator[None]:
+    """The column loop is thousands of tiny ops: extra CPU threads only add synchronization
+    (measured: 1536x576 layer, 0.13 s on 1 thread vs 7.1 s on 2 with the machine's other core busy)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    scheme: QuantScheme,
+    dampening: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+) -> tuple[QuantizedWeight, dict[str, float]]:
+    """Quantize ``weight`` [out, in] with GPTQ given its input Hessian [in, in]."""
+    if weight.device.type == "cpu":
+        with _one_cpu_thread():
+            return _gptq(weight, hessian, scheme, dampening, block_size, act_order)
+    return _gptq(weight, hessian, scheme, dampening, block_size, act_order)
+
+
+def _gptq(
+    weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, dampening: float, block_size: int, act_order: bool
+) -> tuple[QuantizedWeight, dict[str, float]]:
+    w = weight.detach().to(torch.float32).clone()
+    h = hessian.to(torch.float32).clone()
+    out_f, in_f = w.shape
+    g = scheme.group_width(in_f)
+    n_groups = scheme.n_groups(in_f)
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    scale = torch.empty(out_f, n_groups, dtype=torch.float32, device=w.device)
+    zero = torch.empty_like(scale)
+    if act_order:  # static groups from the original weights, then columns by decreasing diag(H)
+        for k in range(n_groups):
+            scale[:, k], zero[:, k] = compute_qparams(w[:, k * g : (k + 1) * g], scheme)
+        perm = torch.argsort(torch.diag(h), descending=True)
+    else:
+        perm = torch.arange(in_f, device=w.device)
+    w = w[:, perm]
+    h = h[perm][:, perm]
+    group_of = (perm // g).tolist()
+    hinv, used_damp = _inverse_cholesky(h, dampening)
+
+    codes = torch.empty(out_f, in_f, dtype=torch.float32, device=w.device)
+    loss = torch.zeros(out_f, dtype=torch.float32, device=w.device)
+    qmax = scheme.qmax
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            k = group_of[col]
+            if not act_order and col % g == 0:  # first column of a group: params from the current weights
+                end = min(col + g, in_f)
+                group_w = w1[:, i : end - i1] if end <= i2 else torch.cat([w1[:, i:], w[:, i2:end]], dim=1)
+                scale[:, k], zero[:, k] = compute_qparams(group_w, scheme)
+            s, z = scale[:, k], zero[:, k]
+            col_w = w1[:, i]
+            q = torch.clamp(torch.round(col_w / s) + z, 0, qmax)
+            deq = (q - z) * s
+            codes[:, col] = q
+            d = hinv1[i, i]
+            err = (col_w - deq) / d
+            loss += (col_w - deq) ** 2 / d**2 / 2
+            w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    inverse = torch.argsort(perm)
+    codes = codes[:, inverse]
+    padded = torch.zeros(out_f, n_groups * g, dtype=torch.float32, device=w.device)
+    padded[:, :in_f] = codes
+    record = pack_record(padded.reshape(out_f, n_groups, g), scale, zero, in_f, scheme)
+    return record, {"gptq_loss": float(loss.sum()), "dampening": used_damp}
+
+
+class GPTQStage:
+    """The recipe step ``quantize: {method: gptq, ...}``: layer-wise over the decoder blocks."""
+
+    def __init__(self, config: GPTQConfig, label: str) -> None:
+        self.config = config
+        self.label = label
+
+    def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
+        cfg = self.config
+        scheme = cfg.scheme()
+
+        def process(job: BlockJob, arch: Architecture) -> None:
+            hessians = {n: torch.zeros(m.in_features, m.in_features, device=ctx.device) for n, m in job.linears.items()}
+            counts = dict.fromkeys(job.linears, 0)
+
+            def hook(name: str):
+                def fn(_module, args, _output):
+                    counts[name] = accumulate_hessian(hessians[name], counts[name], args[0].detach())
+                return fn
+
+            handles = [m.register_forward_hook(hook(n)) for n, m in job.linears.items()]
+            try:
+                job.inputs.run(job.block)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for name, module in job.linears.items():
+                record, info = gptq_quantize(module.weight, hessians.pop(name), scheme, cfg.dampening, cfg.block_size, cfg.act_order)
+                full = job.prefix + name
+                job.layer_info[full] = {**install_record(model, full, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
+
+        return run_layerwise(model, ctx, cfg, self.label, "gptq", process, cfg.batch_size)

@@ -1,0 +1,191 @@
+"""Sequential, layer-wise calibration shared by GPTQ and AWQ.
+
+1. Capture what every decoder block receives: one pass over the calibration batches with each
+   block replaced by a stand-in that records its inputs and passes hidden states through
+   unchanged (the last stand-in stops the pass, so the LM head never runs). Masks and position
+   embeddings are recorded per block, so layers with different attention types replay exactly.
+2. For each block in order: move it to the compute device, let the method collect statistics
+   and quantize it, then run the *quantized* block on its inputs to produce the next block's
+   inputs. Only one block lives on the accelerator at a time.
+
+Per block, time and peak memory (CUDA: max allocated; CPU: process peak RSS) are recorded.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.context import RunContext, StageRecord
+from compress.errors import CompressError
+from compress.quantizers.apply import select_or_fail, summarize
+from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks
+from compress.quantizers.core import WeightQuantConfig
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder block: records its inputs, returns hidden states unchanged."""
+
+    def __init__(self, index: int, last: bool, hidden: list[torch.Tensor], kwargs: list[list[dict[str, Any]]]) -> None:
+        super().__init__()
+        self.index, self.last, self.hidden, self.kwargs = index, last, hidden, kwargs
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            raise CompressError("a decoder block received positional arguments besides hidden_states; "
+                                "layer-wise calibration replays keyword arguments only")
+        if self.index == 0:
+            self.hidden.append(hidden_states.detach())
+        self.kwargs[self.index].append(kwargs)
+        if self.last:
+            raise _StopForward
+        return hidden_states
+
+
+@dataclass
+class BlockInputs:
+    """Calibration inputs of one block: hidden states per batch and the keyword arguments it receives."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]]
+
+    def run(self, block: nn.Module) -> list[torch.Tensor]:
+        outs = []
+        with torch.no_grad():
+            for h, kw in zip(self.hidden, self.kwargs):
+                out = block(h, **kw)
+                outs.append((out[0] if isinstance(out, tuple) else out).detach())
+        return outs
+
+    @property
+    def tokens(self) -> int:
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+
+def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.Tensor, batch_size: int, device: torch.device) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
+    """Inputs of block 0 (per batch) and the keyword arguments of every block (per batch)."""
+    hidden: list[torch.Tensor] = []
+    kwargs: list[list[dict[str, Any]]] = [[] for _ in blocks]
+    originals = list(blocks)
+    for i in range(len(blocks)):
+        blocks[i] = _Recorder(i, i == len(blocks) - 1, hidden, kwargs)
+    try:
+        with torch.no_grad():
+            for start in range(0, tokens.shape[0], batch_size):
+                try:
+                    model(input_ids=tokens[start : start + batch_size].to(device), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        for i, block in enumerate(originals):
+            blocks[i] = block
+    return hidden, kwargs
+
+
+def move_outside_blocks(model: nn.Module, blocks_path: str, device: torch.device) -> None:
+    """Move every parameter and buffer that is not inside a decoder block (embeddings, rotary
+    tables, final norm, LM head) to ``device``; blocks stay where they are."""
+    prefix = blocks_path + "."
+    for name, module in model.named_modules():
+        if name == blocks_path or name.startswith(prefix):
+            continue
+        for key, param in module.named_parameters(recurse=False):
+            param.data = param.data.to(device)
+        for key, buf in module.named_buffers(recurse=False):
+            module._buffers[key] = buf.to(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+@dataclass
+class BlockJob:
+    """What a method gets for one block."""
+
+    index: int
+    block: nn.Module
+    linears: dict[str, nn.Linear]  # relative name -> module, only the selected ones
+    prefix: str  # e.g. "model.layers.3."
+    inputs: BlockInputs
+    layer_info: dict[str, dict] = field(default_factory=dict)
+
+
+def run_layerwise(
+    model: nn.Module,
+    ctx: RunContext,
+    cfg: WeightQuantConfig,
+    label: str,
+    method: str,
+    process_block: Callable[[BlockJob, Architecture], None],
+    batch_size: int,
+    extra_summary: dict[str, Any] | None = None,
+) -> StageRecord:
+    """Drive ``process_block`` over the decoder blocks, sequentially, with calibration inputs.
+
+    ``process_block`` collects statistics on ``job.block`` (its ``job.inputs``), quantizes the
+    selected linears (installing records with ``install_record``), and fills ``job.layer_info``.
+    """
+    start = time.perf_counter()
+    arch = architecture_of(model)
+    blocks = decoder_blocks(model, arch)
+    chosen, unused_ignore = select_or_fail(model, cfg, label)
+    block_names = {f"{arch.blocks}.{i}." for i in range(len(blocks))}
+    outside = [n for n, _ in chosen if not any(n.startswith(p) for p in block_names)]
+    if outside:
+        raise CompressError(
+            f"{label}: {method} quantizes Linear layers inside decoder blocks; {', '.join(outside[:3])} "
+            "is outside them. Add it to `ignore`, and quantize it in a separate `method: rtn` stage if you want it quantized."
+        )
+    selected = dict(chosen)
+    tokens = ctx.calibration()
+    device = ctx.device
+    was_training = model.training
+    model.eval()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    home = next(model.parameters()).device
+    move_outside_blocks(model, arch.blocks, device)
+    with ctx.reporter.status(f"{label} capturing block inputs ({tokens.shape[0]} x {tokens.shape[1]} calibration tokens)"):
+        hidden, kwargs = capture_block_inputs(model, blocks, tokens, batch_size, device)
+    per_block: list[dict[str, Any]] = []
+    layer_info: dict[str, dict] = {}
+    for i in ctx.reporter.track(range(len(blocks)), f"{label} {method} {cfg.scheme().describe()}", total=len(blocks)):
+        t0 = time.perf_counter()
+        block = blocks[i]
+        block.to(device)
+        prefix = f"{arch.blocks}.{i}."
+        linears = {n[len(prefix):]: m for n, m in selected.items() if n.startswith(prefix)}
+        job = BlockJob(i, block, linears, prefix, BlockInputs(hidden, kwargs[i]))
+        if linears:
+            process_block(job, arch)
+        hidden = job.inputs.run(block)  # the quantized block feeds the next one
+        block.to(home)
+        layer_info.update(job.layer_info)
+        per_block.append({"block": i, "seconds": round(time.perf_counter() - t0, 3), "peak_memory_mb": round(peak_memory_mb(device), 1)})
+    move_outside_blocks(model, arch.blocks, home)
+    del hidden, kwargs
+    model.train(was_training)
+    summary = summarize(layer_info, unused_ignore, cfg.scheme())
+    summary.update(
+        calibration_tokens=int(tokens.numel()),
+        peak_memory_mb=max(b["peak_memory_mb"] for b in per_block),
+        blocks=per_block,
+        **(extra_summary or {}),
+    )
+    return StageRecord(kind="quantize", method=method, config=cfg.model_dump(mode="json"),
+                       duration_s=time.perf_counter() - start, summary=summary, layers=layer_info)

@@ -1,0 +1,191 @@
+"""GPTQ and AWQ: math properties, every architecture in the table, and the layer-wise pipeline."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compress.context import RunContext
+from compress.errors import CompressError
+from compress.eval.metrics import compare, torch_forward
+from compress.progress import Reporter
+from compress.quantizers.arch import ARCHITECTURES, architecture_of, decoder_blocks
+from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales
+from compress.quantizers.core import QuantScheme, compute_qparams
+from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
+from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
+from compress.recipe import load_recipe
+from tests.helpers import recipe_text, run_cli, write_recipe
+
+QUIET = Reporter(quiet=True)
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=300, max_position_embeddings=128)
+
+
+def tiny(model_type: str, **extra) -> torch.nn.Module:
+    from transformers import AutoConfig
+
+    kwargs = dict(COMMON, **extra)
+    if model_type.startswith("gemma"):
+        kwargs.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=16)
+    if model_type == "qwen3":
+        kwargs.update(head_dim=16)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def ctx_for(tokens: torch.Tensor) -> RunContext:
+    return RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: tokens)
+
+
+def tokens(n: int = 8, length: int = 48, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, COMMON["vocab_size"], (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- math
+
+
+def test_hessian_accumulates_in_batches() -> None:
+    x = torch.randn(300, 16)
+    h, n = torch.zeros(16, 16), 0
+    for part in x.split(70):
+        n = accumulate_hessian(h, n, part)
+    assert n == 300
+    assert torch.allclose(h, 2 * x.t() @ x / 300, atol=1e-5)
+
+
+def test_gptq_with_uncorrelated_inputs_equals_rtn() -> None:
+    w = torch.randn(32, 96) * 0.05
+    scheme = QuantScheme(bits=4, group_size=32, symmetric=False)
+    record, _ = gptq_quantize(w, torch.eye(96), scheme)  # no off-diagonal terms: nothing to compensate
+    assert torch.equal(record.codes, rtn_quantize(w, scheme).codes)
+
+
+def test_gptq_reduces_output_error_on_correlated_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    x = torch.randn(2048, 128, generator=g) @ torch.randn(128, 128, generator=g) / 11
+    h = torch.zeros(128, 128)
+    accumulate_hessian(h, 0, x)
+    for scheme in (QuantScheme(bits=3, group_size=64), QuantScheme(bits=4, group_size=None, symmetric=False)):
+        err = lambda rec: float((x @ (w - rec.dequantize()).t()).pow(2).mean())  # noqa: E731
+        gptq, _ = gptq_quantize(w, h, scheme)
+        assert err(gptq) < 0.75 * err(rtn_quantize(w, scheme)), scheme.describe()
+
+
+def test_act_order_keeps_groups_static_and_contiguous() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 96, generator=g)
+    x = torch.randn(512, 96, generator=g) * torch.linspace(0.1, 3, 96)
+    h = torch.zeros(96, 96)
+    accumulate_hessian(h, 0, x)
+    scheme = QuantScheme(bits=4, group_size=32, symmetric=True)
+    record, _ = gptq_quantize(w, h, scheme, act_order=True)
+    for k in range(3):  # each group's parameters come from the original weights of that contiguous group
+        scale, zero = compute_qparams(w[:, 32 * k : 32 * (k + 1)], scheme)
+        assert torch.equal(record.scale[:, k].float(), scale)
+    assert float((record.dequantize() - w).abs().max()) < 2 * float(record.scale.float().max())
+
+
+# --------------------------------------------------------------------------- architectures
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_awq_scale_folding_keeps_the_float_model(model_type: str) -> None:
+    model = tiny(model_type)
+    arch = architecture_of(model)
+    ids = tokens(2, 24)
+    with torch.no_grad():
+        before = model(ids).logits
+    folded = 0
+    for block in decoder_blocks(model, arch):
+        for mapping in arch.awq:
+            prev = block.get_submodule(mapping.prev)
+            linears = [block.get_submodule(n) for n in mapping.linears]
+            if isinstance(prev, torch.nn.Linear) and prev.out_features != linears[0].in_features:
+                continue  # grouped-query attention: v_proj -> o_proj cannot be scaled
+            s = torch.rand(linears[0].in_features, generator=torch.Generator().manual_seed(folded)) * 3 + 0.2
+            fold_scales(prev, linears, s, arch.norm_offset)
+            folded += 1
+    with torch.no_grad():
+        after = model(ids).logits
+    assert folded >= 2 * 3
+    assert torch.allclose(before, after, atol=1e-4, rtol=1e-4), float((before - after).abs().max())
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_run_on_every_architecture(model_type: str, method: str) -> None:
+    model = tiny(model_type)
+    ctx = ctx_for(tokens())
+    stage = GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]") if method == "gptq" else AWQStage(AWQConfig(bits=4, group_size=32), "stages[0]")
+    record = stage.apply(model, ctx)
+    assert record.summary["layers_quantized"] == 2 * 7
+    assert len(record.summary["blocks"]) == 2
+    assert all(b["seconds"] >= 0 and b["peak_memory_mb"] > 0 for b in record.summary["blocks"])
+    for name, rec in ctx.quantized.items():
+        assert torch.equal(model.get_submodule(name).weight, rec.dequantize(model.get_submodule(name).weight.dtype))
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens(1, 16)).logits).all()
+
+
+def test_unsupported_architecture_says_how_to_add_it() -> None:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=100, word_embed_proj_dim=32))
+    with pytest.raises(CompressError, match=r"does not know the architecture 'opt'.*quantizers/arch.py"):
+        GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]").apply(model, ctx_for(tokens()))
+
+
+def test_layers_outside_blocks_are_refused() -> None:
+    model = tiny("llama")
+    with pytest.raises(CompressError, match="lm_head is outside them"):
+        GPTQStage(GPTQConfig(bits=4, group_size=32, ignore=[]), "stages[0]").apply(model, ctx_for(tokens()))
+
+
+# --------------------------------------------------------------------------- quality and pipeline
+
+
+def test_gptq_and_awq_beat_rtn_on_a_tiny_model() -> None:
+    base = tiny("llama", num_hidden_layers=3)
+    cal, ev = tokens(16, 64, seed=1), tokens(8, 64, seed=2)
+    candidates = {}
+    for name, stage in {
+        "rtn": RTNStage(RTNConfig(bits=3, group_size=32), "s"),
+        "gptq": GPTQStage(GPTQConfig(bits=3, group_size=32), "s"),
+        "awq": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True), "s"),
+    }.items():
+        model = copy.deepcopy(base)
+        stage.apply(model, ctx_for(cal))
+        candidates[name] = torch_forward(model, torch.device("cpu"))
+    kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(base, torch.device("cpu")), candidates, ev, 8).items()}
+    assert kl["gptq"] < kl["rtn"] and kl["awq"] < kl["rtn"], kl
+
+
+def test_calibrated_recipe_needs_calibration_data(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    text = recipe_text(tiny_model_dir, text_dir).replace("method: rtn", "method: gptq")
+    text = text.replace(f"  calibration:\n    source: {text_dir}\n    samples: 4\n    seq_len: 64\n", "")
+    result = run_cli(["validate", write_recipe(tmp_path, text)])
+    assert result.exit_code == 2 and "stages[0] (quantize) needs data.calibration" in result.output
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_recipe_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, method: str) -> None:
+    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32).replace("method: rtn", f"method: {method}")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    stage = manifest["stages"][0]
+    assert stage["method"] == method and stage["summary"]["calibration_tokens"] == 4 * 64
+    assert len(stage["summary"]["blocks"]) == 2
+    assert manifest["data"]["calibration"]["tokens_sha256"]
+    assert manifest["recipe"]["expanded"]["stages"][0]["quantize"]["method"] == method
+    report = json.loads((out / "report.json").read_text())
+    assert report["evaluations"][1]["metrics"]["kl_divergence"] > 0
