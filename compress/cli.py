@@ -187,6 +187,7 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             out.print(
                 f"{stage['label']} quantize {stage['method']}: {s['layers_quantized']} layers, {s['params_quantized']:,} weights, "
                 f"{s['bits_per_weight']} bits/weight, SQNR mean {s['sqnr_db_mean']} dB (min {s['sqnr_db_min']}), {stage['duration_s']:.1f}s"
+                + (f", {s['calibration_tokens']:,} calibration tokens, peak memory {s['peak_memory_mb']:,.0f} MB" if "calibration_tokens" in s else "")
             )
     if report["evaluations"]:
         table = Table(title="evaluation (vs baseline)")

@@ -1,9 +1,9 @@
 """`compress bench quant`: RTN vs GPTQ vs AWQ on one model, same calibration and evaluation data.
 
-Every candidate is quantized from the same baseline, timed, and its peak memory sampled; then a
-single evaluation pass scores all of them against the baseline (computed once) on evaluation
-text kept apart from the calibration text (see compress.data). Results go to a JSON file and a
-Markdown table.
+Every candidate is quantized from the same baseline, timed, its peak memory sampled, and scored
+right away against the baseline on evaluation text kept apart from the calibration text (see
+compress.data). results.json and a Markdown table are rewritten after every candidate, so a
+long run that is stopped keeps what it finished.
 """
 
 from __future__ import annotations
@@ -99,8 +99,21 @@ def run_quant_bench(
     plan = DataPlan.load(data, base_dir, reporter)
     evaluation = plan.chunks("evaluation", lm.tokenizer)
     calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None
-    rows: list[dict[str, Any]] = []
-    candidates = {}
+    spec = data.evaluation
+    assert spec is not None
+    baseline = torch_forward(lm.model, device)
+    result: dict[str, Any] = {
+        "model": {"source": model_source, "sha256": lm.facts["sha256"]},
+        "baseline": None,
+        "calibration": calibration.facts if calibration else None,
+        "evaluation": evaluation.facts,
+        "threads": threads,
+        "host": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "rows": [],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
     for setting in settings:
         for method in methods:
             config_cls, stage_cls = QUANTIZE_METHODS[method]
@@ -117,29 +130,16 @@ def run_quant_bench(
                 t0 = time.perf_counter()
                 record = stage_cls(config, "bench").apply(model, ctx)
                 seconds = time.perf_counter() - t0
-            candidates[name] = torch_forward(model, device)
-            rows.append({"name": name, "method": method, "setting": setting.label, "seconds": round(seconds, 2),
-                         "peak_extra_mb": round(mem.extra_mb), "bits_per_weight": record.summary["bits_per_weight"],
-                         "config": config.model_dump(mode="json")})
-    spec = data.evaluation
-    assert spec is not None
-    metrics = compare(torch_forward(lm.model, device), candidates, evaluation.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
-    for row in rows:
-        row["metrics"] = metrics[row["name"]]
-    result = {
-        "model": {"source": model_source, "sha256": lm.facts["sha256"]},
-        "baseline": metrics["baseline"],
-        "calibration": calibration.facts if calibration else None,
-        "evaluation": evaluation.facts,
-        "threads": threads,
-        "host": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "rows": rows,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown_table(result) + "\n")
+            # Score right away (the baseline is re-run each time) and write, so a stopped run keeps its rows.
+            metrics = compare(baseline, {name: torch_forward(model, device)}, evaluation.tokens, spec.min_context,
+                              spec.batch_size, progress=reporter.track)
+            del model
+            result["baseline"] = metrics["baseline"]
+            result["rows"].append({"name": name, "method": method, "setting": setting.label, "seconds": round(seconds, 2),
+                                   "peak_extra_mb": round(mem.extra_mb), "bits_per_weight": record.summary["bits_per_weight"],
+                                   "config": config.model_dump(mode="json"), "metrics": metrics[name]})
+            (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+            (out_dir / "results.md").write_text(markdown_table(result) + "\n")
     return result
 
 

@@ -45,6 +45,8 @@ class AWQConfig(WeightQuantConfig):
     search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
     clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
     batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
+    backend: Literal["compress", "llmcompressor"] = Field(
+        "compress", description="compress (ours) or llmcompressor (its AWQModifier + QuantizationModifier, extra `llmcompressor`).")
 
     @property
     def needs_calibration(self) -> bool:
@@ -223,6 +225,10 @@ class AWQStage:
 
     def apply(self, model: nn.Module, ctx: RunContext) -> StageRecord:
         cfg = self.config
+        if cfg.backend == "llmcompressor":
+            from compress.quantizers.llmcompressor_backend import apply_llmcompressor
+
+            return apply_llmcompressor(model, ctx, cfg, self.label)
         scheme = cfg.scheme()
         skipped: dict[str, str] = {}
 

@@ -32,6 +32,8 @@ class GPTQConfig(WeightQuantConfig):
     block_size: int = Field(128, ge=1, description="Columns updated together (lazy batch updates).")
     act_order: bool = Field(False, description="Visit columns by decreasing Hessian diagonal (groups stay static and contiguous).")
     batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
+    backend: Literal["compress", "llmcompressor"] = Field(
+        "compress", description="compress (ours) or llmcompressor (its GPTQModifier, extra `llmcompressor`; see quantizers/llmcompressor_backend.py).")
 
     @property
     def needs_calibration(self) -> bool:
@@ -159,6 +161,10 @@ class GPTQStage:
 
     def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
         cfg = self.config
+        if cfg.backend == "llmcompressor":
+            from compress.quantizers.llmcompressor_backend import apply_llmcompressor
+
+            return apply_llmcompressor(model, ctx, cfg, self.label)
         scheme = cfg.scheme()
 
         def process(job: BlockJob, arch: Architecture) -> None:

@@ -125,6 +125,21 @@ class BlockJob:
     layer_info: dict[str, dict] = field(default_factory=dict)
 
 
+def select_block_linears(model: nn.Module, cfg: WeightQuantConfig, label: str, method: str) -> tuple[dict[str, nn.Linear], list[str]]:
+    """The Linear layers ``cfg`` selects (all inside decoder blocks, else an error) and the unused ignore patterns."""
+    arch = architecture_of(model)
+    blocks = decoder_blocks(model, arch)
+    chosen, unused_ignore = select_or_fail(model, cfg, label)
+    block_names = {f"{arch.blocks}.{i}." for i in range(len(blocks))}
+    outside = [n for n, _ in chosen if not any(n.startswith(p) for p in block_names)]
+    if outside:
+        raise CompressError(
+            f"{label}: {method} quantizes Linear layers inside decoder blocks; {', '.join(outside[:3])} "
+            "is outside them. Add it to `ignore`, and quantize it in a separate `method: rtn` stage if you want it quantized."
+        )
+    return dict(chosen), unused_ignore
+
+
 def run_layerwise(
     model: nn.Module,
     ctx: RunContext,
@@ -143,15 +158,7 @@ def run_layerwise(
     start = time.perf_counter()
     arch = architecture_of(model)
     blocks = decoder_blocks(model, arch)
-    chosen, unused_ignore = select_or_fail(model, cfg, label)
-    block_names = {f"{arch.blocks}.{i}." for i in range(len(blocks))}
-    outside = [n for n, _ in chosen if not any(n.startswith(p) for p in block_names)]
-    if outside:
-        raise CompressError(
-            f"{label}: {method} quantizes Linear layers inside decoder blocks; {', '.join(outside[:3])} "
-            "is outside them. Add it to `ignore`, and quantize it in a separate `method: rtn` stage if you want it quantized."
-        )
-    selected = dict(chosen)
+    selected, unused_ignore = select_block_linears(model, cfg, label, method)
     tokens = ctx.calibration()
     device = ctx.device
     was_training = model.training

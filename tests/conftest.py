@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import build_tiny_llama, make_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +34,29 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     d = tmp_path / "cache"
     monkeypatch.setenv("COMPRESS_CACHE", str(d))
     return d
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The reference model (SmolLM2-135M-Instruct) for the real-model tests, loaded once."""
+    import torch
+
+    from compress.models import load_model
+    from compress.progress import Reporter
+    from compress.recipe import ModelSpec
+
+    torch.set_num_threads(2)
+    return load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
+
+
+@pytest.fixture(scope="session")
+def shakespeare_chunks(smollm2):
+    """Reduced calibration (16 x 256 tokens) and evaluation (8 x 256) chunks of the reference text, to keep CI short."""
+    from compress.data import DataPlan
+    from compress.progress import Reporter
+    from compress.recipe import DataSpec
+
+    data = DataSpec(calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256},
+                    evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 256})
+    plan = DataPlan.load(data, ROOT, Reporter(quiet=True))
+    return plan.chunks("calibration", smollm2.tokenizer).tokens, plan.chunks("evaluation", smollm2.tokenizer).tokens

@@ -29,12 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 QUIET = Reporter(quiet=True)
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    torch.set_num_threads(2)
-    return load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, QUIET)
-
-
 def test_reference_assets_are_pinned_and_intact() -> None:
     found = {name: assets.ensure(name, QUIET) for name in assets.ASSETS}
     for asset in found.values():
@@ -102,18 +96,12 @@ def test_w2_recipe_fails_its_gate_with_exit_1(tmp_path: Path) -> None:
     assert manifest["recipe"]["overrides"][0] == "stages.0.quantize.bits=2"
 
 
-def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_model(smollm2) -> None:
+def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_model(smollm2, shakespeare_chunks) -> None:
     """Reduced calibration (16 x 256 tokens) to keep CI short; `compress bench quant` runs the full 128 x 512."""
     from compress.quantizers.awq import AWQConfig, AWQStage
     from compress.quantizers.gptq import GPTQConfig, GPTQStage
 
-    data = DataSpec(
-        calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256},
-        evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 256},
-    )
-    plan = DataPlan.load(data, ROOT, QUIET)
-    cal = plan.chunks("calibration", smollm2.tokenizer).tokens
-    ev = plan.chunks("evaluation", smollm2.tokenizer).tokens
+    cal, ev = shakespeare_chunks
     stages = {
         "rtn": RTNStage(RTNConfig(bits=3, group_size=128), "s"),
         "gptq": GPTQStage(GPTQConfig(bits=3, group_size=128), "s"),

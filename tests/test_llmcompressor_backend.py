@@ -1,0 +1,156 @@
+"""``backend: llmcompressor`` for GPTQ and AWQ: llmcompressor runs, our records hold its result.
+
+llmcompressor is in the ``dev`` extra, so these tests run in CI (no skip).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from compress.context import RunContext
+from compress.errors import CompressError
+from compress.eval.metrics import compare, torch_forward
+from compress.export.hf_checkpoint import records_identical
+from compress.export.registry import read_records
+from compress.progress import Reporter
+from compress.quantizers import llmcompressor_backend as backend
+from compress.quantizers.awq import AWQConfig, AWQStage
+from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.gptq import GPTQConfig, GPTQStage
+from compress.quantizers.rtn import RTNConfig, RTNStage
+
+# Ours must be no worse than llmcompressor's GPTQ on the same data (measured: 0.2674 vs 0.3039).
+TOLERANCE = 1.0
+from tests.helpers import recipe_text, run_cli, write_recipe
+from tests.test_calibrated import ctx_for, tiny, tokens
+
+CPU = torch.device("cpu")
+
+
+def _check_records(model: torch.nn.Module, ctx, layers: int) -> None:
+    blocks = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")}
+    assert set(ctx.quantized) == blocks and len(blocks) == layers * 7
+    for name, rec in ctx.quantized.items():
+        assert torch.equal(model.get_submodule(name).weight, rec.dequantize(torch.float32)), name
+
+
+def test_llmcompressor_gptq_and_awq_beat_rtn_at_w3() -> None:
+    """Measured (tiny random Llama, 3 blocks, W3 g32 sym): KL rtn 8.2e-4, llmcompressor GPTQ 5.2e-4, AWQ 7.9e-4.
+    AWQ gains little on random weights (no salient channels); it is still below RTN."""
+    base = tiny("llama", num_hidden_layers=3)
+    cal, ev = tokens(16, 64, seed=1), tokens(8, 64, seed=2)
+    candidates, summaries = {}, {}
+    for name, stage in {
+        "rtn": RTNStage(RTNConfig(bits=3, group_size=32), "s"),
+        "gptq": GPTQStage(GPTQConfig(bits=3, group_size=32, backend="llmcompressor"), "s"),
+        "awq": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True, backend="llmcompressor"), "s"),
+    }.items():
+        model, ctx = copy.deepcopy(base), ctx_for(cal)
+        record = stage.apply(model, ctx)
+        _check_records(model, ctx, layers=3)
+        summaries[name] = record.summary
+        candidates[name] = torch_forward(model, CPU)
+    for name in ("gptq", "awq"):
+        s = summaries[name]
+        assert s["backend"] == "llmcompressor" and s["llmcompressor_version"].startswith("0.14")
+        assert s["layers_quantized"] == 21 and s["calibration_tokens"] == 16 * 64 and s["not_mapped"]
+    kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(base, CPU), candidates, ev, 8).items()}
+    assert all(math.isfinite(v) for v in kl.values()), kl
+    assert kl["gptq"] < kl["rtn"] and kl["awq"] < kl["rtn"], kl
+
+
+def test_awq_takes_over_the_folded_norms_and_computes_what_llmcompressor_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = tiny("llama")
+    model, ctx = copy.deepcopy(base), ctx_for(tokens())
+    results = []
+    run = backend.run_oneshot
+    monkeypatch.setattr(backend, "run_oneshot", lambda *a, **kw: results.append(run(*a, **kw)) or results[-1])
+    AWQStage(AWQConfig(bits=4, group_size=32, backend="llmcompressor"), "s").apply(model, ctx)
+    _check_records(model, ctx, layers=2)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(model.state_dict()[norm], base.state_dict()[norm])  # scales folded into the norm
+    ids = tokens(2, 32, seed=3)
+    with torch.no_grad():  # llmcompressor's model fake-quantizes its (scaled) weights in forward
+        assert torch.allclose(model(ids).logits, results[0](ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_import_equals_llmcompressors_saved_checkpoint(tmp_path: Path, symmetric: bool) -> None:
+    """The in-memory import packs each layer with compressed-tensors' compressor; the records are
+    identical to what our reader finds in llmcompressor's own saved checkpoint."""
+    model = tiny("llama")
+    cfg = GPTQConfig(bits=4, group_size=32, symmetric=symmetric, backend="llmcompressor")
+    scheme = cfg.scheme()
+    selected, _ = backend.select_block_linears(model, cfg, "s", "gptq")
+    groups = {"group_0": {"targets": ["Linear"], "weights": backend._weight_args(scheme)}}
+    ctx = ctx_for(tokens())
+    work = backend.run_oneshot(model, ctx.calibration(), ctx, backend.METHODS["gptq"].modifiers(cfg, groups, ["lm_head"]), 8)
+    ours = {n: backend.import_layer(work.get_submodule(n), n, scheme, "s") for n in selected}
+    assert all(r.scheme == scheme for r in ours.values())  # float16 scales, as configured
+    work.config.save_pretrained(tmp_path / "source")  # llmcompressor's save re-reads the source config
+    work.config._name_or_path = str(tmp_path / "source")
+    work.save_pretrained(tmp_path / "saved", save_compressed=True)
+    saved = read_records(tmp_path / "saved").records
+    # the file holds the model's float32 scales; their values are the float16 ones
+    saved = {n: QuantizedWeight(r.codes, r.scale.half(), r.zero_point, scheme) for n, r in saved.items()}
+    assert records_identical(ours, saved) == []
+
+
+def test_partial_groups_are_refused_with_a_fix() -> None:
+    model = tiny("llama", hidden_size=96, intermediate_size=160)
+    stage = GPTQStage(GPTQConfig(bits=4, group_size=64, backend="llmcompressor"), "stages[0]")
+    with pytest.raises(CompressError, match=r"96 input features.*no partial last group.*group_size: 32.*backend: compress"):
+        stage.apply(model, ctx_for(tokens()))
+
+
+def test_missing_llmcompressor_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llmcompressor", None)  # import llmcompressor raises ImportError
+    stage = AWQStage(AWQConfig(bits=4, group_size=32, backend="llmcompressor"), "stages[0]")
+    with pytest.raises(CompressError, match=r'pip install -e "\.\[llmcompressor\]"'):
+        stage.apply(tiny("llama"), ctx_for(tokens()))
+
+
+def test_backend_is_validated() -> None:
+    assert GPTQConfig(bits=4).backend == "compress" and AWQConfig(bits=4).backend == "compress"
+    with pytest.raises(ValidationError, match="llmcompressor"):
+        GPTQConfig(bits=4, backend="autogptq")
+
+
+def test_recipe_end_to_end_with_a_compressed_tensors_export(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32).replace("method: rtn", "method: gptq\n      backend: llmcompressor")
+    text = text.replace("exports: []", "exports:\n  - format: compressed-tensors")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    stage = json.loads((out / "manifest.json").read_text())["stages"][0]
+    assert stage["config"]["backend"] == "llmcompressor" and stage["summary"]["backend"] == "llmcompressor"
+    assert stage["summary"]["layers_quantized"] == 2 * 7
+    report = json.loads((out / "report.json").read_text())
+    assert report["exports"][0]["verified"] and report["evaluations"][1]["metrics"]["kl_divergence"] > 0
+
+
+@pytest.mark.real_model
+def test_our_gptq_is_no_worse_than_llmcompressors_on_the_reference_model(smollm2, shakespeare_chunks) -> None:
+    """Same model, calibration (16 x 256 tokens of Shakespeare) and recipe (W4 g64 sym, act_order false);
+    KL on held-out text. Measured on these 8 x 256 evaluation tokens (1,792 scored): ours 0.2674,
+    llmcompressor 0.3113 (0.3039 when it ran on 2 threads); on 32 x 512 (15,360): 0.2320 vs 0.2918.
+    With act_order true the two are within 2.5% of each other (0.1592 vs 0.1554 on 32 x 512), about
+    the size of llmcompressor's own thread-count variation, so only this pair is asserted."""
+    cal, ev = shakespeare_chunks
+    candidates = {}
+    for name in ("compress", "llmcompressor"):
+        model = copy.deepcopy(smollm2.model)
+        ctx = RunContext(seed=0, device=CPU, tokenizer=smollm2.tokenizer, reporter=Reporter(quiet=True), calibration=lambda: cal)
+        record = GPTQStage(GPTQConfig(bits=4, group_size=64, backend=name), "s").apply(model, ctx)
+        assert record.summary["layers_quantized"] == 210
+        candidates[name] = torch_forward(model, CPU)
+    kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(smollm2.model, CPU), candidates, ev, 32).items()}
+    assert kl["compress"] <= kl["llmcompressor"], kl
