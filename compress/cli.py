@@ -126,6 +126,8 @@ def bench_quant(
     methods: str = typer.Option("rtn,gptq,awq", help="Comma-separated methods."),
     settings: str = typer.Option("W4g128s,W4g128a,W3g128s,W3g128a", help="Comma-separated: W<bits>g<group><s|a>, or W<bits>pc<s|a>."),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
+    option: Optional[list[str]] = typer.Option(
+        None, "--option", help="METHOD.KEY=VALUE (YAML value), a method option other than the setting's; repeatable, e.g. awq.duo_scaling=true."),
 ) -> None:
     """Compare RTN, GPTQ and AWQ: KL divergence, top-1 agreement, perplexity, time and memory."""
     from compress.eval.bench_quant import Setting, markdown_table, run_quant_bench
@@ -142,11 +144,28 @@ def bench_quant(
     unknown = [m for m in chosen if m not in QUANTIZE_METHODS]
     if unknown:
         raise CompressError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(QUANTIZE_METHODS)}")
+    import yaml
+    from pydantic import ValidationError
+
+    method_options: dict[str, dict[str, Any]] = {}
+    for text in option or []:
+        key, eq, value = text.partition("=")
+        method, dot, name = key.strip().partition(".")
+        if not eq or not dot or not name or method not in QUANTIZE_METHODS:
+            raise CompressError(f"--option '{text}': expected METHOD.KEY=VALUE with METHOD one of {', '.join(QUANTIZE_METHODS)}")
+        if name in ("method", "bits", "group_size", "symmetric"):
+            raise CompressError(f"--option '{text}': {name} comes from --settings")
+        method_options.setdefault(method, {})[name] = yaml.safe_load(value)
+    for method, opts in method_options.items():
+        try:
+            QUANTIZE_METHODS[method][0](method=method, bits=4, **opts)
+        except ValidationError as exc:
+            raise CompressError(f"--option for {method}: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
     data = DataSpec(
         calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
         evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
     )
-    result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err))
+    result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err), method_options)
     out.print(markdown_table(result))
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
 

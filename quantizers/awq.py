@@ -3,8 +3,9 @@
 Per decoder block, for each mapping ``prev -> linears`` of the architecture table:
 
 1. search per-input-channel scales ``s = x_mean^α / w_mean^(1-α)`` (α on a grid; without
-   duo scaling ``s = x_mean^α``; no scaling is a candidate too), keeping the one whose
-   fake-quantized ``(W·s)/s`` reproduces the linears' outputs best on calibration tokens;
+   duo scaling ``s = x_mean^α``, or both families; no scaling is a candidate too), keeping the
+   one whose fake-quantized ``(W·s)/s`` best reproduces the output of the linears' parent
+   module (attention, MLP, or the Linear itself) on calibration sequences;
 2. fold them in: ``prev``'s output channels are divided by ``s`` (a norm's weight, or a
    Linear's rows) and the linears' input columns multiplied by ``s`` — the float model computes
    the same function (tested);
@@ -25,32 +26,26 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture, AWQMapping
-from compress.quantizers.core import QuantScheme, WeightQuantConfig, compute_qparams, group_rows, quantize_codes
+from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, quantize_codes
 from compress.quantizers.rtn import rtn_quantize
-from compress.quantizers.sequential import BlockJob, run_layerwise
+from compress.quantizers.sequential import BlockJob, CalibratedConfig, run_layerwise
 
 NO_CLIP = ("q_proj", "k_proj")
 
 
-class AWQConfig(WeightQuantConfig):
+class AWQConfig(CalibratedConfig):
     """`quantize: {method: awq, bits, group_size, symmetric (default false), grid, duo_scaling, clip, ...}`."""
 
     method: Literal["awq"] = "awq"
     symmetric: bool = Field(False, description="AWQ defaults to asymmetric (integer zero point per group).")
     grid: int = Field(20, ge=2, description="Points of the scale-exponent grid in [0, 1).")
-    duo_scaling: bool = Field(True, description="s = x_mean^α / w_mean^(1-α) (true) or x_mean^α (false).")
+    duo_scaling: bool | Literal["both"] = Field(
+        True, description="s = x_mean^α / w_mean^(1-α) (true), x_mean^α (false, the AWQ paper's form), or both families searched (twice the grid).")
     clip: bool = Field(True, description="Search a clipping range per group after scaling.")
     clip_grid: int = Field(20, ge=2, description="Clipping steps: max |w| · (1 - i/clip_grid).")
     max_shrink: float = Field(0.5, gt=0, lt=1, description="Largest share of max |w| the clipping search removes.")
     search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
     clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
-    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
-    backend: Literal["compress", "llmcompressor"] = Field(
-        "compress", description="compress (ours) or llmcompressor (its AWQModifier + QuantizationModifier, extra `llmcompressor`).")
-
-    @property
-    def needs_calibration(self) -> bool:
-        return True
 
 
 # --------------------------------------------------------------------------- pure math
@@ -72,27 +67,28 @@ def weight_saliency(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def search_scales(
-    x_mean: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, duo: bool, loss_of: Callable[[torch.Tensor], float]
-) -> tuple[torch.Tensor, dict[str, float]]:
+    x_mean: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, duo: bool | str, loss_of: Callable[[torch.Tensor], float]
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Best per-input-channel scale for ``weight`` [out, in] (the mapping's linears stacked).
 
     ``loss_of(s)`` measures the output error when the linears use ``quantize(W·s)/s``; the
-    candidates are no scaling and ``grid`` exponents α in [0, 1).
+    candidates are no scaling and ``grid`` exponents α in [0, 1) of each family ``duo`` asks for.
     """
     w_mean = weight_saliency(weight.to(torch.float32), scheme).clamp(min=1e-6)
     x_mean = x_mean.to(torch.float32).clamp(min=1e-6)
     best_s = torch.ones_like(x_mean)
     best_loss = base_loss = loss_of(best_s)
-    best_alpha = None
-    for r in range(grid):
-        alpha = r / grid
-        s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if duo else x_mean.pow(alpha)
-        s = s.clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        loss = loss_of(s)
-        if loss < best_loss:
-            best_loss, best_s, best_alpha = loss, s, alpha
-    return best_s, {"alpha": -1.0 if best_alpha is None else best_alpha, "loss": best_loss, "loss_unscaled": base_loss}
+    best_alpha, best_duo = None, None
+    for use_duo in (False, True) if duo == "both" else (bool(duo),):
+        for r in range(grid):
+            alpha = r / grid
+            s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if use_duo else x_mean.pow(alpha)
+            s = s.clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            loss = loss_of(s)
+            if loss < best_loss:
+                best_loss, best_s, best_alpha, best_duo = loss, s, alpha, use_duo
+    return best_s, {"alpha": -1.0 if best_alpha is None else best_alpha, "duo": best_duo, "loss": best_loss, "loss_unscaled": base_loss}
 
 
 def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, rows_per_step: int = 64) -> torch.Tensor:
@@ -270,7 +266,7 @@ class AWQStage:
                 fold_scales(job.block.get_submodule(mapping.prev), linears, s, arch.norm_offset)
                 for n in mapping.linears:
                     xs[n] = xs[n] / s  # the linears now see inputs divided by s
-                    scaled[n] = {"awq_alpha": info["alpha"], "awq_loss_ratio": round(info["loss"] / max(info["loss_unscaled"], 1e-30), 4)}
+                    scaled[n] = {"awq_alpha": info["alpha"], "awq_duo": info["duo"], "awq_loss_ratio": round(info["loss"] / max(info["loss_unscaled"], 1e-30), 4)}
             for name, module in job.linears.items():
                 weight = module.weight.detach().to(torch.float32)
                 info = dict(scaled.get(name, {"awq_alpha": None}))

@@ -20,24 +20,17 @@ from pydantic import Field
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
-from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, compute_qparams, pack_record
-from compress.quantizers.sequential import BlockJob, run_layerwise
+from compress.quantizers.core import QuantizedWeight, QuantScheme, compute_qparams, pack_record
+from compress.quantizers.sequential import BlockJob, CalibratedConfig, run_layerwise
 
 
-class GPTQConfig(WeightQuantConfig):
+class GPTQConfig(CalibratedConfig):
     """`quantize: {method: gptq, bits, group_size, symmetric, dampening, block_size, act_order, ...}`."""
 
     method: Literal["gptq"] = "gptq"
     dampening: float = Field(0.01, gt=0, lt=1, description="Added to the Hessian diagonal, as a share of its mean.")
     block_size: int = Field(128, ge=1, description="Columns updated together (lazy batch updates).")
-    act_order: bool = Field(False, description="Visit columns by decreasing Hessian diagonal (groups stay static and contiguous).")
-    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
-    backend: Literal["compress", "llmcompressor"] = Field(
-        "compress", description="compress (ours) or llmcompressor (its GPTQModifier, extra `llmcompressor`; see quantizers/llmcompressor_backend.py).")
-
-    @property
-    def needs_calibration(self) -> bool:
-        return True
+    act_order: bool = Field(True, description="Visit columns by decreasing Hessian diagonal; group scales come from the original weights (static groups), so groups stay contiguous. false: columns in order, each group's scale from the updated weights when the group starts.")
 
 
 def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor) -> int:
@@ -83,7 +76,7 @@ def gptq_quantize(
     scheme: QuantScheme,
     dampening: float = 0.01,
     block_size: int = 128,
-    act_order: bool = False,
+    act_order: bool = True,
 ) -> tuple[QuantizedWeight, dict[str, float]]:
     """Quantize ``weight`` [out, in] with GPTQ given its input Hessian [in, in]."""
     if weight.device.type == "cpu":

@@ -60,10 +60,13 @@ def not_mapped(cfg: GPTQConfig | AWQConfig) -> dict[str, str]:
     if cfg.method == "gptq":
         return {} if cfg.act_order else {
             "act_order=false": "llmcompressor computes all group scales from the original weights up front (ours: when a group starts)"}
-    return {
+    differences = {
         "clip, clip_grid, max_shrink, clip_tokens": "llmcompressor's AWQ has no clipping search (min/max per group)",
         "search_tokens": "llmcompressor searches scales on all calibration tokens",
     }
+    if cfg.duo_scaling == "both":
+        differences["duo_scaling=both"] = "llmcompressor splits its grid between the two families (ours: the whole grid for each)"
+    return differences
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,16 @@ def shakespeare_chunks(smollm2):
                     evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 256})
     plan = DataPlan.load(data, ROOT, Reporter(quiet=True))
     return plan.chunks("calibration", smollm2.tokenizer).tokens, plan.chunks("evaluation", smollm2.tokenizer).tokens
+
+
+@pytest.fixture(scope="session")
+def shakespeare_full_calibration(smollm2):
+    """The issue's calibration size (128 x 512 tokens) and 8 x 512 evaluation chunks of held-out text."""
+    from compress.data import DataPlan
+    from compress.progress import Reporter
+    from compress.recipe import DataSpec
+
+    data = DataSpec(calibration={"source": "reference:shakespeare", "samples": 128, "seq_len": 512},
+                    evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 512})
+    plan = DataPlan.load(data, ROOT, Reporter(quiet=True))
+    return plan.chunks("calibration", smollm2.tokenizer).tokens, plan.chunks("evaluation", smollm2.tokenizer).tokens

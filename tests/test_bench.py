@@ -39,3 +39,25 @@ def test_bench_scores_every_candidate(tmp_path: Path, tiny_model_dir: Path, text
 def test_bench_cli_rejects_unknown_method(tmp_path: Path) -> None:
     result = run_cli(["bench", "quant", "-o", tmp_path, "--methods", "rtn,squeeze"])
     assert result.exit_code == 2 and "unknown method(s) squeeze" in result.output
+
+
+def test_bench_cli_passes_method_options(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    out = tmp_path / "b"
+    result = run_cli(["bench", "quant", "-o", out, "--model", str(tiny_model_dir), "--calibration", str(text_dir),
+                      "--evaluation", str(text_dir), "--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2",
+                      "--eval-seq-len", "64", "--methods", "awq", "--settings", "W3g32s", "--threads", "1",
+                      "--option", "awq.duo_scaling=both", "--option", "awq.grid=4"])
+    assert result.exit_code == 0, result.output
+    row = json.loads((out / "results.json").read_text())["rows"][0]
+    assert row["config"]["duo_scaling"] == "both" and row["config"]["grid"] == 4 and row["config"]["bits"] == 3
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ("awq.nope=1", "nope"),
+    ("gptq.bits=3", "bits comes from --settings"),
+    ("awq.grid=1", "grid"),
+    ("duo_scaling=true", "expected METHOD.KEY=VALUE"),
+])
+def test_bench_cli_rejects_bad_options(tmp_path: Path, option: str, message: str) -> None:
+    result = run_cli(["bench", "quant", "-o", tmp_path, "--option", option])
+    assert result.exit_code == 2 and message in result.output, result.output

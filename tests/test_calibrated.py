@@ -63,8 +63,9 @@ def test_hessian_accumulates_in_batches() -> None:
 def test_gptq_with_uncorrelated_inputs_equals_rtn() -> None:
     w = torch.randn(32, 96) * 0.05
     scheme = QuantScheme(bits=4, group_size=32, symmetric=False)
-    record, _ = gptq_quantize(w, torch.eye(96), scheme)  # no off-diagonal terms: nothing to compensate
-    assert torch.equal(record.codes, rtn_quantize(w, scheme).codes)
+    for act_order in (False, True):  # no off-diagonal terms: nothing to compensate, in any column order
+        record, _ = gptq_quantize(w, torch.eye(96), scheme, act_order=act_order)
+        assert torch.equal(record.codes, rtn_quantize(w, scheme).codes)
 
 
 def test_gptq_reduces_output_error_on_correlated_inputs() -> None:
@@ -75,8 +76,9 @@ def test_gptq_reduces_output_error_on_correlated_inputs() -> None:
     accumulate_hessian(h, 0, x)
     for scheme in (QuantScheme(bits=3, group_size=64), QuantScheme(bits=4, group_size=None, symmetric=False)):
         err = lambda rec: float((x @ (w - rec.dequantize()).t()).pow(2).mean())  # noqa: E731
-        gptq, _ = gptq_quantize(w, h, scheme)
-        assert err(gptq) < 0.75 * err(rtn_quantize(w, scheme)), scheme.describe()
+        for act_order in (False, True):
+            gptq, _ = gptq_quantize(w, h, scheme, act_order=act_order)
+            assert err(gptq) < 0.75 * err(rtn_quantize(w, scheme)), (scheme.describe(), act_order)
 
 
 def test_act_order_keeps_groups_static_and_contiguous() -> None:

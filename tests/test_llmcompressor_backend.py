@@ -27,8 +27,6 @@ from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.gptq import GPTQConfig, GPTQStage
 from compress.quantizers.rtn import RTNConfig, RTNStage
 
-# Ours must be no worse than llmcompressor's GPTQ on the same data (measured: 0.2674 vs 0.3039).
-TOLERANCE = 1.0
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_calibrated import ctx_for, tiny, tokens
 
@@ -61,7 +59,9 @@ def test_llmcompressor_gptq_and_awq_beat_rtn_at_w3() -> None:
     for name in ("gptq", "awq"):
         s = summaries[name]
         assert s["backend"] == "llmcompressor" and s["llmcompressor_version"].startswith("0.14")
-        assert s["layers_quantized"] == 21 and s["calibration_tokens"] == 16 * 64 and s["not_mapped"]
+        assert s["layers_quantized"] == 21 and s["calibration_tokens"] == 16 * 64
+    assert summaries["gptq"]["not_mapped"] == {}  # act_order true is llmcompressor's actorder static
+    assert "search_tokens" in summaries["awq"]["not_mapped"]
     kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(base, CPU), candidates, ev, 8).items()}
     assert all(math.isfinite(v) for v in kl.values()), kl
     assert kl["gptq"] < kl["rtn"] and kl["awq"] < kl["rtn"], kl
@@ -138,19 +138,21 @@ def test_recipe_end_to_end_with_a_compressed_tensors_export(tmp_path: Path, tiny
 
 
 @pytest.mark.real_model
-def test_our_gptq_is_no_worse_than_llmcompressors_on_the_reference_model(smollm2, shakespeare_chunks) -> None:
-    """Same model, calibration (16 x 256 tokens of Shakespeare) and recipe (W4 g64 sym, act_order false);
-    KL on held-out text. Measured on these 8 x 256 evaluation tokens (1,792 scored): ours 0.2674,
-    llmcompressor 0.3113 (0.3039 when it ran on 2 threads); on 32 x 512 (15,360): 0.2320 vs 0.2918.
-    With act_order true the two are within 2.5% of each other (0.1592 vs 0.1554 on 32 x 512), about
-    the size of llmcompressor's own thread-count variation, so only this pair is asserted."""
+@pytest.mark.parametrize(("act_order", "tolerance"), [(False, 1.0), (True, 1.05)])
+def test_our_gptq_is_no_worse_than_llmcompressors_on_the_reference_model(smollm2, shakespeare_chunks, act_order: bool, tolerance: float) -> None:
+    """Same model, calibration (16 x 256 tokens of Shakespeare) and recipe (W4 g64 sym); KL on
+    held-out text. act_order false (columns in order): ours computes each group's scale when the
+    group starts, llmcompressor all of them up front; measured ours 0.2674 vs 0.3113 on these
+    8 x 256 evaluation tokens, 0.2320 vs 0.2918 on 32 x 512. act_order true (both defaults,
+    llmcompressor's actorder static) is the same algorithm in both: 0.1592 vs 0.1554 on 32 x 512,
+    about the 2.4% by which llmcompressor's own KL moves between 1 and 2 CPU threads, hence the 5%."""
     cal, ev = shakespeare_chunks
     candidates = {}
     for name in ("compress", "llmcompressor"):
         model = copy.deepcopy(smollm2.model)
         ctx = RunContext(seed=0, device=CPU, tokenizer=smollm2.tokenizer, reporter=Reporter(quiet=True), calibration=lambda: cal)
-        record = GPTQStage(GPTQConfig(bits=4, group_size=64, backend=name), "s").apply(model, ctx)
+        record = GPTQStage(GPTQConfig(bits=4, group_size=64, act_order=act_order, backend=name), "s").apply(model, ctx)
         assert record.summary["layers_quantized"] == 210
         candidates[name] = torch_forward(model, CPU)
     kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(smollm2.model, CPU), candidates, ev, 32).items()}
-    assert kl["compress"] <= kl["llmcompressor"], kl
+    assert kl["compress"] <= tolerance * kl["llmcompressor"], kl

@@ -96,16 +96,20 @@ def test_w2_recipe_fails_its_gate_with_exit_1(tmp_path: Path) -> None:
     assert manifest["recipe"]["overrides"][0] == "stages.0.quantize.bits=2"
 
 
-def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_model(smollm2, shakespeare_chunks) -> None:
-    """Reduced calibration (16 x 256 tokens) to keep CI short; `compress bench quant` runs the full 128 x 512."""
+def test_gptq_and_awq_beat_rtn_by_a_quarter_at_w3_on_the_reference_model(smollm2, shakespeare_full_calibration) -> None:
+    """The issue's calibration size (128 x 512 tokens), W3 g128, each method's default settings,
+    KL on 8 x 512 held-out tokens: GPTQ (symmetric) and AWQ (asymmetric, its default) each at
+    least 25% below RTN of the same symmetry. `compress bench quant` measures all four settings;
+    AWQ's symmetric W3 gain there is about 19% (README, "Measured: GPTQ and AWQ against RTN")."""
     from compress.quantizers.awq import AWQConfig, AWQStage
     from compress.quantizers.gptq import GPTQConfig, GPTQStage
 
-    cal, ev = shakespeare_chunks
+    cal, ev = shakespeare_full_calibration
     stages = {
-        "rtn": RTNStage(RTNConfig(bits=3, group_size=128), "s"),
-        "gptq": GPTQStage(GPTQConfig(bits=3, group_size=128), "s"),
-        "awq": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=True, search_tokens=1024), "s"),
+        "rtn sym": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=True), "s"),
+        "gptq sym": GPTQStage(GPTQConfig(bits=3, group_size=128, symmetric=True), "s"),
+        "rtn asym": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=False), "s"),
+        "awq asym": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=False), "s"),
     }
     candidates = {}
     for name, stage in stages.items():
@@ -115,5 +119,5 @@ def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_model(smollm2, shakespeare
         assert record.summary["layers_quantized"] == 210
         candidates[name] = torch_forward(model, torch.device("cpu"))
     kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(smollm2.model, torch.device("cpu")), candidates, ev, 32).items()}
-    assert kl["gptq"] < 0.85 * kl["rtn"], kl
-    assert kl["awq"] < 0.85 * kl["rtn"], kl
+    assert kl["gptq sym"] < 0.75 * kl["rtn sym"], kl
+    assert kl["awq asym"] < 0.75 * kl["rtn asym"], kl
