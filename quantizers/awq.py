@@ -46,6 +46,8 @@ class AWQConfig(CalibratedConfig):
     max_shrink: float = Field(0.5, gt=0, lt=1, description="Largest share of max |w| the clipping search removes.")
     search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
     clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
+    clip_in_search: bool = Field(
+        False, description="Score each scale candidate with its clipping search applied (slower; experimental, see the README).")
 
 
 # --------------------------------------------------------------------------- pure math
@@ -254,8 +256,11 @@ class AWQStage:
                 parent = job.block.get_submodule(mapping.parent)
 
                 def loss_of(s: torch.Tensor) -> float:
-                    for lin, w0 in zip(linears, originals):
-                        lin.weight.data = (fake_quantize(w0.float() * s, scheme) / s).to(w0.dtype)
+                    for name, lin, w0 in zip(mapping.linears, linears, originals):
+                        scaled_w = w0.float() * s
+                        if cfg.clip_in_search and _clipped(name, cfg):
+                            scaled_w = apply_clip(scaled_w, search_clip(xs[name] / s, scaled_w, scheme, cfg.clip_grid, cfg.max_shrink), scheme)
+                        lin.weight.data = (fake_quantize(scaled_w, scheme) / s).to(w0.dtype)
                     return parents[mapping.parent].loss(parent)
 
                 try:
@@ -270,7 +275,7 @@ class AWQStage:
             for name, module in job.linears.items():
                 weight = module.weight.detach().to(torch.float32)
                 info = dict(scaled.get(name, {"awq_alpha": None}))
-                if cfg.clip and not any(tag in name for tag in NO_CLIP):
+                if _clipped(name, cfg):
                     bound = search_clip(xs[name], weight, scheme, cfg.clip_grid, cfg.max_shrink)
                     info["clipped_share"] = round(float((bound < group_rows(weight, scheme).abs().amax(-1)).float().mean()), 4)
                     weight = apply_clip(weight, bound, scheme)
@@ -281,6 +286,10 @@ class AWQStage:
         record = run_layerwise(model, ctx, cfg, self.label, "awq", process, cfg.batch_size)
         record.summary["awq_mappings_skipped"] = skipped
         return record
+
+
+def _clipped(name: str, cfg: AWQConfig) -> bool:
+    return cfg.clip and not any(tag in name for tag in NO_CLIP)
 
 
 def _mapping_problem(job: BlockJob, mapping: AWQMapping) -> str | None:

@@ -49,27 +49,25 @@ def smollm2():
     return load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
 
 
-@pytest.fixture(scope="session")
-def shakespeare_chunks(smollm2):
-    """Reduced calibration (16 x 256 tokens) and evaluation (8 x 256) chunks of the reference text, to keep CI short."""
+def reference_chunks(tokenizer, cal: tuple[int, int], ev: tuple[int, int]):
+    """(calibration, evaluation) token chunks of the reference Shakespeare text, (samples, seq_len) each."""
     from compress.data import DataPlan
     from compress.progress import Reporter
     from compress.recipe import DataSpec
 
-    data = DataSpec(calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256},
-                    evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 256})
+    data = DataSpec(calibration={"source": "reference:shakespeare", "samples": cal[0], "seq_len": cal[1]},
+                    evaluation={"source": "reference:shakespeare", "samples": ev[0], "seq_len": ev[1]})
     plan = DataPlan.load(data, ROOT, Reporter(quiet=True))
-    return plan.chunks("calibration", smollm2.tokenizer).tokens, plan.chunks("evaluation", smollm2.tokenizer).tokens
+    return plan.chunks("calibration", tokenizer).tokens, plan.chunks("evaluation", tokenizer).tokens
+
+
+@pytest.fixture(scope="session")
+def shakespeare_chunks(smollm2):
+    """Reduced calibration (16 x 256 tokens) and evaluation (8 x 256) chunks of the reference text, to keep CI short."""
+    return reference_chunks(smollm2.tokenizer, (16, 256), (8, 256))
 
 
 @pytest.fixture(scope="session")
 def shakespeare_full_calibration(smollm2):
     """The issue's calibration size (128 x 512 tokens) and 8 x 512 evaluation chunks of held-out text."""
-    from compress.data import DataPlan
-    from compress.progress import Reporter
-    from compress.recipe import DataSpec
-
-    data = DataSpec(calibration={"source": "reference:shakespeare", "samples": 128, "seq_len": 512},
-                    evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 512})
-    plan = DataPlan.load(data, ROOT, Reporter(quiet=True))
-    return plan.chunks("calibration", smollm2.tokenizer).tokens, plan.chunks("evaluation", smollm2.tokenizer).tokens
+    return reference_chunks(smollm2.tokenizer, (128, 512), (8, 512))

@@ -15,7 +15,7 @@ from compress.errors import CompressError
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
 from compress.quantizers.arch import ARCHITECTURES, architecture_of, decoder_blocks
-from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales
+from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales, search_scales
 from compress.quantizers.core import QuantScheme, compute_qparams
 from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
@@ -162,12 +162,14 @@ def test_gptq_and_awq_beat_rtn_on_a_tiny_model() -> None:
         "rtn": RTNStage(RTNConfig(bits=3, group_size=32), "s"),
         "gptq": GPTQStage(GPTQConfig(bits=3, group_size=32), "s"),
         "awq": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True), "s"),
+        "awq both": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True, duo_scaling="both"), "s"),
+        "awq clip in search": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True, clip_in_search=True), "s"),
     }.items():
         model = copy.deepcopy(base)
-        stage.apply(model, ctx_for(cal))
+        assert stage.apply(model, ctx_for(cal)).summary["layers_quantized"] == 3 * 7
         candidates[name] = torch_forward(model, torch.device("cpu"))
     kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(base, torch.device("cpu")), candidates, ev, 8).items()}
-    assert kl["gptq"] < kl["rtn"] and kl["awq"] < kl["rtn"], kl
+    assert all(kl[name] < kl["rtn"] for name in candidates if name != "rtn"), kl
 
 
 def test_calibrated_recipe_needs_calibration_data(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
@@ -191,3 +193,16 @@ def test_calibrated_recipe_end_to_end(tmp_path: Path, tiny_model_dir: Path, text
     assert manifest["recipe"]["expanded"]["stages"][0]["quantize"]["method"] == method
     report = json.loads((out / "report.json").read_text())
     assert report["evaluations"][1]["metrics"]["kl_divergence"] > 0
+
+
+def test_awq_scale_search_covers_the_families_it_is_asked_for() -> None:
+    g = torch.Generator().manual_seed(0)
+    x_mean, weight = torch.rand(64, generator=g) + 0.1, torch.randn(16, 64, generator=g)
+    scheme = QuantScheme(bits=4, group_size=32)
+    target = x_mean.pow(0.5) / (x_mean.pow(0.5).max() * x_mean.pow(0.5).min()).sqrt()  # duo off, alpha 0.5
+    loss_of = lambda s: float((s - target).abs().max())  # noqa: E731
+    for duo, found in ((False, True), ("both", True), (True, False)):
+        s, info = search_scales(x_mean, weight, scheme, 10, duo, loss_of)
+        assert (info["loss"] < 1e-5) == found, (duo, info)
+        if found:
+            assert info["duo"] is False and info["alpha"] == 0.5 and torch.allclose(s, target)
