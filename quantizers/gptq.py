@@ -59,7 +59,7 @@ def _inverse_cholesky(hessian: torch.Tensor, dampening: float) -> tuple[torch.Te
 
 
 @contextmanager
-def _one_cpu_thread() -> Iterator[None]:
+def one_cpu_thread() -> Iterator[None]:
     """The column loop is thousands of tiny ops: extra CPU threads only add synchronization
     (measured: 1536x576 layer, 0.13 s on 1 thread vs 7.1 s on 2 with the machine's other core busy)."""
     previous = torch.get_num_threads()
@@ -80,7 +80,7 @@ def gptq_quantize(
 ) -> tuple[QuantizedWeight, dict[str, float]]:
     """Quantize ``weight`` [out, in] with GPTQ given its input Hessian [in, in]."""
     if weight.device.type == "cpu":
-        with _one_cpu_thread():
+        with one_cpu_thread():
             return _gptq(weight, hessian, scheme, dampening, block_size, act_order)
     return _gptq(weight, hessian, scheme, dampening, block_size, act_order)
 

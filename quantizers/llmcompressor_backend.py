@@ -44,7 +44,7 @@ from compress.export import compressed_tensors as ct_format
 from compress.export.hf_checkpoint import QUANTIZATION_CONFIG
 from compress.quantizers.apply import install_record, summarize
 from compress.quantizers.core import QuantizedWeight, QuantScheme
-from compress.quantizers.gptq import _one_cpu_thread as one_cpu_thread
+from compress.quantizers.gptq import one_cpu_thread
 from compress.quantizers.sequential import peak_memory_mb, select_block_linears
 
 if TYPE_CHECKING:
