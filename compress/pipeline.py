@@ -27,6 +27,7 @@ from compress.data import Chunks, DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.metrics import compare, torch_forward
+from compress.export.gguf_export import VerifyInputs
 from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
 from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
@@ -121,22 +122,30 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     records: list[StageRecord] = []
     for stage in stages:
         records.append(stage.apply(model, ctx))
-    check_exports(recipe.exports, model, ctx.quantized)  # before evaluation: fail fast on an impossible export
+    check_exports(recipe.exports, model, ctx.quantized, eval_chunks is not None)  # before evaluation: fail fast on an impossible export
 
     evaluations: list[Evaluation] = []
     if eval_chunks is not None:
         t = time.perf_counter()
         evaluations = evaluate_in_memory(baseline, model if stages else None, eval_chunks, recipe, device, reporter)
         timings["evaluate_s"] = time.perf_counter() - t
-    gates = evaluate_gates(recipe.gates, gate_evaluations(evaluations, recipe.exports))
 
-    report = build_report(recipe, evaluations, gates, eval_chunks)
     manifest = build_manifest(loaded, lm.facts, baseline, data, eval_chunks, calibration.get("chunks"), records, ctx, device, threads)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         with reporter.status(f"writing artifact {out_dir}"):
             write_model(tmp / "model", model, lm.tokenizer, ctx.quantized)
             (tmp / "recipe.yaml").write_text(loaded.text)
-        exports = write_exports(tmp / EXPORTS_DIR, recipe.exports, model, lm.tokenizer, ctx.quantized, reporter)
+        t = time.perf_counter()
+        baseline.to("cpu")
+        model.to("cpu")
+        inputs = VerifyInputs(baseline, model, None if eval_chunks is None else eval_chunks.tokens,
+                              recipe.data.evaluation.min_context if recipe.data.evaluation else 1, threads)
+        exports, runtime_evaluations = write_exports(tmp / EXPORTS_DIR, recipe.exports, model, lm.tokenizer, ctx.quantized, reporter, inputs)
+        if recipe.exports:
+            timings["exports_s"] = time.perf_counter() - t
+        evaluations += runtime_evaluations
+        gates = evaluate_gates(recipe.gates, gate_evaluations(evaluations, recipe.exports))
+        report = build_report(recipe, evaluations, gates, eval_chunks)
         report["exports"] = report_entries(exports, evaluations)
         manifest["exports"] = exports
         with reporter.status(f"writing artifact {out_dir}"):

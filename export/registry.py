@@ -34,7 +34,8 @@ from compress.export.hf_checkpoint import (
     read_tensors,
     records_identical,
 )
-from compress.export.specs import EXPORTS_DIR
+from compress.export import gguf_export
+from compress.export.specs import EXPORTS_DIR, GGUF
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 
@@ -120,9 +121,15 @@ def import_checkpoint(directory: Path, dtype: torch.dtype, trust_remote_code: bo
 # --------------------------------------------------------------------------- export (pipeline)
 
 
-def check_exports(specs: list[Any], model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
-    """Fail fast, before evaluation, when an export cannot hold the records exactly."""
+def check_exports(specs: list[Any], model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool = True) -> None:
+    """Fail fast, before evaluation, when an export cannot hold the records exactly (or cannot be verified)."""
     for i, spec in enumerate(specs):
+        if spec.format == GGUF:
+            try:
+                gguf_export.check(spec, model, records, has_eval)
+            except FormatError as exc:
+                raise FormatError(f"exports[{i}] ({spec.name}): {exc}") from None
+            continue
         if not records:
             raise FormatError(f"exports[{i}] ({spec.name}): a {spec.format} checkpoint packs quantized layers, and no layer is "
                               "quantized; add a quantize stage, or load a quantized checkpoint as model.source")
@@ -135,11 +142,22 @@ def check_exports(specs: list[Any], model: nn.Module, records: dict[str, Quantiz
 
 
 def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-                  reporter: Reporter) -> list[dict[str, Any]]:
-    """Write each export to ``root/<name>/``, verify it by reloading, and return manifest entries."""
-    entries = []
+                  reporter: Reporter, inputs: gguf_export.VerifyInputs | None = None) -> tuple[list[dict[str, Any]], list[Evaluation]]:
+    """Write each export to ``root/<name>/`` and verify it (reloading its records; runtime exports
+    also run on their runtime with ``inputs``). Returns manifest entries and runtime evaluations."""
+    entries: list[dict[str, Any]] = []
+    evaluations: list[Evaluation] = []
     for i, spec in enumerate(specs):
-        fmt, directory = FORMATS[spec.format], root / spec.name
+        directory = root / spec.name
+        if spec.format == GGUF:
+            if inputs is None and spec.verify:
+                raise FormatError(f"exports[{i}] ({spec.name}): verify: true needs the evaluation inputs")
+            entry, found = gguf_export.export(directory, spec, model, tokenizer, records, inputs, reporter, f"exports[{i}]")
+            entry.update(path=f"{EXPORTS_DIR}/{spec.name}", files=checksums(directory))
+            entries.append(entry)
+            evaluations.extend(found)
+            continue
+        fmt = FORMATS[spec.format]
         assert fmt.write is not None, f"{fmt.name} has no writer"  # the recipe schema admits writable formats only
         with reporter.status(f"exports[{i}] writing {spec.format} to {EXPORTS_DIR}/{spec.name} and verifying it"):
             fmt.write(directory, model, tokenizer, records)
@@ -157,23 +175,26 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
             "quantization_config": read_config(directory)[QUANTIZATION_CONFIG],
             "files": checksums(directory),
         })
-    return entries
+    return entries, evaluations
 
 
 def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation]) -> list[dict[str, Any]]:
     """The verification entries for report.json; ``evaluated_as`` names the evaluation that
-    covers the export (``compressed``, the same records), None when the run evaluated nothing."""
-    covered = "compressed" if any(e.artifact == "compressed" for e in evaluations) else None
+    covers the export: its own (a runtime export verified on its runtime), else ``compressed``
+    (the same records), None when the run evaluated nothing."""
+    names = {e.artifact for e in evaluations}
+    covered = "compressed" if "compressed" in names else None
     keys = ("name", "format", "path", "verified", "check")
-    return [{**{k: e[k] for k in keys}, "evaluated_as": covered} for e in entries]
+    return [{**{k: e[k] for k in keys}, "evaluated_as": e["name"] if e["name"] in names else covered} for e in entries]
 
 
 def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> dict[str, Evaluation]:
     """Evaluations by artifact name for the gates. An export holds exactly the records of the
     in-memory compressed model (its verifier proves it, or the run fails), so a gate on an export
-    reads the ``compressed`` evaluation; runtime-specific measurements arrive with runtime exporters."""
+    reads the ``compressed`` evaluation, unless the export was measured on its own runtime (GGUF in llama.cpp)."""
     by_name = {e.artifact: e for e in evaluations}
     if "compressed" in by_name:
         for spec in specs:
-            by_name[spec.name] = dataclasses.replace(by_name["compressed"], artifact=spec.name)
+            if spec.name not in by_name:
+                by_name[spec.name] = dataclasses.replace(by_name["compressed"], artifact=spec.name)
     return by_name

@@ -5,7 +5,8 @@ Per decoder block, for each mapping ``prev -> linears`` of the architecture tabl
 1. search per-input-channel scales ``s = x_mean^α / w_mean^(1-α)`` (α on a grid; without
    duo scaling ``s = x_mean^α``, or both families; no scaling is a candidate too), keeping the
    one whose fake-quantized ``(W·s)/s`` best reproduces the output of the linears' parent
-   module (attention, MLP, or the Linear itself) on calibration sequences;
+   module (attention, MLP, or the Linear itself) on calibration sequences; each candidate is
+   scored with its own clipping search (step 3) applied (``clip_in_search``, default on);
 2. fold them in: ``prev``'s output channels are divided by ``s`` (a norm's weight, or a
    Linear's rows) and the linears' input columns multiplied by ``s`` — the float model computes
    the same function (tested);
@@ -47,7 +48,8 @@ class AWQConfig(CalibratedConfig):
     search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
     clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
     clip_in_search: bool = Field(
-        False, description="Score each scale candidate with its clipping search applied (slower; experimental, see the README).")
+        True, description="Score each scale candidate with its clipping search applied (false: scales searched on unclipped "
+        "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits, see the README).")
 
 
 # --------------------------------------------------------------------------- pure math
@@ -94,16 +96,20 @@ def search_scales(
 
 
 def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, rows_per_step: int = 64) -> torch.Tensor:
-    """Per-group clipping bound [out, n_groups] minimizing each group's partial output error."""
-    x = x.to(torch.float32)
+    """Per-group clipping bound [out, n_groups] minimizing each group's partial output error.
+
+    The error of a group is the mean over the tokens ``x`` [t, in] of ``(Δw · x_t)²`` over that
+    group's inputs, computed as the quadratic form ``Δwᵀ H Δw`` with the group's Gram matrix
+    ``H = Xᵀ X / t`` (the same number, at ``group/t`` of the cost of replaying the tokens).
+    """
+    x = x.to(device=weight.device, dtype=torch.float32)
     w_groups = group_rows(weight, scheme)  # [out, G, g]
     out_f, n_groups, g = w_groups.shape
-    pad = n_groups * g - x.shape[1]
-    xg = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], n_groups, g)  # [t, G, g]
+    xg = torch.nn.functional.pad(x, (0, n_groups * g - x.shape[1])).reshape(x.shape[0], n_groups, g)
+    gram = torch.einsum("tgk,tgl->gkl", xg, xg) / x.shape[0]  # [G, g, g]
     best = torch.empty(out_f, n_groups, dtype=torch.float32, device=weight.device)
     for r0 in range(0, out_f, rows_per_step):
         wg = w_groups[r0 : r0 + rows_per_step]
-        reference = torch.einsum("ogk,tgk->ogt", wg, xg)
         org_max = wg.abs().amax(dim=-1)
         best_err = torch.full_like(org_max, float("inf"))
         best_max = org_max.clone()
@@ -111,8 +117,8 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid
             max_val = org_max * (1 - i / grid)
             clipped = torch.maximum(torch.minimum(wg, max_val.unsqueeze(-1)), -max_val.unsqueeze(-1))
             scale, zero = compute_qparams(clipped, scheme)
-            q = (quantize_codes(clipped, scale, zero, scheme) - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
-            err = (torch.einsum("ogk,tgk->ogt", q, xg) - reference).pow(2).mean(dim=-1)
+            delta = (quantize_codes(clipped, scale, zero, scheme) - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - wg
+            err = (torch.einsum("ogk,gkl->ogl", delta, gram) * delta).sum(dim=-1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better, max_val, best_max)

@@ -16,7 +16,7 @@ What cannot be mapped is listed in the stage summary (``not_mapped``):
   group's scale and zero point up front from the original weights, where ours computes each
   group's when the algorithm reaches it (from the already-updated weights). ``act_order: true``
   is llmcompressor's ``actorder: static`` (static groups, columns by decreasing Hessian diagonal).
-* AWQ ``clip``, ``clip_grid``, ``max_shrink``, ``clip_tokens``: llmcompressor's AWQ has no
+* AWQ ``clip``, ``clip_grid``, ``max_shrink``, ``clip_tokens``, ``clip_in_search``: llmcompressor's AWQ has no
   clipping search (its quantizer takes min/max per group); ``search_tokens``: it searches scales
   on all calibration tokens.
 
@@ -61,7 +61,7 @@ def not_mapped(cfg: GPTQConfig | AWQConfig) -> dict[str, str]:
         return {} if cfg.act_order else {
             "act_order=false": "llmcompressor computes all group scales from the original weights up front (ours: when a group starts)"}
     differences = {
-        "clip, clip_grid, max_shrink, clip_tokens": "llmcompressor's AWQ has no clipping search (min/max per group)",
+        "clip, clip_grid, max_shrink, clip_tokens, clip_in_search": "llmcompressor's AWQ has no clipping search (min/max per group)",
         "search_tokens": "llmcompressor searches scales on all calibration tokens",
     }
     if cfg.duo_scaling == "both":

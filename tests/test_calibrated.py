@@ -163,7 +163,7 @@ def test_gptq_and_awq_beat_rtn_on_a_tiny_model() -> None:
         "gptq": GPTQStage(GPTQConfig(bits=3, group_size=32), "s"),
         "awq": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True), "s"),
         "awq both": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True, duo_scaling="both"), "s"),
-        "awq clip in search": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True, clip_in_search=True), "s"),
+        "awq clip after search": AWQStage(AWQConfig(bits=3, group_size=32, symmetric=True, clip_in_search=False), "s"),
     }.items():
         model = copy.deepcopy(base)
         assert stage.apply(model, ctx_for(cal)).summary["layers_quantized"] == 3 * 7

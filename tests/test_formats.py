@@ -433,7 +433,7 @@ def test_pipeline_rejects_an_impossible_export_before_evaluating(tmp_path: Path,
     ("exports", "expected"),
     [
         ("  - format: gptq\n  - format: gptq\n", "export names must be unique; repeated: gptq"),
-        ("  - format: gguf\n", "export format 'gguf' is not available in this release; available: compressed-tensors, gptq"),
+        ("  - format: onnx\n", "export format 'onnx' is not available in this release; available: compressed-tensors, gptq, gguf"),
         ("  - name: x\n", "an export names its format"),
         ("  - format: gptq\n    nme: x\n", "exports[0].nme: unknown key 'nme' (did you mean 'name'?)"),
         ("  - format: gptq\n    name: baseline\n", "reserved"),

@@ -97,10 +97,10 @@ def test_w2_recipe_fails_its_gate_with_exit_1(tmp_path: Path) -> None:
 
 
 def test_gptq_and_awq_beat_rtn_by_a_quarter_at_w3_on_the_reference_model(smollm2, shakespeare_full_calibration) -> None:
-    """The issue's calibration size (128 x 512 tokens), W3 g128, each method's default settings,
-    KL on 8 x 512 held-out tokens: GPTQ (symmetric) and AWQ (asymmetric, its default) each at
-    least 25% below RTN of the same symmetry. `compress bench quant` measures all four settings;
-    AWQ's symmetric W3 gain there is about 19% (README, "Measured: GPTQ and AWQ against RTN")."""
+    """The issue's calibration size (128 x 512 tokens), W3 g128 symmetric (the harder symmetry for
+    AWQ), each method's default settings otherwise, KL on 8 x 512 held-out tokens: GPTQ and AWQ
+    each at least 25% below RTN. `compress bench quant` measures all four settings on 32 x 512
+    tokens (README, "Measured: GPTQ and AWQ against RTN")."""
     from compress.quantizers.awq import AWQConfig, AWQStage
     from compress.quantizers.gptq import GPTQConfig, GPTQStage
 
@@ -108,8 +108,7 @@ def test_gptq_and_awq_beat_rtn_by_a_quarter_at_w3_on_the_reference_model(smollm2
     stages = {
         "rtn sym": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=True), "s"),
         "gptq sym": GPTQStage(GPTQConfig(bits=3, group_size=128, symmetric=True), "s"),
-        "rtn asym": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=False), "s"),
-        "awq asym": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=False), "s"),
+        "awq sym": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=True), "s"),
     }
     candidates = {}
     for name, stage in stages.items():
@@ -120,4 +119,4 @@ def test_gptq_and_awq_beat_rtn_by_a_quarter_at_w3_on_the_reference_model(smollm2
         candidates[name] = torch_forward(model, torch.device("cpu"))
     kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(smollm2.model, torch.device("cpu")), candidates, ev, 32).items()}
     assert kl["gptq sym"] < 0.75 * kl["rtn sym"], kl
-    assert kl["awq asym"] < 0.75 * kl["rtn asym"], kl
+    assert kl["awq sym"] < 0.75 * kl["rtn sym"], kl

@@ -1,0 +1,187 @@
+"""`compress bench gguf`: our GPTQ/AWQ records packed exactly into Q4_0/Q4_1 GGUF files against
+llama.cpp's own quantizations of the same model, all measured in llama.cpp.
+
+The reference is our F16 GGUF of the baseline, run in llama.cpp; every candidate is scored
+against it on the same evaluation chunks (KL, top-1 agreement, perplexity), with its file size
+and llama.cpp's single-stream decode speed (median of repeats). llama.cpp's candidates are made
+by its quantizer from that F16 file, with the token embedding in the same type as ours
+(``--embedding-type``), so Q4_0 against Q4_0 compares files of the same size.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compress.context import RunContext
+from compress.data import DataPlan
+from compress.eval.bench_quant import Setting
+from compress.eval.metrics import compare
+from compress.export import gguf as gguf_writer
+from compress.export import gguf_runtime
+from compress.models import load_model
+from compress.progress import Reporter
+from compress.quantizers import QUANTIZE_METHODS
+from compress.recipe import DataSpec, ModelSpec
+
+LLAMA_CPP = "llama.cpp"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    source: str  # a quantize method (ours) or "llama.cpp"
+    setting: Setting | None  # ours
+    type_name: str  # GGUF type: auto-resolved for ours, llama.cpp's for theirs
+
+    @classmethod
+    def parse(cls, text: str) -> Candidate:
+        """``gptq:W4g32s`` (ours; Q4_0 for symmetric, Q4_1 for asymmetric) or ``llama.cpp:q4_k_m``."""
+        source, sep, rest = text.strip().partition(":")
+        if not sep:
+            raise ValueError(f"candidate '{text}': expected METHOD:SETTING (gptq:W4g32s) or llama.cpp:TYPE (llama.cpp:q4_k_m)")
+        if source == LLAMA_CPP:
+            if rest not in gguf_runtime.LLAMA_CPP_TYPES:
+                raise ValueError(f"candidate '{text}': llama.cpp type must be one of {', '.join(gguf_runtime.LLAMA_CPP_TYPES)}")
+            return cls(source, None, rest)
+        if source not in QUANTIZE_METHODS:
+            raise ValueError(f"candidate '{text}': unknown method '{source}'; known: {', '.join(QUANTIZE_METHODS)}")
+        setting = Setting.parse(rest)
+        if setting.bits != 4:
+            raise ValueError(f"candidate '{text}': exact GGUF blocks here are 4-bit (Q4_0 / Q4_1)")
+        return cls(source, setting, "q4_0" if setting.symmetric else "q4_1")
+
+    @property
+    def name(self) -> str:
+        if self.setting is None:
+            return f"llama.cpp {self.type_name.upper()}"
+        return f"{self.source} {self.setting.label} -> {self.type_name.upper()}"
+
+
+def decode_speed(runtime: gguf_runtime.LlamaCppModel, prompt: list[int], tokens: int, repeats: int) -> float:
+    """Median tokens/s of ``tokens`` greedy one-token steps after ``prompt`` (the prompt's own
+    processing is not timed; EOS does not stop it)."""
+    rates = []
+    for _ in range(repeats):
+        made = runtime.greedy(prompt, tokens, stop_at_eos=False)
+        rates.append(len(made) / runtime.last_decode_seconds)
+    return statistics.median(rates)
+
+
+def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate], out_dir: Path, threads: int,
+                   embedding_type: str, reporter: Reporter, decode_tokens: int = 64, repeats: int = 3,
+                   keep_files: bool = False) -> dict[str, Any]:
+    gguf_runtime.llama_cpp()  # fail before any work when the binding is missing
+    torch.set_num_threads(threads)
+    base_dir = Path.cwd()
+    lm = load_model(ModelSpec(source=model_source), base_dir, reporter)
+    plan = DataPlan.load(data, base_dir, reporter)
+    evaluation = plan.chunks("evaluation", lm.tokenizer)
+    calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None
+    spec = data.evaluation
+    assert spec is not None
+    seq_len = int(evaluation.tokens.shape[1])
+    files = out_dir / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    f16 = files / "f16.gguf"
+    with reporter.status("writing the F16 reference GGUF"):
+        gguf_writer.write_gguf(f16, lm.model, lm.tokenizer, {}, "f16")
+    reference = gguf_runtime.LlamaCppModel(f16, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
+    prompt = evaluation.tokens[0, :64].tolist()
+    result: dict[str, Any] = {
+        "model": {"source": model_source, "sha256": lm.facts["sha256"]},
+        "reference": {"file": "f16.gguf", "size_bytes": f16.stat().st_size,
+                      "decode_tokens_per_s": round(decode_speed(reference, prompt, decode_tokens, repeats), 1)},
+        "calibration": calibration.facts if calibration else None,
+        "evaluation": evaluation.facts,
+        "embedding_type": embedding_type,
+        "threads": threads,
+        "decode": {"prompt_tokens": len(prompt), "tokens": decode_tokens, "repeats": repeats, "statistic": "median"},
+        "host": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "llama_cpp_python": _version("llama_cpp_python"),
+        "rows": [],
+    }
+    try:
+        for cand in candidates:
+            reporter.info(f"[bold]{cand.name}[/]")
+            path = files / f"{cand.name.split(' ->')[0].replace(' ', '_')}.{cand.type_name}.gguf"
+            seconds = 0.0
+            if cand.setting is None:
+                with reporter.status(f"llama.cpp quantizing to {cand.type_name}"):
+                    gguf_runtime.quantize(f16, path, cand.type_name, threads, token_embedding_type=embedding_type)
+                exact = 0
+            else:
+                if calibration is None:
+                    raise ValueError(f"{cand.source} needs calibration data")
+                config_cls, stage_cls = QUANTIZE_METHODS[cand.source]
+                s = cand.setting
+                config = config_cls(method=cand.source, bits=s.bits, group_size=s.group_size, symmetric=s.symmetric)
+                model = copy.deepcopy(lm.model)
+                ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter,
+                                 calibration=lambda: calibration.tokens)
+                t0 = time.perf_counter()
+                stage_cls(config, "bench").apply(model, ctx)
+                seconds = time.perf_counter() - t0
+                facts = gguf_writer.write_gguf(path, model, lm.tokenizer, ctx.quantized, cand.type_name, float_type=embedding_type)
+                problems = gguf_writer.check_gguf_records(path, facts["plan"], ctx.quantized)
+                if problems:
+                    raise RuntimeError(f"{cand.name}: GGUF read-back differs from the records: {problems[:3]}")
+                exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
+                del model
+            runtime = gguf_runtime.LlamaCppModel(path, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
+            try:
+                metrics = compare(reference.forward, {cand.name: runtime.forward}, evaluation.tokens, spec.min_context,
+                                  progress=reporter.track)
+                speed = decode_speed(runtime, prompt, decode_tokens, repeats)
+            finally:
+                runtime.close()
+            result["reference"]["metrics"] = metrics["baseline"]
+            result["rows"].append({"name": cand.name, "source": cand.source, "setting": cand.setting.label if cand.setting else None,
+                                   "type": cand.type_name, "size_bytes": path.stat().st_size, "records_exact": exact,
+                                   "quantize_seconds": round(seconds, 1), "decode_tokens_per_s": round(speed, 1),
+                                   "metrics": metrics[cand.name]})
+            if not keep_files:
+                path.unlink()
+            (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+            (out_dir / "results.md").write_text(markdown_table(result) + "\n")
+    finally:
+        reference.close()
+        if not keep_files:
+            f16.unlink(missing_ok=True)
+    return result
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    ref = result["reference"]
+    lines = [
+        f"Reference: our F16 GGUF in llama.cpp ({ref['size_bytes'] / 2**20:.1f} MiB, {ref['decode_tokens_per_s']:.1f} tokens/s); "
+        f"{ref.get('metrics', {}).get('tokens_scored', 0):,} scored tokens; {result['threads']} threads; "
+        f"embeddings {result['embedding_type']}.",
+        "",
+        "| candidate | file, MiB | KL vs F16 | top-1 agreement | perplexity | decode tokens/s | quantize, s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        m = r["metrics"]
+        lines.append(f"| {r['name']} | {r['size_bytes'] / 2**20:.2f} | {m['kl_divergence']:.4f} | {m['top1_agreement']:.2%} | "
+                     f"{m['perplexity']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['quantize_seconds'] or '—'} |")
+    return "\n".join(lines)

@@ -1,0 +1,477 @@
+"""GGUF export for llama.cpp: the records packed into Q4_0 / Q4_1 / Q8_0 blocks without
+re-quantizing, float tensors as F32 / F16 / BF16, and the tokenizer and hyperparameters
+llama.cpp needs. llama.cpp's own quantizer types (K-quants …) are made from our F16 file by
+``gguf_runtime.py``; so is the verification in llama.cpp.
+
+Block layouts (ggml, 32 weights a block, little-endian):
+
+* Q4_0 — fp16 ``d``, then 16 bytes: byte ``j`` holds weight ``j`` in its low nibble and weight
+  ``j+16`` in its high nibble; ``w = (q - 8) · d``. A symmetric 4-bit record is exactly this with
+  ``d`` = the group's scale (our symmetric zero point is 8).
+* Q4_1 — fp16 ``d``, fp16 ``m``, 16 nibble bytes as Q4_0; ``w = q · d + m``. An asymmetric record
+  ``(q - z) · s`` becomes ``d = s``, ``m = fp16(-z · s)``: the rounding of ``m`` to fp16 is the
+  only difference from the record (zero when ``z · s`` is representable).
+* Q8_0 — fp16 ``d``, 32 int8; ``w = i · d``. A record with ``|q - z| ≤ 127`` everywhere (any
+  record of at most 7 bits, or 8-bit symmetric) is exactly ``d = s``, ``i = q - z``.
+
+A group of our records may span several blocks (its scale is repeated), so any group size that
+is a multiple of 32 maps exactly, including a partial last group. Rows are permuted for
+llama-architecture Q/K projections (llama.cpp's rotary layout pairs dimensions ``(i, i+d/2)``
+of a head as adjacent rows); whole rows move, so the records stay exact.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compress.errors import FormatError
+from compress.quantizers.core import QuantizedWeight
+
+BLOCK = 32
+GGUF_FILE = "model.gguf"
+EXACT_TYPES = ("q4_0", "q4_1", "q8_0")
+FLOAT_TYPES = ("f32", "f16", "bf16")
+METADATA_NAMESPACE = "compress"
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    name: str  # llama.cpp's architecture name
+    permute_qk: bool  # llama.cpp's llama arch expects interleaved rotary rows in Q/K
+
+
+# transformers model_type -> llama.cpp architecture. Add an entry (and its test) to support more.
+ARCHITECTURES: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", permute_qk=True),
+    "mistral": GGUFArch("llama", permute_qk=True),
+    "qwen2": GGUFArch("qwen2", permute_qk=False),
+    "qwen3": GGUFArch("qwen3", permute_qk=False),
+}
+
+
+# --------------------------------------------------------------------------- block packing
+
+
+def _ggml_type(name: str) -> Any:
+    import gguf
+
+    return gguf.GGMLQuantizationType[name.upper()]
+
+
+def block_params(record: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per 32-block: codes [out, in] (uint8), scale [out, blocks] and zero point [out, blocks]
+    (float32), the group's values repeated over its blocks. Raises FormatError when a block
+    would straddle two groups."""
+    out_f, in_f = record.shape
+    width = record.scheme.group_width(in_f)
+    if in_f % BLOCK or width % BLOCK:
+        raise FormatError(f"group size {width} and row width {in_f} must be multiples of {BLOCK} for GGUF blocks")
+    group_of_block = torch.arange(in_f // BLOCK) * BLOCK // width
+    scale = record.scale.to(torch.float32)[:, group_of_block]
+    zero = record.zero_point.to(torch.float32)[:, group_of_block]
+    return record.codes.cpu().numpy(), scale.cpu().numpy(), zero.cpu().numpy()
+
+
+def _nibbles(codes: np.ndarray) -> np.ndarray:
+    blocks = codes.reshape(codes.shape[0], -1, BLOCK)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8)
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16)[..., None].view(np.uint8)
+
+
+def pack_q4_0(record: QuantizedWeight) -> np.ndarray:
+    """Q4_0 bytes [out, blocks * 18] of a symmetric 4-bit record (exact)."""
+    if record.scheme.bits != 4 or not record.scheme.symmetric:
+        raise FormatError(f"Q4_0 holds symmetric 4-bit records exactly, not {record.scheme.describe()}")
+    codes, scale, _ = block_params(record)
+    out = np.concatenate([_f16_bytes(scale), _nibbles(codes)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+def pack_q4_1(record: QuantizedWeight) -> np.ndarray:
+    """Q4_1 bytes [out, blocks * 20] of a 4-bit record; ``m = fp16(-z · s)``."""
+    if record.scheme.bits != 4:
+        raise FormatError(f"Q4_1 holds 4-bit records exactly, not {record.scheme.describe()}")
+    codes, scale, zero = block_params(record)
+    d = scale.astype(np.float16).astype(np.float32)  # already fp16-representable for fp16 scales
+    out = np.concatenate([_f16_bytes(scale), _f16_bytes(-zero * d), _nibbles(codes)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+def q8_0_exact(record: QuantizedWeight) -> bool:
+    return record.scheme.bits <= 7 or record.scheme.symmetric
+
+
+def pack_q8_0(record: QuantizedWeight) -> np.ndarray:
+    """Q8_0 bytes [out, blocks * 34] of a record whose ``q - z`` fits int8 (exact)."""
+    if not q8_0_exact(record):
+        raise FormatError(f"Q8_0 cannot hold {record.scheme.describe()} exactly (q - z exceeds int8)")
+    codes, scale, zero = block_params(record)
+    ints = (codes.astype(np.int16).reshape(codes.shape[0], -1, BLOCK) - zero[..., None].astype(np.int16)).astype(np.int8)
+    out = np.concatenate([_f16_bytes(scale), ints.view(np.uint8)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0}
+
+
+def record_problem(record: QuantizedWeight, type_name: str) -> str | None:
+    """Why ``record`` cannot become ``type_name`` blocks exactly, or None when it can."""
+    s, (_, in_f) = record.scheme, record.shape
+    width = s.group_width(in_f)
+    if in_f % BLOCK:
+        return f"rows of {in_f} are not a multiple of {BLOCK}"
+    if width % BLOCK:
+        return f"group size {width} is not a multiple of {BLOCK}"
+    if type_name == "q4_0" and (s.bits != 4 or not s.symmetric):
+        return f"{s.describe()} is not symmetric 4-bit"
+    if type_name == "q4_1" and s.bits != 4:
+        return f"{s.describe()} is not 4-bit"
+    if type_name == "q8_0" and not q8_0_exact(record):
+        return f"{s.describe()}: q - z exceeds int8"
+    return None
+
+
+def float_bytes(weight: torch.Tensor, type_name: str) -> tuple[np.ndarray, Any]:
+    """A float tensor in ``type_name`` (f32 | f16 | bf16 | q8_0 by llama.cpp's reference rounding)."""
+    from gguf import quants
+
+    w = weight.detach().to(torch.float32).cpu().numpy()
+    if type_name == "f32":
+        return w, None
+    if type_name == "f16":
+        return w.astype(np.float16), None
+    return quants.quantize(w, _ggml_type(type_name)), _ggml_type(type_name)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class TensorPlan:
+    hf_name: str
+    gguf_name: str
+    type_name: str  # f32 | f16 | bf16 | q8_0 | q4_0 | q4_1
+    source: str  # "record" (exact), "requantized" (fallback from a record), "float"
+    permute_heads: int | None = None  # Q/K row permutation with this many heads
+
+
+@dataclass
+class GGUFPlan:
+    arch: GGUFArch
+    tensors: list[TensorPlan] = field(default_factory=list)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # record name -> why it fell back
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(f"{t.type_name} ({t.source})" for t in self.tensors))
+
+
+def architecture_of(model: nn.Module) -> GGUFArch:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise FormatError(
+            f"GGUF export does not know the architecture '{model_type}'; known: {', '.join(sorted(ARCHITECTURES))}. "
+            "Add an entry to ARCHITECTURES in export/gguf.py (llama.cpp's architecture name and whether Q/K rows are permuted) with a test")
+    return ARCHITECTURES[model_type]
+
+
+def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
+    """The block type of an exact export: ``auto`` picks from the records' schemes."""
+    if spec_type != "auto":
+        return spec_type
+    schemes = {(r.scheme.bits, r.scheme.symmetric) for r in records.values()}
+    if not schemes:
+        return "f16"
+    if schemes == {(4, True)}:
+        return "q4_0"
+    if {b for b, _ in schemes} == {4}:
+        return "q4_1"
+    if schemes == {(8, True)}:
+        return "q8_0"
+    raise FormatError(f"type: auto cannot pick one GGUF block type for the schemes {sorted(schemes)}; set type (and fallback)")
+
+
+def plan_tensors(model: nn.Module, records: dict[str, QuantizedWeight], type_name: str, float_type: str | None,
+                 fallback: str | None) -> GGUFPlan:
+    """Which GGUF tensor each state-dict tensor becomes, in which type, and why."""
+    import gguf
+
+    from compress.artifact import embeddings_tied
+
+    arch = architecture_of(model)
+    cfg = model.config
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.name], cfg.num_hidden_layers)
+    matrix_default = float_type or (type_name if type_name in FLOAT_TYPES else "q8_0")
+    plan = GGUFPlan(arch)
+    tied = embeddings_tied(model)
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp uses token_embd for the output when output.weight is absent
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise FormatError(f"no GGUF name for {hf_name} in llama.cpp's '{arch.name}' tensor map")
+        module = hf_name.rsplit(".", 1)[0]
+        heads = None
+        if arch.permute_qk and hf_name.endswith((".q_proj.weight", ".q_proj.bias")):
+            heads = cfg.num_attention_heads
+        elif arch.permute_qk and hf_name.endswith((".k_proj.weight", ".k_proj.bias")):
+            heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if hf_name.endswith(".weight") and module in records:
+            record = records[module]
+            problem = record_problem(record, type_name) if type_name in EXACT_TYPES else f"type {type_name} is a float type"
+            if problem is None:
+                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "record", heads))
+                continue
+            if type_name in FLOAT_TYPES:
+                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads))
+                continue
+            if fallback is None:
+                raise FormatError(f"{module} ({record.scheme.describe()}) cannot become {type_name.upper()} exactly: {problem}. "
+                                  "Quantize it to a scheme that maps, or declare `fallback:` on the export (f16, bf16, f32 or q8_0)")
+            exact_fallback = fallback in EXACT_TYPES and record_problem(record, fallback) is None
+            plan.fallbacks[module] = problem
+            plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads))
+        elif tensor.dim() == 1:
+            plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads))
+        else:
+            usable = matrix_default
+            if usable in EXACT_TYPES and tensor.shape[-1] % BLOCK:
+                usable = "f16"
+            plan.tensors.append(TensorPlan(hf_name, gguf_name, usable, "float", heads))
+    return plan
+
+
+def permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's half-split rotary rows -> llama.cpp's interleaved rows, per head (rows only)."""
+    rows = t.shape[0]
+    order = torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    return t[order]
+
+
+def permuted_record(record: QuantizedWeight, heads: int | None) -> QuantizedWeight:
+    if heads is None:
+        return record
+    return QuantizedWeight(permute_rows(record.codes, heads), permute_rows(record.scale, heads),
+                           permute_rows(record.zero_point, heads), record.scheme)
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _rope(cfg: Any) -> tuple[float, dict[str, Any]]:
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return float(theta), params
+
+
+def add_hyperparameters(writer: Any, model: nn.Module, arch: GGUFArch) -> None:
+    import gguf
+
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    writer.add_context_length(int(cfg.max_position_embeddings))
+    writer.add_embedding_length(int(cfg.hidden_size))
+    writer.add_block_count(int(cfg.num_hidden_layers))
+    writer.add_feed_forward_length(int(cfg.intermediate_size))
+    writer.add_head_count(int(heads))
+    writer.add_head_count_kv(int(getattr(cfg, "num_key_value_heads", None) or heads))
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    writer.add_vocab_size(int(cfg.vocab_size))
+    writer.add_rope_dimension_count(int(head_dim))
+    if head_dim * heads != cfg.hidden_size:
+        writer.add_key_length(int(head_dim))
+        writer.add_value_length(int(head_dim))
+    theta, params = _rope(cfg)
+    writer.add_rope_freq_base(theta)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(params.get("original_max_position_embeddings", cfg.max_position_embeddings)))
+    else:
+        raise FormatError(f"GGUF export does not write rope scaling '{kind}' yet (linear and yarn are supported)")
+
+
+# llama.cpp pre-tokenizer names, recognized from the Hugging Face tokenizer.json `pre_tokenizer`.
+# A signature is the tuple of its steps (see _pre_signature). Extend with a parity test.
+_LETTERS_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST_REGEX = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PRE_TOKENIZERS: dict[tuple, str] = {
+    (("bytelevel", True, False),): "gpt-2",
+    (("digits", True), ("bytelevel", True, False)): "smollm",
+    (("split", _LETTERS_REGEX + r"\p{N}{1,3}" + _REST_REGEX), ("bytelevel", False, False)): "llama-bpe",
+    (("split", _LETTERS_REGEX + r"\p{N}" + _REST_REGEX), ("bytelevel", False, False)): "qwen2",
+}
+
+
+def _pre_signature(node: dict[str, Any] | None) -> tuple:
+    if node is None:
+        return ()
+    kind = node.get("type")
+    if kind == "Sequence":
+        return tuple(step for child in node.get("pretokenizers", []) for step in _pre_signature(child))
+    if kind == "ByteLevel":
+        return (("bytelevel", bool(node.get("use_regex", True)), bool(node.get("add_prefix_space", False))),)
+    if kind == "Digits":
+        return (("digits", bool(node.get("individual_digits", False))),)
+    if kind == "Split":
+        pattern = node.get("pattern", {})
+        return (("split", pattern.get("Regex", pattern.get("String"))),)
+    return ((kind,),)
+
+
+def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
+    signature = _pre_signature(tokenizer_json.get("pre_tokenizer"))
+    if signature not in PRE_TOKENIZERS:
+        raise FormatError(f"GGUF export does not recognize this tokenizer's pre-tokenizer {signature}; set `pre_tokenizer:` on the "
+                          f"export to llama.cpp's name for it (known here: {', '.join(sorted(set(PRE_TOKENIZERS.values())))})")
+    return PRE_TOKENIZERS[signature]
+
+
+def add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, pre_tokenizer: str) -> dict[str, Any]:
+    """BPE (``gpt2``) or SentencePiece-style byte-fallback BPE (``llama``) vocabularies from the
+    fast tokenizer's tokenizer.json, plus special ids, add-bos/eos and the chat template."""
+    import gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        tj = json.loads((Path(tmp) / "tokenizer.json").read_text())
+        special = gguf.SpecialVocab(tmp, load_merges=True, n_vocab=n_vocab)
+    model = tj["model"]
+    if model.get("type") != "BPE":
+        raise FormatError(f"GGUF export writes BPE tokenizers; this one is {model.get('type')}")
+    byte_level = any(step[0] == "bytelevel" for step in _pre_signature(tj.get("pre_tokenizer")))
+    spm = not byte_level and bool(model.get("byte_fallback"))
+    if not byte_level and not spm:
+        raise FormatError("GGUF export writes byte-level BPE (gpt2) and byte-fallback BPE (SentencePiece-style llama) tokenizers; "
+                          "this tokenizer is neither")
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["id"]: t for t in tj.get("added_tokens", [])}
+    for tid, tok in added.items():
+        vocab.setdefault(tok["content"], tid)
+    by_id = {i: t for t, i in vocab.items()}
+    tokens, types, scores = [], [], []
+    for i in range(n_vocab):
+        text = by_id.get(i)
+        if text is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(text)
+            if i in added:
+                types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+            elif spm and text.startswith("<0x") and len(text) == 6:
+                types.append(gguf.TokenType.BYTE)
+            else:
+                types.append(gguf.TokenType.NORMAL)
+        scores.append(-float(i))
+    if spm:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores(scores)
+        writer.add_add_space_prefix("Prepend" in json.dumps(tj.get("normalizer")) or "Metaspace" in json.dumps(tj.get("pre_tokenizer")))
+        pre = "default"
+    else:
+        writer.add_tokenizer_model("gpt2")
+        pre = pre_tokenizer if pre_tokenizer != "auto" else pre_tokenizer_name(tj)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    if spm:
+        special.merges = []  # SentencePiece merges come from the scores
+    # What the Hugging Face tokenizer does, written explicitly (llama.cpp's defaults differ by vocabulary type).
+    probe = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id]
+    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id]
+    special.add_to_gguf(writer, quiet=True)
+    return {"model": "llama" if spm else "gpt2", "pre": pre, "tokens": len(tokens), "merges": len(special.merges),
+            "special_ids": dict(special.special_token_ids), "add_special": dict(special.add_special_token),
+            "chat_template": special.chat_template is not None}
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_gguf(path: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], type_name: str,
+               float_type: str | None = None, fallback: str | None = None, pre_tokenizer: str = "auto",
+               extra_metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``model`` (records packed exactly where ``type_name`` allows) to ``path``; return facts."""
+    import gguf
+
+    plan = plan_tensors(model, records, type_name, float_type, fallback)
+    writer = gguf.GGUFWriter(path, plan.arch.name)
+    writer.add_name(str(getattr(model.config, "_name_or_path", "") or plan.arch.name))
+    add_hyperparameters(writer, model, plan.arch)
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
+    writer.add_file_type(ftype[type_name])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tok_facts = add_tokenizer(writer, tokenizer, int(model.config.vocab_size), pre_tokenizer)
+    for key, value in (extra_metadata or {}).items():
+        writer.add_string(f"{METADATA_NAMESPACE}.{key}", value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+    state = model.state_dict()
+    for t in plan.tensors:
+        module = t.hf_name.rsplit(".", 1)[0]
+        if t.source == "record":
+            data, raw = PACKERS[t.type_name](permuted_record(records[module].cpu(), t.permute_heads)), _ggml_type(t.type_name)
+        else:
+            tensor = records[module].dequantize() if t.source in ("dequantized", "fallback") else state[t.hf_name]
+            if t.permute_heads is not None:
+                tensor = permute_rows(tensor, t.permute_heads)
+            data, raw = float_bytes(tensor, t.type_name)
+        writer.add_tensor(t.gguf_name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    return {"architecture": plan.arch.name, "type": type_name, "tensor_types": plan.counts(), "fallbacks": plan.fallbacks,
+            "tokenizer": tok_facts, "plan": plan}
+
+
+def check_gguf_records(path: Path, plan: GGUFPlan, records: dict[str, QuantizedWeight]) -> list[str]:
+    """Read the file back with gguf's own dequantizer and compare every exactly packed record
+    with the record's values (Q4_1: with ``m`` rounded to fp16, as stored). Returns problems."""
+    import gguf
+    from gguf import quants
+
+    reader = gguf.GGUFReader(path)
+    by_name = {t.name: t for t in reader.tensors}
+    problems = []
+    for t in plan.tensors:
+        if t.source != "record":
+            continue
+        stored = by_name.get(t.gguf_name)
+        if stored is None:
+            problems.append(f"{t.gguf_name} missing")
+            continue
+        record = permuted_record(records[t.hf_name.rsplit(".", 1)[0]].cpu(), t.permute_heads)
+        got = quants.dequantize(np.asarray(stored.data), stored.tensor_type).reshape(record.shape)
+        codes, scale, zero = block_params(record)
+        d = scale.astype(np.float16).astype(np.float32)[..., None]
+        q = codes.reshape(codes.shape[0], -1, BLOCK).astype(np.float32)
+        if t.type_name == "q4_1":
+            want = q * d + (-zero[..., None] * d).astype(np.float16).astype(np.float32)
+        else:
+            want = (q - zero[..., None]) * d
+        want = want.reshape(record.shape)
+        if not np.array_equal(got, want):
+            problems.append(f"{t.gguf_name}: {int((got != want).sum())} values differ from the record")
+    return problems

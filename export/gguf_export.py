@@ -1,0 +1,136 @@
+"""The ``exports: [{format: gguf, ...}]`` step: write the file (exactly from the records, or
+through llama.cpp's quantizer from our F16 file), read the records back, then verify the file in
+llama.cpp: tokenizer parity with the Hugging Face tokenizer, accuracy against the torch
+baseline on the evaluation chunks, a same-weights check against the in-memory model, and a
+short greedy generation.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.errors import FormatError
+from compress.eval.gates import Evaluation
+from compress.eval.metrics import compare, torch_forward
+from compress.export import gguf as gguf_writer
+from compress.export import gguf_runtime
+from compress.export.specs import GGUFExport
+from compress.progress import Reporter
+from compress.quantizers.core import QuantizedWeight
+
+SAME_WEIGHTS_CHUNKS = 2
+PARITY_TEXTS = (
+    "Hello world! It's 2024-11-21, and the price is $1,234.56 (about 99.9%).",
+    "def f(x):\n    return x ** 2  # squared\n\n\tTabs and   spaces,   trailing   ",
+    "Ünïcödé: naïve café, 東京, Привет мир, emoji 🙂 and CJK 漢字.",
+    "<|im_start|>user\nShall I compare thee to a summer's day?<|im_end|>",
+)
+GENERATION_PROMPT = "The quick brown fox"
+
+
+@dataclass
+class VerifyInputs:
+    """What the verifier scores against: the torch baseline and the in-memory compressed model."""
+
+    baseline: nn.Module
+    compressed: nn.Module
+    chunks: torch.Tensor | None  # evaluation chunks [n, seq_len]; None: no evaluation data in the recipe
+    min_context: int
+    threads: int
+
+
+def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+    """Fail fast (before evaluation) on an export that cannot be made."""
+    gguf_writer.architecture_of(model)
+    if spec.quantizer == "records":
+        gguf_writer.plan_tensors(model, records, gguf_writer.resolve_type(spec.type, records), spec.float_type, spec.fallback)
+    if spec.verify:
+        gguf_runtime.llama_cpp()
+        if not has_eval:
+            raise FormatError("verify: true scores the GGUF on the evaluation chunks, and the recipe has no data.evaluation; "
+                              "add it, or set verify: false on the export")
+
+
+def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+           inputs: VerifyInputs, reporter: Reporter, label: str) -> tuple[dict[str, Any], list[Evaluation]]:
+    """Write, read back and verify one GGUF export; return its manifest entry and evaluations."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / gguf_writer.GGUF_FILE
+    with reporter.status(f"{label} writing GGUF ({spec.type}, quantizer {spec.quantizer})"):
+        if spec.quantizer == "records":
+            type_name = gguf_writer.resolve_type(spec.type, records)
+            facts = gguf_writer.write_gguf(path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer)
+            problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
+            if problems:
+                raise FormatError(f"{label}: reading the GGUF back does not give the records: {'; '.join(problems[:5])}")
+            exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
+        else:
+            type_name = spec.type
+            with tempfile.TemporaryDirectory(dir=directory) as tmp:
+                f16 = Path(tmp) / "f16.gguf"
+                facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer)
+                gguf_runtime.quantize(f16, path, spec.type, inputs.threads, token_embedding_type=spec.float_type)
+            exact = 0
+    facts.pop("plan")
+    entry: dict[str, Any] = {
+        "name": spec.name,
+        "format": "gguf",
+        "path": None,  # set by the registry
+        "type": type_name,
+        "quantizer": spec.quantizer,
+        "layers": len(records),
+        "records_exact": exact,
+        "fallbacks": facts["fallbacks"],
+        "tensor_types": facts["tensor_types"],
+        "tokenizer": facts["tokenizer"],
+        "architecture": facts["architecture"],
+        "size_bytes": path.stat().st_size,
+        "verified": False,
+        "check": "records read back bit-exact with gguf's dequantizer" if exact else "written by llama.cpp's quantizer",
+    }
+    evaluations: list[Evaluation] = []
+    if spec.verify:
+        evaluation = verify(path, spec, tokenizer, inputs, reporter, label, same_weights=spec.quantizer == "records")
+        evaluations.append(evaluation)
+        entry["verified"] = True
+        entry["check"] += "; verified in llama.cpp (tokenizer parity, same-weights KL, metrics vs baseline)"
+    return entry, evaluations
+
+
+def verify(path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str,
+           same_weights: bool) -> Evaluation:
+    assert inputs.chunks is not None
+    chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
+    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=int(chunks.shape[1]), threads=inputs.threads)
+    try:
+        texts = [*PARITY_TEXTS, *(tokenizer.decode(row[:128]) for row in chunks[:4])]
+        mismatches = gguf_runtime.tokenization_mismatches(runtime, tokenizer, texts)
+        if mismatches:
+            raise FormatError(f"{label}: llama.cpp tokenizes {len(mismatches)} of {len(texts)} sample texts differently from the "
+                              f"Hugging Face tokenizer (first: {mismatches[0]}); set pre_tokenizer: on the export if the "
+                              "recognized one is wrong")
+        details: dict[str, Any] = {"file": path.name, "size_bytes": path.stat().st_size, "chunks": int(chunks.shape[0]),
+                                   "seq_len": int(chunks.shape[1]), "min_context": inputs.min_context,
+                                   "tokenizer_parity_texts": len(texts)}
+        if same_weights:
+            sub = chunks[:SAME_WEIGHTS_CHUNKS]
+            with reporter.status(f"{label} same-weights check in llama.cpp ({sub.shape[0]} chunks)"):
+                got = compare(torch_forward(inputs.compressed, torch.device("cpu")), {"gguf": runtime.forward}, sub, inputs.min_context)
+            kl = float(got["gguf"]["kl_divergence"])
+            details["same_weights_kl"] = kl
+            details["same_weights_top1"] = float(got["gguf"]["top1_agreement"])
+            if kl > spec.same_weights_max_kl:
+                raise FormatError(f"{label}: llama.cpp on the GGUF differs from our model with the same weights by KL {kl:.4f} "
+                                  f"> same_weights_max_kl {spec.same_weights_max_kl}: a layout bug, or set the tolerance higher")
+        metrics = compare(torch_forward(inputs.baseline, torch.device("cpu")), {"gguf": runtime.forward}, chunks, inputs.min_context,
+                          progress=reporter.track)["gguf"]
+        details["sample"] = {"prompt": GENERATION_PROMPT, "greedy": runtime.generate(GENERATION_PROMPT)}
+    finally:
+        runtime.close()
+    return Evaluation(artifact=spec.name, runtime="llama.cpp", device="cpu", metrics=metrics, details=details)

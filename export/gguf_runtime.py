@@ -1,0 +1,188 @@
+"""llama.cpp, through the llama-cpp-python binding (extra ``gguf``): its own quantizer (K-quants
+and the rest, made from our F16 file) and the runtime the GGUF verifier scores exports on.
+
+Imported lazily: the binding is an optional, compiled dependency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compress.errors import FormatError
+from compress.export.specs import GGUF_LLAMA_CPP_TYPES
+
+INSTALL_HINT = "pip install 'compress[gguf]' (llama-cpp-python builds from source: about 17 minutes on 2 cores the first time)"
+
+# llama.cpp's file types made by its quantizer, by our lower-case names (gguf.LlamaFileType members).
+LLAMA_CPP_TYPES = GGUF_LLAMA_CPP_TYPES
+
+
+def llama_cpp() -> Any:
+    try:
+        import llama_cpp as module
+    except ImportError as exc:
+        raise FormatError(f"llama.cpp (llama-cpp-python) is not installed: {INSTALL_HINT}") from exc
+    return module
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """llama.cpp logs to fd 2 from C; hide it unless COMPRESS_LLAMA_LOG is set."""
+    if os.environ.get("COMPRESS_LLAMA_LOG"):
+        yield
+        return
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def ggml_type_id(name: str) -> int:
+    import gguf
+
+    return int(gguf.GGMLQuantizationType[name.upper()])
+
+
+def quantize(source: Path, target: Path, type_name: str, threads: int, token_embedding_type: str | None = None,
+             output_type: str | None = None) -> None:
+    """llama.cpp's own quantizer: ``source`` (our F16/F32 GGUF) -> ``target`` in ``type_name``."""
+    import gguf
+
+    lib = llama_cpp()
+    if type_name not in LLAMA_CPP_TYPES:
+        raise FormatError(f"llama.cpp type '{type_name}' is not offered; known: {', '.join(LLAMA_CPP_TYPES)}")
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = int(gguf.LlamaFileType[f"MOSTLY_{type_name.upper()}"])
+    params.nthread = threads
+    if token_embedding_type is not None:
+        params.token_embedding_type = ggml_type_id(token_embedding_type)
+    if output_type is not None:
+        params.output_tensor_type = ggml_type_id(output_type)
+    with _quiet_stderr():
+        rc = lib.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if rc != 0 or not target.is_file():
+        raise FormatError(f"llama.cpp's quantizer failed ({rc}) making {type_name} from {source}")
+
+
+@contextlib.contextmanager
+def _model_params(use_extra_bufts: bool) -> Iterator[None]:
+    """``Llama()`` takes its model parameters from ``llama_model_default_params()`` and has no
+    argument for ``use_extra_bufts``; set it there while the model loads."""
+    import llama_cpp.llama_cpp as capi
+
+    original = capi.llama_model_default_params
+
+    def patched() -> Any:
+        params = original()
+        params.use_extra_bufts = use_extra_bufts
+        return params
+
+    capi.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        capi.llama_model_default_params = original
+
+
+def extra_buffer_types() -> bool:
+    """Whether llama.cpp may use its extra CPU buffer types (weight repacking, the AMX kernels).
+    Off unless COMPRESS_LLAMA_EXTRA_BUFTS=1: a native build on a CPU that reports AMX crashes in
+    ggml_backend_amx_mul_mat on quantized weights when the kernel does not grant AMX tile state
+    (seen on this project's CI-like VMs); without them llama.cpp runs its portable SIMD kernels."""
+    return os.environ.get("COMPRESS_LLAMA_EXTRA_BUFTS", "") == "1"
+
+
+class LlamaCppModel:
+    """A GGUF file loaded in llama.cpp, with a ``Forward`` for the metrics and a tokenizer."""
+
+    def __init__(self, path: Path, n_ctx: int, threads: int) -> None:
+        lib = llama_cpp()
+        self.path = path
+        # llama.cpp makes a context of at least 256 tokens, and llama-cpp-python sizes its logits
+        # buffer by the n_ctx asked for; asking for 256 or more keeps the two in agreement.
+        n_ctx = max(n_ctx, 256)
+        with _quiet_stderr(), _model_params(extra_buffer_types()):
+            try:
+                self.llm = lib.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                                     n_threads=threads, n_threads_batch=threads, verbose=False)
+            except (ValueError, RuntimeError) as exc:
+                raise FormatError(f"llama.cpp could not load {path}: {exc}") from exc
+        self.n_ctx = n_ctx
+        self.last_decode_seconds = 0.0
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] for one sequence, from an empty cache."""
+        if len(ids) > self.n_ctx:
+            raise FormatError(f"a sequence of {len(ids)} tokens exceeds the llama.cpp context of {self.n_ctx}")
+        self.llm.reset()
+        with _quiet_stderr():
+            self.llm.eval(ids)
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``Forward``: token ids [batch, seq] -> logits [batch, seq, vocab]."""
+        return torch.from_numpy(np.stack([self.logits(row.tolist()) for row in ids]))
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+    def greedy(self, ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
+        """Greedy decoding after ``ids``, one token per llama.cpp call, within the context.
+        ``last_decode_seconds`` is the time of the one-token steps (the prompt excluded)."""
+        max_tokens = min(max_tokens, self.n_ctx - len(ids))
+        if max_tokens < 1:
+            raise FormatError(f"a prompt of {len(ids)} tokens leaves no room in the llama.cpp context of {self.n_ctx}")
+        self.llm.reset()
+        with _quiet_stderr():
+            self.llm.eval(ids)
+            out: list[int] = []
+            started = time.perf_counter()
+            for _ in range(max_tokens):
+                nxt = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+                if stop_at_eos and nxt == self.llm.token_eos():
+                    break
+                out.append(nxt)
+                self.llm.eval([nxt])
+            self.last_decode_seconds = time.perf_counter() - started
+        return out
+
+    def generate(self, prompt: str, max_tokens: int = 48) -> str:
+        """Greedy continuation of ``prompt`` (BOS added when the file says so), as text."""
+        ids = list(self.llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False))
+        return self.llm.detokenize(self.greedy(ids, max_tokens)).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def tokenization_mismatches(runtime: LlamaCppModel, tokenizer: Any, texts: list[str]) -> list[dict[str, Any]]:
+    """Texts on which llama.cpp and the Hugging Face tokenizer disagree (with the first difference)."""
+    bad = []
+    for i, text in enumerate(texts):
+        ours = runtime.tokenize(text)
+        theirs = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if ours != theirs:
+            at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            bad.append({"text": i, "position": at, "llama.cpp": ours[at : at + 5], "transformers": theirs[at : at + 5]})
+    return bad

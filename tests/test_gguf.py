@@ -1,0 +1,248 @@
+"""GGUF export: exact Q4_0 / Q4_1 / Q8_0 blocks from records, read back with gguf's own
+dequantizer and loaded by transformers (``gguf_file=``); tokenizer metadata; clear refusals;
+and, where llama-cpp-python is installed, the file run in llama.cpp (round trip, tokenizer
+parity, llama.cpp's own quantizer, the pipeline's verifier).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from compress.errors import FormatError
+from compress.export import gguf as G
+from compress.export import gguf_runtime
+from compress.export.specs import GGUFExport
+from tests.helpers import recipe_text, run_cli, write_recipe
+from tests.test_formats import quantize, tiny_llama, token_ids
+
+needs_llama_cpp = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def stored(path: Path) -> dict[str, object]:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def field(path: Path, key: str):
+    return gguf.GGUFReader(path).fields[key].contents()
+
+
+# --------------------------------------------------------------------------- exact blocks
+
+
+def m_rounding(record) -> float:
+    """Bound on rounding m = -z·s to fp16 (half an ulp: 2^-11 relative; doubled for slack)."""
+    return float((record.zero_point.float() * record.scale.float()).abs().max()) * 2**-10
+
+
+EXACT_CASES = [
+    ("q4_0", 4, 32, True, 128),
+    ("q4_0", 4, 128, True, 160),  # a partial last group of 32
+    ("q4_1", 4, 64, False, 128),
+    ("q4_1", 4, 128, True, 128),  # symmetric records fit Q4_1 too (m = -8 s)
+    ("q8_0", 8, 32, True, 128),
+    ("q8_0", 3, 64, False, 128),  # |q - z| <= 7 fits int8
+]
+
+
+@pytest.mark.parametrize(("type_name", "bits", "group", "symmetric", "hidden"), EXACT_CASES)
+def test_records_become_blocks_bit_exactly(tmp_path: Path, tokenizer, type_name, bits, group, symmetric, hidden) -> None:
+    model = tiny_llama(len(tokenizer), hidden=hidden, intermediate=2 * hidden)
+    records = quantize(model, bits, group, symmetric)
+    path = tmp_path / "m.gguf"
+    facts = G.write_gguf(path, model, tokenizer, records, type_name, float_type="f32")
+    assert G.check_gguf_records(path, facts["plan"], records) == []
+    assert facts["tensor_types"][f"{type_name} (record)"] == len(records) == 14
+    tensors = stored(path)
+    heads = {"q_proj": 4, "k_proj": 2}
+    for name, record in records.items():
+        t = tensors[facts["plan"].tensors[[p.hf_name for p in facts["plan"].tensors].index(name + ".weight")].gguf_name]
+        assert t.tensor_type == gguf.GGMLQuantizationType[type_name.upper()]
+        got = torch.from_numpy(quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(record.shape).copy())
+        want = record.dequantize()
+        kind = name.rsplit(".", 1)[1]
+        if kind in heads:  # llama.cpp's rotary row order; undo it to compare with the record
+            inverse = torch.argsort(G.permute_rows(torch.arange(record.shape[0]), heads[kind]))
+            got = got[inverse]
+        if type_name == "q4_1" and not symmetric:  # m = fp16(-z s): the one rounding Q4_1 adds
+            assert (got - want).abs().max() <= m_rounding(record)
+        else:
+            assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize(("type_name", "symmetric"), [("q4_0", True), ("q4_1", False)])
+def test_transformers_loads_our_gguf_with_the_same_weights_and_logits(tmp_path: Path, tokenizer, type_name, symmetric) -> None:
+    model = tiny_llama(len(tokenizer))
+    records = quantize(model, 4, 32, symmetric)
+    G.write_gguf(tmp_path / "m.gguf", model, tokenizer, records, type_name, float_type="f32")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    theirs = dict(loaded.named_modules())
+    for name, record in records.items():
+        tol = 0.0 if symmetric else m_rounding(record)
+        assert (theirs[name].weight - record.dequantize()).abs().max().item() <= tol, name
+    ids = token_ids(len(tokenizer))
+    with torch.no_grad():
+        assert (loaded(ids).logits - model(ids).logits).abs().max().item() <= (1e-5 if symmetric else 1e-3)
+
+
+def test_hyperparameters_and_tokenizer_metadata(tmp_path: Path, tokenizer) -> None:
+    model = tiny_llama(len(tokenizer))
+    path = tmp_path / "m.gguf"
+    facts = G.write_gguf(path, model, tokenizer, {}, "f16")
+    assert field(path, "general.architecture") == "llama"
+    assert field(path, "llama.attention.head_count") == 4 and field(path, "llama.attention.head_count_kv") == 2
+    assert field(path, "llama.embedding_length") == 128 and field(path, "llama.block_count") == 2
+    assert field(path, "llama.context_length") == 256 and field(path, "llama.rope.dimension_count") == 32
+    assert field(path, "tokenizer.ggml.model") == "gpt2" and field(path, "tokenizer.ggml.pre") == "gpt-2"
+    tokens = field(path, "tokenizer.ggml.tokens")
+    assert tokens == [tokenizer.convert_ids_to_tokens(i) for i in range(len(tokenizer))]
+    types = field(path, "tokenizer.ggml.token_type")
+    assert types[0] == gguf.TokenType.CONTROL and set(types[1:]) == {gguf.TokenType.NORMAL}
+    assert len(field(path, "tokenizer.ggml.merges")) == facts["tokenizer"]["merges"] > 0
+    assert field(path, "tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    assert "output.weight" not in stored(path)  # tied: llama.cpp reuses token_embd
+    untied = tiny_llama(len(tokenizer), tie=False)
+    G.write_gguf(tmp_path / "u.gguf", untied, tokenizer, {}, "f16")
+    assert "output.weight" in stored(tmp_path / "u.gguf")
+
+
+def test_pre_tokenizer_recognition() -> None:
+    smollm = {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}}
+    assert G.pre_tokenizer_name(smollm) == "smollm"
+    qwen2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    split = {"type": "Split", "pattern": {"Regex": qwen2}, "behavior": "Isolated", "invert": False}
+    bl = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
+    assert G.pre_tokenizer_name({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, bl]}}) == "qwen2"
+    with pytest.raises(FormatError, match="set `pre_tokenizer:` on the export"):
+        G.pre_tokenizer_name({"pre_tokenizer": {"type": "Whitespace"}})
+
+
+def test_records_that_cannot_map_exactly_fail_or_fall_back(tmp_path: Path, tokenizer) -> None:
+    model = tiny_llama(len(tokenizer))
+    records = quantize(model, 3, 64, True)
+    with pytest.raises(FormatError, match=r"cannot become Q4_0 exactly: W3 g64 sym is not symmetric 4-bit.*fallback"):
+        G.plan_tensors(model, records, "q4_0", None, None)
+    path = tmp_path / "f.gguf"
+    facts = G.write_gguf(path, model, tokenizer, records, "q4_0", fallback="q8_0")
+    assert facts["tensor_types"]["q8_0 (record)"] == 14  # 3-bit codes fit Q8_0 exactly
+    assert set(facts["fallbacks"]) == set(records) and G.check_gguf_records(path, facts["plan"], records) == []
+    facts = G.write_gguf(path, model, tokenizer, records, "q4_0", fallback="f16")
+    assert facts["tensor_types"]["f16 (fallback)"] == 14
+
+    odd = tiny_llama(len(tokenizer), hidden=96, intermediate=192)
+    with pytest.raises(FormatError, match="group size 48 is not a multiple of 32"):
+        G.plan_tensors(odd, quantize(odd, 4, 48, True), "q4_0", None, None)
+    assert G.resolve_type("auto", quantize(tiny_llama(len(tokenizer)), 4, 32, False)) == "q4_1"
+    assert G.resolve_type("auto", {}) == "f16"
+
+    model.config.model_type = "gpt_neox"
+    with pytest.raises(FormatError, match="Add an entry to ARCHITECTURES in export/gguf.py"):
+        G.architecture_of(model)
+
+
+def test_gguf_export_specs() -> None:
+    assert GGUFExport(type="q4_k_m").quantizer == "llama.cpp"
+    assert GGUFExport().quantizer == "records" and GGUFExport(type="q4_0", quantizer="llama.cpp").type == "q4_0"
+    with pytest.raises(ValueError, match="with quantizer records: expected one of auto, f32"):
+        GGUFExport(type="q4_k_m", quantizer="records")
+    with pytest.raises(ValueError, match="fallback applies to quantizer records"):
+        GGUFExport(type="q6_k", fallback="f16")
+
+
+def test_pipeline_gguf_export_without_verification(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    exports = "exports:\n  - format: gguf\n    verify: false\n"
+    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32, symmetric=False).replace("exports: []\n", exports)
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["exports"][0]
+    assert (entry["type"], entry["records_exact"], entry["verified"], entry["path"]) == ("q4_1", 14, False, "exports/gguf")
+    assert manifest["files"]["exports/gguf/model.gguf"] == entry["files"]["model.gguf"]
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+
+@needs_llama_cpp
+def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from compress.eval.metrics import compare, torch_forward
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():  # a random init's attention is nearly uniform and weak: sharpen and strengthen it so row order matters
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8)
+            if name.endswith(("v_proj.weight", "o_proj.weight")):
+                p.mul_(4)
+    records = quantize(model, 4, 32, True)
+    path = tmp_path / "m.gguf"
+    G.write_gguf(path, model, tok, records, "q4_0")
+    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2)
+    try:
+        assert gguf_runtime.tokenization_mismatches(runtime, tok, ["Hello world! 1234 the king speaks."]) == []
+        ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(0))
+        same = compare(torch_forward(model, torch.device("cpu")), {"gguf": runtime.forward}, ids, 8)["gguf"]
+        assert same["kl_divergence"] < 1e-3 and same["top1_agreement"] > 0.85, same
+        # A wrong row order (Q/K left unpermuted) is caught by the same check.
+        bad = tmp_path / "bad.gguf"
+        G.ARCHITECTURES["llama"] = G.GGUFArch("llama", permute_qk=False)
+        try:
+            G.write_gguf(bad, model, tok, records, "q4_0")
+        finally:
+            G.ARCHITECTURES["llama"] = G.GGUFArch("llama", permute_qk=True)
+    finally:
+        runtime.close()
+    wrong = gguf_runtime.LlamaCppModel(bad, n_ctx=64, threads=2)
+    try:
+        broken = compare(torch_forward(model, torch.device("cpu")), {"gguf": wrong.forward}, ids, 8)["gguf"]
+    finally:
+        wrong.close()
+    assert broken["kl_divergence"] > 100 * same["kl_divergence"] and broken["top1_agreement"] < 0.5, (same, broken)
+
+
+@needs_llama_cpp
+def test_llama_cpp_quantizer_makes_k_quants_from_our_f16(tmp_path: Path, tokenizer) -> None:
+    model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
+    f16 = tmp_path / "f16.gguf"
+    G.write_gguf(f16, model, tokenizer, {}, "f16")
+    out = tmp_path / "q4km.gguf"
+    gguf_runtime.quantize(f16, out, "q4_k_m", threads=2)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert "Q4_K" in types.values() and out.stat().st_size < f16.stat().st_size
+    with pytest.raises(FormatError, match="not offered"):
+        gguf_runtime.quantize(f16, out, "q9_k", threads=2)
+
+
+@needs_llama_cpp
+def test_pipeline_verifies_gguf_in_llama_cpp_and_gates_on_it(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    exports = "exports:\n  - format: gguf\n    name: q4\n  - format: gguf\n    name: k\n    type: q6_k\n"
+    gates = "  - metric: kl_divergence\n    artifact: q4\n    max: 10\n  - metric: top1_agreement\n    artifact: k\n    min: 0.5\n"
+    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32, symmetric=True, gates=gates).replace("exports: []\n", exports)
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    evals = {e["artifact"]: e for e in report["evaluations"]}
+    assert evals["q4"]["runtime"] == "llama.cpp" and evals["k"]["runtime"] == "llama.cpp"
+    assert evals["q4"]["details"]["same_weights_kl"] < 0.02 and "same_weights_kl" not in evals["k"]["details"]
+    assert evals["q4"]["details"]["sample"]["greedy"]
+    assert [e["evaluated_as"] for e in report["exports"]] == ["q4", "k"]
+    gates_by_artifact = {g["artifact"]: g for g in report["gates"]}
+    assert gates_by_artifact["q4"]["value"] == evals["q4"]["metrics"]["kl_divergence"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [e["type"] for e in manifest["exports"]] == ["q4_0", "q6_k"] and manifest["exports"][0]["records_exact"] == 14
