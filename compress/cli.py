@@ -114,17 +114,36 @@ def schema() -> None:
     sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
 
 
+# The model and data options both benchmarks take.
+_MODEL_OPTION = typer.Option("reference:smollm2-135m", help="Model source (as in a recipe).")
+_CALIBRATION_OPTION = typer.Option("reference:shakespeare", help="Calibration text source.")
+_CAL_SAMPLES_OPTION = typer.Option(128, help="Calibration chunks.")
+_CAL_SEQ_LEN_OPTION = typer.Option(512, help="Tokens per calibration chunk.")
+_EVALUATION_OPTION = typer.Option("reference:shakespeare", help="Evaluation text (kept apart from calibration text).")
+_EVAL_SAMPLES_OPTION = typer.Option(32, help="Evaluation chunks.")
+_EVAL_SEQ_LEN_OPTION = typer.Option(512, help="Tokens per evaluation chunk.")
+
+
+def _bench_data(calibration: str, cal_samples: int, cal_seq_len: int, evaluation: str, eval_samples: int, eval_seq_len: int) -> Any:
+    from compress.recipe import DataSpec
+
+    return DataSpec(
+        calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
+        evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
+    )
+
+
 @bench_app.command("quant")
 @guarded
 def bench_quant(
     output: Path = typer.Option(Path("bench-quant"), "-o", "--output", help="Directory for results.json and results.md."),
-    model: str = typer.Option("reference:smollm2-135m", help="Model source (as in a recipe)."),
-    calibration: str = typer.Option("reference:shakespeare", help="Calibration text source."),
-    cal_samples: int = typer.Option(128, help="Calibration chunks."),
-    cal_seq_len: int = typer.Option(512, help="Tokens per calibration chunk."),
-    evaluation: str = typer.Option("reference:shakespeare", help="Evaluation text (kept apart from calibration text)."),
-    eval_samples: int = typer.Option(32, help="Evaluation chunks."),
-    eval_seq_len: int = typer.Option(512, help="Tokens per evaluation chunk."),
+    model: str = _MODEL_OPTION,
+    calibration: str = _CALIBRATION_OPTION,
+    cal_samples: int = _CAL_SAMPLES_OPTION,
+    cal_seq_len: int = _CAL_SEQ_LEN_OPTION,
+    evaluation: str = _EVALUATION_OPTION,
+    eval_samples: int = _EVAL_SAMPLES_OPTION,
+    eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
     methods: str = typer.Option("rtn,gptq,awq", help="Comma-separated methods."),
     settings: str = typer.Option("W4g128s,W4g128a,W3g128s,W3g128a", help="Comma-separated: W<bits>g<group><s|a>, or W<bits>pc<s|a>."),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
@@ -134,7 +153,6 @@ def bench_quant(
     """Compare RTN, GPTQ and AWQ: KL divergence, top-1 agreement, perplexity, time and memory."""
     from compress.eval.bench_quant import Setting, markdown_table, run_quant_bench
     from compress.progress import Reporter
-    from compress.recipe import DataSpec
 
     try:
         parsed = [Setting.parse(s) for s in settings.split(",") if s.strip()]
@@ -163,10 +181,7 @@ def bench_quant(
             QUANTIZE_METHODS[method][0](method=method, bits=4, **opts)
         except ValidationError as exc:
             raise CompressError(f"--option for {method}: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
-    data = DataSpec(
-        calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
-        evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
-    )
+    data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err), method_options)
     out.print(markdown_table(result))
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
@@ -176,13 +191,13 @@ def bench_quant(
 @guarded
 def bench_gguf(
     output: Path = typer.Option(Path("bench-gguf"), "-o", "--output", help="Directory for results.json and results.md."),
-    model: str = typer.Option("reference:smollm2-135m", help="Model source (as in a recipe)."),
-    calibration: str = typer.Option("reference:shakespeare", help="Calibration text source."),
-    cal_samples: int = typer.Option(128, help="Calibration chunks."),
-    cal_seq_len: int = typer.Option(512, help="Tokens per calibration chunk."),
-    evaluation: str = typer.Option("reference:shakespeare", help="Evaluation text (kept apart from calibration text)."),
-    eval_samples: int = typer.Option(32, help="Evaluation chunks."),
-    eval_seq_len: int = typer.Option(512, help="Tokens per evaluation chunk."),
+    model: str = _MODEL_OPTION,
+    calibration: str = _CALIBRATION_OPTION,
+    cal_samples: int = _CAL_SAMPLES_OPTION,
+    cal_seq_len: int = _CAL_SEQ_LEN_OPTION,
+    evaluation: str = _EVALUATION_OPTION,
+    eval_samples: int = _EVAL_SAMPLES_OPTION,
+    eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
     candidates: str = typer.Option(",".join(_GGUF_CANDIDATES), help="Comma-separated: METHOD:SETTING (ours, e.g. gptq:W4g32s -> Q4_0, "
                                    "awq:W4g128a -> Q4_1) or llama.cpp:TYPE (its quantizer on our F16 file)."),
     embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
@@ -194,16 +209,12 @@ def bench_gguf(
     """Our exact GPTQ/AWQ Q4_0/Q4_1 GGUFs against llama.cpp's own quantizations, measured in llama.cpp."""
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
-    from compress.recipe import DataSpec
 
     try:
         parsed = [Candidate.parse(c) for c in candidates.split(",") if c.strip()]
     except ValueError as exc:
         raise CompressError(str(exc)) from None
-    data = DataSpec(
-        calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
-        evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
-    )
+    data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     result = run_gguf_bench(model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files)
     out.print(markdown_table(result))
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")

@@ -38,7 +38,8 @@ from compress.recipe import LoadedRecipe, Recipe
 
 MANIFEST_VERSION = 1
 REPORT_VERSION = 1
-VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "gguf", "accelerate")
+VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "gguf", "accelerate",
+                      "llama_cpp_python")
 
 
 @dataclass

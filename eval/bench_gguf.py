@@ -20,19 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from compress.context import RunContext
-from compress.data import DataPlan
-from compress.eval.bench_quant import Setting
+from compress.eval.bench_quant import Setting, load_bench_inputs
 from compress.eval.metrics import compare
 from compress.export import gguf as gguf_writer
 from compress.export import gguf_runtime
-from compress.models import load_model
 from compress.progress import Reporter
 from compress.quantizers import QUANTIZE_METHODS
-from compress.recipe import DataSpec, ModelSpec
+from compress.recipe import DataSpec
 
 LLAMA_CPP = "llama.cpp"
 
@@ -81,14 +78,7 @@ def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate
                    embedding_type: str, reporter: Reporter, decode_tokens: int = 64, repeats: int = 3,
                    keep_files: bool = False) -> dict[str, Any]:
     gguf_runtime.llama_cpp()  # fail before any work when the binding is missing
-    torch.set_num_threads(threads)
-    base_dir = Path.cwd()
-    lm = load_model(ModelSpec(source=model_source), base_dir, reporter)
-    plan = DataPlan.load(data, base_dir, reporter)
-    evaluation = plan.chunks("evaluation", lm.tokenizer)
-    calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None
-    spec = data.evaluation
-    assert spec is not None
+    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
     seq_len = int(evaluation.tokens.shape[1])
     files = out_dir / "files"
     files.mkdir(parents=True, exist_ok=True)

@@ -96,6 +96,19 @@ class PeakRSS:
         self.peak_mb = max(self.peak_mb, self._proc.memory_info().rss / 2**20)
 
 
+def load_bench_inputs(model_source: str, data: DataSpec, threads: int, reporter: Reporter) -> tuple[Any, Any, Any, Any]:
+    """The model, calibration chunks (None without calibration data), evaluation chunks and
+    evaluation spec a benchmark runs on, with torch set to ``threads``."""
+    torch.set_num_threads(threads)
+    base_dir = Path.cwd()
+    lm = load_model(ModelSpec(source=model_source), base_dir, reporter)
+    plan = DataPlan.load(data, base_dir, reporter)
+    evaluation = plan.chunks("evaluation", lm.tokenizer)
+    calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None
+    assert data.evaluation is not None
+    return lm, calibration, evaluation, data.evaluation
+
+
 def run_quant_bench(
     model_source: str,
     data: DataSpec,
@@ -106,15 +119,8 @@ def run_quant_bench(
     reporter: Reporter,
     method_options: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    torch.set_num_threads(threads)
     device = torch.device("cpu")
-    base_dir = Path.cwd()
-    lm = load_model(ModelSpec(source=model_source), base_dir, reporter)
-    plan = DataPlan.load(data, base_dir, reporter)
-    evaluation = plan.chunks("evaluation", lm.tokenizer)
-    calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None
-    spec = data.evaluation
-    assert spec is not None
+    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
     baseline = torch_forward(lm.model, device)
     result: dict[str, Any] = {
         "model": {"source": model_source, "sha256": lm.facts["sha256"]},

@@ -292,9 +292,8 @@ def add_hyperparameters(writer: Any, model: nn.Module, arch: GGUFArch) -> None:
     writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     writer.add_vocab_size(int(cfg.vocab_size))
     writer.add_rope_dimension_count(int(head_dim))
-    if head_dim * heads != cfg.hidden_size:
-        writer.add_key_length(int(head_dim))
-        writer.add_value_length(int(head_dim))
+    writer.add_key_length(int(head_dim))  # explicit: readers default to hidden / heads (transformers' qwen3 to 128)
+    writer.add_value_length(int(head_dim))
     theta, params = _rope(cfg)
     writer.add_rope_freq_base(theta)
     kind = params.get("rope_type", params.get("type", "default"))
@@ -377,10 +376,10 @@ def add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, pre_tokenizer: str)
             types.append(gguf.TokenType.UNUSED)
         else:
             tokens.append(text)
-            if i in added:
-                types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
-            elif spm and text.startswith("<0x") and len(text) == 6:
+            if spm and text.startswith("<0x") and len(text) == 6:
                 types.append(gguf.TokenType.BYTE)
+            elif i in added:
+                types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
             else:
                 types.append(gguf.TokenType.NORMAL)
         scores.append(-float(i))

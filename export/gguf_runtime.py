@@ -145,7 +145,7 @@ class LlamaCppModel:
         return torch.from_numpy(np.stack([self.logits(row.tolist()) for row in ids]))
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))  # HF parses added tokens in text too
 
     def greedy(self, ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
         """Greedy decoding after ``ids``, one token per llama.cpp call, within the context.

@@ -15,8 +15,8 @@ from compress.errors import CompressError
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
 from compress.quantizers.arch import ARCHITECTURES, architecture_of, decoder_blocks
-from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales, search_scales
-from compress.quantizers.core import QuantScheme, compute_qparams
+from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales, search_clip, search_scales
+from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, quantize_codes
 from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
 from compress.recipe import load_recipe
@@ -149,6 +149,51 @@ def test_layers_outside_blocks_are_refused() -> None:
     model = tiny("llama")
     with pytest.raises(CompressError, match="lm_head is outside them"):
         GPTQStage(GPTQConfig(bits=4, group_size=32, ignore=[]), "stages[0]").apply(model, ctx_for(tokens()))
+
+
+@pytest.mark.parametrize(("out_f", "in_f", "group"), [(48, 96, 32), (40, 160, 64), (24, 96, None)])
+def test_search_clip_equals_replaying_the_tokens(out_f: int, in_f: int, group: int | None) -> None:
+    """The Gram-matrix error (Δwᵀ H Δw per group) picks the same bounds as replaying the tokens."""
+    torch.manual_seed(0)
+    w = torch.randn(out_f, in_f) * 0.05
+    x = torch.randn(256, in_f) * torch.rand(in_f) * 3
+    scheme = QuantScheme(bits=3, group_size=group, symmetric=True)
+    wg = group_rows(w, scheme)
+    n, g = wg.shape[1], wg.shape[2]
+    xg = torch.nn.functional.pad(x, (0, n * g - in_f)).reshape(x.shape[0], n, g)
+    reference = torch.einsum("ogk,tgk->ogt", wg, xg)
+    org = wg.abs().amax(-1)
+    errors = []
+    for i in range(10):  # grid 20, max_shrink 0.5
+        bound = org * (1 - i / 20)
+        clipped = torch.maximum(torch.minimum(wg, bound.unsqueeze(-1)), -bound.unsqueeze(-1))
+        scale, zero = compute_qparams(clipped, scheme)
+        q = (quantize_codes(clipped, scale, zero, scheme) - zero.unsqueeze(-1)) * scale.unsqueeze(-1)
+        errors.append((torch.einsum("ogk,tgk->ogt", q, xg) - reference).pow(2).mean(-1))
+    expected = org * (1 - torch.stack(errors).argmin(0) / 20)
+    assert torch.equal(search_clip(x, w, scheme, 20, 0.5), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_layerwise_calibration_on_cuda_matches_cpu(method: str) -> None:
+    """The same stage with compute.device cuda: blocks visit the GPU one at a time and come back,
+    per-block GPU peak memory is reported, and the codes agree with the CPU run (float order only)."""
+    base = tiny("llama")
+    cal = tokens(8, 48)
+    found = {}
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(base)
+        ctx = RunContext(seed=0, device=torch.device(device), tokenizer=None, reporter=QUIET, calibration=lambda: cal)
+        config = GPTQConfig(bits=4, group_size=32) if method == "gptq" else AWQConfig(bits=4, group_size=32)
+        stage = GPTQStage(config, "s") if method == "gptq" else AWQStage(config, "s")
+        record = stage.apply(model, ctx)
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        if device == "cuda":
+            assert all(b["peak_memory_mb"] > 0 for b in record.summary["blocks"]), record.summary
+        found[device] = ctx.quantized
+    agree = [float((found["cpu"][n].codes == found["cuda"][n].codes.cpu()).float().mean()) for n in found["cpu"]]
+    assert min(agree) > 0.97, agree
 
 
 # --------------------------------------------------------------------------- quality and pipeline
