@@ -445,6 +445,13 @@ def write_gguf(path: Path, model: nn.Module, tokenizer: Any, records: dict[str, 
             "tokenizer": tok_facts, "plan": plan}
 
 
+def stored_type_counts(path: Path) -> dict[str, int]:
+    """Tensor types in a GGUF file, counted (lower-case ggml names)."""
+    import gguf
+
+    return dict(Counter(t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors))
+
+
 def check_gguf_records(path: Path, plan: GGUFPlan, records: dict[str, QuantizedWeight]) -> list[str]:
     """Read the file back with gguf's own dequantizer and compare every exactly packed record
     with the record's values (Q4_1: with ``m`` rounded to fp16, as stored). Returns problems."""

@@ -77,6 +77,7 @@ def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, 
                 facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer)
                 gguf_runtime.quantize(f16, path, spec.type, inputs.threads, token_embedding_type=spec.float_type)
             exact = 0
+            facts["tensor_types"] = gguf_writer.stored_type_counts(path)  # what llama.cpp chose, not our F16 input
     facts.pop("plan")
     entry: dict[str, Any] = {
         "name": spec.name,

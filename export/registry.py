@@ -191,10 +191,12 @@ def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation])
 def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> dict[str, Evaluation]:
     """Evaluations by artifact name for the gates. An export holds exactly the records of the
     in-memory compressed model (its verifier proves it, or the run fails), so a gate on an export
-    reads the ``compressed`` evaluation, unless the export was measured on its own runtime (GGUF in llama.cpp)."""
+    reads the ``compressed`` evaluation. A GGUF export is measured on its own runtime (llama.cpp), or
+    not at all (``verify: false``: a gate on it then fails as unmeasured, since llama.cpp computes
+    differently and its own quantizer types hold other weights)."""
     by_name = {e.artifact: e for e in evaluations}
     if "compressed" in by_name:
         for spec in specs:
-            if spec.name not in by_name:
+            if spec.format != GGUF:
                 by_name[spec.name] = dataclasses.replace(by_name["compressed"], artifact=spec.name)
     return by_name

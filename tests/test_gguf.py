@@ -138,6 +138,18 @@ def test_every_architecture_round_trips_through_transformers_and_llama_cpp(tmp_p
         assert same["kl_divergence"] < 1e-3 and same["top1_agreement"] > 0.85, same
 
 
+@pytest.mark.parametrize(("type_name", "atol"), [("f32", 1e-5), ("f16", 2e-2), ("bf16", 2e-1)])
+def test_float_types_load_in_transformers(tmp_path: Path, tokenizer, type_name: str, atol: float) -> None:
+    model = tiny_llama(len(tokenizer))
+    facts = G.write_gguf(tmp_path / "m.gguf", model, tokenizer, {}, type_name)
+    # 14 Linears + the embedding in the type; the 5 norms stay f32
+    assert facts["tensor_types"][f"{type_name} (float)"] == (20 if type_name == "f32" else 15)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    ids = token_ids(len(tokenizer))
+    with torch.no_grad():
+        assert (loaded(ids).logits - model(ids).logits).abs().max().item() <= atol
+
+
 def test_hyperparameters_and_tokenizer_metadata(tmp_path: Path, tokenizer) -> None:
     model = tiny_llama(len(tokenizer))
     path = tmp_path / "m.gguf"
@@ -230,12 +242,20 @@ def test_gguf_export_specs() -> None:
         GGUFExport(type="q6_k", fallback="f16")
 
 
+def run_tiny_recipe(tmp_path: Path, model_dir: Path, text_dir: Path, exports: str, gates: str, symmetric: bool):
+    """`compress run` of an RTN W4 g32 recipe on the tiny model with these exports and gates."""
+    text = recipe_text(model_dir, text_dir, bits=4, group_size=32, symmetric=symmetric, gates=gates).replace("exports: []\n", exports)
+    out = tmp_path / "out"
+    return run_cli(["run", write_recipe(tmp_path, text), "-o", out]), out
+
+
 def test_pipeline_gguf_export_without_verification(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     exports = "exports:\n  - format: gguf\n    verify: false\n"
-    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32, symmetric=False).replace("exports: []\n", exports)
-    out = tmp_path / "out"
-    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
-    assert result.exit_code == 0, result.output
+    gates = "  - metric: kl_divergence\n    artifact: gguf\n    max: 10\n"
+    result, out = run_tiny_recipe(tmp_path, tiny_model_dir, text_dir, exports, gates, symmetric=False)
+    assert result.exit_code == 1, result.output  # a gate on an unmeasured GGUF fails rather than read torch's numbers
+    gate = json.loads((out / "report.json").read_text())["gates"][0]
+    assert (gate["value"], gate["source"], gate["passed"]) == (None, "missing", False)
     manifest = json.loads((out / "manifest.json").read_text())
     entry = manifest["exports"][0]
     assert (entry["type"], entry["records_exact"], entry["verified"], entry["path"]) == ("q4_1", 14, False, "exports/gguf")
@@ -300,9 +320,7 @@ def test_llama_cpp_quantizer_makes_k_quants_from_our_f16(tmp_path: Path, tokeniz
 def test_pipeline_verifies_gguf_in_llama_cpp_and_gates_on_it(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     exports = "exports:\n  - format: gguf\n    name: q4\n  - format: gguf\n    name: k\n    type: q6_k\n"
     gates = "  - metric: kl_divergence\n    artifact: q4\n    max: 10\n  - metric: top1_agreement\n    artifact: k\n    min: 0.5\n"
-    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32, symmetric=True, gates=gates).replace("exports: []\n", exports)
-    out = tmp_path / "out"
-    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    result, out = run_tiny_recipe(tmp_path, tiny_model_dir, text_dir, exports, gates, symmetric=True)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     evals = {e["artifact"]: e for e in report["evaluations"]}
@@ -388,3 +406,4 @@ def test_smollm2_recipe_exports_a_verified_gguf(tmp_path: Path) -> None:
     assert all(g["passed"] for g in report["gates"]) and {g["artifact"] for g in report["gates"]} == {"q4_0"}
     manifest = json.loads((out / "manifest.json").read_text())
     assert [(e["type"], e["records_exact"]) for e in manifest["exports"]] == [("q4_0", 210), ("q4_k_m", 0)]
+    assert "q4_k" in manifest["exports"][1]["tensor_types"]  # counted in the file llama.cpp wrote
