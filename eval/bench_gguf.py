@@ -27,6 +27,8 @@ from compress.eval.bench_quant import Setting, load_bench_inputs
 from compress.eval.metrics import compare
 from compress.export import gguf as gguf_writer
 from compress.export import gguf_runtime
+from compress.export.specs import GGUF_LLAMA_CPP_TYPES
+from compress.pipeline import library_versions
 from compress.progress import Reporter
 from compress.quantizers import QUANTIZE_METHODS
 from compress.recipe import DataSpec
@@ -47,8 +49,8 @@ class Candidate:
         if not sep:
             raise ValueError(f"candidate '{text}': expected METHOD:SETTING (gptq:W4g32s) or llama.cpp:TYPE (llama.cpp:q4_k_m)")
         if source == LLAMA_CPP:
-            if rest not in gguf_runtime.LLAMA_CPP_TYPES:
-                raise ValueError(f"candidate '{text}': llama.cpp type must be one of {', '.join(gguf_runtime.LLAMA_CPP_TYPES)}")
+            if rest not in GGUF_LLAMA_CPP_TYPES:
+                raise ValueError(f"candidate '{text}': llama.cpp type must be one of {', '.join(GGUF_LLAMA_CPP_TYPES)}")
             return cls(source, None, rest)
         if source not in QUANTIZE_METHODS:
             raise ValueError(f"candidate '{text}': unknown method '{source}'; known: {', '.join(QUANTIZE_METHODS)}")
@@ -98,7 +100,7 @@ def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate
         "decode": {"prompt_tokens": len(prompt), "tokens": decode_tokens, "repeats": repeats, "statistic": "median"},
         "host": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "llama_cpp_python": _version("llama_cpp_python"),
+        "llama_cpp_python": library_versions()["llama_cpp_python"],
         "rows": [],
     }
     try:
@@ -149,15 +151,6 @@ def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate
         if not keep_files:
             f16.unlink(missing_ok=True)
     return result
-
-
-def _version(dist: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def markdown_table(result: dict[str, Any]) -> str:

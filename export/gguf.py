@@ -34,12 +34,11 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
+from compress.export.specs import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.quantizers.core import QuantizedWeight
 
 BLOCK = 32
 GGUF_FILE = "model.gguf"
-EXACT_TYPES = ("q4_0", "q4_1", "q8_0")
-FLOAT_TYPES = ("f32", "f16", "bf16")
 METADATA_NAMESPACE = "compress"
 
 
@@ -212,7 +211,7 @@ def plan_tensors(model: nn.Module, records: dict[str, QuantizedWeight], type_nam
     arch = architecture_of(model)
     cfg = model.config
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.name], cfg.num_hidden_layers)
-    matrix_default = float_type or (type_name if type_name in FLOAT_TYPES else "q8_0")
+    matrix_default = float_type or (type_name if type_name in GGUF_FLOAT_TYPES else "q8_0")
     plan = GGUFPlan(arch)
     tied = embeddings_tied(model)
     for hf_name, tensor in model.state_dict().items():
@@ -231,24 +230,24 @@ def plan_tensors(model: nn.Module, records: dict[str, QuantizedWeight], type_nam
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         if hf_name.endswith(".weight") and module in records:
             record = records[module]
-            problem = record_problem(record, type_name) if type_name in EXACT_TYPES else f"type {type_name} is a float type"
+            problem = record_problem(record, type_name) if type_name in GGUF_EXACT_TYPES else f"type {type_name} is a float type"
             if problem is None:
                 plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "record", heads))
                 continue
-            if type_name in FLOAT_TYPES:
+            if type_name in GGUF_FLOAT_TYPES:
                 plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads))
                 continue
             if fallback is None:
                 raise FormatError(f"{module} ({record.scheme.describe()}) cannot become {type_name.upper()} exactly: {problem}. "
                                   "Quantize it to a scheme that maps, or declare `fallback:` on the export (f16, bf16, f32 or q8_0)")
-            exact_fallback = fallback in EXACT_TYPES and record_problem(record, fallback) is None
+            exact_fallback = fallback in GGUF_EXACT_TYPES and record_problem(record, fallback) is None
             plan.fallbacks[module] = problem
             plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads))
         elif tensor.dim() == 1:
             plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads))
         else:
             usable = matrix_default
-            if usable in EXACT_TYPES and tensor.shape[-1] % BLOCK:
+            if usable in GGUF_EXACT_TYPES and tensor.shape[-1] % BLOCK:
                 usable = "f16"
             plan.tensors.append(TensorPlan(hf_name, gguf_name, usable, "float", heads))
     return plan

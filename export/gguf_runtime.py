@@ -22,9 +22,6 @@ from compress.export.specs import GGUF_LLAMA_CPP_TYPES
 
 INSTALL_HINT = "pip install 'compress[gguf]' (llama-cpp-python builds from source: about 17 minutes on 2 cores the first time)"
 
-# llama.cpp's file types made by its quantizer, by our lower-case names (gguf.LlamaFileType members).
-LLAMA_CPP_TYPES = GGUF_LLAMA_CPP_TYPES
-
 
 def llama_cpp() -> Any:
     try:
@@ -70,8 +67,8 @@ def quantize(source: Path, target: Path, type_name: str, threads: int, token_emb
     import gguf
 
     lib = llama_cpp()
-    if type_name not in LLAMA_CPP_TYPES:
-        raise FormatError(f"llama.cpp type '{type_name}' is not offered; known: {', '.join(LLAMA_CPP_TYPES)}")
+    if type_name not in GGUF_LLAMA_CPP_TYPES:
+        raise FormatError(f"llama.cpp type '{type_name}' is not offered; known: {', '.join(GGUF_LLAMA_CPP_TYPES)}")
     params = lib.llama_model_quantize_default_params()
     params.ftype = int(gguf.LlamaFileType[f"MOSTLY_{type_name.upper()}"])
     params.nthread = threads

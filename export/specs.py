@@ -52,7 +52,10 @@ class GPTQExport(_Export):
     format: Literal["gptq"] = Field("gptq", description="compressed-tensors | gptq | gguf")
 
 
-GGUF_RECORD_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
+GGUF_EXACT_TYPES = ("q8_0", "q4_0", "q4_1")  # blocks our records map into exactly
+GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)
+# llama.cpp's file types made by its quantizer, by our lower-case names (gguf.LlamaFileType members).
 GGUF_LLAMA_CPP_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
                         "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs", "f16", "bf16")
 GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]

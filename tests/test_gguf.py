@@ -6,6 +6,7 @@ parity, llama.cpp's own quantizer, the pipeline's verifier).
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -364,7 +365,7 @@ def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path,
     from compress.quantizers.gptq import GPTQConfig, GPTQStage
 
     cal, ev = shakespeare_chunks
-    model = __import__("copy").deepcopy(smollm2.model)
+    model = copy.deepcopy(smollm2.model)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=smollm2.tokenizer, reporter=Reporter(quiet=True), calibration=lambda: cal)
     GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=True), "s").apply(model, ctx)
     ours, f16, theirs = tmp_path / "ours.gguf", tmp_path / "f16.gguf", tmp_path / "theirs.gguf"
