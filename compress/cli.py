@@ -220,6 +220,43 @@ def bench_gguf(
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
 
 
+@bench_app.command("kv")
+@guarded
+def bench_kv(
+    output: Path = typer.Option(Path("bench-kv"), "-o", "--output", help="Directory for results.json and results.md."),
+    model: str = _MODEL_OPTION,
+    calibration: str = _CALIBRATION_OPTION,
+    cal_samples: int = typer.Option(16, help="Calibration chunks (static-scale schemes only)."),
+    cal_seq_len: int = _CAL_SEQ_LEN_OPTION,
+    evaluation: str = _EVALUATION_OPTION,
+    schemes: str = typer.Option(",".join(("int8", "int4", "int2", "fp8")), help="Comma-separated presets: int8, int8-kivi, int4, int2, fp8, "
+                                "fp8-static, int8-static; add overrides after a colon, e.g. 'int4:residual=64' (use ';' between schemes then)."),
+    context: int = typer.Option(2048, help="Tokens per evaluation sequence, decoded token by token through the cache."),
+    samples: int = typer.Option(1, help="Evaluation sequences."),
+    decode_tokens: int = typer.Option(32, help="Tokens per decode-speed repeat."),
+    decode_prefill: int = typer.Option(1024, help="Prompt tokens in the cache before the decode-speed repeats."),
+    repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
+    memory_gib: str = typer.Option("8,24,80", help="Comma-separated device memory budgets for the memory plan."),
+    threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
+) -> None:
+    """KV-cache schemes against the full-precision cache: bytes, KL at long context, decode speed, memory plan."""
+    from pydantic import ValidationError
+
+    from compress.eval.bench_kv import markdown_table, parse_scheme, run_kv_bench
+    from compress.progress import Reporter
+
+    parts = schemes.split(";") if ";" in schemes else schemes.split(",")
+    try:
+        parsed = [parse_scheme(s.strip()) for s in parts if s.strip()]
+        budgets = [float(b) for b in memory_gib.split(",") if b.strip()]
+    except (ValueError, ValidationError) as exc:
+        raise CompressError(f"--schemes/--memory-gib: {exc}") from None
+    data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, samples, context)
+    result = run_kv_bench(model, data, parsed, output, threads, Reporter(err), context, samples, decode_tokens, decode_prefill, repeats, budgets)
+    out.print(markdown_table(result))
+    out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
+
+
 @assets_app.command("fetch")
 @guarded
 def assets_fetch(

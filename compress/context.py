@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
     from compress.progress import Reporter
     from compress.quantizers.core import QuantizedWeight
+    from compress.quantizers.kv_cache import KVCacheScheme
 
 
 @dataclass
@@ -50,6 +51,8 @@ class RunContext:
     """Quantized Linear weights by module name; exporters pack these without re-quantizing."""
     quantized_by: dict[str, str] = field(default_factory=dict)
     """Which stage (e.g. ``stages[0]``) quantized each module."""
+    kv_cache: KVCacheScheme | None = None
+    """The KV-cache scheme a ``kv_cache`` stage set (evaluation decodes through it; exporters record it)."""
 
 
 class Stage(Protocol):

@@ -223,11 +223,14 @@ class DataPlan:
         shared = {d.sha256 for d in cal.documents} & {d.sha256 for d in ev.documents} if cal and ev else set()
         return cls(spec, cal or None, ev or None, shared)
 
-    def chunks(self, role: str, tokenizer: Any) -> Chunks:
+    def chunks(self, role: str, tokenizer: Any, samples: int | None = None, seq_len: int | None = None) -> Chunks:
+        """Token chunks of ``role``'s text; ``samples``/``seq_len`` override the recipe's (long-context evaluation)."""
         spec: TextSpec | None = getattr(self.spec, role)
         source: TextSource | None = getattr(self, f"{role}_source")
         if spec is None or source is None:
             raise DataError(f"the recipe has no data.{role} section")
+        overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len)) if v is not None}
+        spec = spec.model_copy(update=overrides)
         blocks = role_blocks(source.documents, self.shared, role, self.spec.holdout)
         if not blocks:
             raise DataError(f"no {role} text is left after holding out shared documents (data.holdout={self.spec.holdout})")

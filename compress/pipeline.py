@@ -26,6 +26,7 @@ from compress.context import RunContext, Stage, StageRecord
 from compress.data import Chunks, DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
+from compress.eval.kv_eval import evaluate_kv
 from compress.eval.metrics import compare, torch_forward
 from compress.export.gguf_export import VerifyInputs
 from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
@@ -34,7 +35,8 @@ from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
 from compress.progress import Reporter
 from compress.quantizers import QUANTIZE_METHODS
-from compress.recipe import LoadedRecipe, Recipe
+from compress.quantizers.kv_cache import KVCacheStage
+from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, Recipe
 
 MANIFEST_VERSION = 1
 REPORT_VERSION = 1
@@ -66,6 +68,8 @@ def build_stages(recipe: Recipe) -> list[Stage]:
         if spec.kind == "quantize":
             _, stage_cls = QUANTIZE_METHODS[spec.config.method]
             stages.append(stage_cls(spec.config, label))
+        elif spec.kind == "kv_cache":
+            stages.append(KVCacheStage(spec.config, label))
         else:  # the schema admits only kinds handled above
             raise CompressError(f"{label}: stage kind '{spec.kind}' has no implementation")
     return stages
@@ -130,6 +134,12 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         t = time.perf_counter()
         evaluations = evaluate_in_memory(baseline, model if stages else None, eval_chunks, recipe, device, reporter)
         timings["evaluate_s"] = time.perf_counter() - t
+    kv_report = None
+    if ctx.kv_cache is not None:
+        t = time.perf_counter()
+        kv_eval, kv_report = evaluate_kv_stage(model, ctx, data, lm.tokenizer, recipe, device, reporter)
+        evaluations += kv_eval
+        timings["evaluate_kv_cache_s"] = time.perf_counter() - t
 
     manifest = build_manifest(loaded, lm.facts, baseline, data, eval_chunks, calibration.get("chunks"), records, ctx, device, threads)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
@@ -141,13 +151,17 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         model.to("cpu")
         inputs = VerifyInputs(baseline, model, None if eval_chunks is None else eval_chunks.tokens,
                               recipe.data.evaluation.min_context if recipe.data.evaluation else 1, threads)
-        exports, runtime_evaluations = write_exports(tmp / EXPORTS_DIR, recipe.exports, model, lm.tokenizer, ctx.quantized, reporter, inputs)
+        exports, runtime_evaluations = write_exports(tmp / EXPORTS_DIR, recipe.exports, model, lm.tokenizer, ctx.quantized, reporter, inputs,
+                                                     ctx.kv_cache)
         if recipe.exports:
             timings["exports_s"] = time.perf_counter() - t
         evaluations += runtime_evaluations
         gates = evaluate_gates(recipe.gates, gate_evaluations(evaluations, recipe.exports))
         report = build_report(recipe, evaluations, gates, eval_chunks)
         report["exports"] = report_entries(exports, evaluations)
+        if kv_report is not None:
+            report["kv_cache"] = {**kv_report, "exports": {e["name"]: e.get("kv_cache") for e in exports}}
+            manifest["kv_cache"] = report["kv_cache"]
         manifest["exports"] = exports
         with reporter.status(f"writing artifact {out_dir}"):
             _write_json(tmp / "report.json", report)
@@ -180,6 +194,31 @@ def evaluate_in_memory(
         Evaluation(artifact=name, runtime="torch", device=device.type, metrics=metrics[name], details=details)
         for name in ("baseline", "compressed")
     ]
+
+
+def evaluate_kv_stage(model: torch.nn.Module, ctx: RunContext, data: DataPlan, tokenizer: Any, recipe: Recipe,
+                      device: torch.device, reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any]]:
+    """Score the compressed model decoding through its quantized KV cache at long context, against
+    its own full-precision forward; returns the ``kv_cache`` evaluation and the report section."""
+    scheme = ctx.kv_cache
+    assert scheme is not None
+    cfg = scheme.config
+    section: dict[str, Any] = {"scheme": cfg.model_dump(mode="json", exclude={"evaluate"}), "describe": cfg.describe(),
+                               "runtimes": cfg.runtime_support()}
+    if cfg.evaluate is None:
+        return [], section
+    ev = cfg.evaluate
+    spec = recipe.data.evaluation
+    assert spec is not None  # the recipe schema requires data.evaluation for an evaluated kv_cache stage
+    with reporter.status(f"tokenizing {ev.samples} x {ev.context} tokens of evaluation text for the KV cache"):
+        chunks = data.chunks("evaluation", tokenizer, samples=ev.samples, seq_len=ev.context)
+    result = evaluate_kv(model, scheme, chunks.tokens, spec.min_context, device, progress=reporter.track)
+    details = {"chunks": ev.samples, "seq_len": ev.context, "min_context": spec.min_context, **result["decoding"],
+               "reference": "the compressed model's full-precision forward (a float cache)",
+               "reference_perplexity": result["reference_metrics"]["perplexity"], "memory": result["memory"],
+               "tokens_sha256": chunks.facts["tokens_sha256"]}
+    section["memory"] = result["memory"]
+    return [Evaluation(artifact=KV_CACHE_ARTIFACT, runtime="torch", device=device.type, metrics=result["metrics"], details=details)], section
 
 
 def build_report(recipe: Recipe, evaluations: list[Evaluation], gates: list[GateResult], eval_chunks: Chunks | None) -> dict[str, Any]:

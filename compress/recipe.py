@@ -18,9 +18,11 @@ from compress.errors import RecipeError
 from compress.eval.metrics import METRICS
 from compress.export.specs import ExportSpec
 from compress.quantizers import QuantizeConfig
+from compress.quantizers.kv_cache import KVCacheConfig
 
 SCHEMA_VERSION = 1
 IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
+KV_CACHE_ARTIFACT = "kv_cache"  # the compressed model decoding through its quantized KV cache (a kv_cache stage)
 THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
 # Fields that hold filesystem paths; relative values resolve against the recipe's directory
 # (or, for --set overrides, against the current directory).
@@ -88,6 +90,7 @@ class StageSpec(Strict):
     """One stage: a mapping with exactly one key naming the stage kind."""
 
     quantize: QuantizeConfig | None = None
+    kv_cache: KVCacheConfig | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StageSpec:
@@ -108,7 +111,7 @@ class StageSpec(Strict):
 class GateSpec(Strict):
     name: str | None = Field(None, description="Shown in reports; defaults to artifact.metric.threshold.")
     metric: str = Field(description="One of: " + ", ".join(METRICS) + ".")
-    artifact: str = Field("compressed", description="Which artifact: baseline, compressed, or an export's name.")
+    artifact: str = Field("compressed", description="Which artifact: baseline, compressed, kv_cache (with a kv_cache stage), or an export's name.")
     max: float | None = Field(None, description="Pass when value <= max.")
     min: float | None = Field(None, description="Pass when value >= min.")
     max_increase_pct: float | None = Field(None, ge=0, description="Pass when value <= baseline * (1 + pct/100).")
@@ -177,6 +180,22 @@ class Recipe(Strict):
         # Exports hold exactly the compressed model's records (verified when written), so gates on
         # an export read the `compressed` evaluation; see README "Checkpoint formats".
         known = set(IN_MEMORY_ARTIFACTS) | set(export_names)
+        kv_stages = [i for i, st in enumerate(self.stages) if st.kind == "kv_cache"]
+        if len(kv_stages) > 1:
+            raise ValueError(f"stages {kv_stages} are all kv_cache stages; a recipe has at most one")
+        if kv_stages:
+            kv = self.stages[kv_stages[0]].config
+            if kv.static_scales and self.data.calibration is None:
+                raise ValueError(f"stages[{kv_stages[0]}] (kv_cache) calibrates static scales and needs data.calibration")
+            if kv.evaluate is not None:
+                if self.data.evaluation is None:
+                    raise ValueError(f"stages[{kv_stages[0]}] (kv_cache) evaluates through the cache and needs data.evaluation "
+                                     "(or set kv_cache.evaluate: null)")
+                known.add(KV_CACHE_ARTIFACT)
+                for i, gate in enumerate(self.gates):
+                    if gate.artifact == KV_CACHE_ARTIFACT and gate.threshold_kind.endswith("_pct"):
+                        raise ValueError(f"gates[{i}]: kv_cache metrics are measured at the kv_cache stage's context against the "
+                                         f"compressed model's float cache, not against the baseline; use max or min, not {gate.threshold_kind}")
         for i, gate in enumerate(self.gates):
             if gate.artifact not in known:
                 raise ValueError(f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")

@@ -43,6 +43,7 @@ from compress.export.hf_checkpoint import (
 )
 from compress.export.packing import pack_int32, unpack_int32
 from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.kv_cache import KVCacheScheme
 
 METHOD = "compressed-tensors"
 PACK_FORMAT = "pack-quantized"
@@ -50,6 +51,7 @@ STATUS_COMPRESSED = "compressed"
 SUPPORTED_BITS = (2, 4, 8)
 LINEAR_TARGET = "Linear"
 REGEX_PREFIX = "re:"
+KV_K_SCALE, KV_V_SCALE = "k_scale", "v_scale"  # per-attention-layer static KV scales, as vLLM loads them
 
 
 class Key:
@@ -198,11 +200,40 @@ def quantization_config(model: nn.Module, records: dict[str, QuantizedWeight]) -
     }
 
 
-def write(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight]) -> None:
-    """Write a pack-quantized HF directory that transformers (with compressed-tensors) and vLLM load."""
+def kv_cache_tensors(model: nn.Module, kv: KVCacheScheme) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor], dict[str, Any]]:
+    """``kv_cache_scheme`` and per-layer ``<attention>.k_scale``/``v_scale`` for a KV scheme with static
+    scales (what vLLM reads); per-head scales become their layer maximum (compressed-tensors' tensor
+    strategy). Returns (scheme or None, tensors, what was carried for the manifest)."""
+    cfg = kv.config
+    if not cfg.static_scales or kv.scales is None:
+        return None, {}, {"carried": False, "why": "compressed-tensors carries static KV scales only (kv_cache.static_scales: true); "
+                                                   "with dynamic scales the runtime quantizes the cache itself"}
+    attn = [n for n, m in model.named_modules() if n.endswith("self_attn")]
+    if len(attn) != kv.num_layers:
+        return None, {}, {"carried": False, "why": f"found {len(attn)} self_attn modules for {kv.num_layers} cache layers"}
+    tensors = {}
+    for i, name in enumerate(attn):
+        tensors[f"{name}.{KV_K_SCALE}"] = kv.scales["k_scale"][i].max().reshape(1).float()
+        tensors[f"{name}.{KV_V_SCALE}"] = kv.scales["v_scale"][i].max().reshape(1).float()
+    scheme = {"num_bits": 8, "type": "float" if cfg.format == "fp8" else "int", "strategy": "tensor",
+              "dynamic": False, "symmetric": True, "group_size": None}
+    return scheme, tensors, {"carried": True, "kv_cache_scheme": scheme, "layers": len(attn),
+                             "note": "one k_scale and v_scale per layer (the maximum of its per-head scales)"}
+
+
+def write(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+          kv: KVCacheScheme | None = None) -> dict[str, Any] | None:
+    """Write a pack-quantized HF directory that transformers (with compressed-tensors) and vLLM load;
+    with a KV scheme, also its ``kv_cache_scheme`` and scales. Returns what was carried of the KV scheme."""
     check(model, records)
     tensors = {f"{name}.{suffix}": t for name, rec in records.items() for suffix, t in pack_record(rec).items()}
-    write_checkpoint(directory, model, tokenizer, records, tensors, quantization_config(model, records))
+    qcfg = quantization_config(model, records)
+    carried = None
+    if kv is not None:
+        qcfg["kv_cache_scheme"], kv_tensors, carried = kv_cache_tensors(model, kv)
+        tensors.update(kv_tensors)
+    write_checkpoint(directory, model, tokenizer, records, tensors, qcfg)
+    return carried
 
 
 # --------------------------------------------------------------------------- reader
@@ -233,7 +264,10 @@ def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> 
             raise FormatError(f"{label}: {Key.PACKED} without {Key.SHAPE} and {Key.SCALE}")
         found.records[name] = unpack_record(layer, weights, label)
         found.consumed.update(f"{name}.{s}" for s in layer)
-    found.facts = {"format": METHOD, "pack_format": PACK_FORMAT, "config_groups": sorted(groups)}
+    kv_scales = [k for k in tensors if k.endswith((f".{KV_K_SCALE}", f".{KV_V_SCALE}"))]
+    found.consumed.update(kv_scales)  # KV-cache scales are runtime metadata, not model parameters
+    found.facts = {"format": METHOD, "pack_format": PACK_FORMAT, "config_groups": sorted(groups),
+                   "kv_cache_scheme": qcfg.get("kv_cache_scheme"), "kv_cache_scales": len(kv_scales)}
     return found
 
 

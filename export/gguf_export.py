@@ -23,6 +23,7 @@ from compress.export import gguf_runtime
 from compress.export.specs import GGUFExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.kv_cache import KVCacheScheme
 
 SAME_WEIGHTS_CHUNKS = 2
 PARITY_TEXTS = (
@@ -58,14 +59,18 @@ def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight
 
 
 def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-           inputs: VerifyInputs, reporter: Reporter, label: str) -> tuple[dict[str, Any], list[Evaluation]]:
-    """Write, read back and verify one GGUF export; return its manifest entry and evaluations."""
+           inputs: VerifyInputs, reporter: Reporter, label: str, kv: KVCacheScheme | None = None) -> tuple[dict[str, Any], list[Evaluation]]:
+    """Write, read back and verify one GGUF export; return its manifest entry and evaluations.
+    With a KV-cache scheme, the matching llama.cpp cache types go into ``compress.kv_cache.*`` metadata."""
     directory.mkdir(parents=True, exist_ok=True)
+    kv_hint = kv_cache_hint(kv)
+    metadata = {f"kv_cache.{k}": v for k, v in kv_hint.items()} if kv_hint else None
     path = directory / gguf_writer.GGUF_FILE
     with reporter.status(f"{label} writing GGUF ({spec.type}, quantizer {spec.quantizer})"):
         if spec.quantizer == "records":
             type_name = gguf_writer.resolve_type(spec.type, records)
-            facts = gguf_writer.write_gguf(path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer)
+            facts = gguf_writer.write_gguf(path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer,
+                                           metadata)
             problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
             if problems:
                 raise FormatError(f"{label}: reading the GGUF back does not give the records: {'; '.join(problems[:5])}")
@@ -74,7 +79,7 @@ def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, 
             type_name = spec.type
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 f16 = Path(tmp) / "f16.gguf"
-                facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer)
+                facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata)
                 gguf_runtime.quantize(f16, path, spec.type, inputs.threads, token_embedding_type=spec.float_type)
             exact = 0
             facts["tensor_types"] = gguf_writer.stored_type_counts(path)  # what llama.cpp chose, not our F16 input
@@ -95,6 +100,8 @@ def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, 
         "verified": False,
         "check": "records read back bit-exact with gguf's dequantizer" if exact else "written by llama.cpp's quantizer",
     }
+    if kv_hint is not None:
+        entry["kv_cache"] = kv_hint
     evaluations: list[Evaluation] = []
     if spec.verify:
         evaluation = verify(path, spec, tokenizer, inputs, reporter, label, same_weights=spec.quantizer == "records")
@@ -102,6 +109,19 @@ def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, 
         entry["verified"] = True
         entry["check"] += "; verified in llama.cpp (tokenizer parity, same-weights KL, metrics vs baseline)"
     return entry, evaluations
+
+
+def kv_cache_hint(kv: KVCacheScheme | None) -> dict[str, Any] | None:
+    """The llama.cpp cache types matching a KV scheme (``type_k``/``type_v``), or why there are none."""
+    if kv is None:
+        return None
+    llama = kv.config.runtime_support()["llama.cpp"]
+    hint: dict[str, Any] = {"scheme": kv.config.describe(), "carried": llama["supported"]}
+    if llama["supported"]:
+        hint.update(type_k=llama["type_k"], type_v=llama["type_v"])
+    else:
+        hint["why"] = llama["why"]
+    return hint
 
 
 def verify(path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str,

@@ -38,6 +38,7 @@ from compress.export import gguf_export
 from compress.export.specs import EXPORTS_DIR, GGUF
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.kv_cache import KVCacheScheme
 
 Writer = Callable[[Path, nn.Module, Any, dict[str, QuantizedWeight]], None]
 Checker = Callable[[nn.Module, dict[str, QuantizedWeight]], None]
@@ -142,9 +143,11 @@ def check_exports(specs: list[Any], model: nn.Module, records: dict[str, Quantiz
 
 
 def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-                  reporter: Reporter, inputs: gguf_export.VerifyInputs | None = None) -> tuple[list[dict[str, Any]], list[Evaluation]]:
+                  reporter: Reporter, inputs: gguf_export.VerifyInputs | None = None,
+                  kv: KVCacheScheme | None = None) -> tuple[list[dict[str, Any]], list[Evaluation]]:
     """Write each export to ``root/<name>/`` and verify it (reloading its records; runtime exports
-    also run on their runtime with ``inputs``). Returns manifest entries and runtime evaluations."""
+    also run on their runtime with ``inputs``). With a KV-cache scheme, each entry says under
+    ``kv_cache`` what its format carries of it. Returns manifest entries and runtime evaluations."""
     entries: list[dict[str, Any]] = []
     evaluations: list[Evaluation] = []
     for i, spec in enumerate(specs):
@@ -152,7 +155,7 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
         if spec.format == GGUF:
             if inputs is None and spec.verify:
                 raise FormatError(f"exports[{i}] ({spec.name}): verify: true needs the evaluation inputs")
-            entry, found = gguf_export.export(directory, spec, model, tokenizer, records, inputs, reporter, f"exports[{i}]")
+            entry, found = gguf_export.export(directory, spec, model, tokenizer, records, inputs, reporter, f"exports[{i}]", kv)
             entry.update(path=f"{EXPORTS_DIR}/{spec.name}", files=checksums(directory))
             entries.append(entry)
             evaluations.extend(found)
@@ -160,7 +163,11 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
         fmt = FORMATS[spec.format]
         assert fmt.write is not None, f"{fmt.name} has no writer"  # the recipe schema admits writable formats only
         with reporter.status(f"exports[{i}] writing {spec.format} to {EXPORTS_DIR}/{spec.name} and verifying it"):
-            fmt.write(directory, model, tokenizer, records)
+            if spec.format == "compressed-tensors":
+                kv_carried = compressed_tensors.write(directory, model, tokenizer, records, kv)
+            else:
+                fmt.write(directory, model, tokenizer, records)
+                kv_carried = {"carried": False, "why": f"the {spec.format} checkpoint format has no KV-cache field"}
             problems = records_identical(records, read_records(directory, fmt).records)
         if problems:  # a packing bug: the whole artifact is abandoned rather than shipping a wrong checkpoint
             raise FormatError(f"exports[{i}] ({spec.name}): reloading the {spec.format} checkpoint does not give the "
@@ -174,6 +181,7 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
             "check": EXACTNESS_CHECK,
             "quantization_config": read_config(directory)[QUANTIZATION_CONFIG],
             "files": checksums(directory),
+            **({"kv_cache": kv_carried} if kv is not None else {}),
         })
     return entries, evaluations
 

@@ -61,3 +61,27 @@ def test_bench_cli_passes_method_options(tmp_path: Path, tiny_model_dir: Path, t
 def test_bench_cli_rejects_bad_options(tmp_path: Path, option: str, message: str) -> None:
     result = run_cli(["bench", "quant", "-o", tmp_path, "--option", option])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_bench_kv_cli_measures_every_scheme(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    out = tmp_path / "kv"
+    result = run_cli(["bench", "kv", "-o", out, "--model", str(tiny_model_dir), "--calibration", str(text_dir),
+                      "--evaluation", str(text_dir), "--cal-samples", "2", "--cal-seq-len", "64", "--context", "96",
+                      "--schemes", "int8;int4:residual=32;fp8-static", "--decode-tokens", "4", "--decode-prefill", "16",
+                      "--repeats", "1", "--memory-gib", "1", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in saved["rows"]}
+    assert list(rows) == ["int8", "int4:residual=32", "fp8-static"]
+    assert rows["int4:residual=32"]["config"]["residual"] == 32 and rows["fp8-static"]["config"]["static_scales"] is True
+    for row in rows.values():
+        assert row["metrics"]["tokens_scored"] == 96 - 32 and row["memory"]["context"] == 96 and row["decode_tokens_per_s"] > 0
+    assert rows["int8"]["memory"]["compression_vs_fp16"] < rows["int4:residual=32"]["memory"]["compression_vs_fp16"]
+    plan = saved["memory_plan"]["1 GiB"]
+    assert plan["int4:residual=32"]["max_context_batch1"] > plan["fp16"]["max_context_batch1"] > 0
+    assert "| int8 |" in (out / "results.md").read_text()
+
+
+def test_bench_kv_cli_rejects_unknown_scheme(tmp_path: Path) -> None:
+    result = run_cli(["bench", "kv", "-o", tmp_path, "--schemes", "int3"])
+    assert result.exit_code == 2 and "unknown KV scheme 'int3'" in result.output

@@ -76,3 +76,6 @@ def test_readme_calibrated_method_examples_validate() -> None:
     section = README.split("## Recipe reference", 1)[1].split("\n## ", 1)[0]
     stages = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, flags=re.S)[1])["stages"]
     assert [StageSpec.model_validate(s).config.method for s in stages] == ["gptq", "awq"]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    kv, int8 = (yaml.safe_load(b)["stages"][0] for b in blocks[2:4])
+    assert StageSpec.model_validate(kv).kind == "kv_cache" and StageSpec.model_validate(int8).config.method == "llm_int8"
