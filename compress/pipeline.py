@@ -158,6 +158,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         evaluations += runtime_evaluations
         gates = evaluate_gates(recipe.gates, gate_evaluations(evaluations, recipe.exports))
         report = build_report(recipe, evaluations, gates, eval_chunks)
+        note_llm_int8(exports, records, ctx)
         report["exports"] = report_entries(exports, evaluations)
         if kv_report is not None:
             report["kv_cache"] = {**kv_report, "exports": {e["name"]: e.get("kv_cache") for e in exports}}
@@ -194,6 +195,19 @@ def evaluate_in_memory(
         Evaluation(artifact=name, runtime="torch", device=device.type, metrics=metrics[name], details=details)
         for name in ("baseline", "compressed")
     ]
+
+
+LLM_INT8_EXPORT_NOTE = ("LLM.int8 int8 activations and outlier decomposition: the export holds the plain int8 weight records; "
+                        "its runtime computes with them and its own activations")
+
+
+def note_llm_int8(exports: list[dict[str, Any]], records: list[StageRecord], ctx: RunContext) -> None:
+    """Say on every export what it does not carry of an LLM.int8 stage (no format holds the
+    activation quantization or the decomposition; a GGUF's llama.cpp evaluation measures the cost)."""
+    labels = {f"stages[{i}]" for i, r in enumerate(records) if r.method == "llm_int8"}
+    if labels & set(ctx.quantized_by.values()):
+        for entry in exports:
+            entry["not_carried"] = [LLM_INT8_EXPORT_NOTE]
 
 
 def evaluate_kv_stage(model: torch.nn.Module, ctx: RunContext, data: DataPlan, tokenizer: Any, recipe: Recipe,

@@ -192,8 +192,8 @@ def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation])
     (the same records), None when the run evaluated nothing."""
     names = {e.artifact for e in evaluations}
     covered = "compressed" if "compressed" in names else None
-    keys = ("name", "format", "path", "verified", "check")
-    return [{**{k: e[k] for k in keys}, "evaluated_as": e["name"] if e["name"] in names else covered} for e in entries]
+    keys = ("name", "format", "path", "verified", "check", "not_carried")
+    return [{**{k: e[k] for k in keys if k in e}, "evaluated_as": e["name"] if e["name"] in names else covered} for e in entries]
 
 
 def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> dict[str, Evaluation]:

@@ -177,6 +177,11 @@ class KVCacheStage:
             raise CompressError(f"{self.label}: the recipe has two kv_cache stages; keep one")
         cfg = self.config
         layers, kv_heads, head_dim = kv_geometry(model.config)
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        other = sorted({t for t in getattr(text_config, "layer_types", None) or [] if t != "full_attention"})
+        if other:
+            raise CompressError(f"{self.label}: this model has {', '.join(other)} layers; the quantized KV cache holds "
+                                "full-attention layers only (sliding-window and linear-attention caches are not supported yet)")
         if cfg.group_size and head_dim % cfg.group_size:
             raise CompressError(f"{self.label}: group_size {cfg.group_size} does not divide this model's head_dim {head_dim}")
         scales = None

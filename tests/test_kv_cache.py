@@ -277,3 +277,16 @@ def test_reference_model_kv_cache_at_long_context(smollm2) -> None:
     assert found["int4"]["memory"]["compression_vs_fp16"] >= 3.0
     assert found["int8"]["metrics"]["kl_divergence"] <= 0.01
     assert found["int8"]["metrics"]["kl_divergence"] < found["int4"]["metrics"]["kl_divergence"] / 5
+
+
+def test_kv_stage_refuses_sliding_window_layers() -> None:
+    from compress.context import RunContext
+    from compress.errors import CompressError
+    from compress.progress import Reporter
+    from compress.quantizers.kv_cache import KVCacheStage
+
+    model = tiny()
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    ctx = RunContext(seed=0, device=CPU, tokenizer=None, reporter=Reporter(quiet=True), calibration=lambda: ids(8))
+    with pytest.raises(CompressError, match="sliding_attention layers"):
+        KVCacheStage(KVCacheConfig(bits=8), "stages[0]").apply(model, ctx)

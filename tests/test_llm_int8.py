@@ -241,6 +241,7 @@ def test_recipe_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: 
     rtn_stage = "      method: rtn\n      bits: 8\n      group_size: null\n      symmetric: true\n"
     assert rtn_stage in text
     text = text.replace(rtn_stage, "      method: llm_int8\n      threshold: 6.0\n")
+    text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n  - format: gguf\n    type: q8_0\n    verify: false\n")
     out = tmp_path / "out"
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
     assert result.exit_code == 0, result.output
@@ -254,6 +255,12 @@ def test_recipe_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: 
         "bits": 8, "group_size": None, "symmetric": True, "scale_dtype": "float16"}
     report = json.loads((out / "report.json").read_text())
     assert report["evaluations"][1]["metrics"]["kl_divergence"] < 1e-2
+    # both exports hold the plain int8 records (the GGUF exactly as Q8_0) and say what they do not carry
+    entries = {e["name"]: e for e in manifest["exports"]}
+    assert entries["gguf"]["records_exact"] == 14 and entries["gguf"]["type"] == "q8_0"
+    assert entries["compressed-tensors"]["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == 8
+    for entry in report["exports"]:
+        assert "outlier decomposition" in entry["not_carried"][0]
 
 
 # --------------------------------------------------------------------------- the reference model
