@@ -105,10 +105,15 @@ def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, 
     evaluations: list[Evaluation] = []
     if spec.verify:
         evaluation = verify(path, spec, tokenizer, inputs, reporter, label, same_weights=spec.quantizer == "records")
+        if kv_hint is not None and kv_hint["carried"]:
+            kv_hint["measured_in_llama_cpp"] = verify_kv_cache(path, kv_hint["type_k"], inputs, reporter, label)
         evaluations.append(evaluation)
         entry["verified"] = True
         entry["check"] += "; verified in llama.cpp (tokenizer parity, same-weights KL, metrics vs baseline)"
     return entry, evaluations
+
+
+KV_CACHE_CHUNKS = 4  # evaluation chunks the llama.cpp KV-cache check scores
 
 
 def kv_cache_hint(kv: KVCacheScheme | None) -> dict[str, Any] | None:
@@ -122,6 +127,30 @@ def kv_cache_hint(kv: KVCacheScheme | None) -> dict[str, Any] | None:
     else:
         hint["why"] = llama["why"]
     return hint
+
+
+def verify_kv_cache(path: Path, cache_type: str, inputs: VerifyInputs, reporter: Reporter, label: str) -> dict[str, Any]:
+    """The GGUF in llama.cpp with its KV cache stored as ``cache_type`` against the same file with an
+    f16 cache (both with flash attention), on up to KV_CACHE_CHUNKS evaluation chunks. llama.cpp
+    writes each batch's keys and values into the cache before attending, so a whole-chunk
+    evaluation reads them back quantized."""
+    assert inputs.chunks is not None
+    chunks = inputs.chunks[:KV_CACHE_CHUNKS]
+    n_ctx = int(chunks.shape[1])
+    reference = gguf_runtime.LlamaCppModel(path, n_ctx=n_ctx, threads=inputs.threads, cache_type="f16")
+    try:
+        quantized = gguf_runtime.LlamaCppModel(path, n_ctx=n_ctx, threads=inputs.threads, cache_type=cache_type)
+    except FormatError as exc:  # e.g. a head size that is not a multiple of the cache type's block
+        reference.close()
+        return {"type_k": cache_type, "type_v": cache_type, "measured": False, "why": f"llama.cpp refused the cache type: {exc}"}
+    try:
+        with reporter.status(f"{label} KV cache {cache_type} in llama.cpp ({chunks.shape[0]} chunks)"):
+            metrics = compare(reference.forward, {"kv": quantized.forward}, chunks, inputs.min_context)["kv"]
+    finally:
+        reference.close()
+        quantized.close()
+    return {"type_k": cache_type, "type_v": cache_type, "measured": True, "reference": "the same GGUF with an f16 cache",
+            "chunks": int(chunks.shape[0]), "seq_len": n_ctx, **metrics}
 
 
 def verify(path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str,

@@ -113,16 +113,25 @@ def extra_buffer_types() -> bool:
 class LlamaCppModel:
     """A GGUF file loaded in llama.cpp, with a ``Forward`` for the metrics and a tokenizer."""
 
-    def __init__(self, path: Path, n_ctx: int, threads: int) -> None:
+    def __init__(self, path: Path, n_ctx: int, threads: int, cache_type: str | None = None) -> None:
+        """``cache_type`` (``f16``, ``q8_0``, ``q4_0``, ...): store the KV cache in that llama.cpp type
+        (keys and values), with flash attention, which llama.cpp needs for a quantized V cache.
+        None: llama.cpp's defaults (f16 cache, flash attention off)."""
         lib = llama_cpp()
         self.path = path
+        cache: dict[str, Any] = {}
+        if cache_type is not None:
+            ggml_type = getattr(lib, f"GGML_TYPE_{cache_type.upper()}", None)
+            if ggml_type is None:
+                raise FormatError(f"llama.cpp has no cache type '{cache_type}'")
+            cache = {"type_k": int(ggml_type), "type_v": int(ggml_type), "flash_attn": True}
         # llama.cpp makes a context of at least 256 tokens, and llama-cpp-python sizes its logits
         # buffer by the n_ctx asked for; asking for 256 or more keeps the two in agreement.
         n_ctx = max(n_ctx, 256)
         with _quiet_stderr(), _model_params(extra_buffer_types()):
             try:
                 self.llm = lib.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                                     n_threads=threads, n_threads_batch=threads, verbose=False)
+                                     n_threads=threads, n_threads_batch=threads, verbose=False, **cache)
             except (ValueError, RuntimeError) as exc:
                 raise FormatError(f"llama.cpp could not load {path}: {exc}") from exc
         self.n_ctx = n_ctx

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from compress.eval.kv_eval import cached_forward, evaluate_kv
+from compress.export import gguf_runtime
 from compress.eval.metrics import torch_forward
 from compress.quantizers.kv_cache import KVCacheConfig, KVCacheScheme, estimate_bytes_per_token, float_cache_bytes_per_token, memory_plan
 from compress.quantizers.kv_cache_store import (
@@ -26,6 +27,7 @@ from compress.quantizers.kv_cache_store import (
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 CPU = torch.device("cpu")
+needs_llama_cpp = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
 
 
 def tiny(layers: int = 2, head_dim: int = 32) -> LlamaForCausalLM:
@@ -290,3 +292,34 @@ def test_kv_stage_refuses_sliding_window_layers() -> None:
     ctx = RunContext(seed=0, device=CPU, tokenizer=None, reporter=Reporter(quiet=True), calibration=lambda: ids(8))
     with pytest.raises(CompressError, match="sliding_attention layers"):
         KVCacheStage(KVCacheConfig(bits=8), "stages[0]").apply(model, ctx)
+
+
+# --------------------------------------------------------------------------- llama.cpp's own quantized cache
+
+
+@needs_llama_cpp
+def test_llama_cpp_measures_the_cache_types_the_gguf_names(tmp_path: Path, text_dir: Path) -> None:
+    """llama.cpp with the hinted cache type reads its keys and values back quantized: q4_0 changes the
+    logits more than q8_0, both more than nothing; a head size llama.cpp cannot block is reported."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.export import gguf as G
+    from compress.export.gguf_export import VerifyInputs, verify_kv_cache
+    from compress.progress import Reporter
+    from tests.helpers import build_tiny_llama
+
+    texts = [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
+    found = {}
+    for hidden in (128, 96):  # head_dim 32 (a multiple of llama.cpp's 32-blocks) and 24 (not)
+        d = build_tiny_llama(tmp_path / f"h{hidden}", texts, hidden=hidden)
+        tok = AutoTokenizer.from_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d).eval()
+        G.write_gguf(d / "m.gguf", model, tok, {}, "f16")
+        chunks = torch.randint(0, len(tok), (2, 96), generator=torch.Generator().manual_seed(0))
+        inputs = VerifyInputs(model, model, chunks, 8, 2)
+        for cache_type in ("q8_0", "q4_0"):
+            found[hidden, cache_type] = verify_kv_cache(d / "m.gguf", cache_type, inputs, Reporter(quiet=True), "t")
+    q8, q4 = found[128, "q8_0"], found[128, "q4_0"]
+    assert q8["measured"] and q8["tokens_scored"] == 2 * (96 - 8)
+    assert 0 < q8["kl_divergence"] < q4["kl_divergence"], (q8, q4)
+    assert found[96, "q8_0"]["measured"] is False and "refused the cache type" in found[96, "q8_0"]["why"]
