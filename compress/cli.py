@@ -295,6 +295,11 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
                 f"{s['bits_per_weight']} bits/weight, SQNR mean {s['sqnr_db_mean']} dB (min {s['sqnr_db_min']}), {stage['duration_s']:.1f}s"
                 + (f", {s['calibration_tokens']:,} calibration tokens, peak memory {s['peak_memory_mb']:,.0f} MB" if "calibration_tokens" in s else "")
             )
+        elif stage["kind"] == "kv_cache":
+            mem = (report.get("kv_cache") or {}).get("memory")
+            measured = (f"; measured {mem['bytes_per_token']:,.0f} bytes/token at {mem['context']:,} tokens, "
+                        f"{mem['compression_vs_fp16']:.2f}x less than fp16 ({mem['fp16_cache_bytes'] / mem['context']:,.0f})") if mem else ""
+            out.print(f"{stage['label']} kv_cache: {s['scheme']}{measured}")
     if report["evaluations"]:
         table = Table(title="evaluation (vs baseline)")
         for col in ("artifact", "runtime/device", "ppl", "KL", "KL p99", "top-1", "tokens"):
