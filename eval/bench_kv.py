@@ -39,6 +39,8 @@ DEFAULT_SCHEMES = ("int8", "int4", "int2", "fp8")
 
 def parse_scheme(text: str) -> tuple[str, KVCacheConfig]:
     """``int4`` (a preset) or ``int4:residual=64,group_size=32`` (a preset with overrides)."""
+    import yaml
+
     name, _, rest = text.partition(":")
     if name not in PRESETS:
         raise ValueError(f"unknown KV scheme '{name}'; known: {', '.join(PRESETS)}")
@@ -47,8 +49,6 @@ def parse_scheme(text: str) -> tuple[str, KVCacheConfig]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"'{item}' in '{text}': expected KEY=VALUE")
-        import yaml
-
         fields[key.strip()] = yaml.safe_load(value)
     return text, KVCacheConfig(**fields, evaluate=None)
 

@@ -42,6 +42,7 @@ from compress.export.hf_checkpoint import (
 )
 from compress.export.packing import WORD_BITS, pack_int32, unpack_int32
 from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.kv_cache import KVCacheScheme
 
 METHOD = "gptq"
 FORMAT_V1 = "gptq"
@@ -160,13 +161,16 @@ def quantization_config(model: nn.Module, records: dict[str, QuantizedWeight]) -
     }
 
 
-def write(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight]) -> None:
-    """Write a v1 GPTQ HF directory (config.json ``quantization_config`` plus ``quantize_config.json``)."""
+def write(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+          kv: KVCacheScheme | None = None) -> dict[str, Any] | None:
+    """Write a v1 GPTQ HF directory (config.json ``quantization_config`` plus ``quantize_config.json``).
+    The format has no KV-cache field: with a KV scheme, returns why it is not carried."""
     check(model, records)
     tensors = {f"{name}.{suffix}": t for name, rec in records.items() for suffix, t in pack_record(rec).items()}
     config = quantization_config(model, records)
     write_checkpoint(directory, model, tokenizer, records, tensors, config)
     (directory / QUANTIZE_CONFIG_FILE).write_text(json.dumps({**config, "model_file_base_name": "model"}, indent=2) + "\n")
+    return None if kv is None else {"carried": False, "why": "the gptq checkpoint format has no KV-cache field"}
 
 
 # --------------------------------------------------------------------------- reader

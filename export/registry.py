@@ -40,7 +40,8 @@ from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 
-Writer = Callable[[Path, nn.Module, Any, dict[str, QuantizedWeight]], None]
+Writer = Callable[[Path, nn.Module, Any, dict[str, QuantizedWeight], KVCacheScheme | None], dict[str, Any] | None]
+"""Writes the checkpoint; with a KV-cache scheme, returns what the format carries of it."""
 Checker = Callable[[nn.Module, dict[str, QuantizedWeight]], None]
 Reader = Callable[[dict[str, Any], dict[str, torch.Tensor], str], ImportedRecords]
 EXACTNESS_CHECK = "records identical after reload (codes, scales, zero points, schemes)"
@@ -163,11 +164,7 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
         fmt = FORMATS[spec.format]
         assert fmt.write is not None, f"{fmt.name} has no writer"  # the recipe schema admits writable formats only
         with reporter.status(f"exports[{i}] writing {spec.format} to {EXPORTS_DIR}/{spec.name} and verifying it"):
-            if spec.format == "compressed-tensors":
-                kv_carried = compressed_tensors.write(directory, model, tokenizer, records, kv)
-            else:
-                fmt.write(directory, model, tokenizer, records)
-                kv_carried = {"carried": False, "why": f"the {spec.format} checkpoint format has no KV-cache field"}
+            kv_carried = fmt.write(directory, model, tokenizer, records, kv)
             problems = records_identical(records, read_records(directory, fmt).records)
         if problems:  # a packing bug: the whole artifact is abandoned rather than shipping a wrong checkpoint
             raise FormatError(f"exports[{i}] ({spec.name}): reloading the {spec.format} checkpoint does not give the "

@@ -118,9 +118,14 @@ class KVCacheConfig(BaseModel):
 # --------------------------------------------------------------------------- geometry and planning
 
 
+def text_config(config: Any) -> Any:
+    """The text part of a transformers config (the config itself for text-only models)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def kv_geometry(config: Any) -> tuple[int, int, int]:
     """(decoder layers, KV heads, head_dim) of a transformers text config."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -177,8 +182,7 @@ class KVCacheStage:
             raise CompressError(f"{self.label}: the recipe has two kv_cache stages; keep one")
         cfg = self.config
         layers, kv_heads, head_dim = kv_geometry(model.config)
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        other = sorted({t for t in getattr(text_config, "layer_types", None) or [] if t != "full_attention"})
+        other = sorted({t for t in getattr(text_config(model.config), "layer_types", None) or [] if t != "full_attention"})
         if other:
             raise CompressError(f"{self.label}: this model has {', '.join(other)} layers; the quantized KV cache holds "
                                 "full-attention layers only (sliding-window and linear-attention caches are not supported yet)")

@@ -210,8 +210,7 @@ class QuantizedKVLayer(DynamicLayer):
     def nbytes(self) -> dict[str, int]:
         """Bytes held: quantized data and scales, and the full-precision window."""
         q = sum(b.nbytes for b in (self.k_store, self.v_store) if b is not None)
-        w = 0 if not self.is_initialized else self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return {"quantized": q, "window": w}
+        return {"quantized": q, "window": window_bytes(self)}
 
 
 class QuantizedKVCache(Cache):
@@ -222,7 +221,13 @@ class QuantizedKVCache(Cache):
         vs = scales["v_scale"] if scales else None
         layers = [QuantizedKVLayer(cfg, None if ks is None else ks[i], None if vs is None else vs[i]) for i in range(num_layers)]
         super().__init__(layers=layers)
-        self.cfg = cfg
+
+
+def window_bytes(layer: DynamicLayer) -> int:
+    """Bytes of a layer's unquantized keys and values (0 before its first update)."""
+    if not layer.is_initialized:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
 
 
 def cache_bytes(cache: Cache) -> dict[str, int]:
@@ -232,8 +237,8 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
         if isinstance(layer, QuantizedKVLayer):
             for k, v in layer.nbytes().items():
                 total[k] += v
-        elif layer.is_initialized:
-            total["window"] += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        else:
+            total["window"] += window_bytes(layer)
     total["total"] = total["quantized"] + total["window"]
     return total
 

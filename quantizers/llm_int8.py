@@ -37,7 +37,7 @@ from compress.errors import CompressError
 from compress.progress import Reporter
 from compress.quantizers.apply import install_record, select_or_fail, summarize
 from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, round_scale
-from compress.quantizers.sequential import peak_memory_mb
+from compress.quantizers.sequential import StopForward, peak_memory_mb
 
 INT8_MAX = 127  # codes use [-127, 127]: symmetric, so -q is always representable
 INT32_SAFE_K = (2**31 - 1) // (INT8_MAX * INT8_MAX)  # longest dot product an int32 accumulator holds exactly
@@ -230,10 +230,6 @@ class LLMInt8Linear(nn.Linear):
 # --------------------------------------------------------------------------- calibration and the stage
 
 
-class _StopForward(Exception):
-    pass
-
-
 def collect_input_absmax(model: nn.Module, linears: dict[str, nn.Linear], tokens: torch.Tensor, batch_size: int,
                          device: torch.device, reporter: Reporter, description: str) -> dict[str, torch.Tensor]:
     """Per input feature, the max |x| each of ``linears`` receives over ``tokens`` [samples, seq_len]
@@ -248,7 +244,7 @@ def collect_input_absmax(model: nn.Module, linears: dict[str, nn.Linear], tokens
         return record
 
     def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
-        raise _StopForward
+        raise StopForward
 
     home = next(model.parameters()).device
     was_training = model.training
@@ -262,7 +258,7 @@ def collect_input_absmax(model: nn.Module, linears: dict[str, nn.Linear], tokens
             for start in reporter.track(range(0, tokens.shape[0], batch_size), description):
                 try:
                     model(input_ids=tokens[start : start + batch_size].to(device), use_cache=False)
-                except _StopForward:
+                except StopForward:
                     pass
     finally:
         for h in handles:

@@ -44,8 +44,8 @@ class CalibratedConfig(WeightQuantConfig):
         return True
 
 
-class _StopForward(Exception):
-    pass
+class StopForward(Exception):
+    """Raised by a hook to end a forward pass once the inputs it needs are captured."""
 
 
 class _Recorder(nn.Module):
@@ -63,7 +63,7 @@ class _Recorder(nn.Module):
             self.hidden.append(hidden_states.detach())
         self.kwargs[self.index].append(kwargs)
         if self.last:
-            raise _StopForward
+            raise StopForward
         return hidden_states
 
 
@@ -99,7 +99,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.
             for start in range(0, tokens.shape[0], batch_size):
                 try:
                     model(input_ids=tokens[start : start + batch_size].to(device), use_cache=False)
-                except _StopForward:
+                except StopForward:
                     pass
     finally:
         for i, block in enumerate(originals):
