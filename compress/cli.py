@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -52,6 +53,12 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]: nothing was written (partial output is removed on the next run)")
             raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
+            raise
+        except Exception:  # a crash must not read as a failed gate (exit 1) in a pipeline
+            err.print_exception(max_frames=8)
+            err.print("[bold red]error:[/] unexpected failure (traceback above); please report it", highlight=False)
+            raise typer.Exit(EXIT_ERROR) from None
 
     return wrapper
 
@@ -104,6 +111,33 @@ def validate(
     r = loaded.recipe
     stages = ", ".join(f"{s.kind}:{getattr(s.config, 'method', '')}" for s in r.stages) or "none"
     out.print(f"[green]valid[/] {recipe} — model {r.model.source}; stages {stages}; {len(r.gates)} gate(s)")
+
+
+@app.command("export-encoder")
+@guarded
+def export_encoder(
+    source: str = typer.Argument(..., help="Hugging Face encoder directory (BERT-style feature extractor)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory for model.onnx, model.int8.onnx, tokenizer, encoder_report.json."),
+    texts: Path | None = typer.Option(None, help="Text file, one sample per line, for the embedding check (default: built-in samples)."),
+    int8: bool = typer.Option(True, help="Also write ONNX Runtime's dynamic int8 quantization (model.int8.onnx)."),
+    min_cosine_int8: float = typer.Option(0.99, help="Smallest sentence-embedding cosine similarity the int8 file may reach."),
+) -> None:
+    """Export an encoder to ONNX (+ dynamic int8), checked by embedding cosine similarity against torch."""
+    from compress.export.onnx_encoder import export_encoder as run_export
+
+    samples = None
+    if texts is not None:
+        try:
+            samples = [line for line in texts.read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            raise CompressError(f"cannot read {texts}: {exc}") from None
+        if not samples:
+            raise CompressError(f"{texts} has no non-empty lines")
+    report = run_export(source, output, samples, int8=int8, min_cosine_int8=min_cosine_int8)
+    for name, check in report["checks"].items():
+        out.print(f"{name}: {check['size_bytes'] / 2**20:.1f} MiB, sentence-embedding cosine vs torch min {check['min_cosine']:.5f} "
+                  f"(mean {check['mean_cosine']:.5f}, required {check['required']})")
+    out.print(f"written: {output}")
 
 
 @app.command()
@@ -183,7 +217,19 @@ def bench_quant(
             raise CompressError(f"--option for {method}: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err), method_options)
-    out.print(markdown_table(result))
+    _print_results(markdown_table(result), output)
+
+
+def _candidates(parse: Callable[[str], Any], text: str) -> list[Any]:
+    """Comma-separated candidates, each parsed; a bad one is an input error (exit 2)."""
+    try:
+        return [parse(c) for c in text.split(",") if c.strip()]
+    except ValueError as exc:
+        raise CompressError(str(exc)) from None
+
+
+def _print_results(table: str, output: Path) -> None:
+    out.print(table)
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
 
 
@@ -210,14 +256,42 @@ def bench_gguf(
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
 
-    try:
-        parsed = [Candidate.parse(c) for c in candidates.split(",") if c.strip()]
-    except ValueError as exc:
-        raise CompressError(str(exc)) from None
+    parsed = _candidates(Candidate.parse, candidates)
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     result = run_gguf_bench(model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files)
-    out.print(markdown_table(result))
-    out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
+    _print_results(markdown_table(result), output)
+
+
+_ONNX_CANDIDATES = ("gptq:W4g32a", "builder:W4g32a", "gptq:W4g64s", "builder:W4g64s")
+
+
+@bench_app.command("onnx")
+@guarded
+def bench_onnx(
+    output: Path = typer.Option(Path("bench-onnx"), "-o", "--output", help="Directory for results.json and results.md."),
+    model: str = _MODEL_OPTION,
+    calibration: str = _CALIBRATION_OPTION,
+    cal_samples: int = _CAL_SAMPLES_OPTION,
+    cal_seq_len: int = _CAL_SEQ_LEN_OPTION,
+    evaluation: str = _EVALUATION_OPTION,
+    eval_samples: int = _EVAL_SAMPLES_OPTION,
+    eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
+    candidates: str = typer.Option(",".join(_ONNX_CANDIDATES), help="Comma-separated: METHOD:SETTING (ours, exact MatMulNBits, "
+                                   "e.g. gptq:W4g32a) or builder:SETTING (onnxruntime-genai's own quantizer at that block size)."),
+    accuracy_level: int = typer.Option(4, min=0, max=4, help="MatMulNBits accuracy_level of every int4 file (4: int8 activations)."),
+    decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
+    repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
+    threads: int = typer.Option(os.cpu_count() or 1, help="torch and ONNX Runtime CPU threads."),
+    keep_files: bool = typer.Option(False, help="Keep the ONNX files under OUTPUT/files."),
+) -> None:
+    """Our exact GPTQ/AWQ int4 ONNX against onnxruntime-genai's own int4 at the same block size, measured in ONNX Runtime."""
+    from compress.eval.bench_onnx import Candidate, markdown_table, run_onnx_bench
+    from compress.progress import Reporter
+
+    parsed = _candidates(Candidate.parse, candidates)
+    data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
+    result = run_onnx_bench(model, data, parsed, output, threads, Reporter(err), accuracy_level, decode_tokens, repeats, keep_files)
+    _print_results(markdown_table(result), output)
 
 
 @bench_app.command("kv")
@@ -253,8 +327,7 @@ def bench_kv(
         raise CompressError(f"--schemes/--memory-gib: {exc}") from None
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, samples, context)
     result = run_kv_bench(model, data, parsed, output, threads, Reporter(err), context, samples, decode_tokens, decode_prefill, repeats, budgets)
-    out.print(markdown_table(result))
-    out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
+    _print_results(markdown_table(result), output)
 
 
 @assets_app.command("fetch")

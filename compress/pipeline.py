@@ -28,7 +28,7 @@ from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.kv_eval import evaluate_kv
 from compress.eval.metrics import compare, torch_forward
-from compress.export.gguf_export import VerifyInputs
+from compress.export.parity import VerifyInputs
 from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
 from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
@@ -41,7 +41,7 @@ from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, Recipe
 MANIFEST_VERSION = 1
 REPORT_VERSION = 1
 VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "gguf", "accelerate",
-                      "llama_cpp_python")
+                      "llama_cpp_python", "onnx", "onnxruntime", "onnxruntime_genai", "onnxscript")
 
 
 @dataclass

@@ -10,20 +10,15 @@ by its quantizer from that F16 file, with the token embedding in the same type a
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import platform
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from compress.context import RunContext
-from compress.eval.bench_quant import Setting, load_bench_inputs
+from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy
 from compress.eval.metrics import compare
 from compress.export import gguf as gguf_writer
 from compress.export import gguf_runtime
@@ -113,19 +108,9 @@ def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate
                     gguf_runtime.quantize(f16, path, cand.type_name, threads, token_embedding_type=embedding_type)
                 exact = 0
             else:
-                if calibration is None:
-                    raise ValueError(f"{cand.source} needs calibration data")
-                config_cls, stage_cls = QUANTIZE_METHODS[cand.source]
-                s = cand.setting
-                config = config_cls(method=cand.source, bits=s.bits, group_size=s.group_size, symmetric=s.symmetric)
-                model = copy.deepcopy(lm.model)
-                ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter,
-                                 calibration=lambda: calibration.tokens)
-                t0 = time.perf_counter()
-                stage_cls(config, "bench").apply(model, ctx)
-                seconds = time.perf_counter() - t0
-                facts = gguf_writer.write_gguf(path, model, lm.tokenizer, ctx.quantized, cand.type_name, float_type=embedding_type)
-                problems = gguf_writer.check_gguf_records(path, facts["plan"], ctx.quantized)
+                model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter)
+                facts = gguf_writer.write_gguf(path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type)
+                problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
                 if problems:
                     raise RuntimeError(f"{cand.name}: GGUF read-back differs from the records: {problems[:3]}")
                 exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
@@ -160,11 +145,17 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{ref.get('metrics', {}).get('tokens_scored', 0):,} scored tokens; {result['threads']} threads; "
         f"embeddings {result['embedding_type']}.",
         "",
-        "| candidate | file, MiB | KL vs F16 | top-1 agreement | perplexity | decode tokens/s | quantize, s |",
-        "|---|---|---|---|---|---|---|",
+        *candidate_rows(result["rows"], "KL vs F16"),
     ]
-    for r in result["rows"]:
+    return "\n".join(lines)
+
+
+def candidate_rows(rows: list[dict[str, Any]], kl_label: str) -> list[str]:
+    """Markdown header and one row per file-format candidate (size, KL, top-1, perplexity, decode speed, quantize time)."""
+    lines = [f"| candidate | file, MiB | {kl_label} | top-1 agreement | perplexity | decode tokens/s | quantize, s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
         m = r["metrics"]
         lines.append(f"| {r['name']} | {r['size_bytes'] / 2**20:.2f} | {m['kl_divergence']:.4f} | {m['top1_agreement']:.2%} | "
                      f"{m['perplexity']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['quantize_seconds'] or '—'} |")
-    return "\n".join(lines)
+    return lines

@@ -96,6 +96,26 @@ class PeakRSS:
         self.peak_mb = max(self.peak_mb, self._proc.memory_info().rss / 2**20)
 
 
+def quantize_copy(lm: Any, calibration: Any, method: str, setting: Setting, reporter: Reporter) -> tuple[Any, dict[str, Any], float]:
+    """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` on the calibration chunks:
+    (model, records, seconds)."""
+    import copy
+    import time
+
+    from compress.context import RunContext
+    from compress.quantizers import QUANTIZE_METHODS
+
+    if calibration is None:
+        raise ValueError(f"{method} needs calibration data")
+    config_cls, stage_cls = QUANTIZE_METHODS[method]
+    config = config_cls(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
+    model = copy.deepcopy(lm.model)
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
+    started = time.perf_counter()
+    stage_cls(config, "bench").apply(model, ctx)
+    return model, ctx.quantized, time.perf_counter() - started
+
+
 def load_bench_inputs(model_source: str, data: DataSpec, threads: int, reporter: Reporter) -> tuple[Any, Any, Any, Any]:
     """The model, calibration chunks (None without calibration data), evaluation chunks and
     evaluation spec a benchmark runs on, with torch set to ``threads``."""

@@ -8,7 +8,6 @@ short greedy generation.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,30 +19,14 @@ from compress.eval.gates import Evaluation
 from compress.eval.metrics import compare, torch_forward
 from compress.export import gguf as gguf_writer
 from compress.export import gguf_runtime
+from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
 from compress.export.specs import GGUFExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 
 SAME_WEIGHTS_CHUNKS = 2
-PARITY_TEXTS = (
-    "Hello world! It's 2024-11-21, and the price is $1,234.56 (about 99.9%).",
-    "def f(x):\n    return x ** 2  # squared\n\n\tTabs and   spaces,   trailing   ",
-    "Ünïcödé: naïve café, 東京, Привет мир, emoji 🙂 and CJK 漢字.",
-    "<|im_start|>user\nShall I compare thee to a summer's day?<|im_end|>",
-)
 GENERATION_PROMPT = "The quick brown fox"
-
-
-@dataclass
-class VerifyInputs:
-    """What the verifier scores against: the torch baseline and the in-memory compressed model."""
-
-    baseline: nn.Module
-    compressed: nn.Module
-    chunks: torch.Tensor | None  # evaluation chunks [n, seq_len]; None: no evaluation data in the recipe
-    min_context: int
-    threads: int
 
 
 def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
@@ -160,7 +143,7 @@ def verify(path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, r
     runtime = gguf_runtime.LlamaCppModel(path, n_ctx=int(chunks.shape[1]), threads=inputs.threads)
     try:
         texts = [*PARITY_TEXTS, *(tokenizer.decode(row[:128]) for row in chunks[:4])]
-        mismatches = gguf_runtime.tokenization_mismatches(runtime, tokenizer, texts)
+        mismatches = tokenization_mismatches(runtime.tokenize, tokenizer, texts)
         if mismatches:
             raise FormatError(f"{label}: llama.cpp tokenizes {len(mismatches)} of {len(texts)} sample texts differently from the "
                               f"Hugging Face tokenizer (first: {mismatches[0]}); set pre_tokenizer: on the export if the "

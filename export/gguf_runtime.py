@@ -180,15 +180,3 @@ class LlamaCppModel:
 
     def close(self) -> None:
         self.llm.close()
-
-
-def tokenization_mismatches(runtime: LlamaCppModel, tokenizer: Any, texts: list[str]) -> list[dict[str, Any]]:
-    """Texts on which llama.cpp and the Hugging Face tokenizer disagree (with the first difference)."""
-    bad = []
-    for i, text in enumerate(texts):
-        ours = runtime.tokenize(text)
-        theirs = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if ours != theirs:
-            at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            bad.append({"text": i, "position": at, "llama.cpp": ours[at : at + 5], "transformers": theirs[at : at + 5]})
-    return bad

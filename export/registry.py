@@ -34,8 +34,9 @@ from compress.export.hf_checkpoint import (
     read_tensors,
     records_identical,
 )
-from compress.export import gguf_export
-from compress.export.specs import EXPORTS_DIR, GGUF
+from compress.export import gguf_export, onnx_export, tensorrt_export
+from compress.export.parity import VerifyInputs
+from compress.export.specs import EXPORTS_DIR, GGUF, ONNX, TENSORRT
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
@@ -63,6 +64,8 @@ FORMATS: dict[str, CheckpointFormat] = {
     "awq": CheckpointFormat("awq", autoawq.METHOD, autoawq.read),
 }
 BY_QUANT_METHOD = {f.quant_method: f for f in FORMATS.values()}
+# Exports that run on their own runtime (module with check() and export()): verified there, gated on those numbers.
+RUNTIME_EXPORTS = {GGUF: gguf_export, ONNX: onnx_export, TENSORRT: tensorrt_export}
 
 
 # --------------------------------------------------------------------------- import
@@ -126,9 +129,9 @@ def import_checkpoint(directory: Path, dtype: torch.dtype, trust_remote_code: bo
 def check_exports(specs: list[Any], model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool = True) -> None:
     """Fail fast, before evaluation, when an export cannot hold the records exactly (or cannot be verified)."""
     for i, spec in enumerate(specs):
-        if spec.format == GGUF:
+        if spec.format in RUNTIME_EXPORTS:
             try:
-                gguf_export.check(spec, model, records, has_eval)
+                RUNTIME_EXPORTS[spec.format].check(spec, model, records, has_eval)
             except FormatError as exc:
                 raise FormatError(f"exports[{i}] ({spec.name}): {exc}") from None
             continue
@@ -144,7 +147,7 @@ def check_exports(specs: list[Any], model: nn.Module, records: dict[str, Quantiz
 
 
 def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-                  reporter: Reporter, inputs: gguf_export.VerifyInputs | None = None,
+                  reporter: Reporter, inputs: VerifyInputs | None = None,
                   kv: KVCacheScheme | None = None) -> tuple[list[dict[str, Any]], list[Evaluation]]:
     """Write each export to ``root/<name>/`` and verify it (reloading its records; runtime exports
     also run on their runtime with ``inputs``). With a KV-cache scheme, each entry says under
@@ -153,10 +156,11 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
     evaluations: list[Evaluation] = []
     for i, spec in enumerate(specs):
         directory = root / spec.name
-        if spec.format == GGUF:
+        if spec.format in RUNTIME_EXPORTS:
             if inputs is None and spec.verify:
                 raise FormatError(f"exports[{i}] ({spec.name}): verify: true needs the evaluation inputs")
-            entry, found = gguf_export.export(directory, spec, model, tokenizer, records, inputs, reporter, f"exports[{i}]", kv)
+            entry, found = RUNTIME_EXPORTS[spec.format].export(directory, spec, model, tokenizer, records, inputs, reporter,
+                                                               f"exports[{i}]", kv)
             entry.update(path=f"{EXPORTS_DIR}/{spec.name}", files=checksums(directory))
             entries.append(entry)
             evaluations.extend(found)
@@ -189,19 +193,19 @@ def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation])
     (the same records), None when the run evaluated nothing."""
     names = {e.artifact for e in evaluations}
     covered = "compressed" if "compressed" in names else None
-    keys = ("name", "format", "path", "verified", "check", "not_carried")
+    keys = ("name", "format", "path", "verified", "check", "not_carried", "engine", "verification_skipped")
     return [{**{k: e[k] for k in keys if k in e}, "evaluated_as": e["name"] if e["name"] in names else covered} for e in entries]
 
 
 def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> dict[str, Evaluation]:
     """Evaluations by artifact name for the gates. An export holds exactly the records of the
     in-memory compressed model (its verifier proves it, or the run fails), so a gate on an export
-    reads the ``compressed`` evaluation. A GGUF export is measured on its own runtime (llama.cpp), or
-    not at all (``verify: false``: a gate on it then fails as unmeasured, since llama.cpp computes
-    differently and its own quantizer types hold other weights)."""
+    reads the ``compressed`` evaluation. A GGUF or ONNX export is measured on its own runtime (llama.cpp,
+    ONNX Runtime), or not at all (``verify: false``: a gate on it then fails as unmeasured, since the
+    runtime computes differently and its own quantizers hold other weights)."""
     by_name = {e.artifact: e for e in evaluations}
     if "compressed" in by_name:
         for spec in specs:
-            if spec.format != GGUF:
+            if spec.format not in RUNTIME_EXPORTS:
                 by_name[spec.name] = dataclasses.replace(by_name["compressed"], artifact=spec.name)
     return by_name

@@ -7,6 +7,7 @@ registered in ``registry.py``.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -14,7 +15,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
 GGUF = "gguf"
-EXPORT_FORMATS = (COMPRESSED_TENSORS, GPTQ, GGUF)
+ONNX = "onnx"
+TENSORRT = "tensorrt"
+EXPORT_FORMATS = (COMPRESSED_TENSORS, GPTQ, GGUF, ONNX, TENSORRT)
+FORMATS_DOC = " | ".join(EXPORT_FORMATS)
 EXPORTS_DIR = "exports"
 RESERVED_NAMES = ("baseline", "compressed")  # the in-memory artifacts gates already know
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -43,13 +47,13 @@ class _Export(BaseModel):
 class CompressedTensorsExport(_Export):
     """compressed-tensors pack-quantized HF directory (transformers with compressed-tensors, vLLM)."""
 
-    format: Literal["compressed-tensors"] = Field("compressed-tensors", description="compressed-tensors | gptq | gguf")
+    format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMATS_DOC)
 
 
 class GPTQExport(_Export):
     """AutoGPTQ v1 HF directory (GPTQModel, AutoGPTQ, transformers with optimum/gptqmodel, vLLM)."""
 
-    format: Literal["gptq"] = Field("gptq", description="compressed-tensors | gptq | gguf")
+    format: Literal["gptq"] = Field("gptq", description=FORMATS_DOC)
 
 
 GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -64,7 +68,7 @@ GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
 class GGUFExport(_Export):
     """A GGUF file for llama.cpp (exports/<name>/model.gguf), verified in llama.cpp."""
 
-    format: Literal["gguf"] = Field("gguf", description="compressed-tensors | gptq | gguf")
+    format: Literal["gguf"] = Field("gguf", description=FORMATS_DOC)
     type: str = Field(
         "auto",
         description="Block type. With quantizer records: auto (q4_0 for symmetric 4-bit records, q4_1 for other 4-bit, q8_0 for "
@@ -101,19 +105,131 @@ class GGUFExport(_Export):
         return self
 
 
+ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# what onnxruntime-genai's builder makes for each execution provider
+ONNX_DEVICE_PRECISIONS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp32", "fp16", "int8", "int4")}
+
+
+class ONNXExport(_Export):
+    """An ONNX model for ONNX Runtime / ONNX Runtime GenAI (exports/<name>/model.onnx + genai_config.json),
+    made by onnxruntime-genai's model builder and verified in ONNX Runtime."""
+
+    format: Literal["onnx"] = Field("onnx", description=FORMATS_DOC)
+    precision: Literal["auto", "fp32", "fp16", "int8", "int4"] = Field(
+        "auto", description="Weight precision: int4 / int8 (MatMulNBits), fp32, fp16 (cuda). auto: int4 or int8 from the "
+        "records' bits, fp32 without records.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider the builder targets: cpu | cuda.")
+    quantizer: Literal["records", "builder"] | None = Field(
+        None, description="records: our codes and scales, proven equal in the file (the builder gets our GPTQ checkpoint; "
+        "when it cannot read it exactly we write the MatMulNBits initializers ourselves). builder: the builder's own "
+        "round-to-nearest quantizer on the float model (for comparison). Default: records when the model has records.")
+    block_size: Literal[16, 32, 64, 128, 256] | None = Field(
+        None, description="MatMulNBits block size for quantizer builder (default 32, the builder's); with records it follows their group size.")
+    symmetric: bool = Field(True, description="Quantizer builder only: symmetric blocks (no zero points).")
+    accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
+        4, description="MatMulNBits accuracy_level shipped in the file: 4 (int8 activations, fastest on CPU, ~1e-2 logit "
+        "error), 0 (float activations, exact). The exactness check always runs a level-0 copy.")
+    verify: bool = Field(True, description="Run the model in ONNX Runtime after writing it: tokenizer parity with ONNX Runtime "
+                         "GenAI, same-weights check, metrics against the baseline, a greedy sample (needs the onnx extra).")
+    verify_samples: int | None = Field(None, ge=1, description="Evaluation chunks scored in ONNX Runtime; default all of them.")
+    same_weights_max_kl: float = Field(
+        0.02, gt=0, description="Largest KL (nats/token) allowed between the shipped file in ONNX Runtime and our in-memory "
+        "model with the same weights; accuracy_level 4 quantizes activations, so it is small but not zero.")
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> ONNXExport:
+        if self.precision != "auto" and self.precision not in ONNX_DEVICE_PRECISIONS[self.device]:
+            raise ValueError(f"onnx precision {self.precision} on {self.device}: the builder makes "
+                             f"{', '.join(ONNX_DEVICE_PRECISIONS[self.device])} there")
+        if self.quantizer == "builder" and self.precision not in ("int4", "int8"):
+            raise ValueError("quantizer builder needs precision int4 or int8")
+        if self.block_size is not None and self.quantizer != "builder":
+            raise ValueError("block_size applies to quantizer builder; with records the block size follows their group size")
+        return self
+
+
+# Axis names of the TensorRT-ready graph's inputs and outputs (what its optimization profiles are keyed by).
+BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
+
+
+class DimRange(BaseModel):
+    """Smallest, typical (what TensorRT tunes kernels for) and largest size of one dynamic axis."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min: int = Field(ge=0)
+    opt: int = Field(ge=0)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DimRange:
+        if not self.min <= self.opt <= self.max:
+            raise ValueError(f"expected min <= opt <= max, got min={self.min} opt={self.opt} max={self.max}")
+        return self
+
+    def __add__(self, other: DimRange) -> DimRange:
+        return DimRange(min=self.min + other.min, opt=self.opt + other.opt, max=self.max + other.max)
+
+
+class TensorRTConfig(BaseModel):
+    """`tensorrt:` settings of an engine build."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch: DimRange = Field(DimRange(min=1, opt=1, max=4), description="Sequences per call.")
+    sequence: DimRange = Field(DimRange(min=1, opt=128, max=1024),
+                               description="New tokens per call (prompt length in prefill, 1 when decoding).")
+    past: DimRange = Field(DimRange(min=0, opt=256, max=1024),
+                           description="Cached tokens before the call (0 in prefill).")
+    workspace_mib: int = Field(4096, ge=64, description="Scratch memory TensorRT may use while building and running.")
+    timing_cache: Path | None = Field(
+        None, description="Kernel timing cache: loaded when the file exists, saved after the build (speeds up rebuilds). "
+        "Default: timing.cache next to the engine.")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> TensorRTConfig:
+        if self.batch.min < 1:
+            raise ValueError("batch.min must be at least 1")
+        if self.sequence.min < 1:
+            raise ValueError("sequence.min must be at least 1 (every call feeds at least one token)")
+        return self
+
+    def axis_ranges(self) -> dict[str, DimRange]:
+        """Range of every axis name the ONNX graph uses; total_sequence (the mask) is past + sequence."""
+        return {BATCH: self.batch, SEQUENCE: self.sequence, PAST: self.past, TOTAL: self.past + self.sequence}
+
+
+class TensorRTExport(_Export):
+    """A TensorRT-ready ONNX (standard ops, weights as explicit Q/DQ, explicit past/present KV tensors),
+    checked on ONNX Runtime CPU, and a TensorRT engine built from it where TensorRT and a GPU exist."""
+
+    format: Literal["tensorrt"] = Field("tensorrt", description=FORMATS_DOC)
+    dtype: Literal["float16", "float32"] = Field(
+        "float16", description="Float type of the graph (activations, KV cache, logits, scales); TensorRT's int4 weight-only "
+        "path runs with float16 activations.")
+    fallback: Literal["symmetric", "int8"] | None = Field(
+        None, description="For records with no exact Q/DQ form (asymmetric, groups other than 64/128, other bits): symmetric "
+        "(re-quantize to int4 blocks of 64/128) or int8 (per-channel); each converted layer is listed in the manifest with "
+        "its largest weight change. Default none: such records are an error.")
+    fp8: bool = Field(False, description="Write every quantized layer as float8 e4m3fn with per-channel scales.")
+    engine: TensorRTConfig = Field(default_factory=TensorRTConfig, description="Optimization profile, workspace and timing "
+                                   "cache of the engine build.")
+    check_tokens: int = Field(32, ge=2, description="Tokens of evaluation text the ONNX Runtime CPU check runs (prefill plus "
+                              "one decode step fed back through the explicit KV tensors).")
+    check_max_kl: float = Field(1e-3, gt=0, description="Largest KL (nats/token) allowed between ONNX Runtime CPU on the Q/DQ ONNX "
+                                "and our in-memory model (float16 graphs round activations).")
+
+
 def _known_format(value: Any) -> Any:
     if isinstance(value, dict) and "format" not in value:
         raise ValueError(f"an export names its format: format: {' | '.join(EXPORT_FORMATS)}")
     if isinstance(value, dict) and value["format"] not in EXPORT_FORMATS:
-        raise ValueError(
-            f"export format '{value['format']}' is not available in this release; available: {', '.join(EXPORT_FORMATS)} "
-            "(ONNX and TensorRT are planned)"
-        )
+        raise ValueError(f"export format '{value['format']}' is not available; available: {', '.join(EXPORT_FORMATS)}")
     return value
 
 
 ExportSpec = Annotated[
-    Union[CompressedTensorsExport, GPTQExport, GGUFExport],
+    Union[CompressedTensorsExport, GPTQExport, GGUFExport, ONNXExport, TensorRTExport],
     Field(discriminator="format"),
     BeforeValidator(_known_format),
 ]

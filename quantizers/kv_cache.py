@@ -111,7 +111,14 @@ class KVCacheConfig(BaseModel):
             out["vllm"] = {"supported": True, "kv_cache_dtype": vllm, "note": "dynamic scales: vLLM computes its own per-tensor scales"}
         else:
             out["vllm"] = {"supported": False, "why": "vLLM quantizes the KV cache to fp8 only"}
-        out["onnxruntime-genai"] = {"supported": False, "why": "the ONNX export (issue 5) does not write a quantized KV cache yet"}
+        if self.static_scales and key in (("int", 8), ("fp8", 8)):
+            scheme = f"{'int8' if self.format == 'int' else 'fp8'}_per_channel"
+            out["onnxruntime-genai"] = {"supported": True, "kv_cache_quant_scheme": scheme,
+                                        "scales": "per-layer, per-KV-head scales repeated over each head's channels (kv_cache_scales.json)",
+                                        **({"note": "fp8: CUDA only in onnxruntime 1.31"} if self.format == "fp8" else {})}
+        else:
+            out["onnxruntime-genai"] = {"supported": False, "why": "ONNX Runtime GenAI's CPU/CUDA attention takes static per-tensor or "
+                                        "per-channel scales (static_scales: true, int8 or fp8); per-token scales need CUDA paged attention"}
         return out
 
 

@@ -19,7 +19,6 @@ from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales, search_cli
 from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, quantize_codes
 from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
-from compress.recipe import load_recipe
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 QUIET = Reporter(quiet=True)

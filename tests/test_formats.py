@@ -28,7 +28,7 @@ from compress.fsutil import sha256_file
 from compress.models import load_model
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
-from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import RTNConfig, RTNStage
 from compress.recipe import ModelSpec, load_recipe
 from tests.helpers import recipe_text, run_cli, write_recipe
@@ -433,7 +433,7 @@ def test_pipeline_rejects_an_impossible_export_before_evaluating(tmp_path: Path,
     ("exports", "expected"),
     [
         ("  - format: gptq\n  - format: gptq\n", "export names must be unique; repeated: gptq"),
-        ("  - format: onnx\n", "export format 'onnx' is not available in this release; available: compressed-tensors, gptq, gguf"),
+        ("  - format: openvino\n", "export format 'openvino' is not available; available: compressed-tensors, gptq, gguf, onnx, tensorrt"),
         ("  - name: x\n", "an export names its format"),
         ("  - format: gptq\n    nme: x\n", "exports[0].nme: unknown key 'nme' (did you mean 'name'?)"),
         ("  - format: gptq\n    name: baseline\n", "reserved"),

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from compress.errors import FormatError
 from compress.export import gguf as G
 from compress.export import gguf_runtime
+from compress.export.parity import tokenization_mismatches
 from compress.export.specs import GGUFExport
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_formats import quantize, tiny_llama, token_ids
@@ -194,7 +195,7 @@ def test_sentencepiece_style_tokenizer_parity_in_llama_cpp(tmp_path: Path, text_
     runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2)
     try:
         texts = ["The king speaks softly.", "  leading spaces and 1234 digits", "Ünïcödé bytes: 東京 🙂", "value\nreturn\tindex"]
-        assert gguf_runtime.tokenization_mismatches(runtime, hf, texts) == []
+        assert tokenization_mismatches(runtime.tokenize, hf, texts) == []
     finally:
         runtime.close()
 
@@ -283,7 +284,7 @@ def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: 
     G.write_gguf(path, model, tok, records, "q4_0")
     runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2)
     try:
-        assert gguf_runtime.tokenization_mismatches(runtime, tok, ["Hello world! 1234 the king speaks."]) == []
+        assert tokenization_mismatches(runtime.tokenize, tok, ["Hello world! 1234 the king speaks."]) == []
         ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(0))
         same = compare(torch_forward(model, torch.device("cpu")), {"gguf": runtime.forward}, ids, 8)["gguf"]
         assert same["kl_divergence"] < 1e-3 and same["top1_agreement"] > 0.85, same
@@ -376,7 +377,7 @@ def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path,
     assert ours.stat().st_size == theirs.stat().st_size
     runtimes = {name: gguf_runtime.LlamaCppModel(p, n_ctx=256, threads=2) for name, p in (("f16", f16), ("ours", ours), ("theirs", theirs))}
     try:
-        assert gguf_runtime.tokenization_mismatches(runtimes["ours"], smollm2.tokenizer, [smollm2.tokenizer.decode(ev[0])]) == []
+        assert tokenization_mismatches(runtimes["ours"].tokenize, smollm2.tokenizer, [smollm2.tokenizer.decode(ev[0])]) == []
         kl = {k: m["kl_divergence"] for k, m in compare(runtimes["f16"].forward, {"ours": runtimes["ours"].forward,
                                                                                  "theirs": runtimes["theirs"].forward}, ev, 32).items()}
         text = runtimes["ours"].generate("The capital of France is", 24)

@@ -306,7 +306,8 @@ def test_llama_cpp_measures_the_cache_types_the_gguf_names(tmp_path: Path, text_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from compress.export import gguf as G
-    from compress.export.gguf_export import VerifyInputs, verify_kv_cache
+    from compress.export.gguf_export import verify_kv_cache
+    from compress.export.parity import VerifyInputs
     from compress.progress import Reporter
     from tests.helpers import build_tiny_llama
 

@@ -96,7 +96,7 @@ def test_invalid_yaml_names_line(tmp_path: Path) -> None:
         (("    max: 0.1", "    max: 0.1\n    min: 0.0"), "exactly one threshold"),
         (("    max: 0.1", "    max_increase_pct: 10"), "not meaningful for kl_divergence"),
         (("  - metric: kl_divergence", "  - metric: kl_divergence\n    artifact: gguf"), "gates[0].artifact 'gguf' is not an artifact"),
-        (("gates:", "exports:\n  - format: onnx\ngates:"), "export format 'onnx' is not available"),
+        (("gates:", "exports:\n  - format: openvino\ngates:"), "export format 'openvino' is not available"),
         (("gates:", "exports:\n  - format: gguf\n    type: q4_k_m\n    quantizer: records\ngates:"), "gguf type 'q4_k_m' with quantizer records"),
         (("version: 1", "version: 2"), "version: Input should be 1"),
         (("      group_size: 128", "      group_size: 0"), "group_size must be a positive integer"),

@@ -1,0 +1,317 @@
+"""The ``exports: [{format: onnx, ...}]`` step: onnxruntime-genai's model builder writes the graph
+(MatMulNBits + GroupQueryAttention with a KV cache, and genai_config.json); for quantized models we
+hand it our GPTQ checkpoint and then prove that every MatMulNBits node holds exactly our codes,
+scales and zero points. When the builder cannot read the checkpoint (partial last groups, …) or
+reads it differently, it builds the graph from the float model and we write the MatMulNBits
+initializers ourselves, and prove them the same way. Then the verifier runs the file: tokenizer
+parity with ONNX Runtime GenAI, a same-weights check (exact at accuracy level 0, and as shipped),
+metrics against the torch baseline, and a greedy sample with its decode speed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.artifact import float_tensors, write_config_and_tokenizer
+from compress.errors import FormatError
+from compress.eval.gates import Evaluation
+from compress.eval.metrics import compare, torch_forward
+from compress.export import autogptq
+from compress.export import onnx_builder as ob
+from compress.export.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE
+from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
+from compress.export.specs import ONNXExport
+from compress.progress import Reporter
+from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry
+
+BUILDER_LOG = "builder.log"
+LEVEL0_FILE = "model.level0.onnx"  # transient copy for the exactness check, removed after it
+SAME_WEIGHTS_CHUNKS = 2
+EXACT_MAX_KL = 1e-3  # level 0 computes in float: what is left is summation order
+GENERATION_PROMPT = "The quick brown fox"
+GENERATED_TOKENS = 32
+INT_BITS = {"int4": 4, "int8": 8}
+GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention kernel
+
+
+def resolve(spec: ONNXExport, records: dict[str, QuantizedWeight]) -> tuple[str, str | None]:
+    """(precision, quantizer) for this model: auto follows the records' bits."""
+    precision = spec.precision
+    if precision == "auto":
+        bits = {r.scheme.bits for r in records.values()}
+        if not records:
+            precision = "fp32"
+        elif bits in ({4}, {8}):
+            precision = f"int{bits.pop()}"
+        else:
+            raise FormatError(f"precision auto: the records have {sorted(bits)} bits; MatMulNBits holds 4 or 8 bits, one per "
+                              "export (set precision: fp32 for a float export of the dequantized weights)")
+    if precision not in INT_BITS:
+        return precision, None
+    return precision, spec.quantizer or ("records" if records else "builder")
+
+
+def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+    """Fail fast (before evaluation) on an export that cannot be made."""
+    ob.require()
+    head_dim = kv_geometry(model.config)[2]
+    if spec.device == "cpu" and head_dim % GQA_HEAD_MULTIPLE:
+        raise FormatError(f"ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of {GQA_HEAD_MULTIPLE}; "
+                          f"this model's is {head_dim}")
+    precision, quantizer = resolve(spec, records)
+    if quantizer == "records":
+        if not records:
+            raise FormatError("quantizer records: no layer is quantized; add a quantize stage or use quantizer: builder")
+        bits = {r.scheme.bits for r in records.values()}
+        if bits != {INT_BITS[precision]}:
+            raise FormatError(f"precision {precision} holds {INT_BITS[precision]}-bit records; these have {sorted(bits)} bits")
+        ob.mnb.common_block_size(records)
+    if spec.verify and not has_eval:
+        raise FormatError("verify: true scores the ONNX model on the evaluation chunks, and the recipe has no data.evaluation; "
+                          "add it, or set verify: false on the export")
+
+
+def builder_options(spec: ONNXExport, precision: str, quantizer: str | None, records: dict[str, QuantizedWeight],
+                    kv_options: dict[str, str]) -> dict[str, Any]:
+    options: dict[str, Any] = dict(kv_options)
+    if precision in INT_BITS:
+        options["nodes_to_exclude"] = list(ob.FLOAT_NODES)  # embeddings and the output head stay float, as in our records
+        if quantizer == "builder":
+            options.update(block_size=spec.block_size or 32, is_symmetric=spec.symmetric)
+        else:
+            options.update(block_size=ob.mnb.common_block_size(records), is_symmetric=all(r.scheme.symmetric for r in records.values()))
+    return options
+
+
+def _save_float(directory: Path, model: nn.Module, tokenizer: Any) -> None:
+    """The model as a float Hugging Face directory (quantized layers hold their dequantized records)."""
+    from safetensors.torch import save_file
+
+    write_config_and_tokenizer(directory, model, tokenizer)
+    save_file(float_tensors(model, {}), str(directory / WEIGHTS_FILE), metadata=SAFETENSORS_METADATA)
+
+
+def _fresh(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+
+
+def build(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+          kv_options: dict[str, str]) -> dict[str, Any]:
+    """Run the builder into ``directory`` and put our records into the file; returns how the weights got there."""
+    precision, quantizer = resolve(spec, records)
+    options = builder_options(spec, precision, quantizer, records, kv_options)
+    log = directory.parent / f".{directory.name}.{BUILDER_LOG}"
+    facts: dict[str, Any] = {"precision": precision, "device": spec.device, "quantizer": quantizer, "builder_options": options}
+    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.src-") as tmp:
+        gptq, float_dir = Path(tmp) / "gptq", Path(tmp) / "float"
+        if quantizer == "records":
+            try:
+                autogptq.write(gptq, model, tokenizer, records)
+                _fresh(directory)
+                ob.run_builder(gptq, directory, precision, spec.device, options, log)
+                problems = ob.compare_records(ob.load(directory), records)["problems"]
+                if not problems:
+                    facts["weights_written_by"] = "onnxruntime-genai's builder, from our GPTQ checkpoint (proven equal)"
+                else:
+                    facts["gptq_handoff"] = f"the builder read our GPTQ checkpoint differently: {problems[0]}"
+            except FormatError as exc:
+                facts["gptq_handoff"] = f"the builder could not take our GPTQ checkpoint: {str(exc).strip().splitlines()[-1][:300]}"
+            if "weights_written_by" not in facts:
+                _save_float(float_dir, model, tokenizer)
+                _fresh(directory)
+                ob.run_builder(float_dir, directory, precision, spec.device, options, log)
+                graph = ob.load(directory)
+                facts["nodes_written"] = ob.write_records(graph, records)
+                ob.save(graph, directory)
+                facts["weights_written_by"] = "compress: the builder's graph from the float model, our records packed into its MatMulNBits nodes"
+        else:
+            _save_float(float_dir, model, tokenizer)
+            _fresh(directory)
+            ob.run_builder(float_dir, directory, precision, spec.device, options, log)
+            facts["weights_written_by"] = "onnxruntime-genai's builder" + (" (its own round-to-nearest quantizer)" if quantizer else "")
+    shutil.move(str(log), directory / BUILDER_LOG)
+    return facts
+
+
+def export(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+           inputs: VerifyInputs | None, reporter: Reporter, label: str, kv: KVCacheScheme | None = None) -> tuple[dict[str, Any], list[Evaluation]]:
+    """Write, prove and verify one ONNX export; return its manifest entry and evaluations."""
+    with reporter.status(f"{label} building ONNX with onnxruntime-genai's builder"):
+        entry = write(directory, spec, model, tokenizer, records, kv, label)
+    evaluations: list[Evaluation] = []
+    skipped = unverifiable(spec)
+    if spec.verify and skipped:  # said in the manifest and report.json; a gate on the export fails as unmeasured
+        entry["verification_skipped"] = skipped
+    elif spec.verify:
+        assert inputs is not None
+        evaluation = verify(directory, spec, tokenizer, inputs, reporter, label, entry["precision"] in INT_BITS)
+        evaluations.append(evaluation)
+        entry["verified"] = True
+        entry["check"] += "; verified in ONNX Runtime (tokenizer parity, same-weights KL, metrics vs baseline, GenAI generation)"
+    return entry, evaluations
+
+
+def unverifiable(spec: ONNXExport) -> str | None:
+    """Why this machine cannot run the export, or None: a CUDA build needs ONNX Runtime's CUDA provider."""
+    import onnxruntime as ort
+
+    if spec.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "built for CUDA and this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu on a machine with an NVIDIA GPU)"
+    return None
+
+
+def write(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
+          kv: KVCacheScheme | None = None, label: str = "onnx") -> dict[str, Any]:
+    """Build the export into ``directory``, prove it holds the records, set the shipped accuracy level and
+    make its tokenizer.json readable by onnxruntime-extensions; returns the manifest entry."""
+    directory.mkdir(parents=True, exist_ok=True)
+    scale_file = directory.parent / f".{directory.name}.{KV_SCALE_FILE}"
+    kv_entry, kv_options = kv_cache_options(kv, model.config, scale_file, spec.device)
+    facts = build(directory, spec, model, tokenizer, records, kv_options)
+    if scale_file.exists():
+        shutil.move(str(scale_file), directory / KV_SCALE_FILE)
+    graph = ob.load(directory)
+    proof = None
+    if facts["quantizer"] == "records":
+        proof = ob.compare_records(graph, records)
+        if proof["problems"]:  # a packing bug: never ship a file that does not hold the records
+            raise FormatError(f"{label}: the ONNX file does not hold the records: {'; '.join(proof['problems'][:5])}")
+    if facts["precision"] in INT_BITS:
+        if proof is not None and ob.drop_default_zero_points(graph):
+            proof = ob.compare_records(graph, records)  # absent zero points read as the default: prove it again
+            if proof["problems"]:
+                raise FormatError(f"{label}: dropping default zero points changed the weights: {proof['problems'][:3]}")
+        ob.set_accuracy_level(graph, spec.accuracy_level)
+        ob.save(graph, directory)
+    files = [directory / ob.ONNX_FILE, directory / ob.DATA_FILE]
+    entry: dict[str, Any] = {
+        "name": spec.name,
+        "format": "onnx",
+        "path": None,  # set by the registry
+        **facts,
+        "accuracy_level": spec.accuracy_level if facts["precision"] in INT_BITS else None,
+        "layers": len(records),
+        "records_exact": proof["layers"] if proof else 0,
+        "ops": ob.op_counts(graph),
+        "tokenizer_json_changes": ob.normalize_tokenizer(directory),
+        "size_bytes": sum(f.stat().st_size for f in files if f.exists()),
+        "builder_version": _version("onnxruntime-genai"),
+        "verified": False,
+        "check": ("every MatMulNBits node unpacked and compared with the records: codes, scales and zero points identical"
+                  if proof else "written by onnxruntime-genai's builder"),
+    }
+    if kv_entry is not None:
+        entry["kv_cache"] = kv_entry
+    return entry
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+KV_SCHEMES = {("int", 8): "int8", ("int", 4): "int4", ("fp8", 8): "fp8"}
+KV_SCALE_FILE = "kv_cache_scales.json"
+
+
+def kv_cache_options(kv: KVCacheScheme | None, config: Any, scale_file: Path, device: str = "cpu") -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The builder's kv_cache_quant_scheme / kv_cache_scale_file for a KV scheme, or why it is not carried.
+    ONNX Runtime's CPU GroupQueryAttention quantizes the cache with static scales per tensor or per
+    channel; our static per-(layer, KV head) scales become per-channel scales (each head's scale over its
+    head_dim channels). Dynamic schemes (per-token or per-group scales computed as tokens arrive, a
+    full-precision window) have no ONNX Runtime GenAI equivalent on CPU."""
+    if kv is None:
+        return None, {}
+    cfg = kv.config
+    entry: dict[str, Any] = {"scheme": cfg.describe()}
+    prefix = KV_SCHEMES.get((cfg.format, cfg.bits))
+    why = None
+    if prefix is None:
+        why = f"ONNX Runtime GenAI quantizes the KV cache to int8, int4 or fp8; not {cfg.format}{cfg.bits}"
+    elif prefix == "fp8" and device == "cpu":
+        why = "ONNX Runtime's CPU GroupQueryAttention has no fp8 KV cache (onnxruntime 1.31 runs it on CUDA only)"
+    elif not cfg.static_scales or kv.scales is None:
+        why = ("dynamic scales (per token or per group, computed as tokens arrive) have no ONNX Runtime GenAI equivalent on CPU: "
+               "its GroupQueryAttention needs static per-tensor or per-channel scales (set static_scales: true)")
+    if why:
+        return {**entry, "carried": False, "why": why}, {}
+    head_dim = kv_geometry(config)[2]
+    k, v = kv.scales["k_scale"].float(), kv.scales["v_scale"].float()  # [layers, kv_heads]
+    per_channel = {"k_scales": k.repeat_interleave(head_dim, dim=1).tolist(), "v_scales": v.repeat_interleave(head_dim, dim=1).tolist()}
+    scale_file.write_text(json.dumps({"scales": per_channel}))
+    scheme = f"{prefix}_per_channel"
+    entry.update(carried=True, kv_cache_quant_scheme=scheme, scale_file=KV_SCALE_FILE,
+                 note="our static per-(layer, KV head) scales, repeated over each head's channels")
+    return entry, {"kv_cache_quant_scheme": scheme, "kv_cache_scale_file": str(scale_file)}
+
+
+# --------------------------------------------------------------------------- verifier
+
+
+def verify(directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str,
+           quantized: bool) -> Evaluation:
+    from compress.export import onnx_runtime as rt
+
+    assert inputs.chunks is not None
+    chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
+    details: dict[str, Any] = {"file": ob.ONNX_FILE, "chunks": int(chunks.shape[0]), "seq_len": int(chunks.shape[1]),
+                               "min_context": inputs.min_context, "accuracy_level": spec.accuracy_level if quantized else None}
+    texts = [*PARITY_TEXTS, *(tokenizer.decode(row[:128]) for row in chunks[:4])]
+    with rt.GenAIModel(directory, inputs.threads) as genai:
+        mismatches = tokenization_mismatches(genai.encode, tokenizer, texts, "onnxruntime-genai", add_special_tokens=True)
+        if not mismatches:
+            prompt = genai.encode(GENERATION_PROMPT)
+            new, timing = genai.greedy(prompt, GENERATED_TOKENS)
+            details["sample"] = {"prompt": GENERATION_PROMPT, "greedy": genai.decode(new), **timing}
+    if mismatches:
+        raise FormatError(f"{label}: ONNX Runtime GenAI tokenizes {len(mismatches)} of {len(texts)} sample texts differently "
+                          f"from the Hugging Face tokenizer (first: {mismatches[0]})")
+    details["tokenizer_parity_texts"] = len(texts)
+    reference = torch_forward(inputs.compressed, torch.device("cpu"))
+    sub = chunks[:SAME_WEIGHTS_CHUNKS]
+    if quantized and spec.accuracy_level != 0:
+        graph = ob.load(directory, with_data=False)
+        ob.set_accuracy_level(graph, 0)
+        level0 = directory / LEVEL0_FILE
+        import onnx
+
+        onnx.save_model(graph, str(level0))  # initializers stay in model.onnx.data, which it references
+        try:
+            with reporter.status(f"{label} exactness check at accuracy level 0 ({sub.shape[0]} chunks)"):
+                exact = compare(reference, {"onnx": rt.OrtDecoder(level0, inputs.threads, spec.device).forward}, sub, inputs.min_context)["onnx"]
+        finally:
+            level0.unlink(missing_ok=True)
+        details["level0_same_weights_kl"] = float(exact["kl_divergence"])
+        details["level0_same_weights_top1"] = float(exact["top1_agreement"])
+    session = rt.OrtDecoder(directory / ob.ONNX_FILE, inputs.threads, spec.device)
+    with reporter.status(f"{label} same-weights check in ONNX Runtime ({sub.shape[0]} chunks)"):
+        got = compare(reference, {"onnx": session.forward}, sub, inputs.min_context)["onnx"]
+    details["same_weights_kl"] = float(got["kl_divergence"])
+    details["same_weights_top1"] = float(got["top1_agreement"])
+    if not quantized or spec.accuracy_level == 0:
+        details["level0_same_weights_kl"] = details["same_weights_kl"]
+    if details["level0_same_weights_kl"] > EXACT_MAX_KL:
+        raise FormatError(f"{label}: ONNX Runtime at accuracy level 0 differs from our model with the same weights by KL "
+                          f"{details['level0_same_weights_kl']:.2e} > {EXACT_MAX_KL}: the graph does not compute our model")
+    if details["same_weights_kl"] > spec.same_weights_max_kl:
+        raise FormatError(f"{label}: ONNX Runtime (accuracy level {spec.accuracy_level}) differs from our model with the same "
+                          f"weights by KL {details['same_weights_kl']:.4f} > same_weights_max_kl {spec.same_weights_max_kl}")
+    metrics = compare(torch_forward(inputs.baseline, torch.device("cpu")), {"onnx": session.forward}, chunks, inputs.min_context,
+                      progress=reporter.track)["onnx"]
+    return Evaluation(artifact=spec.name, runtime="onnxruntime", device=spec.device, metrics=metrics, details=details)
