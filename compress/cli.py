@@ -382,6 +382,12 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             table.add_row(ev["artifact"], f"{ev['runtime']}/{ev['device']}", f"{m['perplexity']:.4f}", f"{m['kl_divergence']:.5f}",
                           f"{m['kl_divergence_p99']:.4f}", f"{m['top1_agreement']:.2%}", f"{m['tokens_scored']:,}")
         out.print(table)
+    for entry in report.get("exports", []):  # what an export could not do here, said where people look
+        for key, what in (("engine", "TensorRT engine"), ("verification_skipped", "verification")):
+            reason = entry.get(key)
+            reason = reason.get("skipped") if isinstance(reason, dict) else reason
+            if reason:
+                out.print(f"[yellow]exports {entry['name']}: {what} skipped[/]: {escape(reason)}")
     if report["gates"]:
         table = Table(title="gates")
         for col in ("gate", "value", "threshold", "result"):

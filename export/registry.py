@@ -189,12 +189,19 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
 
 def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation]) -> list[dict[str, Any]]:
     """The verification entries for report.json; ``evaluated_as`` names the evaluation that
-    covers the export: its own (a runtime export verified on its runtime), else ``compressed``
-    (the same records), None when the run evaluated nothing."""
+    covers the export: its own (a runtime export verified on its runtime), else ``compressed`` for
+    checkpoints (the same records), None for a runtime export not run (``verify: false``, no
+    TensorRT) or when the run evaluated nothing."""
     names = {e.artifact for e in evaluations}
     covered = "compressed" if "compressed" in names else None
     keys = ("name", "format", "path", "verified", "check", "not_carried", "engine", "verification_skipped")
-    return [{**{k: e[k] for k in keys if k in e}, "evaluated_as": e["name"] if e["name"] in names else covered} for e in entries]
+
+    def evaluated_as(entry: dict[str, Any]) -> str | None:
+        if entry["name"] in names:
+            return entry["name"]
+        return None if entry["format"] in RUNTIME_EXPORTS else covered  # a runtime export is measured on its runtime or not at all
+
+    return [{**{k: e[k] for k in keys if k in e}, "evaluated_as": evaluated_as(e)} for e in entries]
 
 
 def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> dict[str, Evaluation]:

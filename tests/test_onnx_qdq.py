@@ -295,6 +295,7 @@ def test_pipeline_tensorrt_export_checks_the_qdq_onnx_and_says_why_no_engine(tmp
     reason = T.tensorrt_unavailable_reason()
     if reason is not None:  # no engine: said in the manifest and report.json, and a gate on it fails as unmeasured
         assert entry["engine"] == {"built": False, "skipped": reason} and report["exports"][0]["engine"]["skipped"] == reason
+        assert report["exports"][0]["evaluated_as"] is None and "trt: TensorRT engine skipped" in result.output
         assert result.exit_code == 1 and report["gates"][0]["source"] == "missing", result.output
     else:
         assert result.exit_code == 0 and entry["engine"]["built"], result.output
