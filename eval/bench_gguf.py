@@ -10,7 +10,6 @@ by its quantizer from that F16 file, with the token embedding in the same type a
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy
+from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
 from compress.export import gguf as gguf_writer
 from compress.export import gguf_runtime
@@ -129,8 +128,7 @@ def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate
                                    "metrics": metrics[cand.name]})
             if not keep_files:
                 path.unlink()
-            (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-            (out_dir / "results.md").write_text(markdown_table(result) + "\n")
+            write_results(out_dir, result, markdown_table(result))
     finally:
         reference.close()
         if not keep_files:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from compress.eval.bench_quant import load_bench_inputs
+from compress.eval.bench_quant import load_bench_inputs, write_results
 from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
 from compress.quantizers.kv_cache import KVCacheConfig, KVCacheScheme, float_cache_bytes_per_token, kv_geometry, memory_plan
@@ -118,19 +118,12 @@ def run_kv_bench(model_source: str, data: DataSpec, schemes: list[tuple[str, KVC
                                "metrics": found["metrics"], "reference_metrics": found["reference_metrics"], "memory": mem, "evaluate_seconds": round(seconds, 1),
                                "decode_tokens_per_s": speed, "decode_speed_vs_reference": speed / reference_speed,
                                "runtimes": cfg.runtime_support()})
-        write_results(out_dir, result)
+        write_results(out_dir, result, markdown_table(result))
     result["memory_plan"] = {f"{b:g} GiB": memory_plan(weights_fp16, per_token, b, context) for b in budgets_gib}
     result["memory_plan_note"] = (f"fp16 weights ({weights_fp16 / 2**20:.1f} MiB) plus the cache; activations and runtime overhead "
                                   "not counted; contexts beyond the model's max_position_embeddings are capacity, not usable context")
-    write_results(out_dir, result)
+    write_results(out_dir, result, markdown_table(result))
     return result
-
-
-def write_results(out_dir: Path, result: dict[str, Any]) -> None:
-    import json
-
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown_table(result) + "\n")
 
 
 def markdown_table(result: dict[str, Any]) -> str:

@@ -11,7 +11,6 @@ differ only in the decoder's MatMulNBits weights.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.eval.bench_gguf import candidate_rows
-from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy
+from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
 from compress.export import onnx_export
 from compress.export import onnx_runtime as rt
@@ -127,8 +126,7 @@ def run_onnx_bench(model_source: str, data: DataSpec, candidates: list[Candidate
                                "decode_tokens_per_s": round(speed, 1), "metrics": metrics[cand.name]})
         if not keep_files:
             shutil.rmtree(directory)
-        (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out_dir / "results.md").write_text(markdown_table(result) + "\n")
+        write_results(out_dir, result, markdown_table(result))
     if not keep_files:
         shutil.rmtree(fp32_dir)
     return result

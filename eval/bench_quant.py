@@ -96,6 +96,12 @@ class PeakRSS:
         self.peak_mb = max(self.peak_mb, self._proc.memory_info().rss / 2**20)
 
 
+def write_results(out_dir: Path, result: dict[str, Any], table: str) -> None:
+    """results.json and results.md, rewritten after every candidate so a stopped run keeps what it measured."""
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "results.md").write_text(table + "\n")
+
+
 def quantize_copy(lm: Any, calibration: Any, method: str, setting: Setting, reporter: Reporter) -> tuple[Any, dict[str, Any], float]:
     """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` on the calibration chunks:
     (model, records, seconds)."""
@@ -178,8 +184,7 @@ def run_quant_bench(
             result["rows"].append({"name": name, "method": method, "setting": setting.label, "seconds": round(seconds, 2),
                                    "peak_extra_mb": round(mem.extra_mb), "bits_per_weight": record.summary["bits_per_weight"],
                                    "config": config.model_dump(mode="json"), "metrics": metrics[name]})
-            (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-            (out_dir / "results.md").write_text(markdown_table(result) + "\n")
+            write_results(out_dir, result, markdown_table(result))
     return result
 
 

@@ -27,10 +27,9 @@ ONNX_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 GENAI_CONFIG = "genai_config.json"
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
-MSFT_DOMAIN = "com.microsoft"
 # Layers we never hand to the builder's own quantizer: without a record they stay float.
 FLOAT_NODES = ("/lm_head/MatMul", "/model/embed_tokens/Gather")
-EXTRA = 'the onnx extra: pip install -e ".[onnx]" (onnx, onnxruntime, onnxruntime-genai)'
+EXTRA = 'the onnx extra: pip install -e ".[onnx]" (onnx, onnxruntime, onnxruntime-genai, onnxscript)'
 
 # Builder node names → the Hugging Face Linear names they compute (fused q/k/v and gate/up included).
 _NODE = re.compile(r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/(?:MatMulNBits|MatMul_Q\d+)$")  # from a GPTQ checkpoint / from its own quantizer
@@ -47,13 +46,13 @@ _PARTS = {
 }
 
 
-def require() -> None:
-    """Raise a FormatError naming the extra when onnx, onnxruntime or onnxruntime-genai is missing."""
+def require(modules: tuple[str, ...] = ("onnx", "onnxruntime", "onnxruntime_genai"), what: str = "ONNX export") -> None:
+    """Raise a FormatError naming the extra when a module ``what`` needs is missing."""
     import importlib.util
 
-    missing = [m for m in ("onnx", "onnxruntime", "onnxruntime_genai") if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise FormatError(f"ONNX export needs {', '.join(missing)}: install {EXTRA}")
+        raise FormatError(f"{what} needs {', '.join(missing)}: install {EXTRA}")
 
 
 def run_builder(source: Path, out: Path, precision: str, device: str, options: dict[str, Any], log: Path) -> None:

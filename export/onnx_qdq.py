@@ -305,19 +305,27 @@ def axes_of(values: Any) -> dict[str, list[int | str]]:
     return {v.name: [d if isinstance(d, int) else str(d) for d in v.shape] for v in values}
 
 
+def plan_layers(records: dict[str, QuantizedWeight], fallback: str | None, fp8: bool = False,
+                dtype: torch.dtype = torch.float32) -> list[LayerPlan]:
+    """Every record's plan, in name order (re-quantizing for fallbacks and fp8 happens here, once)."""
+    return [plan_layer(name, r.cpu(), fallback, fp8, dtype) for name, r in sorted(records.items())]
+
+
 def write_qdq_onnx(directory: Path, model: nn.Module, records: dict[str, QuantizedWeight], *, fallback: str | None,
-                   dtype: str = "float32", fp8: bool = False) -> dict[str, Any]:
+                   dtype: str = "float32", fp8: bool = False, plans: list[LayerPlan] | None = None) -> dict[str, Any]:
     """Write ``directory/model.onnx`` (+ ``model.onnx.data``): the model with Q/DQ weights; return manifest facts.
 
     ``model`` is the in-memory model (its quantized layers may hold the dequantized records; their
     float values are not used). ``dtype`` is the graph's float type (activations, KV cache, logits, scales).
+    ``plans``: what :func:`plan_layers` returns for these arguments, when the caller already has them.
     """
     import onnx_ir as ir
 
     if dtype not in GRAPH_DTYPES:
         raise FormatError(f"onnx dtype '{dtype}': expected one of {', '.join(GRAPH_DTYPES)}")
     torch_dtype = GRAPH_DTYPES[dtype]
-    plans = [plan_layer(name, r.cpu(), fallback, fp8, torch_dtype) for name, r in sorted(records.items())]  # errors before exporting
+    if plans is None:
+        plans = plan_layers(records, fallback, fp8, torch_dtype)  # errors before exporting
     source = model if next(model.parameters()).dtype == torch_dtype else copy.deepcopy(model).to(torch_dtype)
     program = export_program(source, [p.name for p in plans])
     for plan in plans:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compress.export.onnx_builder import GENAI_CONFIG, ONNX_FILE
+from compress.export.onnx_builder import GENAI_CONFIG
 
 _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
           "tensor(int8)": np.int8, "tensor(uint8)": np.uint8}  # a quantized KV cache's past tensors are int8 / uint8 / fp8
@@ -116,7 +116,3 @@ class GenAIModel:
 
 def genai_config(directory: Path) -> dict[str, Any]:
     return json.loads((directory / GENAI_CONFIG).read_text())
-
-
-def decoder_path(directory: Path) -> Path:
-    return directory / genai_config(directory)["model"]["decoder"].get("filename", ONNX_FILE)

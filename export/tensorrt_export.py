@@ -16,23 +16,16 @@ from torch import nn
 from compress.errors import FormatError
 from compress.eval.gates import Evaluation
 from compress.eval.metrics import compare, torch_forward
-from compress.export import onnx_qdq, tensorrt
+from compress.export import onnx_builder, onnx_qdq, tensorrt
 from compress.export.parity import VerifyInputs
 from compress.export.specs import TensorRTExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 
-GRAPH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-
-
 def check(spec: TensorRTExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation): onnx/onnxruntime/onnxscript present, every record has a Q/DQ form."""
-    import importlib.util
-
-    missing = [m for m in ("onnx", "onnxruntime", "onnxscript") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise FormatError(f"the TensorRT-ready ONNX needs {', '.join(missing)}: install the onnx extra (pip install -e \".[onnx]\")")
+    onnx_builder.require(("onnx", "onnxruntime", "onnxscript"), "the TensorRT-ready ONNX")
     if not spec.fp8 and spec.fallback is None:
         for name, record in records.items():
             if onnx_qdq.exact_precision(record.scheme) is None:
@@ -41,9 +34,8 @@ def check(spec: TensorRTExport, model: nn.Module, records: dict[str, QuantizedWe
         raise FormatError("the ONNX Runtime check runs evaluation text; the recipe has no data.evaluation")
 
 
-def converted_model(model: nn.Module, records: dict[str, QuantizedWeight], spec: TensorRTExport) -> nn.Module | None:
+def converted_model(model: nn.Module, plans: list[onnx_qdq.LayerPlan], dtype: torch.dtype) -> nn.Module | None:
     """A copy of the model holding what the graph holds, when a fallback or fp8 changed any layer (else None)."""
-    plans = [onnx_qdq.plan_layer(n, r.cpu(), spec.fallback, spec.fp8, GRAPH_DTYPES[spec.dtype]) for n, r in records.items()]
     changed = [p for p in plans if p.converted]
     if not changed:
         return None
@@ -53,7 +45,7 @@ def converted_model(model: nn.Module, records: dict[str, QuantizedWeight], spec:
         for p in changed:
             weight = modules[p.name].weight
             if p.precision == "fp8":
-                new = onnx_qdq.fp8_dequantize(*onnx_qdq.fp8_quantize(p.record.dequantize(), GRAPH_DTYPES[spec.dtype]))
+                new = onnx_qdq.fp8_dequantize(*onnx_qdq.fp8_quantize(p.record.dequantize(), dtype))
             else:
                 new = p.record.dequantize()
             weight.copy_(new.to(weight.dtype))
@@ -64,12 +56,14 @@ def export(directory: Path, spec: TensorRTExport, model: nn.Module, tokenizer: A
            inputs: VerifyInputs | None, reporter: Reporter, label: str, kv: KVCacheScheme | None = None) -> tuple[dict[str, Any], list[Evaluation]]:
     assert inputs is not None and inputs.chunks is not None
     directory.mkdir(parents=True, exist_ok=True)
+    dtype = onnx_qdq.GRAPH_DTYPES[spec.dtype]
+    plans = onnx_qdq.plan_layers(records, spec.fallback, spec.fp8, dtype)
     with reporter.status(f"{label} exporting the TensorRT-ready Q/DQ ONNX (torch.onnx dynamo)"):
-        facts = onnx_qdq.write_qdq_onnx(directory, model, records, fallback=spec.fallback, dtype=spec.dtype, fp8=spec.fp8)
+        facts = onnx_qdq.write_qdq_onnx(directory, model, records, fallback=spec.fallback, dtype=spec.dtype, fp8=spec.fp8, plans=plans)
     tokenizer.save_pretrained(directory)
     ids = inputs.chunks[:1, : spec.check_tokens]
     with reporter.status(f"{label} checking the Q/DQ ONNX on ONNX Runtime CPU ({ids.shape[1]} tokens + 1 decode step)"):
-        graph_model = converted_model(inputs.compressed, records, spec)
+        graph_model = converted_model(inputs.compressed, plans, dtype)
         check_result = onnx_qdq.check_qdq_onnx(directory, graph_model or inputs.compressed, ids)
         if graph_model is not None:  # what the declared fallbacks cost against the records
             facts["conversion_cost"] = onnx_qdq.check_qdq_onnx(directory, inputs.compressed, ids)
