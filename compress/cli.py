@@ -93,6 +93,8 @@ def run(
 
     loaded = load_recipe(recipe, set_ or [])
     result = run_recipe(loaded, output, overwrite=overwrite, reporter=Reporter(err, quiet=quiet))
+    if "secondary_process" in result.report:  # accelerate launch: the main process reports
+        raise typer.Exit(0)
     print_summary(result.report, result.manifest)
     out.print(f"artifact: [bold]{result.out_dir}[/] (manifest.json, report.json, model/)")
     raise typer.Exit(result.exit_code)
@@ -109,7 +111,7 @@ def validate(
 
     loaded = load_recipe(recipe, set_ or [])
     r = loaded.recipe
-    stages = ", ".join(f"{s.kind}:{getattr(s.config, 'method', '')}" for s in r.stages) or "none"
+    stages = ", ".join(s.kind + (f":{s.config.method}" if hasattr(s.config, "method") else "") for s in r.stages) or "none"
     out.print(f"[green]valid[/] {recipe} — model {r.model.source}; stages {stages}; {len(r.gates)} gate(s)")
 
 
@@ -294,6 +296,48 @@ def bench_onnx(
     _print_results(markdown_table(result), output)
 
 
+@bench_app.command("prune")
+@guarded
+def bench_prune(
+    output: Path = typer.Option(Path("bench-prune"), "-o", "--output", help="Directory for results.json and results.md."),
+    model: str = _MODEL_OPTION,
+    calibration: str = typer.Option("reference:shakespeare", help="Calibration text: importance scores and the repair's training text."),
+    cal_samples: int = typer.Option(32, help="Calibration chunks for the importance pass."),
+    cal_seq_len: int = _CAL_SEQ_LEN_OPTION,
+    evaluation: str = _EVALUATION_OPTION,
+    eval_samples: int = typer.Option(16, help="Evaluation chunks (of each text)."),
+    eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
+    unseen: str = typer.Option("reference:python-docs", help="A second evaluation text, of a kind the training text is not ('' for none)."),
+    setting: Optional[list[str]] = typer.Option(None, "--setting", help="A prune: mapping in YAML, repeatable; default: "
+                                                "'{mlp: 0.25}' and '{layers: {drop: 4}}'."),
+    distill: str = typer.Option("{}", help="distill: options in YAML over the bench defaults (steps 200, batch 4 x 256, lr 3e-4, bf16)."),
+    threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
+) -> None:
+    """Prune, then repair by distillation: KL, top-1 and perplexity before/after, repair time and tokens."""
+    import yaml
+    from pydantic import ValidationError
+
+    from compress.distill.distill import DistillConfig
+    from compress.eval.bench_prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
+    from compress.progress import Reporter
+    from compress.pruning.prune import PruneConfig
+
+    def parse(kind: Any, text: str, base: dict[str, Any]) -> Any:
+        try:
+            value = yaml.safe_load(text)
+            if not isinstance(value, dict):
+                raise CompressError(f"'{text}' is not a YAML mapping")
+            return kind.model_validate({**base, **value})
+        except (yaml.YAMLError, ValidationError) as exc:
+            raise CompressError(f"'{text}': {exc}") from None
+
+    settings = [parse(PruneConfig, t, {}) for t in (setting or DEFAULT_SETTINGS)]
+    config = parse(DistillConfig, distill, DEFAULT_DISTILL)
+    data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
+    result = run_prune_bench(model, data, unseen or None, settings, config, output, threads, Reporter(err))
+    _print_results(markdown_table(result), output)
+
+
 @bench_app.command("kv")
 @guarded
 def bench_kv(
@@ -373,6 +417,18 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             measured = (f"; measured {mem['bytes_per_token']:,.0f} bytes/token at {mem['context']:,} tokens, "
                         f"{mem['compression_vs_fp16']:.2f}x less than fp16 ({mem['fp16_cache_bytes'] / mem['context']:,.0f})") if mem else ""
             out.print(f"{stage['label']} kv_cache: {s['scheme']}{measured}")
+        elif stage["kind"] == "prune":
+            b, a = s["before"], s["after"]
+            out.print(f"{stage['label']} prune: {b['parameters']:,} → {a['parameters']:,} parameters ({s['removed_parameters_pct']}% removed); "
+                      f"MLP {b['intermediate_size']} → {a['intermediate_size']}, heads {b['num_attention_heads']}/{b['num_key_value_heads']} → "
+                      f"{a['num_attention_heads']}/{a['num_key_value_heads']}, hidden {b['hidden_size']} → {a['hidden_size']}, "
+                      f"layers {b['num_hidden_layers']} → {a['num_hidden_layers']}; {stage['duration_s']:.1f}s")
+        elif stage["kind"] == "distill":
+            b, a = s["before"], s["after"]
+            out.print(f"{stage['label']} distill: KL to the teacher {b['kl_divergence']:.4f} → {a['kl_divergence']:.4f}, top-1 "
+                      f"{b['top1_agreement']:.2%} → {a['top1_agreement']:.2%} (held-apart text); {s['steps']} steps, {s['tokens']:,} tokens, "
+                      f"{s['train_seconds']:.0f}s training, {s['processes']} process(es)"
+                      + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] is not None else ""))
     if report["evaluations"]:
         table = Table(title="evaluation (vs baseline)")
         for col in ("artifact", "runtime/device", "ppl", "KL", "KL p99", "top-1", "tokens"):

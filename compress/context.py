@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
@@ -53,6 +55,31 @@ class RunContext:
     """Which stage (e.g. ``stages[0]``) quantized each module."""
     kv_cache: KVCacheScheme | None = None
     """The KV-cache scheme a ``kv_cache`` stage set (evaluation decodes through it; exporters record it)."""
+    text: Callable[[str, int, int, str | list[str] | None, int | None, str | None], torch.Tensor] | None = None
+    """``text(role, samples, seq_len, source, seed, text_field)``: token chunks of the calibration
+    ("calibration", optionally from other ``source``s, still kept apart from the evaluation
+    text) or evaluation role at a size a stage chooses (distillation's training and monitoring text)."""
+    original: nn.Module | None = None
+    """The model as loaded (the pipeline's baseline; read-only for stages)."""
+    applied: list[str] = field(default_factory=list)
+    """Kinds of the stages applied so far, in order."""
+    teacher: nn.Module | None = None
+    """The model before the prune stage changed it, for a later distill stage."""
+    mapping: Any = None
+    """What a prune stage kept (``compress.pruning.prune.KeptIndices``): student -> teacher layers and channels."""
+    files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Tensors a stage leaves in the artifact: relative safetensors path -> tensors (e.g. importance scores)."""
+    work_dir: Path | None = None
+    """Where a stage keeps resumable state (training checkpoints) across a killed run; removed when the artifact is written."""
+    run_id: str = ""
+    """Identifies the run's inputs (recipe and model); a checkpoint of another run is refused."""
+    load_teacher: Callable[[str], nn.Module] | None = None
+    """Loads another model by a model.source-style string (a named distillation teacher)."""
+
+    def keep_teacher(self, model: nn.Module) -> None:
+        """Remember ``model`` as it is now as the teacher of a later distill stage: the loaded
+        model itself when no stage has changed it yet, else a copy."""
+        self.teacher = self.original if self.original is not None and not self.applied else copy.deepcopy(model).eval()
 
 
 class Stage(Protocol):

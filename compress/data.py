@@ -25,7 +25,7 @@ import torch
 from compress import assets
 from compress.errors import DataError
 from compress.progress import Reporter
-from compress.recipe import DataSpec, TextSpec
+from compress.recipe import CalibrationSpec, DataSpec, TextSpec
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSONL_SUFFIXES = (".jsonl",)
@@ -223,13 +223,36 @@ class DataPlan:
         shared = {d.sha256 for d in cal.documents} & {d.sha256 for d in ev.documents} if cal and ev else set()
         return cls(spec, cal or None, ev or None, shared)
 
-    def chunks(self, role: str, tokenizer: Any, samples: int | None = None, seq_len: int | None = None) -> Chunks:
-        """Token chunks of ``role``'s text; ``samples``/``seq_len`` override the recipe's (long-context evaluation)."""
+    def tokens(self, role: str, tokenizer: Any, samples: int, seq_len: int, source: str | list[str] | None = None, seed: int | None = None,
+               text_field: str | None = None, base_dir: Path | None = None, reporter: Reporter | None = None) -> torch.Tensor:
+        """Token chunks [samples, seq_len] of ``role`` at a size a stage chooses. A calibration
+        ``source`` other than the recipe's is loaded now and still kept apart from the evaluation
+        text the same way (see the module docstring); a list of sources gives each an equal share
+        of the chunks (the first ones one more when they do not divide evenly)."""
+        if isinstance(source, list):
+            if not source:
+                raise DataError("an empty list of text sources")
+            shares = [samples // len(source) + (i < samples % len(source)) for i in range(len(source))]
+            parts = [self.tokens(role, tokenizer, n, seq_len, s, seed, text_field, base_dir, reporter)
+                     for s, n in zip(source, shares) if n]
+            return torch.cat(parts)
+        plan = self
+        calibration = self.spec.calibration
+        if role == "calibration" and source is not None and (calibration is None or source != calibration.source):
+            other = CalibrationSpec(source=source, samples=samples, seq_len=seq_len, seed=seed or 0, text_field=text_field or "text")
+            plan = DataPlan.load(self.spec.model_copy(update={"calibration": other}), base_dir or Path("."), reporter)
+        reporter = reporter or Reporter(quiet=True)
+        with reporter.status(f"tokenizing {samples} x {seq_len} tokens of {role} text"):
+            return plan.chunks(role, tokenizer, samples=samples, seq_len=seq_len, seed=seed).tokens
+
+    def chunks(self, role: str, tokenizer: Any, samples: int | None = None, seq_len: int | None = None, seed: int | None = None) -> Chunks:
+        """Token chunks of ``role``'s text; ``samples``/``seq_len``/``seed`` override the recipe's
+        (long-context evaluation, distillation training text)."""
         spec: TextSpec | None = getattr(self.spec, role)
         source: TextSource | None = getattr(self, f"{role}_source")
         if spec is None or source is None:
             raise DataError(f"the recipe has no data.{role} section")
-        overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len)) if v is not None}
+        overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
         spec = spec.model_copy(update=overrides)
         blocks = role_blocks(source.documents, self.shared, role, self.spec.holdout)
         if not blocks:

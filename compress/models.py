@@ -161,6 +161,12 @@ def _from_gguf(path: Path, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
         with reporter.status(f"dequantizing {path.name} to a float32 safetensors model (once per file)"):
             _convert_gguf(path, converted, digest)
     loaded = _from_hf_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
+    model = loaded.model
+    if getattr(model.config, "quantization_config", None) is not None:
+        # transformers records the GGUF origin as a quantization config and refuses save_pretrained;
+        # the weights here are plain dequantized floats.
+        del model.config.quantization_config
+        model.hf_quantizer = None
     loaded.facts.update(kind="gguf", path=str(path), sha256=digest, files={path.name: digest}, converted_cache=str(converted))
     return loaded
 

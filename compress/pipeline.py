@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from compress import __version__
 from compress.artifact import checksums, write_model
 from compress.context import RunContext, Stage, StageRecord
 from compress.data import Chunks, DataPlan
+from compress.distill.distill import DistillStage
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.kv_eval import evaluate_kv
@@ -34,9 +36,10 @@ from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
 from compress.progress import Reporter
+from compress.pruning.prune import PruneStage
 from compress.quantizers import QUANTIZE_METHODS
 from compress.quantizers.kv_cache import KVCacheStage
-from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, Recipe
+from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, ModelSpec, Recipe
 
 MANIFEST_VERSION = 1
 REPORT_VERSION = 1
@@ -70,6 +73,10 @@ def build_stages(recipe: Recipe) -> list[Stage]:
             stages.append(stage_cls(spec.config, label))
         elif spec.kind == "kv_cache":
             stages.append(KVCacheStage(spec.config, label))
+        elif spec.kind == "prune":
+            stages.append(PruneStage(spec.config, label))
+        elif spec.kind == "distill":
+            stages.append(DistillStage(spec.config, label))
         else:  # the schema admits only kinds handled above
             raise CompressError(f"{label}: stage kind '{spec.kind}' has no implementation")
     return stages
@@ -89,10 +96,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) when started by ``accelerate launch`` / torchrun, else (0, 1)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def work_dir_for(out_dir: Path) -> Path:
+    """Resumable state of a run (training checkpoints) lives next to its artifact until it is written."""
+    return out_dir.with_name(out_dir.name + ".work")
+
+
 def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, reporter: Reporter | None = None) -> RunResult:
-    """Run a validated recipe end to end and write the artifact directory atomically."""
-    reporter = reporter or Reporter()
+    """Run a validated recipe end to end and write the artifact directory atomically.
+
+    Under ``accelerate launch`` every process runs the stages up to the last distill stage
+    (which trains in all of them); only the main process goes on, and the others return a
+    result with no evaluations (``secondary``)."""
     recipe, base_dir = loaded.recipe, loaded.base_dir
+    rank, world = process_rank()
+    last_distill = max((i for i, st in enumerate(recipe.stages) if st.kind == "distill"), default=None)
+    if world > 1 and last_distill is None:
+        raise CompressError(f"this run has {world} processes, but only distill stages train in several processes; "
+                            "run it as a single process (compress run …)")
+    reporter = Reporter(quiet=True) if rank > 0 else (reporter or Reporter())
     out_dir = Path(out_dir)
     check_target(out_dir, overwrite)  # before any heavy work; atomic_directory checks again at the end
     started = time.perf_counter()
@@ -121,12 +147,26 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
 
     stages = build_stages(recipe)
     model = copy.deepcopy(baseline) if stages else baseline
-    ctx = RunContext(seed=recipe.seed, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=calibration_tokens)
+
+    def text_chunks(role: str, samples: int, seq_len: int, source: str | list[str] | None, seed: int | None,
+                    text_field: str | None) -> torch.Tensor:
+        return data.tokens(role, lm.tokenizer, samples, seq_len, source, seed, text_field, base_dir, reporter)
+
+    def load_teacher(source: str) -> torch.nn.Module:
+        return load_model(ModelSpec(source=source, dtype=recipe.model.dtype), base_dir, reporter).model
+
+    ctx = RunContext(seed=recipe.seed, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=calibration_tokens,
+                     text=text_chunks, original=baseline, work_dir=work_dir_for(out_dir), load_teacher=load_teacher,
+                     run_id=hashlib.sha256(f"{recipe.sha256()}|{lm.facts.get('sha256')}".encode()).hexdigest())
     ctx.quantized.update(lm.quantized)  # layers of an imported quantized checkpoint are quantized already
     ctx.quantized_by.update(dict.fromkeys(lm.quantized, "model.source"))
     records: list[StageRecord] = []
-    for stage in stages:
+    for i, stage in enumerate(stages):
         records.append(stage.apply(model, ctx))
+        ctx.applied.append(recipe.stages[i].kind)
+        if rank > 0 and i == last_distill:  # the main process evaluates, exports and writes
+            return RunResult(out_dir, {}, {"secondary_process": rank}, [], [])
+    ctx.teacher = ctx.mapping = None  # a pre-pruning copy is not needed past the stages
     check_exports(recipe.exports, model, ctx.quantized, eval_chunks is not None)  # before evaluation: fail fast on an impossible export
 
     evaluations: list[Evaluation] = []
@@ -146,6 +186,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         with reporter.status(f"writing artifact {out_dir}"):
             write_model(tmp / "model", model, lm.tokenizer, ctx.quantized)
             (tmp / "recipe.yaml").write_text(loaded.text)
+            write_stage_files(tmp, ctx.files)
         t = time.perf_counter()
         baseline.to("cpu")
         model.to("cpu")
@@ -170,7 +211,28 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
             manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
             manifest["files"] = checksums(tmp)
             _write_json(tmp / "manifest.json", manifest)
+    remove_checkpoints(ctx.work_dir, [f"stages[{i}]" for i, st in enumerate(recipe.stages) if st.kind == "distill"])
     return RunResult(out_dir, manifest, report, evaluations, gates)
+
+
+def remove_checkpoints(work_dir: Path, labels: list[str]) -> None:
+    """Delete the training checkpoints of a run whose artifact is complete: only the stage folders
+    this run writes, then the work directory if nothing else is in it."""
+    for label in labels:
+        shutil.rmtree(work_dir / label, ignore_errors=True)
+    try:
+        work_dir.rmdir()
+    except OSError:  # absent, or holds something that is not ours
+        pass
+
+
+def write_stage_files(root: Path, files: dict[str, dict[str, torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+
+    for rel, tensors in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path))
 
 
 def evaluate_in_memory(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -45,6 +45,19 @@ class Reporter:
             for item in items:
                 yield item
                 progress.advance(task)
+
+    @contextmanager
+    def bar(self, description: str, total: int, completed: int = 0) -> Iterator[Callable[[str], None]]:
+        """A progress bar advanced by hand: the yielded function moves it one step and shows
+        ``info`` (e.g. the loss and tokens/s of a training step) next to it."""
+        if self.quiet:
+            yield lambda info: None
+            return
+        columns = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        with Progress(*columns, console=self.console) as progress:
+            task = progress.add_task(description, total=total, completed=completed, info="")
+            yield lambda info: progress.update(task, advance=1, info=info)
 
     @contextmanager
     def status(self, message: str) -> Iterator[None]:

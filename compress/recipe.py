@@ -14,9 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from compress.distill.distill import DistillConfig
 from compress.errors import RecipeError
 from compress.eval.metrics import METRICS
 from compress.export.specs import ExportSpec
+from compress.pruning.prune import PruneConfig
 from compress.quantizers import QuantizeConfig
 from compress.quantizers.kv_cache import KVCacheConfig
 
@@ -89,6 +91,8 @@ class DataSpec(Strict):
 class StageSpec(Strict):
     """One stage: a mapping with exactly one key naming the stage kind."""
 
+    prune: PruneConfig | None = None
+    distill: DistillConfig | None = None
     quantize: QuantizeConfig | None = None
     kv_cache: KVCacheConfig | None = None
 
@@ -205,7 +209,15 @@ class Recipe(Strict):
             raise ValueError(f"gate names must be unique; repeated: {', '.join(dupes)} (give each a `name`)")
         for i, stage in enumerate(self.stages):
             if getattr(stage.config, "needs_calibration", False) and self.data.calibration is None:
-                raise ValueError(f"stages[{i}] ({stage.kind}) needs data.calibration")
+                also = " (or its own distill.data.source)" if stage.kind == "distill" else ""
+                raise ValueError(f"stages[{i}] ({stage.kind}) needs data.calibration{also}")
+            if stage.kind == "distill" and self.data.evaluation is None:
+                raise ValueError(f"stages[{i}] (distill) scores the student on held-apart text and needs data.evaluation")
+            if stage.kind in ("prune", "distill"):
+                quantize = [j for j, st in enumerate(self.stages[:i]) if st.kind == "quantize"]
+                if quantize:
+                    raise ValueError(f"stages[{i}] ({stage.kind}) comes after stages[{quantize[0]}] (quantize); "
+                                     f"{stage.kind} changes float weights, so put it before quantization")
         return self
 
     def canonical_json(self) -> str:

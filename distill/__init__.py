@@ -1,5 +1,2 @@
-"""Distillation repair (teacher/student training after pruning).
-
-Not implemented yet: tracked by the pruning-with-distillation-repair issue. The recipe schema
-has no `distill` stage until it lands.
-"""
+"""Distillation repair: losses and schedule (losses.py), the training loop and processes (train.py),
+checkpoints (checkpoint.py) and the recipe stage (distill.py)."""

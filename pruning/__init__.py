@@ -1,5 +1,2 @@
-"""Structured pruning (MLP neurons, attention heads, embedding channels, layers).
-
-Not implemented yet: tracked by the pruning-with-distillation-repair issue. The recipe schema
-has no `prune` stage until it lands.
-"""
+"""Structured pruning: importance scores from calibration activations (importance.py), slicing to a
+smaller dense model (slicing.py), the supported decoders (arch.py) and the recipe stage (prune.py)."""

@@ -85,3 +85,33 @@ def test_bench_kv_cli_measures_every_scheme(tmp_path: Path, tiny_model_dir: Path
 def test_bench_kv_cli_rejects_unknown_scheme(tmp_path: Path) -> None:
     result = run_cli(["bench", "kv", "-o", tmp_path, "--schemes", "int3"])
     assert result.exit_code == 2 and "unknown KV scheme 'int3'" in result.output
+
+
+def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, trained_tiny_dir: Path, text_dir: Path) -> None:
+    out = tmp_path / "prune"
+    unseen = tmp_path / "unseen.txt"
+    unseen.write_text((text_dir / "doc1.txt").read_text().upper())  # same words, other tokens: text the repair never saw
+    result = run_cli(["bench", "prune", "-o", out, "--model", str(trained_tiny_dir), "--calibration", str(text_dir),
+                      "--evaluation", str(text_dir), "--unseen", str(unseen), "--cal-samples", "4", "--cal-seq-len", "64",
+                      "--eval-samples", "2", "--eval-seq-len", "64", "--threads", "1",
+                      "--setting", "{mlp: 0.5, heads: 0.5, multiple_of: 8}", "--setting", "{layers: {drop: 2}}",
+                      "--distill", "{steps: 20, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, autocast: off}"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "results.json").read_text())
+    rows = saved["rows"]
+    assert [r["setting"] for r in rows] == [{"mlp": 0.5, "heads": 0.5, "multiple_of": 8}, {"layers": {"drop": 2}}]
+    assert rows[0]["shape"]["intermediate_size"] == 80 and rows[1]["dropped_layers"] and rows[1]["shape"]["num_hidden_layers"] == 2
+    for row in rows:
+        assert row["tokens"] == 20 * 2 * 64 and row["parameters"] < saved["model"]["parameters"]
+        assert set(row["pruned"]) == {"held_out", "unseen"}
+        assert row["repaired"]["held_out"]["kl_divergence"] < row["pruned"]["held_out"]["kl_divergence"]
+        assert row["kl_gap_recovered"]["held_out"] == pytest.approx(
+            1 - row["repaired"]["held_out"]["kl_divergence"] / row["pruned"]["held_out"]["kl_divergence"], abs=1e-4)
+    assert "| mlp 50%, heads 50%, multiple_of 8 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [(["--setting", "{mlp: 2}"], "between 0 and 1"), (["--setting", "mlp"], "not a YAML mapping"),
+                                           (["--distill", "{stepz: 3}"], "stepz")])
+def test_bench_prune_cli_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli(["bench", "prune", "-o", tmp_path, *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

@@ -79,3 +79,13 @@ def test_readme_calibrated_method_examples_validate() -> None:
     blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
     kv, int8 = (yaml.safe_load(b)["stages"][0] for b in blocks[2:4])
     assert StageSpec.model_validate(kv).kind == "kv_cache" and StageSpec.model_validate(int8).config.method == "llm_int8"
+
+
+def test_readme_prune_and_distill_example_validates() -> None:
+    import yaml
+
+    from compress.recipe import StageSpec
+
+    section = README.split("## Recipe reference", 1)[1].split("\n## ", 1)[0]
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", section, flags=re.S) if "- prune:" in b)
+    assert [StageSpec.model_validate(s).kind for s in yaml.safe_load(block)["stages"]] == ["prune", "distill"]

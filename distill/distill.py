@@ -1,0 +1,222 @@
+"""The recipe step ``distill: {...}``: repair a pruned (or otherwise changed) model by
+distillation from a teacher — by default the model as it was before the prune stage.
+
+Training: forward KL on the logits at a temperature, plus an optional hidden-state loss on
+mapped layers; AdamW with linear warmup and cosine decay, gradient accumulation, gradient
+clipping, bf16 autocast (CUDA by default; CPUs with bf16 matrix units when asked). The student
+is scored against the teacher on held-apart evaluation text every ``eval.every`` steps, a
+checkpoint is written every ``checkpoint_every`` steps, and a killed run started again with the
+same command resumes from the newest checkpoint.
+
+Several processes: ``accelerate launch -m compress run recipe.yaml`` runs the pipeline in every
+process; this stage wraps the student with accelerate (DDP, or FSDP when accelerate is configured
+for it), each process trains on its own share of every step's batches, and after the last
+distill stage only the main process goes on to quantize, export, evaluate and write.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch import nn
+
+from compress.context import RunContext, StageRecord
+from compress.distill import checkpoint
+from compress.distill.losses import lr_factor
+from compress.distill.train import Processes, Trainer, eval_min_context
+from compress.errors import CompressError
+
+ORIGINAL = "original"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DistillData(_Strict):
+    source: str | list[str] | None = Field(
+        None, description="Training text (file, directory, glob or reference:<name>), or a list of them sharing the chunks "
+        "equally; default: data.calibration.source. Kept apart from data.evaluation like calibration text.")
+    samples: int | None = Field(None, ge=1, description="Training chunks; default: exactly what the steps consume "
+                                "(steps x batch_size x grad_accum x processes). Fewer chunks are repeated in new orders (epochs).")
+    seed: int = Field(0, description="Seed for choosing and ordering the chunks.")
+    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
+
+
+class DistillEval(_Strict):
+    every: int = Field(50, ge=0, description="Score the student against the teacher every this many steps (and at the end); 0: only at the end.")
+    samples: int = Field(4, ge=1, description="Chunks of data.evaluation text (seq_len tokens each) to score on.")
+
+
+class DistillConfig(_Strict):
+    """`distill: {teacher, steps, batch_size, seq_len, lr, temperature, loss, hidden_loss_weight, data, ...}`."""
+
+    teacher: str = Field(ORIGINAL, description="original: the model before the prune stage (or as loaded when no stage "
+                         "changed it); otherwise a model source like model.source (same tokenizer).")
+    steps: int = Field(ge=1, description="Optimizer steps.")
+    batch_size: int = Field(4, ge=1, description="Chunks per forward pass, per process.")
+    grad_accum: int = Field(1, ge=1, description="Forward passes per optimizer step.")
+    seq_len: int = Field(256, ge=8, description="Tokens per training chunk.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
+    final_lr_ratio: float = Field(0.1, ge=0, le=1, description="Learning rate at the last step, as a share of lr (cosine decay).")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this (null: no clipping).")
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL loss (scaled by T²).")
+    loss: Literal["kl"] = Field("kl", description="kl: forward KL(teacher || student) on the logits.")
+    hidden_loss_weight: float = Field(0.0, ge=0, description="Weight of the hidden-state loss on mapped layers (0: off).")
+    train: Literal["blocks", "all"] = Field(
+        "blocks", description="blocks: the decoder blocks and norms learn, the embedding and output head stay frozen "
+        "(faster; they are the largest matrices of a small model); all: every parameter learns.")
+    autocast: Literal["auto", "bf16", "off"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, float32 on CPU; bf16: also on CPU (fast on CPUs with AMX / "
+        "AVX512-BF16); off: float32 everywhere.")
+    data: DistillData = Field(default_factory=DistillData)
+    eval: DistillEval = Field(default_factory=DistillEval)
+    checkpoint_every: int = Field(50, ge=0, description="Write a resumable checkpoint every this many steps (0: never).")
+
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> DistillConfig:
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be fewer than steps ({self.steps})")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.data.source is None
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def layer_map(kept_layers: list[int], teacher_layers: int) -> list[tuple[int, int]]:
+    """Pairs of hidden-state indices (student, teacher) that hold the same block's output.
+    Index 0 is the embedding output, i+1 block i's; the last entry of a transformers model is
+    after the final norm, so a pair is used only when both or neither side is the last block."""
+    n = len(kept_layers)
+    return [(j + 1, t + 1) for j, t in enumerate(kept_layers) if (j == n - 1) == (t == teacher_layers - 1)]
+
+
+class DistillStage:
+    """The recipe step ``distill: {...}``."""
+
+    def __init__(self, config: DistillConfig, label: str) -> None:
+        self.config = config
+        self.label = label
+
+    def apply(self, model: nn.Module, ctx: RunContext) -> StageRecord:
+        cfg = self.config
+        started = time.perf_counter()
+        if ctx.quantized:
+            raise CompressError(f"{self.label} (distill): the model has quantized layers ({next(iter(ctx.quantized))} …); "
+                                "distillation trains float weights, so put it before the quantize stage")
+        if ctx.text is None or (cfg.teacher != ORIGINAL and ctx.load_teacher is None):
+            raise CompressError(f"{self.label} (distill): the run context gives no text (or no model loader) to train with")
+        teacher, teacher_desc = self._teacher(model, ctx)
+        if teacher.config.vocab_size != model.config.vocab_size:
+            raise CompressError(f"{self.label} (distill): teacher vocabulary ({teacher.config.vocab_size}) differs from the "
+                                f"student's ({model.config.vocab_size}); a KL loss needs the same tokenizer")
+        procs = Processes(ctx.device)
+        pairs, channels = self._hidden_mapping(model, teacher, ctx)
+        per_step = cfg.batch_size * cfg.grad_accum * procs.world
+        samples = cfg.data.samples or cfg.steps * per_step
+        train_tokens = ctx.text("calibration", samples, cfg.seq_len, cfg.data.source, cfg.data.seed, cfg.data.text_field)
+        eval_tokens = ctx.text("evaluation", cfg.eval.samples, cfg.seq_len, None, None, None)
+        device = ctx.device
+        use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+
+        teacher.to(device).eval()
+        model.to(device)
+        trainable = self._trainable(model)
+        optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.final_lr_ratio))
+        ckpt_dir = ctx.work_dir / self.label if ctx.work_dir is not None else None
+        fingerprint = self._fingerprint(model, ctx, procs.world)
+        state = checkpoint.TrainState()
+        found = checkpoint.latest(ckpt_dir) if ckpt_dir is not None else None
+        if found is not None:
+            state = checkpoint.load(found, model, optimizer, scheduler, fingerprint)
+            ctx.reporter.info(f"{self.label} (distill): resuming from {found} (step {state.step} of {cfg.steps})")
+        trainer = Trainer(cfg, self.label, model, procs.wrap(model), teacher, procs, optimizer, scheduler, trainable, state,
+                          train_tokens, eval_tokens, device, use_bf16, pairs, channels, ckpt_dir, fingerprint, ctx.reporter)
+        trainer.run()
+        full = procs.full_state(trainer.wrapped)
+        if full is not None:
+            model.load_state_dict(full)
+        model.eval().requires_grad_(False)
+        model.to("cpu")
+        teacher.to("cpu")
+        first, final = state.history[0], state.history[-1]
+        summary = {
+            "teacher": teacher_desc,
+            "steps": cfg.steps,
+            "processes": procs.world,
+            "tokens": state.tokens,
+            "train_seconds": round(state.seconds, 2),
+            "tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,
+            "resumed_from_step": state.resumed_from,
+            "autocast": "bf16" if use_bf16 else "off",
+            "hidden_loss_layers": len(pairs),
+            "training_data": {"source": cfg.data.source or "data.calibration", "chunks": int(train_tokens.shape[0]), "seq_len": cfg.seq_len,
+                              "epochs": round(cfg.steps * per_step / train_tokens.shape[0], 3)},
+            "held_apart_eval": {"chunks": cfg.eval.samples, "seq_len": cfg.seq_len, "min_context": eval_min_context(cfg.seq_len),
+                                "against": "the teacher"},
+            "before": {k: first[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
+            "after": {k: final[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
+            "history": state.history,
+        }
+        ctx.reporter.info(f"{self.label} (distill): KL to the teacher {first['kl_divergence']:.4f} → {final['kl_divergence']:.4f} "
+                          f"in {cfg.steps} steps, {state.tokens:,} tokens, {state.seconds:.0f} s")
+        return StageRecord("distill", cfg.loss, cfg.model_dump(mode="json"), time.perf_counter() - started, summary)
+
+    def _teacher(self, model: nn.Module, ctx: RunContext) -> tuple[nn.Module, str]:
+        if self.config.teacher == ORIGINAL:
+            if ctx.teacher is not None:
+                return ctx.teacher, "the model before pruning"
+            if ctx.original is None or ctx.applied:
+                return copy.deepcopy(model).eval().requires_grad_(False), "the model as this stage received it"
+            return ctx.original, "the model as loaded"
+        return ctx.load_teacher(self.config.teacher), self.config.teacher
+
+    def _hidden_mapping(self, model: nn.Module, teacher: nn.Module, ctx: RunContext) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        if self.config.hidden_loss_weight == 0:
+            return [], None
+        n_s, n_t = model.config.num_hidden_layers, teacher.config.num_hidden_layers
+        kept = ctx.mapping
+        if kept is not None and teacher is ctx.teacher:
+            return layer_map(kept.layers, n_t), kept.hidden
+        if n_s != n_t or model.config.hidden_size != teacher.config.hidden_size:
+            raise CompressError(f"{self.label} (distill): hidden_loss_weight needs to know which teacher layer and channel each "
+                                "student one matches; that is known for teacher: original after a prune stage, or when both "
+                                f"have the same shape (student {n_s} x {model.config.hidden_size}, teacher {n_t} x {teacher.config.hidden_size})")
+        return layer_map(list(range(n_s)), n_t), None
+
+    def _trainable(self, model: nn.Module) -> list[nn.Parameter]:
+        frozen = set()
+        if self.config.train == "blocks":
+            frozen = {id(model.get_input_embeddings().weight)}
+            out = model.get_output_embeddings()
+            if out is not None:
+                frozen.add(id(out.weight))
+        params = []
+        for p in {id(p): p for p in model.parameters()}.values():
+            p.requires_grad_(id(p) not in frozen)
+            if id(p) not in frozen:
+                params.append(p)
+        return params
+
+    def _fingerprint(self, model: nn.Module, ctx: RunContext, world: int) -> str:
+        shapes = sorted((k, tuple(v.shape)) for k, v in model.state_dict().items())
+        text = f"{ctx.run_id}|{self.label}|{world}|{shapes}"
+        return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,180 @@
+"""The distillation training loop: micro-batches, losses, optimizer steps, held-apart evaluation,
+checkpoints, and the processes of a multi-process run (see distill.py for the stage)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from compress.distill import checkpoint
+from compress.distill.losses import hidden_loss, kl_loss
+from compress.eval.metrics import compare, torch_forward
+from compress.progress import Reporter
+
+if TYPE_CHECKING:
+    from compress.distill.distill import DistillConfig
+
+
+def eval_min_context(seq_len: int) -> int:
+    """Context before a scored token in the held-apart evaluation during training."""
+    return min(32, seq_len // 4)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Processes:
+    """The processes of this run: one, or several under ``accelerate launch`` (accelerate
+    initializes the process group and wraps the model with DDP or FSDP)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.accelerator = None
+        if self.world > 1:
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator(cpu=device.type == "cpu")
+            self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model if self.accelerator is None else self.accelerator.prepare_model(model)
+
+    def no_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        if self.accelerator is None or sync:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)
+
+    def mean(self, value: float) -> float:
+        if self.accelerator is None:
+            return value
+        return float(self.accelerator.reduce(torch.tensor([value], device=self.accelerator.device), reduction="mean")[0])
+
+    def barrier(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+
+    def full_state(self, wrapped: nn.Module) -> dict[str, torch.Tensor] | None:
+        return None if self.accelerator is None else self.accelerator.get_state_dict(wrapped)
+
+
+@dataclass
+class Trainer:
+    """One distillation run from ``state.step`` to ``config.steps``."""
+
+    config: DistillConfig
+    label: str
+    model: nn.Module  # the student itself
+    wrapped: nn.Module  # the student as trained (DDP/FSDP wrapper in a multi-process run)
+    teacher: nn.Module
+    procs: Processes
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    trainable: list[nn.Parameter]
+    state: checkpoint.TrainState
+    train_tokens: torch.Tensor
+    eval_tokens: torch.Tensor
+    device: torch.device
+    bf16: bool
+    pairs: list[tuple[int, int]]
+    channels: torch.Tensor | None
+    checkpoint_dir: Path | None
+    fingerprint: str
+    reporter: Reporter
+
+    @property
+    def tokens_per_step(self) -> int:
+        c = self.config
+        return c.batch_size * c.grad_accum * self.procs.world * c.seq_len
+
+    def batches(self, step: int) -> Iterator[torch.Tensor]:
+        """This process's micro-batches of optimizer step ``step``: a fixed function of the step,
+        so a resumed run and a run with more processes see the same chunks."""
+        c, n = self.config, self.train_tokens.shape[0]
+        for micro in range(c.grad_accum):
+            first = ((step * c.grad_accum + micro) * self.procs.world + self.procs.rank) * c.batch_size
+            rows = [_sample_order(n, c.data.seed, (first + k) // n)[(first + k) % n] for k in range(c.batch_size)]
+            yield self.train_tokens[rows]
+
+    def evaluate(self) -> dict[str, Any]:
+        self.model.eval()
+        metrics = compare(torch_forward(self.teacher, self.device), {"student": torch_forward(self.model, self.device)},
+                          self.eval_tokens, min_context=eval_min_context(self.config.seq_len))["student"]
+        self.model.train()
+        s = self.state
+        return {"step": s.step, "tokens": s.tokens, "seconds": round(s.seconds, 2),
+                **{k: metrics[k] for k in ("kl_divergence", "top1_agreement", "perplexity")}}
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        hidden = bool(self.pairs)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            with torch.no_grad():
+                t_out = self.teacher(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+            s_out = self.wrapped(input_ids=ids, use_cache=False, output_hidden_states=hidden)
+        loss = kl_loss(s_out.logits, t_out.logits, c.temperature)
+        if hidden:
+            loss = loss + c.hidden_loss_weight * hidden_loss(s_out.hidden_states, t_out.hidden_states, self.pairs, self.channels)
+        return loss
+
+    def step(self) -> tuple[float, float | None]:
+        """One optimizer step; returns (mean loss over processes, gradient norm before clipping)."""
+        c = self.config
+        loss_sum = 0.0
+        for micro, ids in enumerate(self.batches(self.state.step)):
+            with self.procs.no_sync(self.wrapped, micro == c.grad_accum - 1):
+                loss = self.loss(ids.to(self.device))
+                (loss / c.grad_accum).backward()
+            loss_sum += float(loss.detach())
+        grad_norm = None
+        if c.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, c.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.procs.mean(loss_sum / c.grad_accum), grad_norm
+
+    def run(self) -> None:
+        c, state = self.config, self.state
+        if not state.history:
+            state.history.append({**self.evaluate(), "loss": None})
+        self.model.train()
+        with self.reporter.bar(f"{self.label} distill", total=c.steps, completed=state.step) as advance:
+            while state.step < c.steps:
+                tick = time.perf_counter()
+                loss, grad_norm = self.step()
+                seconds = time.perf_counter() - tick
+                state.step += 1
+                state.tokens += self.tokens_per_step
+                state.seconds += seconds
+                advance(f"loss {loss:.4f}  {self.tokens_per_step / seconds:,.0f} tok/s")
+                last = state.step == c.steps
+                if (c.eval.every and state.step % c.eval.every == 0) or last:
+                    point = {**self.evaluate(), "loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+                    state.history.append(point)
+                    self.reporter.info(f"{self.label} step {state.step}: KL {point['kl_divergence']:.4f}  "
+                                       f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}  loss {loss:.4f}")
+                if self.checkpoint_dir is not None and c.checkpoint_every and state.step % c.checkpoint_every == 0 and not last:
+                    if self.procs.main:
+                        checkpoint.save(self.checkpoint_dir, self.model, self.optimizer, self.scheduler, state, self.fingerprint)
+                    self.procs.barrier()
+
+
+@functools.lru_cache(maxsize=4)
+def _sample_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The order of the training chunks in ``epoch`` (a fresh permutation each epoch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return tuple(torch.randperm(n, generator=g).tolist())

@@ -1,0 +1,118 @@
+"""`compress bench prune`: structured pruning and distillation repair on one model.
+
+For every pruning setting (a ``prune:`` mapping), from the same loaded model: prune with the
+recipe stage, score, repair with the recipe's ``distill`` stage (teacher: the unpruned model),
+score again. Scores are against the unpruned model on two texts the repair never trained on:
+the held-out share of the evaluation source (data.holdout, kept apart from the training text) and
+a second source of another kind (default: the Python documentation, for text of a domain the
+training text does not cover). results.json and results.md are rewritten after every phase.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.context import RunContext
+from compress.data import DataPlan
+from compress.distill.distill import DistillConfig, DistillStage
+from compress.eval.bench_quant import load_bench_inputs, write_results
+from compress.eval.metrics import compare, torch_forward
+from compress.progress import Reporter
+from compress.pruning.prune import PruneConfig, PruneStage, parameters
+from compress.recipe import DataSpec, EvaluationSpec
+
+DEFAULT_SETTINGS = ("{mlp: 0.25}", "{layers: {drop: 4}}")
+# Fits 15 minutes of training on 2 CPU cores with bf16 autocast (AMX); see README "Pruning and distillation".
+DEFAULT_DISTILL = {"steps": 200, "batch_size": 4, "seq_len": 256, "lr": 3e-4, "warmup_steps": 10, "autocast": "bf16",
+                   "eval": {"every": 0, "samples": 4}, "checkpoint_every": 0}
+
+
+def run_prune_bench(model_source: str, data: DataSpec, unseen: str | None, settings: list[PruneConfig], distill: DistillConfig,
+                    out_dir: Path, threads: int, reporter: Reporter) -> dict[str, Any]:
+    device = torch.device("cpu")
+    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
+    plan = DataPlan.load(data, Path.cwd(), reporter)
+    texts = {"held_out": evaluation.tokens}
+    if unseen:
+        other = EvaluationSpec(source=unseen, samples=spec.samples, seq_len=spec.seq_len, min_context=spec.min_context)
+        texts["unseen"] = DataPlan.load(DataSpec(evaluation=other), Path.cwd(), reporter).chunks("evaluation", lm.tokenizer).tokens
+    baseline = torch_forward(lm.model, device)
+
+    def score(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, tokens in texts.items():
+            metrics = compare(baseline, {"m": torch_forward(model, device)}, tokens, spec.min_context, spec.batch_size, progress=reporter.track)
+            out[name] = {**metrics["m"], "baseline_perplexity": metrics["baseline"]["perplexity"]}
+        return out
+
+    result: dict[str, Any] = {
+        "model": {"source": model_source, "sha256": lm.facts["sha256"], "parameters": parameters(lm.model)},
+        "training_text": distill.data.source or (calibration.facts["source"] if calibration else None),
+        "texts": {"held_out": evaluation.facts, "unseen": unseen},
+        "distill": distill.model_dump(mode="json"),
+        "threads": threads, "host": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "rows": [],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for config in settings:
+        label = config.model_dump_json(exclude_defaults=True)
+        reporter.info(f"[bold]prune {label}[/]")
+        row: dict[str, Any] = {"setting": config.model_dump(mode="json", exclude_defaults=True)}
+        result["rows"].append(row)
+        model = copy.deepcopy(lm.model)
+        ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens,
+                         text=lambda role, n, length, source, seed, field: plan.tokens(role, lm.tokenizer, n, length, source, seed, field,
+                                                                                       reporter=reporter),
+                         original=lm.model)
+        t0 = time.perf_counter()
+        record = PruneStage(config, "prune").apply(model, ctx)
+        ctx.applied.append("prune")
+        row.update(prune_seconds=round(time.perf_counter() - t0, 1), parameters=parameters(model), shape=record.summary["after"],
+                   dropped_layers=record.summary["dropped_layers"], pruned=score(model))
+        write_results(out_dir, result, markdown_table(result))
+        t0 = time.perf_counter()
+        record = DistillStage(distill, "distill").apply(model, ctx)
+        s = record.summary
+        row.update(repair_seconds=round(time.perf_counter() - t0, 1), train_seconds=s["train_seconds"], tokens=s["tokens"],
+                   tokens_per_second=s["tokens_per_second"], repaired=score(model))
+        for name in texts:
+            gap, left = row["pruned"][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
+            row.setdefault("kl_gap_recovered", {})[name] = round(1 - left / gap, 4) if gap > 0 else None
+        write_results(out_dir, result, markdown_table(result))
+        del model, ctx
+    return result
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']['source']}: {result['model']['parameters']:,} parameters; {result['threads']} threads; "
+             f"repair: {result['distill']['steps']} steps x {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "
+             f"of {result['training_text']}, autocast {result['distill']['autocast']}.", "",
+             "| setting | parameters | text | KL pruned | KL repaired | gap recovered | top-1 pruned → repaired | "
+             "perplexity base / pruned / repaired | repair time, s | tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        for name in r.get("pruned", {}):
+            p, q = r["pruned"][name], r.get("repaired", {}).get(name)
+            rec = r.get("kl_gap_recovered", {}).get(name)
+            lines.append(
+                f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | "
+                f"{q['kl_divergence']:.4f} | {rec:.1%} | {p['top1_agreement']:.2%} → {q['top1_agreement']:.2%} | "
+                f"{p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / {q['perplexity']:.2f} | {r['repair_seconds']:.0f} | {r['tokens']:,} |"
+                if q else
+                f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | … | … | "
+                f"{p['top1_agreement']:.2%} | {p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / … | … | … |")
+    return "\n".join(lines)
+
+
+def _setting(s: dict[str, Any]) -> str:
+    parts = []
+    for k, v in s.items():
+        parts.append(f"{k} {v:.0%}" if isinstance(v, float) else f"{k} {v}")
+    return ", ".join(parts)

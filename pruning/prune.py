@@ -1,0 +1,219 @@
+"""The recipe step ``prune: {mlp, heads, hidden, layers}``: importance from calibration
+activations, then slicing to a smaller dense model (see importance.py and slicing.py).
+
+Targets: a number in (0, 1) is the share to remove (``mlp: 0.25`` removes a quarter of every
+MLP's neurons); ``{size: N}`` is the size to keep (``mlp: {size: 1152}``). Heads count query
+heads and are removed a KV group at a time; MLP and hidden sizes are rounded down to
+``multiple_of`` so that the pruned widths stay exportable (GGUF blocks of 32 along rows).
+Blocks: ``layers: {drop: 4}`` or ``layers: {size: 26}``, least important first by ``metric``.
+
+All scores come from the unpruned model in one pass, then every axis is cut: blocks first,
+then MLP neurons and KV groups per kept block, then embedding channels.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compress.context import RunContext, StageRecord
+from compress.errors import CompressError
+from compress.pruning.arch import PrunableModel
+from compress.pruning.importance import Importance, collect, top_indices
+from compress.pruning.slicing import drop_layers, prune_hidden, prune_kv_groups, prune_mlp
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SizeTarget(_Strict):
+    size: int = Field(ge=1, description="Size to keep (neurons per MLP, query heads, or embedding channels).")
+
+
+class LayerTarget(_Strict):
+    drop: int | None = Field(None, ge=1, description="Blocks to remove.")
+    size: int | None = Field(None, ge=1, description="Blocks to keep.")
+    metric: Literal["cosine", "kl"] = Field(
+        "cosine", description="cosine: 1 - cos(block input, output) from the importance pass; "
+        "kl: KL of the model with the block skipped (one more forward pass per block).")
+
+    @model_validator(mode="after")
+    def _one(self) -> LayerTarget:
+        if (self.drop is None) == (self.size is None):
+            raise ValueError("give exactly one of drop (blocks to remove) or size (blocks to keep)")
+        return self
+
+
+Share = float
+Target = Share | SizeTarget | None
+
+
+class PruneConfig(_Strict):
+    """`prune: {mlp, heads, hidden, layers, multiple_of, batch_size}`."""
+
+    mlp: Target = Field(None, description="MLP neurons: share to remove in (0, 1), or {size: N} to keep.")
+    heads: Target = Field(None, description="Attention heads, whole KV groups at a time: share to remove, or {size: N} query heads to keep.")
+    hidden: Target = Field(None, description="Embedding channels (the residual stream): share to remove, or {size: N} to keep.")
+    layers: LayerTarget | None = Field(None, description="Whole decoder blocks: {drop: N} or {size: N}, and the metric.")
+    multiple_of: int = Field(32, ge=1, description="MLP and hidden sizes are rounded down to a multiple of this (GGUF blocks are 32 wide).")
+    batch_size: int = Field(4, ge=1, description="Calibration chunks per forward pass of the importance pass.")
+
+    @model_validator(mode="after")
+    def _valid(self) -> PruneConfig:
+        for name in ("mlp", "heads", "hidden"):
+            value = getattr(self, name)
+            if isinstance(value, float) and not 0 < value < 1:
+                raise ValueError(f"{name}: a share to remove is between 0 and 1 (exclusive), got {value}; use {{size: N}} for a size")
+        if not any(getattr(self, n) is not None for n in ("mlp", "heads", "hidden", "layers")):
+            raise ValueError("prune needs at least one of mlp, heads, hidden, layers")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+def _round_down(n: float, multiple: int) -> int:
+    return int(n // multiple) * multiple
+
+
+def resolve_sizes(config: PruneConfig, pm: PrunableModel) -> dict[str, int]:
+    """Sizes to keep, by config key (only the axes the config names). Errors say what is possible."""
+    sizes: dict[str, int] = {}
+    per_group = pm.num_heads // pm.kv_heads
+    for name, full, multiple in (("mlp", pm.intermediate_size, config.multiple_of), ("hidden", pm.hidden_size, config.multiple_of),
+                                 ("heads", pm.num_heads, per_group)):
+        target = getattr(config, name)
+        if target is None:
+            continue
+        keep = target.size if isinstance(target, SizeTarget) else full * (1 - target)
+        if isinstance(target, SizeTarget) and target.size % multiple:
+            raise CompressError(f"prune.{name}: size {target.size} is not a multiple of {multiple}"
+                                + (f" (query heads per KV group: {pm.num_heads} heads share {pm.kv_heads} KV heads)" if name == "heads" else
+                                   " (prune.multiple_of)"))
+        kept = _round_down(keep, multiple) if name != "heads" else int(round(keep / multiple)) * multiple
+        if not 0 < kept <= full:
+            raise CompressError(f"prune.{name}: keeps {kept} of {full}; the target must leave between {multiple} and {full}")
+        sizes[name] = kept
+    if "hidden" in sizes:
+        sizes["hidden"] = _hidden_the_config_accepts(pm, sizes, config.multiple_of, isinstance(config.hidden, SizeTarget))
+    if config.layers is not None:
+        n = len(pm.blocks)
+        kept = n - config.layers.drop if config.layers.drop is not None else config.layers.size
+        if not 0 < kept <= n:
+            raise CompressError(f"prune.layers: keeps {kept} of {n} blocks; it must keep at least one and at most {n}")
+        sizes["layers"] = kept
+    return sizes
+
+
+def _hidden_the_config_accepts(pm: PrunableModel, sizes: dict[str, int], multiple: int, exact: bool) -> int:
+    """The largest hidden size <= the target (a multiple of ``multiple``) that the model's config
+    class accepts with the new head count: some (Llama's) insist that hidden_size is a multiple
+    of num_attention_heads even with an explicit head_dim."""
+    heads = sizes.get("heads", pm.num_heads)
+    base = {**pm.config.to_dict(), "num_attention_heads": heads, "num_key_value_heads": heads // (pm.num_heads // pm.kv_heads),
+            "head_dim": pm.head_dim}
+    size = sizes["hidden"]
+    while size > 0:
+        try:
+            pm.config.__class__.from_dict({**base, "hidden_size": size})
+            return size
+        except (ValueError, TypeError) as exc:
+            if exact:
+                raise CompressError(f"prune.hidden: size {size} is refused by {type(pm.config).__name__}: {exc}") from None
+        size -= multiple
+    raise CompressError(f"prune.hidden: no multiple of {multiple} up to {sizes['hidden']} is accepted by {type(pm.config).__name__} "
+                        f"with {heads} attention heads; choose another size or multiple_of")
+
+
+def parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+class PruneStage:
+    """The recipe step ``prune: {...}``."""
+
+    def __init__(self, config: PruneConfig, label: str) -> None:
+        self.config = config
+        self.label = label
+
+    def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
+        started = time.perf_counter()
+        pm = PrunableModel.of(model)
+        if ctx.quantized:
+            raise CompressError(f"{self.label} (prune): the model already has quantized layers ({next(iter(ctx.quantized))} …); "
+                                "prune before quantizing (put the prune stage first)")
+        before_shape, before_params = pm.shape(), parameters(model)
+        sizes = resolve_sizes(self.config, pm)
+        ctx.keep_teacher(model)  # the model before pruning teaches a later distill stage
+        tokens = ctx.calibration()
+        batches = list(tokens.split(self.config.batch_size))
+        device = ctx.device
+        model.to(device)
+        imp = collect(pm, batches, device, want_hidden="hidden" in sizes,
+                      layer_metric=self.config.layers.metric if self.config.layers else None, progress=ctx.reporter.track)
+        kept = self._cut(pm, imp, sizes)
+        model.to("cpu")
+        ctx.mapping = kept  # student -> teacher indices, for a hidden-state distillation loss
+        ctx.files[f"pruning/{self.label}.safetensors"] = {**imp.tensors(), **{f"kept.{k}": v for k, v in kept.tensor_items()}}
+        after_params = parameters(model)
+        summary: dict[str, Any] = {
+            "before": {**before_shape, "parameters": before_params},
+            "after": {**pm.shape(), "parameters": after_params},
+            "removed_parameters_pct": round(100 * (1 - after_params / before_params), 2),
+            "dropped_layers": [i for i in range(before_shape["num_hidden_layers"]) if i not in kept.layers],
+            "importance": {"calibration_tokens": imp.tokens, "file": f"pruning/{self.label}.safetensors",
+                           "layer_metric": self.config.layers.metric if self.config.layers else None},
+        }
+        ctx.reporter.info(f"{self.label} (prune): {before_params:,} → {after_params:,} parameters "
+                          f"({summary['removed_parameters_pct']}% removed); shape {pm.shape()}")
+        return StageRecord("prune", "minitron", self.config.model_dump(mode="json"), time.perf_counter() - started, summary)
+
+    @staticmethod
+    def _cut(pm: PrunableModel, imp: Importance, sizes: dict[str, int]) -> KeptIndices:
+        n = len(pm.blocks)
+        layers = list(range(n))
+        if "layers" in sizes:
+            scores = imp.layers_cosine if imp.layers_cosine is not None else imp.layers_kl
+            assert scores is not None
+            layers = top_indices(scores, sizes["layers"]).tolist()
+            drop_layers(pm, [i for i in range(n) if i not in layers])
+        kept = KeptIndices(layers=layers)
+        if "mlp" in sizes:
+            kept.mlp = [top_indices(imp.mlp[i], sizes["mlp"]) for i in layers]
+            prune_mlp(pm, kept.mlp)
+        if "heads" in sizes:
+            kv = pm.kv_heads
+            groups = sizes["heads"] // (pm.num_heads // kv)
+            kept.kv_groups = [top_indices(imp.group_scores(i, kv), groups) for i in layers]
+            prune_kv_groups(pm, kept.kv_groups)
+        if "hidden" in sizes:
+            assert imp.hidden is not None
+            kept.hidden = top_indices(imp.hidden, sizes["hidden"])
+            prune_hidden(pm, kept.hidden)
+        return kept
+
+
+@dataclass
+class KeptIndices:
+    """What pruning kept, as indices into the unpruned model (a distillation loss maps student
+    layers and channels back to the teacher's with these)."""
+
+    layers: list[int]
+    hidden: torch.Tensor | None = None
+    mlp: list[torch.Tensor] = field(default_factory=list)
+    kv_groups: list[torch.Tensor] = field(default_factory=list)
+
+    def tensor_items(self) -> list[tuple[str, torch.Tensor]]:
+        items = [("layers", torch.tensor(self.layers, dtype=torch.long))]
+        if self.hidden is not None:
+            items.append(("hidden", self.hidden))
+        items += [(f"mlp.layers.{i}", t) for i, t in enumerate(self.mlp)]
+        items += [(f"kv_groups.layers.{i}", t) for i, t in enumerate(self.kv_groups)]
+        return items
