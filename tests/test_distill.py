@@ -246,7 +246,7 @@ def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, tor
 
 @pytest.mark.real_model
 def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_runtimes(tmp_path):
-    """recipes/prune-distill.yaml on reduced data and a short repair (10 steps of 2 x 128 tokens):
+    """recipes/prune-distill.yaml on reduced data and a short repair (20 steps of 2 x 512 tokens at lr 1e-4):
     pruned, repaired (KL to the teacher falls on held-apart text), GPTQ W4 g32 asym, exported
     exactly to Q4_1 GGUF and int4 ONNX, each run and scored on its runtime and gated."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (extra gguf) runs the GGUF export")
@@ -256,14 +256,14 @@ def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_ru
     out = tmp_path / "out"
     result = run_cli(["run", ROOT / "recipes" / "prune-distill.yaml", "-o", out, "-q",
                       "--set", "data.calibration.samples=16", "--set", "data.calibration.seq_len=256", "--set", "data.evaluation.samples=4",
-                      "--set", "stages.1.distill.steps=10", "--set", "stages.1.distill.warmup_steps=2", "--set", "stages.1.distill.batch_size=2", "--set", "stages.1.distill.seq_len=128",
+                      "--set", "stages.1.distill.steps=20", "--set", "stages.1.distill.warmup_steps=2", "--set", "stages.1.distill.batch_size=2", "--set", "stages.1.distill.lr=1.0e-4",
                       "--set", "stages.1.distill.eval.every=0", "--set", "stages.1.distill.autocast=off",
                       "--set", "gates.0.max=2", "--set", "gates.1.max=2", "--set", "gates.2.min=0.3"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
     prune, distill = manifest["stages"][0]["summary"], manifest["stages"][1]["summary"]
     assert prune["after"]["intermediate_size"] == 1152
-    assert distill["after"]["kl_divergence"] < distill["before"]["kl_divergence"] and distill["tokens"] == 10 * 2 * 128
+    assert distill["after"]["kl_divergence"] < distill["before"]["kl_divergence"] and distill["tokens"] == 20 * 2 * 512
     entries = {e["name"]: e for e in manifest["exports"]}
     assert entries["q4_1"]["records_exact"] == 210 and entries["int4"]["records_exact"] == 210
     report = json.loads((out / "report.json").read_text())

@@ -312,7 +312,7 @@ def test_smollm2_activation_importance_beats_random_neurons_and_the_pruned_model
     kl = compare(torch_forward(base, torch.device("cpu")),
                  {"importance": torch_forward(pruned, torch.device("cpu")), "random": torch_forward(rand, torch.device("cpu"))},
                  evaluation[:4], min_context=32)
-    assert kl["importance"]["kl_divergence"] < 0.8 * kl["random"]["kl_divergence"], kl  # measured 0.514 vs 0.761
+    assert kl["importance"]["kl_divergence"] < 0.6 * kl["random"]["kl_divergence"], kl  # measured 0.724 vs 3.389
     pruned.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     torch.testing.assert_close(logits(again, evaluation[:1, :64]), logits(pruned, evaluation[:1, :64]), atol=1e-4, rtol=1e-4)
