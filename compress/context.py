@@ -76,10 +76,16 @@ class RunContext:
     load_teacher: Callable[[str], nn.Module] | None = None
     """Loads another model by a model.source-style string (a named distillation teacher)."""
 
+    def frozen_copy(self, model: nn.Module) -> nn.Module:
+        """``model`` as it is now, kept from later changes: the loaded model itself when no stage
+        has changed it yet (no copy), else a frozen copy."""
+        if self.original is not None and not self.applied:
+            return self.original
+        return copy.deepcopy(model).eval().requires_grad_(False)
+
     def keep_teacher(self, model: nn.Module) -> None:
-        """Remember ``model`` as it is now as the teacher of a later distill stage: the loaded
-        model itself when no stage has changed it yet, else a copy."""
-        self.teacher = self.original if self.original is not None and not self.applied else copy.deepcopy(model).eval()
+        """Remember ``model`` as it is now as the teacher of a later distill stage."""
+        self.teacher = self.frozen_copy(model)
 
 
 class Stage(Protocol):

@@ -18,6 +18,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -244,6 +245,15 @@ class DataPlan:
         reporter = reporter or Reporter(quiet=True)
         with reporter.status(f"tokenizing {samples} x {seq_len} tokens of {role} text"):
             return plan.chunks(role, tokenizer, samples=samples, seq_len=seq_len, seed=seed).tokens
+
+    def text_for(self, tokenizer: Any, base_dir: Path, reporter: Reporter | None = None) -> Callable[..., torch.Tensor]:
+        """:meth:`tokens` bound to a tokenizer and base directory: the ``RunContext.text`` stages call."""
+
+        def text(role: str, samples: int, seq_len: int, source: str | list[str] | None, seed: int | None,
+                 text_field: str | None) -> torch.Tensor:
+            return self.tokens(role, tokenizer, samples, seq_len, source, seed, text_field, base_dir, reporter)
+
+        return text
 
     def chunks(self, role: str, tokenizer: Any, samples: int | None = None, seq_len: int | None = None, seed: int | None = None) -> Chunks:
         """Token chunks of ``role``'s text; ``samples``/``seq_len``/``seed`` override the recipe's

@@ -26,6 +26,7 @@ from compress.artifact import checksums, write_model
 from compress.context import RunContext, Stage, StageRecord
 from compress.data import Chunks, DataPlan
 from compress.distill.distill import DistillStage
+from compress.distill.train import process_rank
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.kv_eval import evaluate_kv
@@ -96,11 +97,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def process_rank() -> tuple[int, int]:
-    """(rank, world size) when started by ``accelerate launch`` / torchrun, else (0, 1)."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def work_dir_for(out_dir: Path) -> Path:
     """Resumable state of a run (training checkpoints) lives next to its artifact until it is written."""
     return out_dir.with_name(out_dir.name + ".work")
@@ -148,15 +144,11 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     stages = build_stages(recipe)
     model = copy.deepcopy(baseline) if stages else baseline
 
-    def text_chunks(role: str, samples: int, seq_len: int, source: str | list[str] | None, seed: int | None,
-                    text_field: str | None) -> torch.Tensor:
-        return data.tokens(role, lm.tokenizer, samples, seq_len, source, seed, text_field, base_dir, reporter)
-
     def load_teacher(source: str) -> torch.nn.Module:
         return load_model(ModelSpec(source=source, dtype=recipe.model.dtype), base_dir, reporter).model
 
     ctx = RunContext(seed=recipe.seed, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=calibration_tokens,
-                     text=text_chunks, original=baseline, work_dir=work_dir_for(out_dir), load_teacher=load_teacher,
+                     text=data.text_for(lm.tokenizer, base_dir, reporter), original=baseline, work_dir=work_dir_for(out_dir), load_teacher=load_teacher,
                      run_id=hashlib.sha256(f"{recipe.sha256()}|{lm.facts.get('sha256')}".encode()).hexdigest())
     ctx.quantized.update(lm.quantized)  # layers of an imported quantized checkpoint are quantized already
     ctx.quantized_by.update(dict.fromkeys(lm.quantized, "model.source"))

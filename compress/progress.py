@@ -19,6 +19,9 @@ from rich.progress import (
 
 T = TypeVar("T")
 
+_COLUMNS = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn())
+
 
 class Reporter:
     """Shows progress and notes to a person; ``quiet=True`` shows only warnings."""
@@ -31,16 +34,7 @@ class Reporter:
         if self.quiet:
             yield from items
             return
-        columns = (
-            SpinnerColumn(),
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-        )
-        with Progress(*columns, console=self.console) as progress:
+        with Progress(*_COLUMNS, console=self.console) as progress:
             task = progress.add_task(description, total=total if total is not None else _len(items))
             for item in items:
                 yield item
@@ -53,9 +47,7 @@ class Reporter:
         if self.quiet:
             yield lambda info: None
             return
-        columns = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
-        with Progress(*columns, console=self.console) as progress:
+        with Progress(*_COLUMNS, TextColumn("{task.fields[info]}"), console=self.console) as progress:
             task = progress.add_task(description, total=total, completed=completed, info="")
             yield lambda info: progress.update(task, advance=1, info=info)
 

@@ -16,7 +16,6 @@ distill stage only the main process goes on to quantize, export, evaluate and wr
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import time
 from typing import Literal
@@ -181,13 +180,12 @@ class DistillStage:
         return StageRecord("distill", cfg.loss, cfg.model_dump(mode="json"), time.perf_counter() - started, summary)
 
     def _teacher(self, model: nn.Module, ctx: RunContext) -> tuple[nn.Module, str]:
-        if self.config.teacher == ORIGINAL:
-            if ctx.teacher is not None:
-                return ctx.teacher, "the model before pruning"
-            if ctx.original is None or ctx.applied:
-                return copy.deepcopy(model).eval().requires_grad_(False), "the model as this stage received it"
-            return ctx.original, "the model as loaded"
-        return ctx.load_teacher(self.config.teacher), self.config.teacher
+        if self.config.teacher != ORIGINAL:
+            return ctx.load_teacher(self.config.teacher), self.config.teacher
+        if ctx.teacher is not None:
+            return ctx.teacher, "the model before pruning"
+        teacher = ctx.frozen_copy(model)  # no prune stage: the model as this stage receives it teaches
+        return teacher, "the model as loaded" if teacher is ctx.original else "the model as this stage received it"
 
     def _hidden_mapping(self, model: nn.Module, teacher: nn.Module, ctx: RunContext) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
         if self.config.hidden_loss_weight == 0:

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from compress.distill.distill import DistillConfig
 
 
+def process_rank() -> tuple[int, int]:
+    """(rank, world size) when started by ``accelerate launch`` / torchrun, else (0, 1)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def eval_min_context(seq_len: int) -> int:
     """Context before a scored token in the held-apart evaluation during training."""
     return min(32, seq_len // 4)
@@ -37,8 +42,7 @@ class Processes:
     initializes the process group and wraps the model with DDP or FSDP)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank, self.world = process_rank()
         self.accelerator = None
         if self.world > 1:
             from accelerate import Accelerator

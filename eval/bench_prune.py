@@ -68,8 +68,7 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: str | None, setti
         result["rows"].append(row)
         model = copy.deepcopy(lm.model)
         ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens,
-                         text=lambda role, n, length, source, seed, field: plan.tokens(role, lm.tokenizer, n, length, source, seed, field,
-                                                                                       reporter=reporter),
+                         text=plan.text_for(lm.tokenizer, Path.cwd(), reporter),
                          original=lm.model)
         t0 = time.perf_counter()
         record = PruneStage(config, "prune").apply(model, ctx)
