@@ -92,6 +92,12 @@ def run(
     from compress.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])
+    if loaded.recipe.search is not None:
+        from compress.search import run_search
+
+        found = run_search(loaded, output, overwrite, Reporter(err, quiet=quiet))
+        print_search(found.report)
+        raise typer.Exit(found.exit_code)
     result = run_recipe(loaded, output, overwrite=overwrite, reporter=Reporter(err, quiet=quiet))
     if "secondary_process" in result.report:  # accelerate launch: the main process reports
         raise typer.Exit(0)
@@ -143,11 +149,78 @@ def export_encoder(
 
 
 @app.command()
+@guarded
+def gate(
+    artifact: Path = typer.Argument(..., help="A compress artifact directory, a GGUF file, an ONNX Runtime GenAI folder, or a Hugging Face model folder."),
+    gates: Path = typer.Option(..., "--gates", help="Gates file (YAML: gates, and optionally data, latency, devices, targets)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Source model to compare with (default: an artifact's own source model)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile for gates that name none (default: this machine, measured)."),
+    devices_file: Optional[list[Path]] = typer.Option(None, "--devices-file", help="YAML file of device profiles of your own (repeatable)."),
+    output: Path = typer.Option(Path("gate-report"), "-o", "--output", help="Directory for report.json, junit.xml, summary.md, plots/."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
+) -> None:
+    """Evaluate an existing ARTIFACT against a gates file, without re-running compression.
+
+    Exit code 0 when every gate passed, 1 when a gate failed, 2 on bad input or an error.
+    """
+    from compress.eval.reports import write_reports
+    from compress.gate import run_gate
+    from compress.pipeline import _write_json, json_safe
+    from compress.progress import Reporter
+
+    result = run_gate(artifact, gates, baseline, device, devices_file or [], threads, Reporter(err, quiet=quiet))
+    output.mkdir(parents=True, exist_ok=True)
+    _write_json(output / "report.json", result.report)
+    files = write_reports(output, json_safe(result.report), suite=f"compress gate {artifact.name}")
+    print_gates(result.report)
+    out.print(f"reports: [bold]{output}[/] (report.json, {', '.join(files.values())})")
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
 def schema() -> None:
     """Print the recipe JSON schema (for editors and CI linters)."""
     from compress.recipe import json_schema
 
     sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+
+
+@app.command()
+@guarded
+def plan(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    device: Optional[list[str]] = typer.Option(None, "--device", help="Target device profile (repeatable; default: local and the "
+                                               "recipe's targets, or every profile when it names none)."),
+    devices_file: Optional[list[Path]] = typer.Option(None, "--devices-file", help="YAML file with a top-level `devices:` list; "
+                                                      "a profile with a shipped name replaces it (repeatable)."),
+    context: Optional[int] = typer.Option(None, "--context", help="Tokens of KV cache per sequence for the fit check "
+                                          "(default: the recipe target's context, else data.evaluation.seq_len, else 2048)."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Sequences held at once for the fit check (default: the "
+                                        "recipe target's batch, else 1)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the whole plan as JSON to this file."),
+    set_: Optional[list[str]] = SetOption,
+) -> None:
+    """Estimate RECIPE before running it: peak memory and time per step, artifact sizes, and whether each
+    artifact fits each device. Reads the model's config only; every number is an estimate."""
+    from compress.eval.devices import LOCAL, load_profiles, local_profile
+    from compress.eval.plan import plan_recipe, tables, write_plan
+    from compress.recipe import load_recipe
+
+    loaded = load_recipe(recipe, set_ or [])
+    profiles = load_profiles(devices_file or [], [p.model_dump() for p in loaded.recipe.devices])
+    if LOCAL not in profiles and (not device or LOCAL in device):
+        import torch
+
+        with err.status("measuring this machine's memory bandwidth"):
+            profiles = {LOCAL: local_profile(cuda=torch.cuda.is_available()), **profiles}
+    result = plan_recipe(loaded, profiles, list(device or []), context=context, batch=batch)
+    for table in tables(result):
+        out.print(table)
+    out.print("[dim]estimated, not measured: order-of-magnitude guidance (formulas and constants under `assumptions` in --json)[/]")
+    if json_out is not None:
+        write_plan(json_out, result)
+        out.print(f"plan: {json_out}")
 
 
 # The model and data options both benchmarks take.
@@ -374,6 +447,31 @@ def bench_kv(
     _print_results(markdown_table(result), output)
 
 
+@bench_app.command("latency")
+@guarded
+def bench_latency(
+    artifact: Path = typer.Argument(..., help="A compress artifact directory (its torch model and runtime exports), GGUF file or ONNX folder."),
+    output: Path = typer.Option(Path("bench-latency"), "-o", "--output", help="Directory for results.json and results.md."),
+    runtimes: Optional[str] = typer.Option(None, help="Comma-separated runtimes to time (torch, llama.cpp, onnxruntime, tensorrt); default all."),
+    rounds: int = typer.Option(2, min=2, help="Independent rounds (fresh processes) to compare."),
+    prompt_tokens: int = typer.Option(128, min=1),
+    output_tokens: int = typer.Option(64, min=2),
+    batch: int = typer.Option(4, min=1, help="The batch size measured besides 1."),
+    warmup: int = typer.Option(1, min=0),
+    repeats: int = typer.Option(5, min=1),
+    threads: int = typer.Option(os.cpu_count() or 1, help="Threads per runtime."),
+) -> None:
+    """Time each runtime of ARTIFACT in several independent rounds: medians, p90, and the spread between rounds."""
+    from compress.eval.bench_latency import markdown_table, run_latency_bench
+    from compress.eval.latency import LatencySettings
+    from compress.progress import Reporter
+
+    settings = LatencySettings(prompt_tokens, output_tokens, tuple(sorted({1, batch})), warmup, repeats, threads)
+    chosen = [r.strip() for r in runtimes.split(",")] if runtimes else None
+    result = run_latency_bench(artifact, chosen, settings, rounds, output, Reporter(err))
+    _print_results(markdown_table(result), output)
+
+
 @assets_app.command("fetch")
 @guarded
 def assets_fetch(
@@ -429,11 +527,12 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
                       f"{b['top1_agreement']:.2%} → {a['top1_agreement']:.2%} (held-apart text); {s['steps']} steps, {s['tokens']:,} tokens, "
                       f"{s['train_seconds']:.0f}s training, {s['processes']} process(es)"
                       + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] is not None else ""))
-    if report["evaluations"]:
+    accuracy = [ev for ev in report["evaluations"] if ev.get("kind", "accuracy") in ("accuracy", "kv_cache")]
+    if accuracy:
         table = Table(title="evaluation (vs baseline)")
         for col in ("artifact", "runtime/device", "ppl", "KL", "KL p99", "top-1", "tokens"):
             table.add_column(col, justify="left" if col in ("artifact", "runtime/device") else "right", no_wrap=True)
-        for ev in report["evaluations"]:
+        for ev in accuracy:
             m = ev["metrics"]
             table.add_row(ev["artifact"], f"{ev['runtime']}/{ev['device']}", f"{m['perplexity']:.4f}", f"{m['kl_divergence']:.5f}",
                           f"{m['kl_divergence_p99']:.4f}", f"{m['top1_agreement']:.2%}", f"{m['tokens_scored']:,}")
@@ -444,15 +543,56 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             reason = reason.get("skipped") if isinstance(reason, dict) else reason
             if reason:
                 out.print(f"[yellow]exports {entry['name']}: {what} skipped[/]: {escape(reason)}")
+    print_gates(report)
+
+
+def print_search(report: dict[str, Any]) -> None:
+    search = report["search"]
+    table = Table(title="search candidates (smallest expected size first)")
+    for col in ("candidate", "size MiB", "KL", "top-1", "passed", "status"):
+        table.add_column(col, justify="right" if col in ("size MiB", "KL", "top-1") else "left")
+    for row in search["candidates"]:
+        m = row.get("metrics") or {}
+        mark = " ◀ chosen" if row["name"] == search["chosen"] else ""
+        table.add_row(row["name"] + mark, "—" if row.get("size_mb") is None else f"{row['size_mb']:.2f}",
+                      f"{m['kl_divergence']:.5f}" if "kl_divergence" in m else "—",
+                      f"{m['top1_agreement']:.2%}" if "top1_agreement" in m else "—",
+                      {True: "[green]yes[/]", False: "[red]no[/]", None: "—"}[row.get("passed")], escape(row["status"]))
+    out.print(table)
+    if search["chosen"]:
+        out.print(f"chosen: [bold]{search['chosen']}[/] ({search['chosen_path']}), the smallest artifact passing every gate")
+    else:
+        out.print("[red]no candidate passed every gate[/]")
+
+
+def print_gates(report: dict[str, Any]) -> None:
+    """The latency table (measured and estimated, said so), then the gates with their sources."""
+    latency = [ev for ev in report["evaluations"] if ev.get("kind") == "latency"]
+    if latency:
+        table = Table(title="latency (batch 1 medians)")
+        for col in ("artifact", "runtime/device", "source", "TTFT ms", "TPOT ms", "tok/s", "batch tok/s", "peak RSS MiB", "BW util"):
+            table.add_column(col, justify="left" if col in ("artifact", "runtime/device", "source") else "right", no_wrap=True)
+        for ev in latency:
+            m = ev["metrics"]
+
+            def cell(key: str, fmt: str) -> str:
+                return format(m[key], fmt) if isinstance(m.get(key), (int, float)) else "—"
+
+            source = "[yellow]estimated[/]" if ev["source"] == "estimated" else "measured"
+            table.add_row(ev["artifact"], f"{ev['runtime']}/{ev['device']}", source, cell("ttft_ms", ".1f"), cell("tpot_ms", ".2f"),
+                          cell("decode_tokens_per_s", ".1f"), cell("batch_decode_tokens_per_s", ".1f"), cell("peak_rss_mb", ".0f"),
+                          cell("bandwidth_utilization", ".0%"))
+        out.print(table)
     if report["gates"]:
         table = Table(title="gates")
-        for col in ("gate", "value", "threshold", "result"):
+        for col in ("gate", "value", "threshold", "source", "result"):
             table.add_column(col)
         for g in report["gates"]:
             th = g["threshold"]
             limit = f"{th['kind']} {th['value']:g}" + (f" (limit {th['limit']:.6g})" if th["kind"].endswith("_pct") and "limit" in th else "")
             value = "—" if g["value"] is None else f"{g['value']:.6g}"
-            table.add_row(g["name"], value, limit, "[green]PASS[/]" if g["passed"] else "[red]FAIL[/]")
+            source = {"estimated": "[yellow]estimated[/]", "missing": "[red]missing[/]"}.get(g["source"], g["source"])
+            table.add_row(g["name"], value, limit, source, "[green]PASS[/]" if g["passed"] else "[red]FAIL[/]")
         out.print(table)
         verdict = "[green]all gates passed[/]" if report["passed"] else "[red]a gate failed[/]"
         out.print(verdict)

@@ -29,10 +29,15 @@ from compress.distill.distill import DistillStage
 from compress.distill.train import process_rank
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
+from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.kv_eval import evaluate_kv
+from compress.eval.latency import LatencySettings, Target
+from compress.eval.reports import write_reports
+from compress.eval.performance import Timed, device_evaluations, measure_all
 from compress.eval.metrics import compare, torch_forward
 from compress.export.parity import VerifyInputs
 from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
+from compress.export.gguf import GGUF_FILE
 from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
@@ -43,7 +48,8 @@ from compress.quantizers.kv_cache import KVCacheStage
 from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, ModelSpec, Recipe
 
 MANIFEST_VERSION = 1
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+RUNTIMES_OF = {"gguf": "llama.cpp", "onnx": "onnxruntime", "tensorrt": "tensorrt"}
 VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "gguf", "accelerate",
                       "llama_cpp_python", "onnx", "onnxruntime", "onnxruntime_genai", "onnxscript")
 
@@ -117,6 +123,10 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     reporter = Reporter(quiet=True) if rank > 0 else (reporter or Reporter())
     out_dir = Path(out_dir)
     check_target(out_dir, overwrite)  # before any heavy work; atomic_directory checks again at the end
+    profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
+    for name in wanted_devices(recipe):
+        if name != LOCAL:
+            get_profile(profiles, name)  # an unknown device fails now, with the known names
     started = time.perf_counter()
     seed_everything(recipe.seed)
     threads = recipe.compute.threads or os.cpu_count() or 1
@@ -189,8 +199,18 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         if recipe.exports:
             timings["exports_s"] = time.perf_counter() - t
         evaluations += runtime_evaluations
+        host = None
+        timed = timed_artifacts(recipe, tmp, exports)
+        if recipe.latency is not None or wanted_devices(recipe):
+            _write_json(tmp / "manifest.json", manifest)  # the torch worker reads the quantized layers' schemes from it
+            t = time.perf_counter()
+            found, host = performance_evaluations(recipe, base_dir, timed, eval_chunks, model, threads, device, reporter)
+            evaluations += found
+            timings["latency_s"] = time.perf_counter() - t
         gates = evaluate_gates(recipe.gates, gate_evaluations(evaluations, recipe.exports))
         report = build_report(recipe, evaluations, gates, eval_chunks)
+        if host is not None:
+            report["host"] = host
         note_llm_int8(exports, records, ctx)
         report["exports"] = report_entries(exports, evaluations)
         if kv_report is not None:
@@ -199,12 +219,67 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         manifest["exports"] = exports
         with reporter.status(f"writing artifact {out_dir}"):
             _write_json(tmp / "report.json", report)
+            write_reports(tmp, json_safe(report), suite=recipe.name or loaded.path.stem)
             timings["total_s"] = time.perf_counter() - started
             manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
             manifest["files"] = checksums(tmp)
             _write_json(tmp / "manifest.json", manifest)
     remove_checkpoints(ctx.work_dir, [f"stages[{i}]" for i, st in enumerate(recipe.stages) if st.kind == "distill"])
     return RunResult(out_dir, manifest, report, evaluations, gates)
+
+
+def timed_artifacts(recipe: Recipe, root: Path, exports: list[dict[str, Any]]) -> list[Timed]:
+    """What the latency block times: compressed (torch, on the artifact being written) and the
+    runtime exports (llama.cpp on the GGUF file, ONNX Runtime GenAI on the ONNX folder, TensorRT on
+    a built engine)."""
+    spec = recipe.latency
+    names = spec.artifacts if spec is not None and spec.artifacts is not None else None
+    by_name = {e["name"]: e for e in exports}
+    timed = []
+    if names is None or "compressed" in names:
+        timed.append(Timed("compressed", Target("torch", str(root), "cuda" if recipe.compute.device == "cuda" else "cpu")))
+    for x in recipe.exports:
+        if names is not None and x.name not in names or x.format not in RUNTIMES_OF:
+            continue
+        folder = root / EXPORTS_DIR / x.name
+        if x.format == "tensorrt" and not (by_name[x.name].get("engine") or {}).get("built"):
+            continue  # no engine here (no TensorRT or GPU): its ONNX is timed by nothing, and the report says the engine was skipped
+        path = folder / GGUF_FILE if x.format == "gguf" else folder
+        timed.append(Timed(x.name, Target(RUNTIMES_OF[x.format], str(path), "cuda" if x.format == "tensorrt" else "cpu")))
+    return timed
+
+
+def wanted_devices(recipe: Recipe) -> dict[str, tuple[int, int]]:
+    """Devices to evaluate for (gates and targets), with the context and batch of their fit check."""
+    default_context = recipe.latency.prompt_tokens + recipe.latency.output_tokens if recipe.latency else 2048
+    wanted = {t.device: (t.context or default_context, t.batch) for t in recipe.targets}
+    for gate in recipe.gates:
+        if gate.device is not None and gate.device not in wanted:
+            wanted[gate.device] = (default_context, 1)
+    return wanted
+
+
+def performance_evaluations(recipe: Recipe, base_dir: Path, timed: list[Timed], eval_chunks: Chunks | None, model: torch.nn.Module,
+                            threads: int, device: torch.device, reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any] | None]:
+    """Latency measured here (the ``latency`` block) and the evaluations for named devices."""
+    profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
+    spec = recipe.latency
+    measured: list[Evaluation] = []
+    host = None
+    settings = None
+    if spec is not None:
+        settings = LatencySettings(spec.prompt_tokens, spec.output_tokens, tuple(spec.batch_sizes), spec.warmup, spec.repeats, threads)
+        measured, host = measure_all(timed, settings, latency_prompts(eval_chunks, spec.prompt_tokens, max(spec.batch_sizes), recipe.seed),
+                                     reporter, device.type)
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return measured + device_evaluations(profiles, wanted_devices(recipe), timed, measured, settings, params), host
+
+
+def latency_prompts(chunks: Chunks | None, length: int, rows: int, seed: int) -> np.ndarray:
+    """Prompts for the latency runs: the evaluation text's first tokens (real text), else seeded random ids."""
+    if chunks is not None and chunks.tokens.shape[1] >= length:
+        return chunks.tokens[:rows, :length].numpy()
+    return np.random.default_rng(seed).integers(1000, 20000, size=(rows, length))
 
 
 def remove_checkpoints(work_dir: Path, labels: list[str]) -> None:
@@ -286,7 +361,8 @@ def evaluate_kv_stage(model: torch.nn.Module, ctx: RunContext, data: DataPlan, t
                "reference_perplexity": result["reference_metrics"]["perplexity"], "memory": result["memory"],
                "tokens_sha256": chunks.facts["tokens_sha256"]}
     section["memory"] = result["memory"]
-    return [Evaluation(artifact=KV_CACHE_ARTIFACT, runtime="torch", device=device.type, metrics=result["metrics"], details=details)], section
+    return [Evaluation(artifact=KV_CACHE_ARTIFACT, runtime="torch", device=device.type, metrics=result["metrics"], details=details,
+                       kind="kv_cache")], section
 
 
 def build_report(recipe: Recipe, evaluations: list[Evaluation], gates: list[GateResult], eval_chunks: Chunks | None) -> dict[str, Any]:

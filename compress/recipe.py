@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from compress.distill.distill import DistillConfig
 from compress.errors import RecipeError
-from compress.eval.metrics import METRICS
+from compress.eval.devices import DeviceProfile
+from compress.eval.metrics import LATENCY_METRICS, METRICS
 from compress.export.specs import ExportSpec
 from compress.pruning.prune import PruneConfig
 from compress.quantizers import QuantizeConfig
@@ -25,6 +26,7 @@ from compress.quantizers.kv_cache import KVCacheConfig
 SCHEMA_VERSION = 1
 IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
 KV_CACHE_ARTIFACT = "kv_cache"  # the compressed model decoding through its quantized KV cache (a kv_cache stage)
+RUNTIME_FORMATS = ("gguf", "onnx", "tensorrt")  # exports that run on a runtime of their own (timeable)
 THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
 # Fields that hold filesystem paths; relative values resolve against the recipe's directory
 # (or, for --set overrides, against the current directory).
@@ -120,6 +122,9 @@ class GateSpec(Strict):
     min: float | None = Field(None, description="Pass when value >= min.")
     max_increase_pct: float | None = Field(None, ge=0, description="Pass when value <= baseline * (1 + pct/100).")
     max_decrease_pct: float | None = Field(None, ge=0, description="Pass when value >= baseline * (1 - pct/100).")
+    device: str | None = Field(None, description="Device profile the gate is for. Unset or `local`: measured on this machine. "
+                               "Another device: measured when this machine is that device, else estimated from its roofline "
+                               "and reported as `source: estimated`.")
 
     @field_validator("metric")
     @classmethod
@@ -127,6 +132,13 @@ class GateSpec(Strict):
         if v not in METRICS:
             raise ValueError(f"unknown metric '{v}'; known: {', '.join(METRICS)}")
         return v
+
+    @model_validator(mode="after")
+    def _device_metrics(self) -> GateSpec:
+        if self.device not in (None, "local") and self.metric not in (*LATENCY_METRICS, "memory_fraction", "size_mb"):
+            raise ValueError(f"{self.metric} is measured on the artifact's runtime here and does not depend on the device; "
+                             "device applies to latency and memory metrics")
+        return self
 
     @model_validator(mode="after")
     def _one_threshold(self) -> GateSpec:
@@ -150,7 +162,47 @@ class GateSpec(Strict):
 
     @property
     def display_name(self) -> str:
-        return self.name or f"{self.artifact}.{self.metric}.{self.threshold_kind}"
+        device = f"@{self.device}" if self.device else ""
+        return self.name or f"{self.artifact}.{self.metric}{device}.{self.threshold_kind}"
+
+
+class LatencySpec(Strict):
+    prompt_tokens: int = Field(128, ge=1, description="Prompt length for the time to first token (real evaluation-text tokens).")
+    output_tokens: int = Field(64, ge=2, description="Greedy tokens decoded per run (no stop at end-of-text).")
+    batch_sizes: list[int] = Field([1, 4], min_length=1, description="Batch sizes to measure; 1 is required (the gated medians). "
+                                   "A runtime that decodes one sequence (llama-cpp-python) skips the others and says so.")
+    warmup: int = Field(1, ge=0, description="Unmeasured runs before the measured ones.")
+    repeats: int = Field(5, ge=1, description="Measured runs; medians and p90 are over these.")
+    artifacts: list[str] | None = Field(None, description="Artifacts to time: compressed (torch) and export names. "
+                                        "Default: compressed and every GGUF, ONNX and TensorRT export.")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _has_one(cls, v: list[int]) -> list[int]:
+        if 1 not in v or any(b < 1 for b in v):
+            raise ValueError("batch_sizes are positive and include 1 (the gated latency is at batch 1)")
+        return sorted(set(v))
+
+
+class TargetSpec(Strict):
+    device: str = Field(description="A device profile name (shipped, or in `devices`).")
+    context: int | None = Field(None, ge=1, description="Tokens of KV cache for the fit check (default: latency prompt + output).")
+    batch: int = Field(1, ge=1, description="Sequences decoded at once, for the fit check.")
+
+
+class SearchSpec(Strict):
+    variants: dict[str, list[Any]] = Field(min_length=1, description="Recipe key path (as for --set, e.g. stages.0.quantize.bits) -> "
+                                           "values to try; every combination is a candidate.")
+    stop_at_first_pass: bool = Field(False, description="Stop at the first candidate that passes every gate (candidates run "
+                                     "smallest expected size first).")
+
+    @field_validator("variants")
+    @classmethod
+    def _non_empty(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        empty = [k for k, values in v.items() if not values]
+        if empty:
+            raise ValueError(f"no values to try for {', '.join(empty)}")
+        return v
 
 
 class ComputeSpec(Strict):
@@ -171,7 +223,13 @@ class Recipe(Strict):
         description="Checkpoints of the quantized weights, packed exactly (compressed-tensors, gptq); "
         "each is written to exports/<name>/ in the artifact and verified by reloading it.",
     )
+    latency: LatencySpec | None = Field(None, description="Time the artifacts on their runtimes (each in a fresh process).")
+    devices: list[DeviceProfile] = Field(default_factory=list, description="Device profiles of your own (added to, or replacing, the shipped ones).")
+    targets: list[TargetSpec] = Field(default_factory=list, description="Devices to check fit and estimate latency for, "
+                                      "with the context and batch they must serve.")
     gates: list[GateSpec] = Field(default_factory=list)
+    search: SearchSpec | None = Field(None, description="Try every combination of these values and keep the smallest artifact "
+                                      "passing every gate (see README, Recipe search).")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
@@ -203,6 +261,19 @@ class Recipe(Strict):
         for i, gate in enumerate(self.gates):
             if gate.artifact not in known:
                 raise ValueError(f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")
+        if self.search is not None and not self.gates:
+            raise ValueError("search picks the smallest artifact passing every gate, and this recipe has no gates")
+        latency_metrics = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
+        if latency_metrics and self.latency is None:
+            raise ValueError(f"gates{latency_metrics} gate latency metrics and need a `latency:` block (what to time, how)")
+        for i, gate in enumerate(self.gates):
+            if gate.metric == "memory_fraction" and gate.device is None:
+                raise ValueError(f"gates[{i}]: memory_fraction is a fit check on a named device; set gates[{i}].device")
+        if self.latency is not None:
+            timeable = {"compressed"} | {x.name for x in self.exports if x.format in RUNTIME_FORMATS}
+            for name in self.latency.artifacts or []:
+                if name not in timeable:
+                    raise ValueError(f"latency.artifacts: '{name}' is not timeable here; known: {', '.join(sorted(timeable))}")
         names = [g.display_name for g in self.gates]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -340,20 +411,21 @@ def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Re
         raise RecipeError(format_validation_error(exc, lines, filename)) from None
 
 
-def format_validation_error(exc: ValidationError, lines: dict[tuple, int], filename: str) -> str:
+def format_validation_error(exc: ValidationError, lines: dict[tuple, int], filename: str, root: type[BaseModel] | None = None,
+                            what: str = "recipe") -> str:
     messages = []
     for err in exc.errors():
-        loc, parent = _resolve_loc(tuple(err["loc"]))
+        loc, parent = _resolve_loc(tuple(err["loc"]), root or Recipe)
         line = _line_for(loc, lines)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = f"unknown key '{loc[-1]}'" + _did_you_mean(str(loc[-1]), parent)
         elif err["type"] == "missing":
             msg = "required key is missing"
-        key = _fmt(loc) or "(recipe)"
+        key = _fmt(loc) or f"({what})"
         where = "--set" if line == -1 else f"{filename}:{line}"
         messages.append(f"{where}: {key}: {msg}")
-    head = f"recipe {filename} is not valid ({len(messages)} problem{'s' if len(messages) != 1 else ''}):"
+    head = f"{what} {filename} is not valid ({len(messages)} problem{'s' if len(messages) != 1 else ''}):"
     return "\n".join([head, *("  " + m for m in messages)])
 
 
@@ -365,11 +437,11 @@ def _did_you_mean(key: str, parent: type[BaseModel] | None) -> str:
     return f" (did you mean '{close[0]}'?)" if close else (f" (allowed: {', '.join(allowed)})" if allowed else "")
 
 
-def _resolve_loc(loc: tuple) -> tuple[tuple, type[BaseModel] | None]:
+def _resolve_loc(loc: tuple, root: type[BaseModel]) -> tuple[tuple, type[BaseModel] | None]:
     """Drop discriminated-union tags (``quantize.rtn.bits`` -> ``quantize.bits``) from a pydantic
-    error location by walking the schema; also return the schema object holding the last key."""
+    error location by walking the schema from ``root``; also return the schema object holding the last key."""
     clean: list[Any] = []
-    ann: Any = Recipe
+    ann: Any = root
     parent: type[BaseModel] | None = None
     for part in loc:
         if isinstance(part, int):

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from compress.eval.devices import LOCAL
 from compress.eval.metrics import METRICS
 from compress.recipe import GateSpec
 
@@ -20,9 +21,14 @@ class Evaluation:
     metrics: dict[str, float | int]
     source: str = "measured"  # or "estimated"
     details: dict[str, Any] | None = None
+    kind: str = "accuracy"  # accuracy | latency | memory | kv_cache
+    profile: str | None = None  # the device profile it stands for (None: this machine)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"artifact": self.artifact, "runtime": self.runtime, "device": self.device, "source": self.source, "metrics": self.metrics}
+        out = {"artifact": self.artifact, "runtime": self.runtime, "device": self.device, "source": self.source, "kind": self.kind,
+               "metrics": self.metrics}
+        if self.profile is not None:
+            out["profile"] = self.profile
         if self.details:
             out["details"] = self.details
         return out
@@ -45,24 +51,41 @@ class GateResult:
         return asdict(self)
 
 
-def evaluate_gates(specs: list[GateSpec], evaluations: dict[str, Evaluation]) -> list[GateResult]:
-    """Check each gate against the evaluation of its artifact (relative gates use the baseline)."""
+def evaluate_gates(specs: list[GateSpec], evaluations: list[Evaluation]) -> list[GateResult]:
+    """Check each gate against the evaluation of its artifact, metric and device (relative gates
+    compare with the baseline's value of the same metric)."""
     return [_check(spec, evaluations) for spec in specs]
 
 
-def _check(spec: GateSpec, evaluations: dict[str, Evaluation]) -> GateResult:
+def find_evaluation(evaluations: list[Evaluation], artifact: str, metric: str, device: str | None) -> Evaluation | None:
+    """The evaluation of ``artifact`` holding ``metric`` for the gate's device: ``None`` or
+    ``local`` is this machine; a profile name matches evaluations made for that profile (measured
+    here when this machine is it, else estimated)."""
+    here = device in (None, LOCAL)
+    for ev in evaluations:
+        if ev.artifact == artifact and metric in ev.metrics and (ev.profile is None if here else ev.profile == device):
+            return ev
+    return None
+
+
+def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     kind, value_t = spec.threshold_kind, spec.threshold_value
-    ev = evaluations.get(spec.artifact)
+    ev = find_evaluation(evaluations, spec.artifact, spec.metric, spec.device)
     threshold: dict[str, Any] = {"kind": kind, "value": value_t}
     base = dict(name=spec.display_name, metric=spec.metric, artifact=spec.artifact)
-    if ev is None or spec.metric not in ev.metrics:
-        return GateResult(**base, value=None, threshold=threshold, passed=False, source="missing", runtime=None, device=None,
-                          message=f"no measurement of {spec.metric} for artifact '{spec.artifact}'")
+    if ev is None:
+        where = f" on device '{spec.device}'" if spec.device not in (None, LOCAL) else ""
+        return GateResult(**base, value=None, threshold=threshold, passed=False, source="missing", runtime=None, device=spec.device,
+                          message=f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}")
     value = float(ev.metrics[spec.metric])
     if kind in ("max", "min"):
         limit = value_t
     else:
-        reference = float(evaluations["baseline"].metrics[spec.metric])
+        reference_ev = find_evaluation(evaluations, "baseline", spec.metric, spec.device)
+        if reference_ev is None:
+            return GateResult(**base, value=value, threshold=threshold, passed=False, source="missing", runtime=ev.runtime,
+                              device=ev.device, message=f"{kind} needs the baseline's {spec.metric}, which was not measured")
+        reference = float(reference_ev.metrics[spec.metric])
         sign = 1 if kind == "max_increase_pct" else -1
         limit = reference * (1 + sign * value_t / 100)
         threshold["baseline"] = reference

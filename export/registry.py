@@ -204,15 +204,12 @@ def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation])
     return [{**{k: e[k] for k in keys if k in e}, "evaluated_as": evaluated_as(e)} for e in entries]
 
 
-def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> dict[str, Evaluation]:
+def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> list[Evaluation]:
     """Evaluations by artifact name for the gates. An export holds exactly the records of the
     in-memory compressed model (its verifier proves it, or the run fails), so a gate on an export
     reads the ``compressed`` evaluation. A GGUF or ONNX export is measured on its own runtime (llama.cpp,
     ONNX Runtime), or not at all (``verify: false``: a gate on it then fails as unmeasured, since the
     runtime computes differently and its own quantizers hold other weights)."""
-    by_name = {e.artifact: e for e in evaluations}
-    if "compressed" in by_name:
-        for spec in specs:
-            if spec.format not in RUNTIME_EXPORTS:
-                by_name[spec.name] = dataclasses.replace(by_name["compressed"], artifact=spec.name)
-    return by_name
+    compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind == "accuracy"]
+    stand_ins = [dataclasses.replace(e, artifact=spec.name) for spec in specs if spec.format not in RUNTIME_EXPORTS for e in compressed]
+    return [*evaluations, *stand_ins]

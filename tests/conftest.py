@@ -79,3 +79,22 @@ def shakespeare_chunks(smollm2):
 def shakespeare_full_calibration(smollm2):
     """The issue's calibration size (128 x 512 tokens) and 8 x 512 evaluation chunks of held-out text."""
     return reference_chunks(smollm2.tokenizer, (128, 512), (8, 512))
+
+
+@pytest.fixture(scope="session")
+def onnx_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny test model with 6 heads of 16 (ONNX Runtime's CPU attention wants head sizes in multiples of 16);
+    hidden 96 and MLP 160 leave partial last groups of 64."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("onnx") / "tiny-llama-h16"
+    shutil.copytree(tiny_model_dir, directory)
+    config = LlamaConfig.from_pretrained(tiny_model_dir)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 2, 16
+    import torch
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory

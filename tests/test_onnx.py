@@ -109,23 +109,6 @@ def test_tokenizer_json_is_made_plain_byte_level(tmp_path: Path, tiny_model_dir:
     assert ob.normalize_tokenizer(tmp_path) == []
 
 
-@pytest.fixture(scope="module")
-def onnx_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """The tiny test model with 6 heads of 16 (ONNX Runtime's CPU attention wants head sizes in multiples of 16);
-    hidden 96 and MLP 160 leave partial last groups of 64."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("onnx") / "tiny-llama-h16"
-    shutil.copytree(tiny_model_dir, directory)
-    config = LlamaConfig.from_pretrained(tiny_model_dir)
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 2, 16
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
-
-
 def test_head_sizes_onnx_runtime_cannot_run_are_refused(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     result, out = run_export(tmp_path, tiny_model_dir, text_dir, "  - format: onnx\n")
     assert result.exit_code == 2 and "head size that is a multiple of 16" in result.output and not out.exists()

@@ -1,0 +1,274 @@
+"""`compress gate`: evaluate an existing artifact against a gates file, without re-running
+compression, for pipelines. Exit 0 all gates passed, 1 a gate failed, 2 bad input or error.
+
+What can be gated:
+
+* our artifact directory (manifest.json): ``compressed`` is its model (torch, dequantized records)
+  and every export by its name (GGUF on llama.cpp, ONNX on ONNX Runtime; checkpoint exports hold
+  the same records and read the ``compressed`` evaluation). The baseline defaults to the run's
+  model source, and the evaluation text to the run's (same holdout split);
+* a GGUF file (llama.cpp), an ONNX Runtime GenAI folder (genai_config.json) or a Hugging Face
+  model folder (torch): gated as ``compressed``; accuracy gates need ``--baseline``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field, model_validator
+
+from compress.data import DataPlan
+from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
+from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
+from compress.eval.gates import Evaluation, GateResult, evaluate_gates
+from compress.eval.latency import LatencySettings, Target
+from compress.eval.metrics import ACCURACY_METRICS, compare, torch_forward
+from compress.eval.performance import Timed, device_evaluations, measure_all
+from compress.progress import Reporter
+from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
+
+DEFAULT_EVALUATION = {"source": "reference:shakespeare", "samples": 16, "seq_len": 512}
+
+
+class GatesFile(Strict):
+    """A gates file: the gates, and optionally the text, latency protocol and devices they need."""
+
+    version: int = Field(1, description="Gates file version; this release reads 1.")
+    data: DataSpec | None = Field(None, description="Evaluation text (default: the artifact's run's, else 16 x 512 tokens of Shakespeare).")
+    latency: LatencySpec | None = None
+    devices: list[DeviceProfile] = Field(default_factory=list)
+    targets: list[TargetSpec] = Field(default_factory=list)
+    gates: list[GateSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _latency_needed(self) -> GatesFile:
+        from compress.eval.metrics import LATENCY_METRICS
+
+        timed = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
+        if timed and self.latency is None:
+            raise ValueError(f"gates{timed} gate latency metrics and need a `latency:` block")
+        return self
+
+
+def load_gates_file(path: Path) -> GatesFile:
+    from pydantic import ValidationError
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CompressError(f"cannot read gates file {path}: {exc}") from None
+    data, lines = parse_yaml(text, str(path))
+    try:
+        return GatesFile.model_validate(data)
+    except ValidationError as exc:
+        raise CompressError(format_validation_error(exc, lines, str(path), GatesFile, "gates file")) from None
+
+
+@dataclass
+class Subject:
+    """The artifact under test: what each name is and how to time it."""
+
+    kind: str  # artifact | gguf | onnx | hf
+    timed: list[Timed]
+    baseline_source: str | None
+    data: dict[str, Any] | None  # the run's data spec (artifact directories)
+    base_dir: Path
+    stand_ins: list[str]  # checkpoint exports that hold the compressed records
+
+
+def inspect(path: Path) -> Subject:
+    path = path.expanduser().resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        return Subject("gguf", [Timed("compressed", Target("llama.cpp", str(path)))], None, None, Path.cwd(), [])
+    if not path.is_dir():
+        raise CompressError(f"{path}: not a compress artifact, GGUF file, ONNX folder or Hugging Face model folder")
+    if (path / "manifest.json").is_file():
+        manifest = json.loads((path / "manifest.json").read_text())
+        expanded = manifest["recipe"]["expanded"]
+        timed = [Timed("compressed", Target("torch", str(path)))]
+        stand_ins = []
+        for export in manifest.get("exports", []):
+            folder = path / export["path"]
+            if export["format"] == "gguf":
+                timed.append(Timed(export["name"], Target("llama.cpp", str(folder / "model.gguf"))))
+            elif export["format"] == "onnx":
+                timed.append(Timed(export["name"], Target("onnxruntime", str(folder))))
+            elif export["format"] == "tensorrt":
+                if (export.get("engine") or {}).get("built"):
+                    timed.append(Timed(export["name"], Target("tensorrt", str(folder), "cuda")))
+            else:
+                stand_ins.append(export["name"])
+        recipe_dir = Path(manifest["recipe"]["path"]).expanduser().parent
+        return Subject("artifact", timed, expanded["model"]["source"], expanded["data"], recipe_dir, stand_ins)
+    if (path / "genai_config.json").is_file():
+        return Subject("onnx", [Timed("compressed", Target("onnxruntime", str(path)))], None, None, Path.cwd(), [])
+    if (path / "config.json").is_file():
+        return Subject("hf", [Timed("compressed", Target("torch", str(path)))], None, None, Path.cwd(), [])
+    raise CompressError(f"{path}: not a compress artifact (manifest.json), ONNX folder (genai_config.json) or Hugging Face "
+                        "model folder (config.json)")
+
+
+@dataclass
+class GateRun:
+    report: dict[str, Any]
+    gates: list[GateResult]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if all(g.passed for g in self.gates) else EXIT_GATE_FAILED
+
+
+def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str | None, devices_files: list[Path],
+             threads: int | None, reporter: Reporter) -> GateRun:
+    spec = load_gates_file(gates_file)
+    gates = [g if device is None or g.device is not None else g.model_copy(update={"device": device}) for g in spec.gates]
+    subject = inspect(artifact)
+    names = {t.name for t in subject.timed} | set(subject.stand_ins) | {"baseline"}
+    for i, g in enumerate(gates):
+        if g.artifact not in names:
+            raise CompressError(f"{gates_file}: gates[{i}].artifact '{g.artifact}' is not in {artifact}; known: {', '.join(sorted(names))}")
+    profiles = load_profiles(list(devices_files), [p.model_dump() for p in spec.devices])
+    for g in gates:
+        if g.device is not None and g.device != LOCAL:
+            get_profile(profiles, g.device)  # an unknown name fails here, before any work, with the known names
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    wanted = {a for a in (g.artifact for g in gates)} | {a for g in gates if g.artifact in subject.stand_ins for a in ["compressed"]}
+    evaluations: list[Evaluation] = []
+    started = time.perf_counter()
+    needs_accuracy = [g for g in gates if g.metric in ACCURACY_METRICS or g.threshold_kind.endswith("_pct") and g.metric in ACCURACY_METRICS]
+    eval_facts = None
+    prompts = None
+    baseline_source = baseline or subject.baseline_source
+    if needs_accuracy or spec.latency is not None:
+        if baseline_source is None and needs_accuracy:
+            raise CompressError(f"gates on {', '.join(sorted({g.metric for g in needs_accuracy}))} compare with the source model: "
+                                "pass --baseline MODEL (a model source as in a recipe)")
+    if baseline_source is not None and needs_accuracy:
+        evaluations, eval_facts, prompts = _accuracy(subject, wanted, baseline_source, spec, threads, reporter)
+    host = None
+    timed = [t for t in subject.timed if t.name in wanted]
+    settings = None
+    if spec.latency is not None:
+        lat = spec.latency
+        settings = LatencySettings(lat.prompt_tokens, lat.output_tokens, tuple(lat.batch_sizes), lat.warmup, lat.repeats, threads)
+        rows = max(lat.batch_sizes)
+        if prompts is None or prompts.shape[1] < lat.prompt_tokens:
+            import numpy as np
+
+            prompts = np.random.default_rng(0).integers(1000, 20000, size=(rows, lat.prompt_tokens))
+        measured, host = measure_all(timed, settings, prompts, reporter)
+        evaluations += measured
+    else:
+        measured = []
+    default_context = settings.prompt_tokens + settings.output_tokens if settings else 2048
+    wanted_devices = {t.device: (t.context or default_context, t.batch) for t in spec.targets}
+    for g in gates:
+        if g.device is not None and g.device not in wanted_devices:
+            wanted_devices[g.device] = (default_context, 1)
+    if wanted_devices:
+        params = _params(subject, timed)
+        evaluations += device_evaluations(profiles, wanted_devices, timed, measured, settings, params)
+    compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind == "accuracy"]
+    import dataclasses
+
+    evaluations += [dataclasses.replace(e, artifact=name) for name in subject.stand_ins for e in compressed]
+    results = evaluate_gates(gates, evaluations)
+    report = {
+        "schema_version": 2,
+        "recipe": "compress gate",
+        "passed": all(g.passed for g in results),
+        "evaluations": [e.to_json() for e in evaluations],
+        "gates": [g.to_json() for g in results],
+        "evaluation_data": eval_facts,
+        "artifact": {"path": str(artifact), "kind": subject.kind, "baseline": baseline_source, "gates_file": str(gates_file),
+                     "seconds": round(time.perf_counter() - started, 3)},
+    }
+    if host is not None:
+        report["host"] = host
+    return GateRun(report, results)
+
+
+def _accuracy(subject: Subject, wanted: set[str], baseline_source: str, spec: GatesFile, threads: int,
+              reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any], Any]:
+    from compress.models import load_model
+
+    lm = load_model(ModelSpec(source=baseline_source), subject.base_dir, reporter)
+    if spec.data is not None:
+        data_spec = spec.data
+    elif subject.data is not None and subject.data.get("evaluation"):
+        data_spec = DataSpec.model_validate(subject.data)
+    else:
+        data_spec = DataSpec(evaluation=DEFAULT_EVALUATION)
+    if data_spec.evaluation is None:
+        raise CompressError("the gates file's data has no evaluation text")
+    chunks = DataPlan.load(data_spec, subject.base_dir, reporter).chunks("evaluation", lm.tokenizer)
+    cpu = torch.device("cpu")
+    candidates: dict[str, Any] = {}
+    closers = []
+    details: dict[str, dict[str, Any]] = {}
+    seq_len = int(chunks.tokens.shape[1])
+    for item in subject.timed:
+        if item.name not in wanted:
+            continue
+        target = item.target
+        if target.runtime == "torch":
+            model = _torch_model(Path(target.path))
+            candidates[item.name] = torch_forward(model, cpu)
+        elif target.runtime == "llama.cpp":
+            from compress.export.gguf_runtime import LlamaCppModel
+
+            runtime = LlamaCppModel(Path(target.path), n_ctx=seq_len, threads=threads)
+            closers.append(runtime.close)
+            candidates[item.name] = runtime.forward
+        elif target.runtime == "onnxruntime":
+            from compress.export.onnx_runtime import OrtDecoder
+
+            candidates[item.name] = OrtDecoder(Path(target.path) / "model.onnx", threads).forward
+        else:
+            continue  # a TensorRT engine is scored by its export's verifier on the GPU it was built for
+        details[item.name] = {"runtime": target.runtime, "path": target.path}
+    min_context = data_spec.evaluation.min_context
+    try:
+        metrics = compare(torch_forward(lm.model, cpu), candidates, chunks.tokens, min_context, progress=reporter.track)
+    finally:
+        for close in closers:
+            close()
+    info = {"chunks": int(chunks.tokens.shape[0]), "seq_len": seq_len, "min_context": min_context}
+    evaluations = [Evaluation(artifact="baseline", runtime="torch", device="cpu", metrics=metrics["baseline"], details=info)]
+    for name, d in details.items():
+        evaluations.append(Evaluation(artifact=name, runtime=d["runtime"], device="cpu", metrics=metrics[name], details={**info, **d}))
+    facts = {k: chunks.facts[k] for k in ("source", "tokens_sha256", "samples", "seq_len")}
+    return evaluations, facts, chunks.tokens.numpy()
+
+
+def _torch_model(path: Path) -> torch.nn.Module:
+    if (path / "manifest.json").is_file():
+        from compress.artifact import load_artifact
+
+        return load_artifact(path)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _params(subject: Subject, timed: list[Timed]) -> int:
+    """Parameter count for prefill estimates, from the files (no model is built)."""
+    from compress.eval.latency import static_bytes
+
+    for item in subject.timed:
+        if item.target.runtime == "torch":
+            weights, _, _ = static_bytes(item.target)
+            return weights // 4
+    for item in timed:
+        if item.target.runtime == "llama.cpp":
+            import gguf
+
+            return sum(int(t.n_elements) for t in gguf.GGUFReader(item.target.path).tensors)
+    return sum(static_bytes(t.target)[0] for t in timed[:1]) * 2  # int4 ONNX: about two weights per byte

@@ -1,0 +1,159 @@
+"""Recipe search: a ``search:`` block lists values for recipe keys; every combination is a
+candidate recipe, run as a full artifact (stages, exports verified on their runtimes, gates),
+smallest expected artifact first. The smallest *measured* artifact that passes every gate is
+chosen; ``stop_at_first_pass`` ends the search at the first passing candidate (the smallest by the
+estimate, since candidates run in that order).
+
+Layout of the output directory::
+
+    candidates/<NN>-<name>/   one complete artifact per candidate run (reused when a search resumes)
+    report.json               the chosen candidate's gates, and ``search``: every candidate
+    summary.md, junit.xml, plots/pareto.png
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError, RecipeError
+from compress.fsutil import check_target
+from compress.progress import Reporter
+from compress.recipe import LoadedRecipe, Recipe, apply_override, parse_yaml, validate
+
+METHOD_COST = {"rtn": 0, "llm_int8": 1, "awq": 2, "gptq": 3}  # cheaper to run first among equal sizes
+
+
+@dataclass
+class Candidate:
+    name: str
+    overrides: list[str]
+    recipe: Recipe
+    bits_per_weight: float
+
+
+def expand(loaded: LoadedRecipe) -> list[Candidate]:
+    """Every combination of the search values as a validated recipe, smallest expected size first."""
+    spec = loaded.recipe.search
+    if spec is None:
+        raise CompressError(f"{loaded.path}: no search block")
+    data, lines = parse_yaml(loaded.text, str(loaded.path))
+    data.pop("search")
+    for item in loaded.overrides:
+        apply_override(data, item, lines)
+    keys = list(spec.variants)
+    candidates = []
+    for values in itertools.product(*(spec.variants[k] for k in keys)):
+        overrides = [f"{k}={json.dumps(v)}" for k, v in zip(keys, values)]
+        variant = copy.deepcopy(data)
+        for item in overrides:
+            apply_override(variant, item, dict(lines))
+        try:
+            recipe = validate(variant, lines, f"{loaded.path} with {' '.join(overrides)}")
+        except RecipeError as exc:
+            raise CompressError(f"search candidate {' '.join(overrides)} is not a valid recipe:\n{exc}") from None
+        name = "_".join(f"{k.split('.')[-1]}-{v}" for k, v in zip(keys, values))
+        candidates.append(Candidate(re.sub(r"[^A-Za-z0-9._-]+", "", name), overrides, recipe, bits_per_weight(recipe)))
+    candidates.sort(key=lambda c: (c.bits_per_weight, _cost(c.recipe)))
+    return candidates
+
+
+def bits_per_weight(recipe: Recipe) -> float:
+    """Expected stored bits per weight of the quantized layers: bits plus the group's scale (and
+    zero point) amortised; 16 without a quantize stage."""
+    for stage in recipe.stages:
+        if stage.kind == "quantize":
+            cfg = stage.config
+            group = getattr(cfg, "group_size", None)
+            extra = 0.0 if not group else (16 if getattr(cfg, "symmetric", True) else 16 + getattr(cfg, "bits", 8)) / group
+            return getattr(cfg, "bits", 8) + extra
+    return 16.0
+
+
+def _cost(recipe: Recipe) -> int:
+    return sum(METHOD_COST.get(getattr(st.config, "method", ""), 0) for st in recipe.stages if st.kind == "quantize")
+
+
+def artifact_size(directory: Path, recipe: Recipe) -> int:
+    """The deployable's size: the first export (a runtime file or checkpoint), else model/."""
+    target = directory / "exports" / recipe.exports[0].name if recipe.exports else directory / "model"
+    return sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+
+
+@dataclass
+class SearchResult:
+    out_dir: Path
+    report: dict[str, Any]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.report["search"]["chosen"] is not None else EXIT_GATE_FAILED
+
+
+def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Reporter) -> SearchResult:
+    from compress.eval.reports import write_reports
+    from compress.pipeline import REPORT_VERSION, _write_json, json_safe, run_recipe
+
+    spec = loaded.recipe.search
+    assert spec is not None
+    candidates = expand(loaded)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and overwrite:
+        import shutil
+
+        shutil.rmtree(out_dir)
+    elif out_dir.exists() and not (out_dir / "candidates").is_dir():
+        check_target(out_dir, overwrite)  # refuses a directory that is not a search of ours
+    (out_dir / "candidates").mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    reports: dict[str, dict[str, Any]] = {}
+    for i, cand in enumerate(candidates):
+        directory = out_dir / "candidates" / f"{i:02d}-{cand.name}"
+        row: dict[str, Any] = {"name": cand.name, "overrides": cand.overrides, "path": str(directory.relative_to(out_dir)),
+                               "expected_bits_per_weight": round(cand.bits_per_weight, 4), "source": "measured"}
+        if (directory / "report.json").is_file() and (directory / "manifest.json").is_file():
+            report = json.loads((directory / "report.json").read_text())
+            row["status"] = "reused"
+        else:
+            reporter.console.print(f"[bold]search candidate {i + 1}/{len(candidates)}[/]: {' '.join(cand.overrides)}")
+            one = LoadedRecipe(recipe=cand.recipe, path=loaded.path, text=loaded.text, overrides=loaded.overrides + cand.overrides)
+            try:
+                report = run_recipe(one, directory, reporter=reporter).report
+            except CompressError as exc:  # e.g. an export that cannot hold this scheme: the candidate fails, the search goes on
+                rows.append({**row, "status": f"error: {exc}", "passed": False, "size_mb": None, "metrics": {}})
+                continue
+            row["status"] = "run"
+        reports[cand.name] = report
+        accuracy = [e for e in report["evaluations"] if e.get("kind", "accuracy") == "accuracy" and e["artifact"] != "baseline"]
+        first = recipe_primary(cand.recipe)
+        chosen_ev = next((e for e in accuracy if e["artifact"] == first), None) or next((e for e in accuracy), None)
+        row.update(passed=report["passed"], size_mb=artifact_size(directory, cand.recipe) / 2**20,
+                   metrics={k: v for k, v in (chosen_ev or {}).get("metrics", {}).items() if k != "tokens_scored"},
+                   gates_failed=[g["name"] for g in report["gates"] if not g["passed"]])
+        rows.append(row)
+        if spec.stop_at_first_pass and report["passed"]:
+            break
+    for cand in candidates[len(rows):]:
+        rows.append({"name": cand.name, "overrides": cand.overrides, "status": "not run (stopped at the first passing candidate)",
+                     "passed": None, "size_mb": None, "expected_bits_per_weight": round(cand.bits_per_weight, 4)})
+    passing = [r for r in rows if r.get("passed")]
+    chosen = min(passing, key=lambda r: r["size_mb"]) if passing else None
+    base = reports[chosen["name"]] if chosen else {"evaluations": [], "gates": [], "evaluation_data": None}
+    report = {"schema_version": REPORT_VERSION, "recipe": loaded.recipe.name, "passed": chosen is not None,
+              "evaluations": base["evaluations"], "gates": base["gates"], "evaluation_data": base.get("evaluation_data"),
+              "search": {"candidates": rows, "chosen": chosen["name"] if chosen else None,
+                         "chosen_path": chosen["path"] if chosen else None, "stop_at_first_pass": spec.stop_at_first_pass,
+                         "order": "expected bits per weight, then method cost (rtn, llm_int8, awq, gptq)",
+                         "size": "the first export's files (else model/), MiB"}}
+    _write_json(out_dir / "report.json", report)
+    write_reports(out_dir, json_safe(report), suite=f"search {loaded.recipe.name or loaded.path.stem}")
+    return SearchResult(out_dir, report)
+
+
+def recipe_primary(recipe: Recipe) -> str:
+    return recipe.exports[0].name if recipe.exports else "compressed"

@@ -1,0 +1,425 @@
+"""Latency of an artifact on its own runtime: time to first token, time per output token, decode
+tokens/s, peak memory, and how much of the host's memory bandwidth a decoded token uses.
+
+Every measurement runs in a fresh worker process (``python -m compress.eval.latency``), one per
+artifact and runtime, so that
+
+* the peak resident memory is the runtime's own (the parent holds torch models of its own),
+* runtimes do not share thread pools or caches, and a crash in a native runtime is an error
+  message rather than a dead pipeline.
+
+Protocol, the same for every runtime: the prompt is ``prompt_tokens`` real tokens (rows of the
+evaluation text when given), then ``output_tokens`` greedy steps with no stop at end-of-text.
+TTFT is the prompt's forward plus picking the first token; a decode step is one token's forward
+plus picking the next one. ``warmup`` unmeasured runs, then ``repeats`` measured runs; medians and
+90th percentiles are over runs (a run's time per token is the mean of its steps).
+
+Bandwidth utilisation = bytes read per decoded token / time per token / the host's measured
+bandwidth. Bytes read per token = the weights a decode step reads (lookup tables such as an
+untied token embedding read one row and are left out) + the KV cache at the run's mean context.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compress.errors import CompressError
+
+RUNTIMES = ("torch", "llama.cpp", "onnxruntime", "tensorrt")
+SINGLE_SEQUENCE = {"llama.cpp": "llama-cpp-python's Llama object decodes one sequence; batch > 1 is not measured"}
+
+
+@dataclass
+class LatencySettings:
+    prompt_tokens: int = 128
+    output_tokens: int = 64
+    batch_sizes: tuple[int, ...] = (1, 4)
+    warmup: int = 1
+    repeats: int = 5
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+
+@dataclass
+class Target:
+    """What one worker measures: ``path`` is a GGUF file (llama.cpp), an ONNX Runtime GenAI
+    directory (onnxruntime), a Hugging Face model directory (torch) or an engine directory (tensorrt)."""
+
+    runtime: str
+    path: str
+    device: str = "cpu"
+
+
+# --------------------------------------------------------------------------- the parent side
+
+
+def measure(target: Target, settings: LatencySettings, prompts: np.ndarray, timeout_s: float = 1800) -> dict[str, Any]:
+    """Run one worker process and return its result: per batch size, the medians and p90s, the
+    peak RSS, the bytes read per token. ``prompts`` [rows, >= prompt_tokens] int token ids."""
+    if target.runtime not in RUNTIMES:
+        raise CompressError(f"latency: unknown runtime '{target.runtime}'; known: {', '.join(RUNTIMES)}")
+    rows = max(settings.batch_sizes)
+    if prompts.ndim != 2 or prompts.shape[1] < settings.prompt_tokens:
+        raise CompressError(f"latency: prompts must be [rows, >= {settings.prompt_tokens}] token ids; got {tuple(prompts.shape)}")
+    if prompts.shape[0] < rows:  # repeat rows to fill the largest batch
+        prompts = np.concatenate([prompts] * (rows // prompts.shape[0] + 1))
+    job = {"target": asdict(target), "settings": asdict(settings),
+           "prompts": prompts[:rows, : settings.prompt_tokens].astype(np.int64).tolist()}
+    env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "compress.eval.latency"], input=json.dumps(job), capture_output=True,
+                              text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        raise CompressError(f"latency: the {target.runtime} worker on {target.path} ran past {timeout_s:.0f} s") from None
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise CompressError(f"latency: the {target.runtime} worker on {target.path} failed (exit {done.returncode}):\n{tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def latency_metrics(result: dict[str, Any], bandwidth_gbs: float | None) -> dict[str, float]:
+    """The gateable metrics of a worker result (batch 1, plus the largest batch measured)."""
+    one = result["batches"]["1"]
+    metrics = {"ttft_ms": one["ttft_ms"], "ttft_ms_p90": one["ttft_ms_p90"], "tpot_ms": one["tpot_ms"],
+               "tpot_ms_p90": one["tpot_ms_p90"], "decode_tokens_per_s": one["decode_tokens_per_s"],
+               "peak_rss_mb": result["peak_rss_mb"], "size_mb": result["size_bytes"] / 2**20}
+    larger = [int(b) for b in result["batches"] if int(b) > 1]
+    if larger:
+        metrics["batch_decode_tokens_per_s"] = result["batches"][str(max(larger))]["decode_tokens_per_s"]
+    if result.get("gpu_peak_mb") is not None:
+        metrics["gpu_peak_mb"] = result["gpu_peak_mb"]
+    if bandwidth_gbs:
+        metrics["bandwidth_utilization"] = one["bytes_per_token"] / (one["tpot_ms"] / 1e3) / (bandwidth_gbs * 1e9)
+    return metrics
+
+
+# --------------------------------------------------------------------------- runners (in the worker)
+
+
+class _Runner:
+    """One loaded artifact. ``run(prompts [b, p], steps)`` -> (ttft seconds, seconds of each step)."""
+
+    max_batch: int | None = None  # None: any
+    weight_bytes: int = 0
+    kv_bytes_per_position: int = 0
+    size_bytes: int = 0
+
+    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
+        raise NotImplementedError
+
+
+class _TorchRunner(_Runner):
+    def __init__(self, path: Path, device: str, threads: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch, self.device = torch, torch.device(device)
+        if (path / "manifest.json").is_file():  # our artifact: quantized layers dequantized (torch computes in float)
+            from compress.artifact import load_artifact
+
+            model = load_artifact(path)[0]
+            self.size_bytes = _tree_size(path / "model")
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path))
+            self.size_bytes = _tree_size(path)
+        self.model = model.to(self.device).eval()
+        tied = self.model.get_input_embeddings().weight is self.model.get_output_embeddings().weight
+        params = {id(p): p for p in self.model.parameters()}.values()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        if not tied:
+            emb = self.model.get_input_embeddings().weight
+            self.weight_bytes -= emb.numel() * emb.element_size()
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_bytes_per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * self.model.dtype.itemsize
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
+        torch = self.torch
+        ids = torch.from_numpy(prompts).to(self.device)
+        times = []
+        with torch.inference_mode():
+            self._sync()
+            start = time.perf_counter()
+            out = self.model(input_ids=ids, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            self._sync()
+            ttft = time.perf_counter() - start
+            cache = out.past_key_values
+            for _ in range(steps - 1):
+                start = time.perf_counter()
+                out = self.model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                self._sync()
+                times.append(time.perf_counter() - start)
+                cache = out.past_key_values
+        return ttft, times
+
+
+class _LlamaCppRunner(_Runner):
+    max_batch = 1
+
+    def __init__(self, path: Path, threads: int, context: int) -> None:
+        from compress.export.gguf_runtime import LlamaCppModel
+
+        self.runtime = LlamaCppModel(path, n_ctx=context, threads=threads)
+        self.size_bytes = path.stat().st_size
+        self.weight_bytes, self.kv_bytes_per_position = _gguf_bytes(path)
+
+    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
+        from compress.export.gguf_runtime import _quiet_stderr
+
+        llm = self.runtime.llm
+        llm.reset()
+        times = []
+        with _quiet_stderr():
+            start = time.perf_counter()
+            llm.eval(prompts[0].tolist())
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            ttft = time.perf_counter() - start
+            for _ in range(steps - 1):
+                start = time.perf_counter()
+                llm.eval([nxt])
+                nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                times.append(time.perf_counter() - start)
+        return ttft, times
+
+
+class _GenAIRunner(_Runner):
+    def __init__(self, path: Path, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        config = og.Config(str(path))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
+                                                                              "inter_op_num_threads": 1}}}}))
+        self.og, self.model = og, og.Model(config)
+        self.size_bytes = _tree_size(path)
+        self.weight_bytes, self.kv_bytes_per_position = _onnx_bytes(path)
+
+    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
+        og = self.og
+        batch, length = prompts.shape
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=length + steps, min_length=length + steps, do_sample=False, batch_size=batch)
+        generator = og.Generator(self.model, params)
+        start = time.perf_counter()
+        generator.append_tokens(prompts.astype(np.int32))
+        generator.generate_next_token()  # picks the first token from the prompt's logits
+        ttft = time.perf_counter() - start
+        times = []
+        for _ in range(steps - 1):
+            start = time.perf_counter()
+            generator.generate_next_token()  # one token's forward, then the pick
+            times.append(time.perf_counter() - start)
+        del generator, params  # before the model they were made from
+        return ttft, times
+
+
+class _TensorRTRunner(_Runner):
+    """An engine built by our TensorRT export (explicit ``past_key_values.*`` inputs and
+    ``present.*`` outputs): the prompt with an empty past, then one token at a time."""
+
+    def __init__(self, path: Path) -> None:
+        import torch
+
+        from compress.export.tensorrt import EngineRunner
+
+        plans = sorted(path.glob("*.plan")) if path.is_dir() else [path]
+        if not plans:
+            raise CompressError(f"latency: no TensorRT engine (*.plan) in {path}")
+        self.torch, self.runner = torch, EngineRunner(plans[0])
+        self.size_bytes = plans[0].stat().st_size
+        self.weight_bytes = self.size_bytes  # an engine's weights are most of its file; stated as an approximation
+        self.past = [n for n in self.runner.inputs if n.startswith("past_key_values.")]
+        self.kv_bytes_per_position = sum(
+            int(np.prod([d for i, d in enumerate(self.runner.engine.get_tensor_shape(n)) if i not in (0, 2)]))
+            * self.runner.dtypes[n].itemsize for n in self.past)
+
+    def _step(self, ids: Any, past: dict[str, Any], offset: int) -> tuple[Any, dict[str, Any]]:
+        torch = self.torch
+        batch, seq = ids.shape
+        feeds = {"input_ids": ids, "attention_mask": torch.ones((batch, offset + seq), dtype=torch.int64),
+                 "position_ids": torch.arange(offset, offset + seq).repeat(batch, 1), **past}
+        out = self.runner(feeds)
+        presents = {n: out[n.replace("past_key_values.", "present.")] for n in self.past}
+        return out["logits"][:, -1].argmax(-1, keepdim=True).cpu(), presents
+
+    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
+        torch = self.torch
+        batch, length = prompts.shape
+        shape = {n: self.runner.engine.get_tensor_shape(n) for n in self.past}
+        past = {n: torch.zeros((batch, shape[n][1], 0, shape[n][3]), dtype=self.runner.dtypes[n], device="cuda") for n in self.past}
+        start = time.perf_counter()
+        nxt, past = self._step(torch.from_numpy(prompts), past, 0)
+        ttft = time.perf_counter() - start
+        times = []
+        for k in range(steps - 1):
+            start = time.perf_counter()
+            nxt, past = self._step(nxt, past, length + k)
+            times.append(time.perf_counter() - start)
+        return ttft, times
+
+
+def _tree_size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _gguf_bytes(path: Path) -> tuple[int, int]:
+    """Weights a decode step reads (the token embedding counts only when it is also the output
+    matrix, i.e. no ``output.weight``), and f16 KV-cache bytes per position (llama.cpp's default)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    weights = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def field_int(key: str) -> int:
+        f = reader.fields[f"{arch}.{key}"]
+        return int(f.parts[f.data[0]][0])
+
+    heads, layers, width = field_int("attention.head_count"), field_int("block_count"), field_int("embedding_length")
+    kv_heads = field_int("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in reader.fields else heads
+    head_dim = field_int("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else width // heads
+    return weights, 2 * layers * kv_heads * head_dim * 2
+
+
+_ONNX_ITEMSIZE = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 16: 2, 17: 1, 21: 1, 22: 1}  # TensorProto data types -> bytes
+
+
+def _onnx_bytes(directory: Path) -> tuple[int, int]:
+    """Initializer bytes a decode step reads (ones consumed only by Gather ops are lookup tables:
+    left out) and KV bytes per position from the ``past_key_values.*`` inputs."""
+    import onnx
+
+    graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
+    consumers: dict[str, set[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, set()).add(node.op_type)
+    total = 0
+    for init in graph.initializer:
+        if consumers.get(init.name) and all(op.startswith("Gather") for op in consumers[init.name]):
+            continue
+        length = next((int(e.value) for e in init.external_data if e.key == "length"), None)
+        if length is None:
+            length = len(init.raw_data) or int(np.prod(init.dims)) * _ONNX_ITEMSIZE.get(init.data_type, 4)
+        total += length
+    decoder = json.loads((directory / "genai_config.json").read_text())["model"]["decoder"]  # cache dims may be symbolic in the graph
+    per_tensor = int(decoder["num_key_value_heads"]) * int(decoder["head_size"])
+    kv = sum(per_tensor * _ONNX_ITEMSIZE.get(inp.type.tensor_type.elem_type, 4) for inp in graph.input if inp.name.startswith("past_key_values."))
+    return total, kv
+
+
+def static_bytes(target: Target) -> tuple[int, int, int]:
+    """(weights a decode step reads, KV bytes per position, size on disk) from the files alone,
+    without loading a runtime: what the estimates for other devices use when nothing was timed."""
+    path = Path(target.path)
+    if target.runtime == "llama.cpp":
+        return (*_gguf_bytes(path), path.stat().st_size)
+    if target.runtime == "onnxruntime":
+        return (*_onnx_bytes(path), _tree_size(path))
+    if target.runtime == "tensorrt":
+        size = _tree_size(path)
+        return size, 0, size
+    return _torch_bytes(path)
+
+
+def _torch_bytes(path: Path) -> tuple[int, int, int]:
+    """torch computes in the float dtype: every weight (a quantized layer counts its codes' count)
+    at 4 bytes for our artifact (loaded as float32), else at the checkpoint's own dtype."""
+    from safetensors import safe_open
+
+    model_dir = path / "model" if (path / "manifest.json").is_file() else path
+    config = json.loads((model_dir / "config.json").read_text())
+    total = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                if key.endswith((".weight_scale", ".weight_zero_point")):
+                    continue
+                sl = f.get_slice(key)
+                itemsize = 4 if model_dir is not path or key.endswith(".weight_codes") else _SAFETENSORS_ITEMSIZE.get(sl.get_dtype(), 4)
+                nbytes = int(np.prod(sl.get_shape())) * itemsize
+                untied_lookup = key.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False)
+                total += 0 if untied_lookup else nbytes  # an untied embedding is a lookup: one row per token
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
+    return total, kv, _tree_size(model_dir)
+
+
+_SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+
+
+def _load(target: Target, settings: LatencySettings) -> _Runner:
+    path = Path(target.path)
+    if target.runtime == "torch":
+        return _TorchRunner(path, target.device, settings.threads)
+    if target.runtime == "llama.cpp":
+        return _LlamaCppRunner(path, settings.threads, settings.prompt_tokens + settings.output_tokens)
+    if target.runtime == "onnxruntime":
+        return _GenAIRunner(path, settings.threads)
+    return _TensorRTRunner(path)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def _worker(job: dict[str, Any]) -> dict[str, Any]:
+    from compress.eval.bench_quant import PeakRSS
+
+    target, settings = Target(**job["target"]), LatencySettings(**{**job["settings"], "batch_sizes": tuple(job["settings"]["batch_sizes"])})
+    prompts = np.asarray(job["prompts"], dtype=np.int64)
+    with PeakRSS() as rss:
+        started = time.perf_counter()
+        runner = _load(target, settings)
+        load_s = time.perf_counter() - started
+        batches: dict[str, Any] = {}
+        skipped = {}
+        context = settings.prompt_tokens + settings.output_tokens / 2  # mean context over the decode steps
+        for batch in settings.batch_sizes:
+            if runner.max_batch is not None and batch > runner.max_batch:
+                skipped[str(batch)] = SINGLE_SEQUENCE.get(target.runtime, f"the runtime decodes at most {runner.max_batch}")
+                continue
+            rows = prompts[:batch]
+            for _ in range(settings.warmup):
+                runner.run(rows, settings.output_tokens)
+            ttfts, tpots = [], []
+            for _ in range(settings.repeats):
+                ttft, steps = runner.run(rows, settings.output_tokens)
+                ttfts.append(ttft * 1e3)
+                tpots.append(float(np.mean(steps)) * 1e3)
+            tpot = _percentile(tpots, 50)
+            batches[str(batch)] = {
+                "ttft_ms": _percentile(ttfts, 50), "ttft_ms_p90": _percentile(ttfts, 90), "tpot_ms": tpot,
+                "tpot_ms_p90": _percentile(tpots, 90), "decode_tokens_per_s": batch * 1e3 / tpot,
+                "bytes_per_token": runner.weight_bytes + batch * runner.kv_bytes_per_position * context,
+                "ttft_runs_ms": ttfts, "tpot_runs_ms": tpots,
+            }
+    gpu_peak = None
+    if target.runtime in ("torch", "tensorrt") and target.device.startswith("cuda"):
+        import torch
+
+        gpu_peak = torch.cuda.max_memory_allocated() / 2**20
+    return {"batches": batches, "skipped_batches": skipped, "load_s": load_s, "peak_rss_mb": rss.peak_mb,
+            "rss_before_load_mb": rss.start_mb, "gpu_peak_mb": gpu_peak, "size_bytes": runner.size_bytes,
+            "weight_bytes_per_token": runner.weight_bytes, "kv_bytes_per_position": runner.kv_bytes_per_position}
+
+
+if __name__ == "__main__":
+    result = _worker(json.loads(sys.stdin.read()))
+    sys.stdout.write("\n" + json.dumps(result) + "\n")

@@ -1,0 +1,456 @@
+"""Reports of a run for machines, people and CI, all rendered from report.json.
+
+* ``REPORT_SCHEMA``: the JSON Schema of report.json (shipped as docs/report.schema.json);
+* ``junit_xml``: one test case per gate, for GitLab / Jenkins / any JUnit reader;
+* ``markdown_summary``: gates, accuracy, latency and search tables (GitHub step summary);
+* ``plot_pareto`` / ``plot_latency``: KL divergence against size, TTFT / TPOT bars.
+
+An estimated value (a device profile, not a run on the device) is marked as estimated in
+every output; a gate without a measurement is a failure everywhere. This module needs neither
+torch nor a model: it reads the report dict only, so CI can render a report.json anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+REPORT_SCHEMA_VERSION = 2
+SOURCES = ["measured", "estimated"]  # where an evaluation's numbers came from
+GATE_SOURCES = [*SOURCES, "missing"]  # a gate can also find no measurement at all
+EVALUATION_KINDS = ["accuracy", "latency", "memory", "kv_cache"]
+THRESHOLD_KINDS = ["max", "min", "max_increase_pct", "max_decrease_pct"]  # compress.recipe.THRESHOLD_KEYS (a test checks)
+NON_FINITE = ["nan", "inf", "-inf"]  # how compress.pipeline.json_safe writes non-finite floats
+UPPER_BOUNDS = ("max", "max_increase_pct")  # threshold kinds that pass when value <= limit
+ACCURACY_KINDS = ("accuracy", "kv_cache")
+REPORT_FILES = {"junit": "junit.xml", "summary": "summary.md", "pareto": "plots/pareto.png", "latency": "plots/latency.png"}
+ESTIMATED_NOTE = ("Estimated: computed from the device profile (memory bandwidth, compute, memory size), "
+                  "not from running the artifact on that device.")
+
+
+def _obj(required: list[str], properties: dict[str, Any], extra: bool = False) -> dict[str, Any]:
+    return {"type": "object", "required": required, "properties": properties, "additionalProperties": extra}
+
+
+_STR = {"type": "string"}
+_STR_OR_NULL = {"type": ["string", "null"]}
+_NUMBER = {"$ref": "#/$defs/number"}
+
+REPORT_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "compress report.json",
+    "description": "Evaluations, gate results and exports of one `compress run` or `compress gate`. "
+                   "Non-finite numbers are written as the strings \"nan\", \"inf\", \"-inf\".",
+    **_obj(["schema_version", "recipe", "passed", "evaluations", "gates", "evaluation_data"], {
+        "schema_version": {"const": REPORT_SCHEMA_VERSION},
+        "recipe": {"type": ["string", "null"], "description": "recipe name (null when unnamed), or \"compress gate\""},
+        "passed": {"type": "boolean", "description": "every gate passed"},
+        "evaluations": {"type": "array", "items": {"$ref": "#/$defs/evaluation"}},
+        "gates": {"type": "array", "items": {"$ref": "#/$defs/gate"}},
+        "evaluation_data": {"oneOf": [{"type": "null"}, _obj(["source", "tokens_sha256", "samples", "seq_len"], {
+            "source": _STR, "tokens_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+            "samples": {"type": "integer", "minimum": 0}, "seq_len": {"type": "integer", "minimum": 0}})]},
+        "exports": {"type": "array", "items": _obj(["name", "format"], {
+            "name": _STR, "format": _STR, "path": _STR_OR_NULL, "verified": {"type": ["boolean", "null"]},
+            "check": {}, "evaluated_as": _STR_OR_NULL}, extra=True)},
+        "host": {"type": "object", "properties": {"bandwidth_gbs": _NUMBER}, "additionalProperties": True},
+        "devices": {"type": "object", "additionalProperties": {
+            "type": "object", "properties": {"fit": {"type": "object"}}, "additionalProperties": True}},
+        "search": _obj(["candidates", "chosen"], {
+            "candidates": {"type": "array", "items": _obj(["name"], {
+                "name": _STR, "overrides": {"type": "array", "items": _STR},
+                "size_mb": {"oneOf": [{"type": "null"}, _NUMBER]}, "passed": {"type": ["boolean", "null"]},
+                "metrics": {"$ref": "#/$defs/metrics"}, "status": _STR,
+                "source": {"enum": SOURCES}}, extra=True)},
+            "chosen": _STR_OR_NULL}, extra=True),
+        "kv_cache": {"type": "object"},
+        "artifact": {"type": "object", "description": "compress gate: the artifact under test, its kind, baseline and gates file",
+                     "additionalProperties": True},
+    }),
+    "$defs": {
+        "number": {"anyOf": [{"type": "number"}, {"enum": NON_FINITE}]},
+        "metrics": {"type": "object", "additionalProperties": _NUMBER, "description": "metric name -> value; see compress.eval.metrics.METRICS"},
+        "evaluation": _obj(["artifact", "runtime", "device", "source", "kind", "metrics"], {
+            "artifact": _STR, "runtime": _STR, "device": _STR,
+            "source": {"enum": SOURCES}, "kind": {"enum": EVALUATION_KINDS},
+            "metrics": {"$ref": "#/$defs/metrics"},
+            "profile": {"type": ["string", "null"], "description": "the device profile the evaluation stands for (absent: this machine)"},
+            "details": {"type": "object", "additionalProperties": True}}),
+        "gate": _obj(["name", "metric", "artifact", "value", "threshold", "passed", "source", "runtime", "device", "message"], {
+            "name": _STR, "metric": _STR, "artifact": _STR,
+            "value": {"oneOf": [{"type": "null"}, _NUMBER]},
+            "threshold": _obj(["kind", "value"], {"kind": {"enum": THRESHOLD_KINDS}, "value": _NUMBER,
+                                                  "limit": _NUMBER, "baseline": _NUMBER}),
+            "passed": {"type": "boolean"}, "source": {"enum": GATE_SOURCES},
+            "runtime": _STR_OR_NULL, "device": _STR_OR_NULL, "message": _STR}),
+    },
+}
+
+
+def write_schema(path: Path) -> Path:
+    path = Path(path)
+    _write_text(path, json.dumps(REPORT_SCHEMA, indent=2) + "\n")
+    return path
+
+
+def validate_report(report: dict[str, Any]) -> list[str]:
+    """Every way ``report`` breaks REPORT_SCHEMA, as "$.json.path: message" lines (empty: valid)."""
+    try:
+        import jsonschema
+    except ImportError as e:
+        raise ImportError("validating a report needs jsonschema: pip install jsonschema (it is in compress[dev])") from e
+    validator = jsonschema.Draft202012Validator(REPORT_SCHEMA)
+    errors = sorted(validator.iter_errors(report), key=lambda err: list(map(str, err.absolute_path)))
+    return [f"{err.json_path}: {err.message}" for err in errors]
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write atomically: a temporary file next to ``path``, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _num(value: Any) -> float | None:
+    """A finite or non-finite float from a report value (numbers, "nan"/"inf" strings); else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)) or value in NON_FINITE:
+        return float(value)
+    return None
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if not math.isfinite(value) or abs(value) < 10 ** digits:
+        return f"{value:.{digits}g}"
+    return f"{value:.0f}"
+
+
+def _percent(value: Any) -> str:
+    v = _num(value)
+    return "—" if v is None else f"{100 * v:.1f}%" if math.isfinite(v) else str(value)
+
+
+def _kind(evaluation: dict[str, Any]) -> str:
+    """The evaluation's kind; inferred from its metrics for reports that predate the field."""
+    if "kind" in evaluation:
+        return evaluation["kind"]
+    metrics = evaluation.get("metrics", {})
+    if "kl_divergence" in metrics or "perplexity" in metrics:
+        return "kv_cache" if evaluation.get("artifact") == "kv_cache" else "accuracy"
+    return "latency" if "ttft_ms" in metrics or "tpot_ms" in metrics else "memory"
+
+
+def _relation(threshold: dict[str, Any]) -> str:
+    return "≤" if threshold.get("kind") in UPPER_BOUNDS else "≥"
+
+
+def _limit_text(threshold: dict[str, Any], digits: int = 4) -> str:
+    kind, limit = threshold.get("kind"), threshold.get("limit")
+    if kind not in ("max_increase_pct", "max_decrease_pct"):
+        return f"{_relation(threshold)} {_fmt(threshold.get('value') if limit is None else limit, digits)}"
+    relative = f"baseline {'+' if kind == 'max_increase_pct' else '−'}{_fmt(threshold.get('value'))}%"
+    return f"{_relation(threshold)} {relative}" if limit is None else f"{_relation(threshold)} {_fmt(limit, digits)} ({relative})"
+
+
+def _where(item: dict[str, Any]) -> str:
+    """"runtime on device" for a gate or evaluation."""
+    runtime, device = item.get("runtime"), item.get("device")
+    return " on ".join(str(p) for p in (runtime, device) if p) or "no runtime"
+
+
+# ------------------------------------------------------------------------------------ JUnit
+
+_XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _x(value: Any) -> str:
+    """Text safe for XML 1.0 (ElementTree escapes markup but keeps illegal control characters)."""
+    return _XML_ILLEGAL.sub("?", str(value))
+
+
+def junit_xml(report: dict[str, Any], suite: str) -> str:
+    """One <testcase> per gate: classname = artifact, name = gate name. Failed and unmeasured
+    gates carry a <failure>; every case says its source in <properties> and <system-out>."""
+    gates = report.get("gates", [])
+    failures = sum(not g["passed"] for g in gates)
+    counts = {"tests": str(len(gates)), "failures": str(failures), "errors": "0", "skipped": "0", "time": "0"}
+    root = ET.Element("testsuites", {"name": _x(suite), **counts})
+    ts = ET.SubElement(root, "testsuite", {"name": _x(suite), **counts})
+    props = ET.SubElement(ts, "properties")
+    for key in ("recipe", "schema_version", "passed"):
+        ET.SubElement(props, "property", {"name": key, "value": _x(report.get(key))})
+    for gate in gates:
+        _testcase(ts, gate)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _testcase(suite_el: ET.Element, gate: dict[str, Any]) -> None:
+    case = ET.SubElement(suite_el, "testcase", {"classname": _x(gate["artifact"]), "name": _x(gate["name"]), "time": "0"})
+    threshold, source = gate.get("threshold", {}), gate.get("source")
+    fields = {
+        "metric": gate.get("metric"), "value": "none" if gate.get("value") is None else _fmt(gate.get("value"), 6), "limit": _limit_text(threshold, 6),
+        "threshold_kind": threshold.get("kind"), "runtime": gate.get("runtime"), "device": gate.get("device"), "source": source,
+    }
+    props = ET.SubElement(case, "properties")
+    fields = {k: "none" if v is None else v for k, v in fields.items()}
+    for key, value in fields.items():
+        ET.SubElement(props, "property", {"name": key, "value": _x(value)})
+    detail = "\n".join(f"{k}: {v}" for k, v in fields.items())
+    if source == "estimated":
+        detail += "\n" + ESTIMATED_NOTE
+    if not gate["passed"]:
+        message = gate.get("message", "")
+        message += " [estimated]" if source == "estimated" else ""
+        fail = ET.SubElement(case, "failure", {"message": _x(message), "type": "missing" if source == "missing" else "gate"})
+        fail.text = _x(detail)
+    out = ET.SubElement(case, "system-out")
+    out.text = _x(f"{gate.get('message', '')}\n{detail}")
+
+
+def write_junit(path: Path, report: dict[str, Any], suite: str) -> Path:
+    path = Path(path)
+    _write_text(path, junit_xml(report, suite))
+    return path
+
+
+# --------------------------------------------------------------------------------- Markdown
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _source_cell(source: Any) -> str:
+    return "**estimated**[^estimated]" if source == "estimated" else str(source)
+
+
+def markdown_summary(report: dict[str, Any]) -> str:
+    gates, evaluations = report.get("gates", []), report.get("evaluations", [])
+    passed = sum(bool(g["passed"]) for g in gates)
+    estimated = [g for g in gates if g.get("source") == "estimated"] + [e for e in evaluations if e.get("source") == "estimated"]
+    verdict = "✅ PASS" if report.get("passed") else "❌ FAIL"
+    lines = [f"## {verdict}: {report.get('recipe') or 'compress'}", "", f"{passed} of {len(gates)} gates passed."]
+    missing = sum(g.get("source") == "missing" for g in gates)
+    if missing:
+        lines[-1] += f" {missing} had no measurement (counted as failures)."
+    lines.append("")
+    if gates:
+        lines += ["### Gates", ""]
+        lines += _table(["Gate", "Artifact", "Metric", "Value", "Limit", "Result", "Source", "Runtime / device"], [
+            [g["name"], g["artifact"], g["metric"], _fmt(g.get("value")), _limit_text(g.get("threshold", {})),
+             "pass" if g["passed"] else "**FAIL**", _source_cell(g.get("source")),
+             _where(g) if g.get("source") != "missing" else "—"] for g in gates])
+    accuracy = [e for e in evaluations if _kind(e) in ACCURACY_KINDS]
+    if accuracy:
+        lines += ["### Accuracy", ""]
+        lines += _table(["Artifact", "Runtime", "Device", "Perplexity", "KL", "KL p99", "Top-1", "Tokens", "Size (MiB)", "Source"], [
+            [e["artifact"], e["runtime"], e["device"], *(_fmt(e["metrics"].get(m)) for m in ("perplexity", "kl_divergence", "kl_divergence_p99")),
+             _percent(e["metrics"].get("top1_agreement")), _fmt(e["metrics"].get("tokens_scored")), _fmt(e["metrics"].get("size_mb")),
+             _source_cell(e.get("source"))] for e in accuracy])
+    latency = [e for e in evaluations if _kind(e) == "latency"]
+    if latency:
+        lines += ["### Latency", ""]
+        lines += _table(["Artifact", "Runtime / device", "TTFT (ms)", "TPOT (ms)", "Tokens/s", "Peak RSS (MiB)", "Bandwidth use", "Source"], [
+            [e["artifact"], _where(e), *(_fmt(e["metrics"].get(m)) for m in ("ttft_ms", "tpot_ms", "decode_tokens_per_s", "peak_rss_mb")),
+             _percent(e["metrics"].get("bandwidth_utilization")), _source_cell(e.get("source"))] for e in latency])
+    memory = [e for e in evaluations if _kind(e) == "memory"]
+    if memory:
+        names = sorted({m for e in memory for m in e["metrics"]})
+        lines += ["### Memory", ""]
+        lines += _table(["Artifact", "Runtime / device", *names, "Source"], [
+            [e["artifact"], _where(e), *(_fmt(e["metrics"].get(m)) for m in names), _source_cell(e.get("source"))] for e in memory])
+    lines += _search_lines(report.get("search"))
+    lines += _export_lines(report.get("exports"))
+    if estimated:
+        lines += [f"[^estimated]: {ESTIMATED_NOTE}", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _search_lines(search: dict[str, Any] | None) -> list[str]:
+    if not search or not search.get("candidates"):
+        return []
+    chosen = search.get("chosen")
+    rows = [[c["name"] + (" ◀ chosen" if c["name"] == chosen else ""), ", ".join(c.get("overrides", [])) or "—",
+             _fmt(c.get("size_mb")), _fmt(c.get("metrics", {}).get("kl_divergence")),
+             {True: "pass", False: "**FAIL**"}.get(c.get("passed"), "—"), c.get("status", "—")] for c in search["candidates"]]
+    return ["### Search", "", *_table(["Candidate", "Overrides", "Size (MiB)", "KL", "Gates", "Status"], rows),
+            f"Chosen: **{chosen}**" if chosen else "No candidate passed every gate.", ""]
+
+
+def _export_lines(exports: list[dict[str, Any]] | None) -> list[str]:
+    if not exports:
+        return []
+    rows = [[e["name"], e["format"], {True: "yes", False: "**no**"}.get(e.get("verified"), "not run"), e.get("evaluated_as") or "—"]
+            for e in exports]
+    return ["### Exports", "", *_table(["Export", "Format", "Verified", "Evaluated as"], rows)]
+
+
+def append_github_summary(markdown: str) -> bool:
+    """Append to the file named by $GITHUB_STEP_SUMMARY (GitHub Actions); False when unset."""
+    target = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not target:
+        return False
+    with open(target, "a", encoding="utf-8") as f:
+        f.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    return True
+
+
+# ------------------------------------------------------------------------------------ plots
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("report plots need matplotlib: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    return path
+
+
+def pareto_points(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """(label, size_mb, kl, estimated) for every artifact or search candidate with both values."""
+    evaluations = report.get("evaluations", [])
+    sizes = {e["artifact"]: e["metrics"]["size_mb"] for e in evaluations if "size_mb" in e.get("metrics", {})}
+    accuracy = [e for e in evaluations if _kind(e) in ACCURACY_KINDS and "kl_divergence" in e["metrics"]]
+    runtimes: dict[str, int] = {}
+    for e in accuracy:
+        runtimes[e["artifact"]] = runtimes.get(e["artifact"], 0) + 1
+    raw = [(e["artifact"] + (f" ({e['runtime']})" if runtimes[e["artifact"]] > 1 else ""),
+            e["metrics"].get("size_mb", sizes.get(e["artifact"])), e["metrics"]["kl_divergence"], e.get("source") == "estimated")
+           for e in accuracy]
+    for c in (report.get("search") or {}).get("candidates", []):
+        raw.append((f"candidate {c['name']}", c.get("size_mb"), c.get("metrics", {}).get("kl_divergence"), c.get("source") == "estimated"))
+    points = []
+    for label, size, kl, estimated in raw:
+        size, kl = _num(size), _num(kl)
+        if size is not None and kl is not None and math.isfinite(size) and math.isfinite(kl):
+            points.append({"label": label, "size_mb": size, "kl": kl, "estimated": estimated})
+    return points
+
+
+def pareto_front(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points no other point beats on both size and KL (both lower is better), by size."""
+    front: list[dict[str, Any]] = []
+    for p in sorted(points, key=lambda p: (p["size_mb"], p["kl"])):
+        if not front or p["kl"] < front[-1]["kl"]:
+            front.append(p)
+    return front
+
+
+def plot_pareto(report: dict[str, Any], path: Path) -> Path | None:
+    points = pareto_points(report)
+    if not points:
+        return None
+    plt = _pyplot()
+    front = pareto_front(points)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    try:
+        ax.plot([p["size_mb"] for p in front], [p["kl"] for p in front], "-", color="tab:red", lw=1.5, zorder=1, label="Pareto front")
+        for p in points:
+            on_front = any(p is q for q in front)
+            color = "tab:red" if on_front else "tab:blue"
+            ax.scatter(p["size_mb"], p["kl"], s=70 if on_front else 40, zorder=2, linewidths=1.5, edgecolors=color,
+                       facecolors="none" if p["estimated"] else color)
+            ax.annotate(p["label"] + (" (estimated)" if p["estimated"] else ""), (p["size_mb"], p["kl"]),
+                        textcoords="offset points", xytext=(5, 5), fontsize=8)
+        positive = [p["kl"] for p in points if p["kl"] > 0]
+        if positive and max(positive) > 100 * min(positive):
+            ax.set_yscale("symlog", linthresh=min(positive))
+        if any(p["estimated"] for p in points):
+            ax.scatter([], [], facecolors="none", edgecolors="gray", label="hollow = estimated")
+        ax.set_xlabel("size (MiB)")
+        ax.set_ylabel("KL divergence vs baseline (nats/token)")
+        ax.set_title(f"Size vs accuracy: {report.get('recipe') or 'compress'}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
+    rows = [e for e in report.get("evaluations", []) if _kind(e) == "latency"
+            and any(_num(e["metrics"].get(m)) is not None for m in ("ttft_ms", "tpot_ms"))]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2), 4.5))
+    try:
+        width = 0.38
+        for j, (metric, color) in enumerate((("ttft_ms", "tab:blue"), ("tpot_ms", "tab:orange"))):
+            for i, e in enumerate(rows):
+                value = _num(e["metrics"].get(metric))
+                if value is None or not math.isfinite(value):
+                    continue
+                estimated = e.get("source") == "estimated"
+                bar = ax.bar(i + (j - 0.5) * width, value, width, color=color, hatch="//" if estimated else None,
+                             edgecolor="black" if estimated else color, label=metric if i == 0 else None)
+                ax.bar_label(bar, labels=[_fmt(value, 3) + ("\nest." if estimated else "")], fontsize=7)
+        ax.set_xticks(range(len(rows)), [f"{e['artifact']}\n{e['runtime']}\n{e['device']}" + ("\n(estimated)" if e.get("source") == "estimated" else "")
+                                          for e in rows], fontsize=8)
+        handles, labels = ax.get_legend_handles_labels()
+        if any(e.get("source") == "estimated" for e in rows):
+            from matplotlib.patches import Patch
+
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="//"))
+            labels.append("hatched = estimated")
+        ax.legend(handles, labels, fontsize=8)
+        ax.margins(y=0.15)
+        ax.set_ylabel("ms (median)")
+        ax.set_title("Time to first token and time per output token")
+        ax.grid(True, axis="y", alpha=0.3)
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- all of it
+
+
+def write_reports(out_dir: Path, report: dict[str, Any], suite: str) -> dict[str, str]:
+    """junit.xml, summary.md and the plots that apply under ``out_dir``; returns {kind: relative
+    path}. The summary is also appended to the GitHub Actions step summary when there is one."""
+    out_dir = Path(out_dir)
+    written = {"junit": write_junit(out_dir / REPORT_FILES["junit"], report, suite)}
+    summary = markdown_summary(report)
+    _write_text(out_dir / REPORT_FILES["summary"], summary)
+    written["summary"] = out_dir / REPORT_FILES["summary"]
+    for kind, plot in (("pareto", plot_pareto), ("latency", plot_latency)):
+        if (path := plot(report, out_dir / REPORT_FILES[kind])) is not None:
+            written[kind] = path
+    append_github_summary(summary)
+    return {kind: path.relative_to(out_dir).as_posix() for kind, path in written.items()}
