@@ -13,6 +13,7 @@ What can be gated:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import Field, model_validator
 
@@ -27,8 +29,8 @@ from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
-from compress.eval.latency import LatencySettings, Target
-from compress.eval.metrics import ACCURACY_METRICS, compare, torch_forward
+from compress.eval.latency import LatencySettings, Target, tree_size
+from compress.eval.metrics import ACCURACY_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, device_evaluations, measure_all
 from compress.progress import Reporter
 from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
@@ -48,8 +50,6 @@ class GatesFile(Strict):
 
     @model_validator(mode="after")
     def _latency_needed(self) -> GatesFile:
-        from compress.eval.metrics import LATENCY_METRICS
-
         timed = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
         if timed and self.latency is None:
             raise ValueError(f"gates{timed} gate latency metrics and need a `latency:` block")
@@ -139,45 +139,50 @@ def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str
             get_profile(profiles, g.device)  # an unknown name fails here, before any work, with the known names
     threads = threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    wanted = {a for a in (g.artifact for g in gates)} | {a for g in gates if g.artifact in subject.stand_ins for a in ["compressed"]}
-    evaluations: list[Evaluation] = []
+    wanted = {g.artifact for g in gates} | ({"compressed"} if any(g.artifact in subject.stand_ins for g in gates) else set())
     started = time.perf_counter()
-    needs_accuracy = [g for g in gates if g.metric in ACCURACY_METRICS or g.threshold_kind.endswith("_pct") and g.metric in ACCURACY_METRICS]
+    needs_accuracy = sorted({g.metric for g in gates if g.metric in ACCURACY_METRICS})
+    time_baseline = spec.latency is not None and any(
+        g.metric in LATENCY_METRICS and (g.artifact == "baseline" or g.threshold_kind.endswith("_pct")) for g in gates)
+    baseline_source = baseline or subject.baseline_source
+    if baseline_source is None and (needs_accuracy or time_baseline):
+        why = f"gates on {', '.join(needs_accuracy)}" if needs_accuracy else "latency gates relative to the baseline"
+        raise CompressError(f"{why} compare with the source model: pass --baseline MODEL (a model source as in a recipe)")
+    lm = None
+    if baseline_source is not None and (needs_accuracy or time_baseline):
+        from compress.models import load_model
+
+        lm = load_model(ModelSpec(source=baseline_source), subject.base_dir, reporter)
+    evaluations: list[Evaluation] = []
     eval_facts = None
     prompts = None
-    baseline_source = baseline or subject.baseline_source
-    if needs_accuracy or spec.latency is not None:
-        if baseline_source is None and needs_accuracy:
-            raise CompressError(f"gates on {', '.join(sorted({g.metric for g in needs_accuracy}))} compare with the source model: "
-                                "pass --baseline MODEL (a model source as in a recipe)")
-    if baseline_source is not None and needs_accuracy:
-        evaluations, eval_facts, prompts = _accuracy(subject, wanted, baseline_source, spec, threads, reporter)
-    host = None
+    if needs_accuracy:
+        assert lm is not None
+        evaluations, eval_facts, prompts = _accuracy(subject, wanted, lm, spec, threads, reporter)
     timed = [t for t in subject.timed if t.name in wanted]
+    if time_baseline:
+        from compress.pipeline import baseline_directory
+
+        assert lm is not None
+        timed.insert(0, Timed("baseline", Target("torch", baseline_directory(lm.facts))))
+    host = None
     settings = None
+    measured: list[Evaluation] = []
     if spec.latency is not None:
         lat = spec.latency
         settings = LatencySettings(lat.prompt_tokens, lat.output_tokens, tuple(lat.batch_sizes), lat.warmup, lat.repeats, threads)
-        rows = max(lat.batch_sizes)
-        if prompts is None or prompts.shape[1] < lat.prompt_tokens:
-            import numpy as np
-
-            prompts = np.random.default_rng(0).integers(1000, 20000, size=(rows, lat.prompt_tokens))
+        if prompts is None or prompts.shape[1] < lat.prompt_tokens:  # no evaluation text was tokenized: seeded random ids
+            prompts = np.random.default_rng(0).integers(10, 256, size=(max(lat.batch_sizes), lat.prompt_tokens))
         measured, host = measure_all(timed, settings, prompts, reporter)
         evaluations += measured
-    else:
-        measured = []
     default_context = settings.prompt_tokens + settings.output_tokens if settings else 2048
     wanted_devices = {t.device: (t.context or default_context, t.batch) for t in spec.targets}
     for g in gates:
         if g.device is not None and g.device not in wanted_devices:
             wanted_devices[g.device] = (default_context, 1)
     if wanted_devices:
-        params = _params(subject, timed)
-        evaluations += device_evaluations(profiles, wanted_devices, timed, measured, settings, params)
+        evaluations += device_evaluations(profiles, wanted_devices, timed, measured, settings, _params(timed))
     compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind == "accuracy"]
-    import dataclasses
-
     evaluations += [dataclasses.replace(e, artifact=name) for name in subject.stand_ins for e in compressed]
     results = evaluate_gates(gates, evaluations)
     report = {
@@ -195,11 +200,9 @@ def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str
     return GateRun(report, results)
 
 
-def _accuracy(subject: Subject, wanted: set[str], baseline_source: str, spec: GatesFile, threads: int,
+def _accuracy(subject: Subject, wanted: set[str], lm: Any, spec: GatesFile, threads: int,
               reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any], Any]:
-    from compress.models import load_model
-
-    lm = load_model(ModelSpec(source=baseline_source), subject.base_dir, reporter)
+    """The baseline and every wanted artifact on the evaluation text, each on its runtime."""
     if spec.data is not None:
         data_spec = spec.data
     elif subject.data is not None and subject.data.get("evaluation"):
@@ -243,6 +246,8 @@ def _accuracy(subject: Subject, wanted: set[str], baseline_source: str, spec: Ga
     info = {"chunks": int(chunks.tokens.shape[0]), "seq_len": seq_len, "min_context": min_context}
     evaluations = [Evaluation(artifact="baseline", runtime="torch", device="cpu", metrics=metrics["baseline"], details=info)]
     for name, d in details.items():
+        if d["runtime"] != "torch":  # a deployable file or folder: its size goes next to its accuracy (the KL-against-size plot)
+            metrics[name]["size_mb"] = tree_size(Path(d["path"])) / 2**20
         evaluations.append(Evaluation(artifact=name, runtime=d["runtime"], device="cpu", metrics=metrics[name], details={**info, **d}))
     facts = {k: chunks.facts[k] for k in ("source", "tokens_sha256", "samples", "seq_len")}
     return evaluations, facts, chunks.tokens.numpy()
@@ -258,17 +263,11 @@ def _torch_model(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def _params(subject: Subject, timed: list[Timed]) -> int:
-    """Parameter count for prefill estimates, from the files (no model is built)."""
-    from compress.eval.latency import static_bytes
+def _params(timed: list[Timed]) -> int:
+    """Parameter count for prefill estimates, from the files of the first artifact that has one."""
+    from compress.eval.latency import parameter_count
 
-    for item in subject.timed:
-        if item.target.runtime == "torch":
-            weights, _, _ = static_bytes(item.target)
-            return weights // 4
     for item in timed:
-        if item.target.runtime == "llama.cpp":
-            import gguf
-
-            return sum(int(t.n_elements) for t in gguf.GGUFReader(item.target.path).tensors)
-    return sum(static_bytes(t.target)[0] for t in timed[:1]) * 2  # int4 ONNX: about two weights per byte
+        if (count := parameter_count(item.target)) is not None:
+            return count
+    raise CompressError("estimates need a parameter count, and none of the artifacts' files gives one (a TensorRT engine alone)")

@@ -31,7 +31,8 @@ from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.kv_eval import evaluate_kv
-from compress.eval.latency import LatencySettings, Target
+from compress.eval.metrics import LATENCY_METRICS
+from compress.eval.latency import LatencySettings, Target, tree_size
 from compress.eval.reports import write_reports
 from compress.eval.performance import Timed, device_evaluations, measure_all
 from compress.eval.metrics import compare, torch_forward
@@ -108,7 +109,8 @@ def work_dir_for(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".work")
 
 
-def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, reporter: Reporter | None = None) -> RunResult:
+def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, reporter: Reporter | None = None,
+               step_summary: bool = True) -> RunResult:
     """Run a validated recipe end to end and write the artifact directory atomically.
 
     Under ``accelerate launch`` every process runs the stages up to the last distill stage
@@ -137,6 +139,8 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     t = time.perf_counter()
     lm = load_model(recipe.model, base_dir, reporter)
     baseline = lm.model  # stays on the CPU; layer-wise stages move one block at a time, evaluation moves whole models
+    if baseline_timed(recipe):
+        baseline_directory(lm.facts)  # fails now, before the stages, when the baseline cannot be timed
     timings["load_model_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -198,13 +202,15 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
                                                      ctx.kv_cache)
         if recipe.exports:
             timings["exports_s"] = time.perf_counter() - t
+        for ev in runtime_evaluations:  # the deployable's size next to its accuracy (the KL-against-size plot)
+            ev.metrics["size_mb"] = tree_size(tmp / EXPORTS_DIR / ev.artifact) / 2**20
         evaluations += runtime_evaluations
         host = None
-        timed = timed_artifacts(recipe, tmp, exports)
+        timed = timed_artifacts(recipe, tmp, exports, lm.facts, device.type)
         if recipe.latency is not None or wanted_devices(recipe):
             _write_json(tmp / "manifest.json", manifest)  # the torch worker reads the quantized layers' schemes from it
             t = time.perf_counter()
-            found, host = performance_evaluations(recipe, base_dir, timed, eval_chunks, model, threads, device, reporter)
+            found, host = performance_evaluations(recipe, timed, eval_chunks, model, threads, reporter)
             evaluations += found
             timings["latency_s"] = time.perf_counter() - t
         gates = evaluate_gates(recipe.gates, gate_evaluations(evaluations, recipe.exports))
@@ -219,7 +225,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         manifest["exports"] = exports
         with reporter.status(f"writing artifact {out_dir}"):
             _write_json(tmp / "report.json", report)
-            write_reports(tmp, json_safe(report), suite=recipe.name or loaded.path.stem)
+            write_reports(tmp, json_safe(report), suite=recipe.name or loaded.path.stem, step_summary=step_summary)
             timings["total_s"] = time.perf_counter() - started
             manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
             manifest["files"] = checksums(tmp)
@@ -228,16 +234,20 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     return RunResult(out_dir, manifest, report, evaluations, gates)
 
 
-def timed_artifacts(recipe: Recipe, root: Path, exports: list[dict[str, Any]]) -> list[Timed]:
-    """What the latency block times: compressed (torch, on the artifact being written) and the
+def timed_artifacts(recipe: Recipe, root: Path, exports: list[dict[str, Any]], model_facts: dict[str, Any],
+                    torch_device: str = "cpu") -> list[Timed]:
+    """What the latency block times: compressed (torch, on the artifact being written), the
     runtime exports (llama.cpp on the GGUF file, ONNX Runtime GenAI on the ONNX folder, TensorRT on
-    a built engine)."""
+    a built engine), and the baseline (torch, on the source model's float directory) when named or
+    when a gate compares a latency metric with it."""
     spec = recipe.latency
     names = spec.artifacts if spec is not None and spec.artifacts is not None else None
     by_name = {e["name"]: e for e in exports}
     timed = []
+    if baseline_timed(recipe):
+        timed.append(Timed("baseline", Target("torch", baseline_directory(model_facts), torch_device)))
     if names is None or "compressed" in names:
-        timed.append(Timed("compressed", Target("torch", str(root), "cuda" if recipe.compute.device == "cuda" else "cpu")))
+        timed.append(Timed("compressed", Target("torch", str(root), torch_device)))
     for x in recipe.exports:
         if names is not None and x.name not in names or x.format not in RUNTIMES_OF:
             continue
@@ -247,6 +257,27 @@ def timed_artifacts(recipe: Recipe, root: Path, exports: list[dict[str, Any]]) -
         path = folder / GGUF_FILE if x.format == "gguf" else folder
         timed.append(Timed(x.name, Target(RUNTIMES_OF[x.format], str(path), "cuda" if x.format == "tensorrt" else "cpu")))
     return timed
+
+
+def baseline_timed(recipe: Recipe) -> bool:
+    spec = recipe.latency
+    if spec is None:
+        return False
+    if spec.artifacts is not None:
+        return "baseline" in spec.artifacts
+    return any(g.metric in LATENCY_METRICS and g.threshold_kind.endswith("_pct") for g in recipe.gates)
+
+
+def baseline_directory(model_facts: dict[str, Any]) -> str:
+    """The source model as a float Hugging Face directory the torch worker can load."""
+    if model_facts.get("converted_cache"):  # a GGUF source, converted once to float
+        return str(model_facts["converted_cache"])
+    path = model_facts.get("path")
+    if path and (Path(path) / "config.json").is_file() and not model_facts.get("quantized_checkpoint"):
+        return str(path)
+    raise CompressError(f"latency: the baseline ({model_facts.get('source')}) is not a float Hugging Face directory the torch "
+                        "worker can load; time the compressed model and the exports only (latency.artifacts), and use max/min "
+                        "thresholds rather than ones relative to the baseline")
 
 
 def wanted_devices(recipe: Recipe) -> dict[str, tuple[int, int]]:
@@ -259,8 +290,8 @@ def wanted_devices(recipe: Recipe) -> dict[str, tuple[int, int]]:
     return wanted
 
 
-def performance_evaluations(recipe: Recipe, base_dir: Path, timed: list[Timed], eval_chunks: Chunks | None, model: torch.nn.Module,
-                            threads: int, device: torch.device, reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any] | None]:
+def performance_evaluations(recipe: Recipe, timed: list[Timed], eval_chunks: Chunks | None, model: torch.nn.Module,
+                            threads: int, reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any] | None]:
     """Latency measured here (the ``latency`` block) and the evaluations for named devices."""
     profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
     spec = recipe.latency
@@ -270,7 +301,7 @@ def performance_evaluations(recipe: Recipe, base_dir: Path, timed: list[Timed], 
     if spec is not None:
         settings = LatencySettings(spec.prompt_tokens, spec.output_tokens, tuple(spec.batch_sizes), spec.warmup, spec.repeats, threads)
         measured, host = measure_all(timed, settings, latency_prompts(eval_chunks, spec.prompt_tokens, max(spec.batch_sizes), recipe.seed),
-                                     reporter, device.type)
+                                     reporter)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return measured + device_evaluations(profiles, wanted_devices(recipe), timed, measured, settings, params), host
 
@@ -279,7 +310,7 @@ def latency_prompts(chunks: Chunks | None, length: int, rows: int, seed: int) ->
     """Prompts for the latency runs: the evaluation text's first tokens (real text), else seeded random ids."""
     if chunks is not None and chunks.tokens.shape[1] >= length:
         return chunks.tokens[:rows, :length].numpy()
-    return np.random.default_rng(seed).integers(1000, 20000, size=(rows, length))
+    return np.random.default_rng(seed).integers(10, 256, size=(rows, length))
 
 
 def remove_checkpoints(work_dir: Path, labels: list[str]) -> None:

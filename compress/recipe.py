@@ -173,8 +173,9 @@ class LatencySpec(Strict):
                                    "A runtime that decodes one sequence (llama-cpp-python) skips the others and says so.")
     warmup: int = Field(1, ge=0, description="Unmeasured runs before the measured ones.")
     repeats: int = Field(5, ge=1, description="Measured runs; medians and p90 are over these.")
-    artifacts: list[str] | None = Field(None, description="Artifacts to time: compressed (torch) and export names. "
-                                        "Default: compressed and every GGUF, ONNX and TensorRT export.")
+    artifacts: list[str] | None = Field(None, description="Artifacts to time: baseline and compressed (torch) and export names. "
+                                        "Default: compressed and every GGUF, ONNX and TensorRT export, and the baseline "
+                                        "when a gate compares a latency metric with it.")
 
     @field_validator("batch_sizes")
     @classmethod
@@ -270,10 +271,13 @@ class Recipe(Strict):
             if gate.metric == "memory_fraction" and gate.device is None:
                 raise ValueError(f"gates[{i}]: memory_fraction is a fit check on a named device; set gates[{i}].device")
         if self.latency is not None:
-            timeable = {"compressed"} | {x.name for x in self.exports if x.format in RUNTIME_FORMATS}
+            timeable = {"baseline", "compressed"} | {x.name for x in self.exports if x.format in RUNTIME_FORMATS}
             for name in self.latency.artifacts or []:
                 if name not in timeable:
                     raise ValueError(f"latency.artifacts: '{name}' is not timeable here; known: {', '.join(sorted(timeable))}")
+            relative = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS and g.threshold_kind.endswith("_pct")]
+            if relative and self.latency.artifacts is not None and "baseline" not in self.latency.artifacts:
+                raise ValueError(f"gates{relative} compare latency with the baseline; add baseline to latency.artifacts")
         names = [g.display_name for g in self.gates]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

@@ -17,6 +17,7 @@ import copy
 import itertools
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,6 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
     candidates = expand(loaded)
     out_dir = Path(out_dir)
     if out_dir.exists() and overwrite:
-        import shutil
-
         shutil.rmtree(out_dir)
     elif out_dir.exists() and not (out_dir / "candidates").is_dir():
         check_target(out_dir, overwrite)  # refuses a directory that is not a search of ours
@@ -116,14 +115,16 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
         directory = out_dir / "candidates" / f"{i:02d}-{cand.name}"
         row: dict[str, Any] = {"name": cand.name, "overrides": cand.overrides, "path": str(directory.relative_to(out_dir)),
                                "expected_bits_per_weight": round(cand.bits_per_weight, 4), "source": "measured"}
-        if (directory / "report.json").is_file() and (directory / "manifest.json").is_file():
+        if _same_run(directory, cand.recipe):
             report = json.loads((directory / "report.json").read_text())
             row["status"] = "reused"
         else:
+            if directory.exists():  # a candidate of another recipe (or of this one before an edit): run again
+                shutil.rmtree(directory)
             reporter.console.print(f"[bold]search candidate {i + 1}/{len(candidates)}[/]: {' '.join(cand.overrides)}")
             one = LoadedRecipe(recipe=cand.recipe, path=loaded.path, text=loaded.text, overrides=loaded.overrides + cand.overrides)
             try:
-                report = run_recipe(one, directory, reporter=reporter).report
+                report = run_recipe(one, directory, reporter=reporter, step_summary=False).report
             except CompressError as exc:  # e.g. an export that cannot hold this scheme: the candidate fails, the search goes on
                 rows.append({**row, "status": f"error: {exc}", "passed": False, "size_mb": None, "metrics": {}})
                 continue
@@ -153,6 +154,14 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
     _write_json(out_dir / "report.json", report)
     write_reports(out_dir, json_safe(report), suite=f"search {loaded.recipe.name or loaded.path.stem}")
     return SearchResult(out_dir, report)
+
+
+def _same_run(directory: Path, recipe: Recipe) -> bool:
+    """A finished candidate of exactly this recipe (the validated recipe's hash matches)."""
+    manifest = directory / "manifest.json"
+    if not manifest.is_file() or not (directory / "report.json").is_file():
+        return False
+    return json.loads(manifest.read_text())["recipe"]["sha256"] == recipe.sha256()
 
 
 def recipe_primary(recipe: Recipe) -> str:

@@ -26,7 +26,7 @@ def run_latency_bench(artifact: Path, runtimes: list[str] | None, settings: Late
     out_dir.mkdir(parents=True, exist_ok=True)
     subject = inspect(artifact)
     timed: list[Timed] = [t for t in subject.timed if runtimes is None or t.target.runtime in runtimes]
-    prompts = np.random.default_rng(0).integers(1000, 20000, size=(max(settings.batch_sizes), settings.prompt_tokens))
+    prompts = np.random.default_rng(0).integers(10, 256, size=(max(settings.batch_sizes), settings.prompt_tokens))
     rows: dict[str, dict[str, Any]] = {t.name: {"runtime": t.target.runtime, "rounds": []} for t in timed}
     hosts = []
     for r in range(rounds):

@@ -9,7 +9,8 @@ artifact and runtime, so that
   message rather than a dead pipeline.
 
 Protocol, the same for every runtime: the prompt is ``prompt_tokens`` real tokens (rows of the
-evaluation text when given), then ``output_tokens`` greedy steps with no stop at end-of-text.
+evaluation text when given; else seeded random ids below 256, which every byte-level vocabulary
+has), then ``output_tokens`` greedy steps with no stop at end-of-text.
 TTFT is the prompt's forward plus picking the first token; a decode step is one token's forward
 plus picking the next one. ``warmup`` unmeasured runs, then ``repeats`` measured runs; medians and
 90th percentiles are over runs (a run's time per token is the mean of its steps).
@@ -127,10 +128,10 @@ class _TorchRunner(_Runner):
             from compress.artifact import load_artifact
 
             model = load_artifact(path)[0]
-            self.size_bytes = _tree_size(path / "model")
+            self.size_bytes = tree_size(path / "model")
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path))
-            self.size_bytes = _tree_size(path)
+            self.size_bytes = tree_size(path)
         self.model = model.to(self.device).eval()
         tied = self.model.get_input_embeddings().weight is self.model.get_output_embeddings().weight
         params = {id(p): p for p in self.model.parameters()}.values()
@@ -205,7 +206,7 @@ class _GenAIRunner(_Runner):
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
                                                                               "inter_op_num_threads": 1}}}}))
         self.og, self.model = og, og.Model(config)
-        self.size_bytes = _tree_size(path)
+        self.size_bytes = tree_size(path)
         self.weight_bytes, self.kv_bytes_per_position = _onnx_bytes(path)
 
     def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
@@ -272,7 +273,8 @@ class _TensorRTRunner(_Runner):
         return ttft, times
 
 
-def _tree_size(path: Path) -> int:
+def tree_size(path: Path) -> int:
+    """Bytes on disk of a file, or of every file under a folder."""
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
@@ -330,9 +332,9 @@ def static_bytes(target: Target) -> tuple[int, int, int]:
     if target.runtime == "llama.cpp":
         return (*_gguf_bytes(path), path.stat().st_size)
     if target.runtime == "onnxruntime":
-        return (*_onnx_bytes(path), _tree_size(path))
+        return (*_onnx_bytes(path), tree_size(path))
     if target.runtime == "tensorrt":
-        size = _tree_size(path)
+        size = tree_size(path)
         return size, 0, size
     return _torch_bytes(path)
 
@@ -358,7 +360,40 @@ def _torch_bytes(path: Path) -> tuple[int, int, int]:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
-    return total, kv, _tree_size(model_dir)
+    return total, kv, tree_size(model_dir)
+
+
+def parameter_count(target: Target) -> int | None:
+    """Weights of the model in the files (for prefill compute estimates): safetensors shapes (a
+    quantized layer counts its codes), GGUF tensor elements, ONNX initializers with each
+    MatMulNBits counted as its K x N weights; None for a TensorRT engine."""
+    path = Path(target.path)
+    if target.runtime == "llama.cpp":
+        import gguf
+
+        return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)
+    if target.runtime == "onnxruntime":
+        import onnx
+
+        graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
+        packed = {name for node in graph.node if node.op_type == "MatMulNBits" for name in node.input[1:]}
+        count = sum(int(np.prod(init.dims)) for init in graph.initializer if init.name not in packed)
+        for node in graph.node:
+            if node.op_type == "MatMulNBits":
+                attrs = {a.name: a.i for a in node.attribute}
+                count += attrs["K"] * attrs["N"]
+        return count
+    if target.runtime == "torch":
+        from safetensors import safe_open
+
+        model_dir = path / "model" if (path / "manifest.json").is_file() else path
+        count = 0
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                count += sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()
+                             if not k.endswith((".weight_scale", ".weight_zero_point")))
+        return count
+    return None
 
 
 _SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}

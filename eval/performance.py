@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,18 +31,8 @@ class Timed:
 def this_machine_is(profile: dev.DeviceProfile, cuda_name: str | None) -> bool:
     """Whether measurements here stand for ``profile``: its ``identify`` strings name this
     machine's GPU (for GPU profiles) or CPU model (others)."""
-    here = (cuda_name if profile.kind == "gpu" else _cpu_model()) or ""
+    here = (cuda_name if profile.kind == "gpu" else dev.cpu_model()) or ""
     return any(token.lower() in here.lower() for token in getattr(profile, "identify", []))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def cuda_device_name() -> str | None:
@@ -52,27 +41,33 @@ def cuda_device_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def measure_all(timed: list[Timed], settings: LatencySettings, prompts: np.ndarray, reporter: Reporter,
-                device: str = "cpu") -> tuple[list[Evaluation], dict[str, Any]]:
+def measure_all(timed: list[Timed], settings: LatencySettings, prompts: np.ndarray,
+                reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any]]:
     """Time every artifact on its runtime here; returns the latency evaluations and the host facts
-    (measured memory bandwidth, threads, CPU/GPU names)."""
+    (memory bandwidth measured on each device the targets run on, threads, CPU/GPU names). Each
+    artifact's bandwidth utilisation is against the memory its runtime reads: the GPU's for a
+    CUDA target, else the CPU's."""
+    devices = sorted({"cpu"} | {item.target.device for item in timed})
     with reporter.status("measuring this machine's memory bandwidth"):
-        bandwidth = dev.measure_bandwidth(device)
-    host = {"bandwidth_gbs": bandwidth["bandwidth_gbs"], "bandwidth": bandwidth, "cpu": _cpu_model(), "gpu": cuda_device_name() if device == "cuda" else None,
+        bandwidth = {d: dev.measure_bandwidth(d) for d in devices}
+    gpu = cuda_device_name() if "cuda" in devices else None
+    host = {"bandwidth_gbs": bandwidth["cpu"]["bandwidth_gbs"], "bandwidth": bandwidth, "cpu": dev.cpu_model(), "gpu": gpu,
             "threads": settings.threads, "platform": platform.platform()}
     evaluations = []
     for item in timed:
         with reporter.status(f"timing {item.name} on {item.target.runtime} ({settings.repeats} runs x {settings.output_tokens} tokens, "
                              f"prompt {settings.prompt_tokens})"):
             result = measure(item.target, settings, prompts)
+        gbs = bandwidth[item.target.device]["bandwidth_gbs"]
         details = {"prompt_tokens": settings.prompt_tokens, "output_tokens": settings.output_tokens, "warmup": settings.warmup,
                    "repeats": settings.repeats, "threads": settings.threads, "batches": result["batches"],
                    "skipped_batches": result["skipped_batches"], "load_s": result["load_s"],
                    "rss_before_load_mb": result["rss_before_load_mb"], "weight_bytes_per_token": result["weight_bytes_per_token"],
                    "kv_bytes_per_position": result["kv_bytes_per_position"], "size_bytes": result["size_bytes"],
-                   "host_bandwidth_gbs": bandwidth["bandwidth_gbs"], "worker": "one fresh process per artifact and runtime"}
-        evaluations.append(Evaluation(artifact=item.name, runtime=item.target.runtime, device=host["gpu"] or device, kind="latency",
-                                      metrics=latency_metrics(result, bandwidth["bandwidth_gbs"]), details=details))
+                   "bandwidth_gbs": gbs, "worker": "one fresh process per artifact and runtime"}
+        device = gpu if item.target.device == "cuda" and gpu else item.target.device
+        evaluations.append(Evaluation(artifact=item.name, runtime=item.target.runtime, device=device, kind="latency",
+                                      metrics=latency_metrics(result, gbs), details=details))
     return evaluations, host
 
 

@@ -236,7 +236,7 @@ def _export_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
             size = _uniform_bytes(shape, GGUF_BITS[kind], GGUF_BITS[float_type])
             return "gguf", "llama.cpp", size, 2.0, (f"llama.cpp {kind} at ~{GGUF_BITS[kind]} bits/weight (its published average; rows "
                                                     f"that are not a multiple of 256 fall back to larger types), embedding {float_type}")
-        kind = spec.type if spec.type != "auto" else _auto_gguf_type(records)
+        kind = _gguf_type(spec.type, records)
         float_type = spec.float_type or ("q8_0" if kind.startswith("q") else kind)
         size = packed_bytes(shape, records, GGUF_BITS[float_type], code_bits=GGUF_BITS[kind], scale_bits=0, zero_bits=0)
         return "gguf", "llama.cpp", size, 2.0, f"records as {kind} blocks ({GGUF_BITS[kind]} bits/weight), other tensors {float_type}"
@@ -271,17 +271,6 @@ def _export_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
 def _only_bits(records: dict[str, Record]) -> int | None:
     bits = {r.scheme.bits for r in records.values()}
     return bits.pop() if len(bits) == 1 else None
-
-
-def _auto_gguf_type(records: dict[str, Record]) -> str:
-    schemes = {(r.scheme.bits, r.scheme.symmetric) for r in records.values()}
-    if not schemes:
-        return "f16"
-    if schemes == {(4, True)}:
-        return "q4_0"
-    if {b for b, _ in schemes} == {4}:
-        return "q4_1"
-    return "q8_0" if schemes == {(8, True)} else "f16"  # the run asks for a type in the last case
 
 
 def _linear_weights(shape: ModelShape, with_lm_head: bool) -> int:
@@ -564,3 +553,15 @@ def write_plan(path: Path, plan: dict[str, Any]) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         raise CompressError(f"cannot write the plan to {path}: {exc}") from None
+
+
+def _gguf_type(spec_type: str, records: dict[str, Record]) -> str:
+    """The export's block type as the GGUF writer resolves it; an ``auto`` the writer would refuse
+    (mixed schemes: the run asks for a type) is planned as f16."""
+    from compress.errors import FormatError
+    from compress.export.gguf import resolve_type
+
+    try:
+        return resolve_type(spec_type, records)  # type: ignore[arg-type]  # only .scheme is read
+    except FormatError:
+        return "f16"

@@ -441,9 +441,10 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
 # ---------------------------------------------------------------------------------- all of it
 
 
-def write_reports(out_dir: Path, report: dict[str, Any], suite: str) -> dict[str, str]:
+def write_reports(out_dir: Path, report: dict[str, Any], suite: str, step_summary: bool = True) -> dict[str, str]:
     """junit.xml, summary.md and the plots that apply under ``out_dir``; returns {kind: relative
-    path}. The summary is also appended to the GitHub Actions step summary when there is one."""
+    path}. With ``step_summary``, the summary is also appended to the GitHub Actions step summary
+    when there is one (a search appends its own summary once, not each candidate's)."""
     out_dir = Path(out_dir)
     written = {"junit": write_junit(out_dir / REPORT_FILES["junit"], report, suite)}
     summary = markdown_summary(report)
@@ -452,5 +453,6 @@ def write_reports(out_dir: Path, report: dict[str, Any], suite: str) -> dict[str
     for kind, plot in (("pareto", plot_pareto), ("latency", plot_latency)):
         if (path := plot(report, out_dir / REPORT_FILES[kind])) is not None:
             written[kind] = path
-    append_github_summary(summary)
+    if step_summary:
+        append_github_summary(summary)
     return {kind: path.relative_to(out_dir).as_posix() for kind, path in written.items()}

@@ -44,6 +44,9 @@ GATES = """\
   - metric: decode_tokens_per_s
     artifact: int4
     min: 0.001
+  - metric: tpot_ms
+    artifact: int4
+    max_increase_pct: 100000
 """
 
 
@@ -63,7 +66,8 @@ def test_run_measures_latency_on_each_runtime_and_estimates_other_devices(artifa
     assert validate_report(report) == []
     latency = [e for e in report["evaluations"] if e["kind"] == "latency"]
     measured = {e["artifact"]: e for e in latency if e["source"] == "measured"}
-    assert {(n, e["runtime"]) for n, e in measured.items()} == {("compressed", "torch"), ("q4", "llama.cpp"), ("int4", "onnxruntime")}
+    assert {(n, e["runtime"]) for n, e in measured.items()} == {("baseline", "torch"), ("compressed", "torch"), ("q4", "llama.cpp"),
+                                                               ("int4", "onnxruntime")}  # baseline: a gate compares with it
     for e in measured.values():
         m = e["metrics"]
         assert 0 < m["ttft_ms"] <= m["ttft_ms_p90"] and 0 < m["tpot_ms"] <= m["tpot_ms_p90"]
@@ -82,12 +86,14 @@ def test_run_measures_latency_on_each_runtime_and_estimates_other_devices(artifa
     assert gates["q4.tpot_ms.max"]["source"] == "measured"
     assert gates["q4.tpot_ms@raspberry-pi-5-8gb.max"]["source"] == "estimated"
     assert gates["int4.memory_fraction@jetson-orin-nano-8gb.max"]["source"] == "estimated"
+    relative = gates["int4.tpot_ms.max_increase_pct"]
+    assert relative["threshold"]["baseline"] == measured["baseline"]["metrics"]["tpot_ms"] and relative["source"] == "measured"
 
 
 def test_run_writes_junit_markdown_and_plots(artifact: Path) -> None:
     suite = ET.parse(artifact / "junit.xml").getroot()
     cases = suite.findall(".//testcase")
-    assert len(cases) == 5 and not suite.findall(".//failure")
+    assert len(cases) == 6 and not suite.findall(".//failure")
     estimated = [c for c in cases if "@" in c.get("name")]
     assert estimated and all("estimated" in (c.findtext("system-out") or "") for c in estimated)
     summary = (artifact / "summary.md").read_text()
@@ -184,3 +190,21 @@ def test_search_picks_the_smallest_passing_candidate(tmp_path: Path, tiny_model_
     again = run_cli(["run", write_recipe(tmp_path, text), "-o", tmp_path / "s"])  # resumes: every candidate run is reused
     assert again.exit_code == 0 and "search candidate 1/" not in again.output
     assert {r["status"] for r in json.loads((tmp_path / "s" / "report.json").read_text())["search"]["candidates"][: len(ran)]} == {"reused"}
+    edited = run_cli(["run", write_recipe(tmp_path, text.replace("max: 0.002", "max: 0.003")), "-o", tmp_path / "s"])
+    assert edited.exit_code == 0  # another recipe: no candidate is reused
+    assert "reused" not in {r["status"] for r in json.loads((tmp_path / "s" / "report.json").read_text())["search"]["candidates"]}
+
+
+def test_gate_command_times_the_runtimes_and_the_baseline_for_relative_latency(artifact: Path, tmp_path: Path) -> None:
+    gates = tmp_path / "gates.yaml"
+    gates.write_text("latency: {prompt_tokens: 16, output_tokens: 4, batch_sizes: [1], repeats: 2}\n"
+                     "gates:\n  - {metric: tpot_ms, artifact: q4, max_increase_pct: 100000}\n"
+                     "  - {metric: decode_tokens_per_s, artifact: q4, device: raspberry-pi-5-8gb, min: 0.001}\n")
+    result = run_cli(["gate", artifact, "--gates", gates, "-o", tmp_path / "r", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert validate_report(report) == []
+    latency = {(e["artifact"], e["source"]) for e in report["evaluations"] if e["kind"] == "latency"}
+    assert {("baseline", "measured"), ("q4", "measured"), ("q4", "estimated")} <= latency
+    assert [g["source"] for g in report["gates"]] == ["measured", "estimated"]
+    assert "estimated" in result.stdout
