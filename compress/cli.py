@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import click
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -218,6 +219,13 @@ def plan(
     for table in tables(result):
         out.print(table)
     out.print("[dim]estimated, not measured: order-of-magnitude guidance (formulas and constants under `assumptions` in --json)[/]")
+    if loaded.recipe.search is not None:
+        from compress.search import expand
+
+        candidates = expand(loaded)
+        out.print(f"search: {len(candidates)} candidates, each a run like the one planned above with its overrides "
+                  f"(plan one with --set, e.g. --set {candidates[0].overrides[0]}); the whole search takes up to "
+                  f"{len(candidates)}x the planned time")
     if json_out is not None:
         write_plan(json_out, result)
         out.print(f"plan: {json_out}")
@@ -548,17 +556,24 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
 
 def print_search(report: dict[str, Any]) -> None:
     search = report["search"]
-    table = Table(title="search candidates (smallest expected size first)")
+    table = Table(title="search candidates (smallest expected size first)", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("candidate", "size MiB", "KL", "top-1", "passed", "status"):
-        table.add_column(col, justify="right" if col in ("size MiB", "KL", "top-1") else "left")
+        table.add_column(col, justify="right" if col in ("size MiB", "KL", "top-1") else "left", no_wrap=col != "status")
+    errors = []
     for row in search["candidates"]:
         m = row.get("metrics") or {}
-        mark = " ◀ chosen" if row["name"] == search["chosen"] else ""
-        table.add_row(row["name"] + mark, "—" if row.get("size_mb") is None else f"{row['size_mb']:.2f}",
+        status = row["status"]
+        if status.startswith("error"):
+            errors.append(f"{row['name']}: {status}")
+            status = "error (below)"
+        table.add_row(row["name"] + (" ◀" if row["name"] == search["chosen"] else ""),
+                      "—" if row.get("size_mb") is None else f"{row['size_mb']:.2f}",
                       f"{m['kl_divergence']:.5f}" if "kl_divergence" in m else "—",
                       f"{m['top1_agreement']:.2%}" if "top1_agreement" in m else "—",
-                      {True: "[green]yes[/]", False: "[red]no[/]", None: "—"}[row.get("passed")], escape(row["status"]))
+                      {True: "[green]yes[/]", False: "[red]no[/]", None: "—"}[row.get("passed")], escape(status))
     out.print(table)
+    for line in errors:
+        out.print(f"[yellow]{escape(line)}[/]")
     if search["chosen"]:
         out.print(f"chosen: [bold]{search['chosen']}[/] ({search['chosen_path']}), the smallest artifact passing every gate")
     else:
@@ -568,20 +583,31 @@ def print_search(report: dict[str, Any]) -> None:
 def print_gates(report: dict[str, Any]) -> None:
     """The latency table (measured and estimated, said so), then the gates with their sources."""
     latency = [ev for ev in report["evaluations"] if ev.get("kind") == "latency"]
-    if latency:
-        table = Table(title="latency (batch 1 medians)")
-        for col in ("artifact", "runtime/device", "source", "TTFT ms", "TPOT ms", "tok/s", "batch tok/s", "peak RSS MiB", "BW util"):
-            table.add_column(col, justify="left" if col in ("artifact", "runtime/device", "source") else "right", no_wrap=True)
-        for ev in latency:
+    measured = [ev for ev in latency if ev["source"] == "measured" and ev.get("profile") is None]
+    estimated = [ev for ev in latency if ev["source"] == "estimated"]
+
+    def cell(m: dict[str, Any], key: str, fmt: str) -> str:
+        return format(m[key], fmt) if isinstance(m.get(key), (int, float)) else "—"
+
+    if measured:
+        table = Table(title="latency, measured here (batch 1 medians; batch: tokens/s summed at the larger batch)",
+                      box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("artifact", "runtime", "TTFT ms", "TPOT ms", "tok/s", "batch", "RSS MiB", "BW"):
+            table.add_column(col, justify="left" if col in ("artifact", "runtime") else "right", no_wrap=True)
+        for ev in measured:
             m = ev["metrics"]
-
-            def cell(key: str, fmt: str) -> str:
-                return format(m[key], fmt) if isinstance(m.get(key), (int, float)) else "—"
-
-            source = "[yellow]estimated[/]" if ev["source"] == "estimated" else "measured"
-            table.add_row(ev["artifact"], f"{ev['runtime']}/{ev['device']}", source, cell("ttft_ms", ".1f"), cell("tpot_ms", ".2f"),
-                          cell("decode_tokens_per_s", ".1f"), cell("batch_decode_tokens_per_s", ".1f"), cell("peak_rss_mb", ".0f"),
-                          cell("bandwidth_utilization", ".0%"))
+            table.add_row(ev["artifact"], ev["runtime"] + ("" if ev["device"] == "cpu" else f" ({ev['device']})"), cell(m, "ttft_ms", ".1f"), cell(m, "tpot_ms", ".2f"),
+                          cell(m, "decode_tokens_per_s", ".1f"), cell(m, "batch_decode_tokens_per_s", ".1f"),
+                          cell(m, "peak_rss_mb", ".0f"), cell(m, "bandwidth_utilization", ".0%"))
+        out.print(table)
+    if estimated:
+        table = Table(title="latency, [yellow]estimated[/] from device profiles (roofline, not measured)", box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("artifact", "device", "TTFT ms", "TPOT ms", "tok/s", "batch"):  # the runtime: as in the measured table
+            table.add_column(col, justify="left" if col in ("artifact", "device") else "right", no_wrap=True)
+        for ev in estimated:
+            m = ev["metrics"]
+            table.add_row(ev["artifact"], ev["device"], cell(m, "ttft_ms", ".1f"), cell(m, "tpot_ms", ".2f"),
+                          cell(m, "decode_tokens_per_s", ".1f"), cell(m, "batch_decode_tokens_per_s", ".0f"))
         out.print(table)
     if report["gates"]:
         table = Table(title="gates")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError, RecipeError
 from compress.fsutil import check_target
 from compress.progress import Reporter
@@ -81,9 +83,28 @@ def _cost(recipe: Recipe) -> int:
 
 
 def artifact_size(directory: Path, recipe: Recipe) -> int:
-    """The deployable's size: the first export (a runtime file or checkpoint), else model/."""
-    target = directory / "exports" / recipe.exports[0].name if recipe.exports else directory / "model"
-    return sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+    """The deployable's size: the first export's files (a runtime file or a packed checkpoint).
+    Without exports, model/'s weights as a packed checkpoint stores them (model/ keeps one byte
+    per code, which would make every bit width the same size): each quantized layer at its bits per
+    weight with scales and zero points (the manifest's stage records), the float tensors as stored."""
+    if recipe.exports:
+        folder = directory / "exports" / recipe.exports[0].name
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    from safetensors import safe_open
+
+    from compress.artifact import WEIGHTS_FILE
+    from compress.eval.latency import SAFETENSORS_ITEMSIZE
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    layers = {name: info for stage in manifest["stages"] for name, info in (stage.get("layers") or {}).items()
+              if "bits_per_weight" in info}
+    total = sum(info["shape"][0] * info["shape"][1] * info["bits_per_weight"] / 8 for info in layers.values())
+    with safe_open(str(directory / "model" / WEIGHTS_FILE), "pt") as f:
+        for key in f.keys():
+            if not key.endswith((".weight_codes", ".weight_scale", ".weight_zero_point")):
+                sl = f.get_slice(key)
+                total += int(np.prod(sl.get_shape())) * SAFETENSORS_ITEMSIZE.get(sl.get_dtype(), 4)
+    return int(total)
 
 
 @dataclass
@@ -150,7 +171,7 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
               "search": {"candidates": rows, "chosen": chosen["name"] if chosen else None,
                          "chosen_path": chosen["path"] if chosen else None, "stop_at_first_pass": spec.stop_at_first_pass,
                          "order": "expected bits per weight, then method cost (rtn, llm_int8, awq, gptq)",
-                         "size": "the first export's files (else model/), MiB"}}
+                         "size": "the first export's files, else model/'s weights as a packed checkpoint stores them, MiB"}}
     _write_json(out_dir / "report.json", report)
     write_reports(out_dir, json_safe(report), suite=f"search {loaded.recipe.name or loaded.path.stem}")
     return SearchResult(out_dir, report)

@@ -53,8 +53,10 @@ def markdown_table(result: dict[str, Any]) -> str:
              "| artifact | runtime | round | TTFT ms | TPOT ms | tok/s | batch tok/s | BW util |", "|---|---|---|---|---|---|---|---|"]
     for name, row in result["results"].items():
         for i, m in enumerate(row["rounds"]):
+            batch = f"{m['batch_decode_tokens_per_s']:.1f}" if "batch_decode_tokens_per_s" in m else "—"
+            util = f"{m['bandwidth_utilization']:.0%}" if "bandwidth_utilization" in m else "—"
             lines.append(f"| {name} | {row['runtime']} | {i + 1} | {m['ttft_ms']:.1f} | {m['tpot_ms']:.2f} | {m['decode_tokens_per_s']:.1f} | "
-                         f"{m.get('batch_decode_tokens_per_s', float('nan')):.1f} | {m.get('bandwidth_utilization', float('nan')):.0%} |")
+                         f"{batch} | {util} |")
         spread = ", ".join(f"{k} {v:.1f}%" for k, v in row["spread_pct"].items())
         lines.append(f"| {name} | {row['runtime']} | spread | {spread} (max {row['max_spread_pct']:.1f}%) | | | | |")
     return "\n".join(lines) + "\n"

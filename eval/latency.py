@@ -353,7 +353,7 @@ def _torch_bytes(path: Path) -> tuple[int, int, int]:
                 if key.endswith((".weight_scale", ".weight_zero_point")):
                     continue
                 sl = f.get_slice(key)
-                itemsize = 4 if model_dir is not path or key.endswith(".weight_codes") else _SAFETENSORS_ITEMSIZE.get(sl.get_dtype(), 4)
+                itemsize = 4 if model_dir is not path or key.endswith(".weight_codes") else SAFETENSORS_ITEMSIZE.get(sl.get_dtype(), 4)
                 nbytes = int(np.prod(sl.get_shape())) * itemsize
                 untied_lookup = key.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False)
                 total += 0 if untied_lookup else nbytes  # an untied embedding is a lookup: one row per token
@@ -396,7 +396,7 @@ def parameter_count(target: Target) -> int | None:
     return None
 
 
-_SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 
 
 def _load(target: Target, settings: LatencySettings) -> _Runner:

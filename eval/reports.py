@@ -349,11 +349,15 @@ def pareto_points(report: dict[str, Any]) -> list[dict[str, Any]]:
     runtimes: dict[str, int] = {}
     for e in accuracy:
         runtimes[e["artifact"]] = runtimes.get(e["artifact"], 0) + 1
-    raw = [(e["artifact"] + (f" ({e['runtime']})" if runtimes[e["artifact"]] > 1 else ""),
-            e["metrics"].get("size_mb", sizes.get(e["artifact"])), e["metrics"]["kl_divergence"], e.get("source") == "estimated")
-           for e in accuracy]
-    for c in (report.get("search") or {}).get("candidates", []):
-        raw.append((f"candidate {c['name']}", c.get("size_mb"), c.get("metrics", {}).get("kl_divergence"), c.get("source") == "estimated"))
+    search = report.get("search")
+    if search:  # a search plots its candidates; the evaluations are the chosen one's, already a candidate
+        chosen = search.get("chosen")
+        raw = [(c["name"] + (" (chosen)" if c["name"] == chosen else ""), c.get("size_mb"), (c.get("metrics") or {}).get("kl_divergence"),
+                c.get("source") == "estimated") for c in search.get("candidates", [])]
+    else:
+        raw = [(e["artifact"] + (f" ({e['runtime']})" if runtimes[e["artifact"]] > 1 else ""),
+                e["metrics"].get("size_mb", sizes.get(e["artifact"])), e["metrics"]["kl_divergence"], e.get("source") == "estimated")
+               for e in accuracy]
     points = []
     for label, size, kl, estimated in raw:
         size, kl = _num(size), _num(kl)

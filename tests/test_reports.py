@@ -286,12 +286,18 @@ def _assert_png(path: Path | None) -> None:
 
 
 def test_pareto_points_and_front() -> None:
-    points = {p["label"]: p for p in pareto_points(failing_report())}
+    report = failing_report()
+    search = report.pop("search")
+    points = {p["label"]: p for p in pareto_points(report)}
     # gguf's accuracy has no size of its own: the latency evaluation of the same artifact gives it
     assert points["gguf"]["size_mb"] == 78.9 and points["compressed"]["size_mb"] == 74.2
-    assert set(points) == {"baseline", "compressed", "gguf", "candidate w4g128", "candidate w3g64"}
+    assert set(points) == {"baseline", "compressed", "gguf"}
     front = [p["label"] for p in pareto_front(list(points.values()))]
-    assert front == ["candidate w3g64", "candidate w4g128", "compressed", "baseline"]
+    assert front == ["compressed", "baseline"]
+    # a search plots its candidates only (its evaluations are the chosen candidate's, already one of them)
+    points = {p["label"]: p for p in pareto_points({**report, "search": search})}
+    assert set(points) == {"w4g128 (chosen)", "w3g64"}
+    assert [p["label"] for p in pareto_front(list(points.values()))] == ["w3g64", "w4g128 (chosen)"]
 
 
 def test_plots_are_pngs(tmp_path: Path) -> None:
