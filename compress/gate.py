@@ -30,7 +30,7 @@ from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.latency import LatencySettings, Target, tree_size
-from compress.eval.metrics import ACCURACY_METRICS, LATENCY_METRICS, compare, torch_forward
+from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, device_evaluations, measure_all
 from compress.progress import Reporter
 from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
@@ -127,7 +127,9 @@ class GateRun:
 def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str | None, devices_files: list[Path],
              threads: int | None, reporter: Reporter) -> GateRun:
     spec = load_gates_file(gates_file)
-    gates = [g if device is None or g.device is not None else g.model_copy(update={"device": device}) for g in spec.gates]
+    # --device: the device of the gates that take one (latency and memory metrics) and name none
+    gates = [g.model_copy(update={"device": device}) if device is not None and g.device is None and g.metric in DEVICE_METRICS else g
+             for g in spec.gates]
     subject = inspect(artifact)
     names = {t.name for t in subject.timed} | set(subject.stand_ins) | {"baseline"}
     for i, g in enumerate(gates):

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from compress.distill.distill import DistillConfig
 from compress.errors import RecipeError
 from compress.eval.devices import DeviceProfile
-from compress.eval.metrics import LATENCY_METRICS, METRICS
+from compress.eval.metrics import DEVICE_METRICS, LATENCY_METRICS, METRICS
 from compress.export.specs import ExportSpec
 from compress.pruning.prune import PruneConfig
 from compress.quantizers import QuantizeConfig
@@ -135,7 +135,7 @@ class GateSpec(Strict):
 
     @model_validator(mode="after")
     def _device_metrics(self) -> GateSpec:
-        if self.device not in (None, "local") and self.metric not in (*LATENCY_METRICS, "memory_fraction", "size_mb"):
+        if self.device not in (None, "local") and self.metric not in DEVICE_METRICS:
             raise ValueError(f"{self.metric} is measured on the artifact's runtime here and does not depend on the device; "
                              "device applies to latency and memory metrics")
         return self

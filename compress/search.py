@@ -150,7 +150,7 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
                 rows.append({**row, "status": f"error: {exc}", "passed": False, "size_mb": None, "metrics": {}})
                 continue
             row["status"] = "run"
-        reports[cand.name] = report
+        reports[row["path"]] = report
         accuracy = [e for e in report["evaluations"] if e.get("kind", "accuracy") == "accuracy" and e["artifact"] != "baseline"]
         first = recipe_primary(cand.recipe)
         chosen_ev = next((e for e in accuracy if e["artifact"] == first), None) or next((e for e in accuracy), None)
@@ -165,7 +165,7 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
                      "passed": None, "size_mb": None, "expected_bits_per_weight": round(cand.bits_per_weight, 4)})
     passing = [r for r in rows if r.get("passed")]
     chosen = min(passing, key=lambda r: r["size_mb"]) if passing else None
-    base = reports[chosen["name"]] if chosen else {"evaluations": [], "gates": [], "evaluation_data": None}
+    base = reports[chosen["path"]] if chosen else {"evaluations": [], "gates": [], "evaluation_data": None}
     report = {"schema_version": REPORT_VERSION, "recipe": loaded.recipe.name, "passed": chosen is not None,
               "evaluations": base["evaluations"], "gates": base["gates"], "evaluation_data": base.get("evaluation_data"),
               "search": {"candidates": rows, "chosen": chosen["name"] if chosen else None,

@@ -224,3 +224,15 @@ def test_gate_command_on_an_onnx_folder_and_a_hugging_face_folder(artifact: Path
         assert report["artifact"]["kind"] == name and validate_report(report) == []
         kl[name] = next(e for e in report["evaluations"] if e["artifact"] == "compressed")["metrics"]["kl_divergence"]
     assert kl["hf"] == 0.0 < kl["onnx"]  # the source model against itself; the int4 file against the source
+
+
+def test_gate_device_option_applies_to_latency_and_memory_gates_only(artifact: Path, tmp_path: Path) -> None:
+    body = ("  - {metric: kl_divergence, artifact: q4, max: 10}\n  - {metric: tpot_ms, artifact: q4, max: 100000}\n"
+            "  - {metric: memory_fraction, artifact: q4, max: 0.9}\n")
+    gates = tmp_path / "gates.yaml"
+    gates.write_text("latency: {prompt_tokens: 16, output_tokens: 4, batch_sizes: [1], repeats: 1}\ngates:\n" + body)
+    result = run_cli(["gate", artifact, "--gates", gates, "--device", "raspberry-pi-5-8gb", "-o", tmp_path / "r", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [(g["metric"], g["source"]) for g in report["gates"]] == [
+        ("kl_divergence", "measured"), ("tpot_ms", "estimated"), ("memory_fraction", "estimated")]
