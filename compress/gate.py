@@ -31,7 +31,7 @@ from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profil
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.latency import LatencySettings, Target, tree_size
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
-from compress.eval.performance import Timed, device_evaluations, measure_all
+from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.progress import Reporter
 from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
 
@@ -144,8 +144,7 @@ def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str
     wanted = {g.artifact for g in gates} | ({"compressed"} if any(g.artifact in subject.stand_ins for g in gates) else set())
     started = time.perf_counter()
     needs_accuracy = sorted({g.metric for g in gates if g.metric in ACCURACY_METRICS})
-    time_baseline = spec.latency is not None and any(
-        g.metric in LATENCY_METRICS and (g.artifact == "baseline" or g.threshold_kind.endswith("_pct")) for g in gates)
+    time_baseline = baseline_timed(spec.latency, gates)
     baseline_source = baseline or subject.baseline_source
     if baseline_source is None and (needs_accuracy or time_baseline):
         why = f"gates on {', '.join(needs_accuracy)}" if needs_accuracy else "latency gates relative to the baseline"
@@ -177,13 +176,9 @@ def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str
             prompts = np.random.default_rng(0).integers(10, 256, size=(max(lat.batch_sizes), lat.prompt_tokens))
         measured, host = measure_all(timed, settings, prompts, reporter)
         evaluations += measured
-    default_context = settings.prompt_tokens + settings.output_tokens if settings else 2048
-    wanted_devices = {t.device: (t.context or default_context, t.batch) for t in spec.targets}
-    for g in gates:
-        if g.device is not None and g.device not in wanted_devices:
-            wanted_devices[g.device] = (default_context, 1)
-    if wanted_devices:
-        evaluations += device_evaluations(profiles, wanted_devices, timed, measured, settings, _params(timed))
+    devices = wanted_devices(spec.latency, spec.targets, gates)
+    if devices:
+        evaluations += device_evaluations(profiles, devices, timed, measured, settings, _params(timed))
     compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind == "accuracy"]
     evaluations += [dataclasses.replace(e, artifact=name) for name in subject.stand_ins for e in compressed]
     results = evaluate_gates(gates, evaluations)

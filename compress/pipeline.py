@@ -31,10 +31,9 @@ from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.kv_eval import evaluate_kv
-from compress.eval.metrics import LATENCY_METRICS
 from compress.eval.latency import LatencySettings, Target, tree_size
 from compress.eval.reports import write_reports
-from compress.eval.performance import Timed, device_evaluations, measure_all
+from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.eval.metrics import compare, torch_forward
 from compress.export.parity import VerifyInputs
 from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
@@ -126,7 +125,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     out_dir = Path(out_dir)
     check_target(out_dir, overwrite)  # before any heavy work; atomic_directory checks again at the end
     profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
-    for name in wanted_devices(recipe):
+    for name in wanted_devices(recipe.latency, recipe.targets, recipe.gates):
         if name != LOCAL:
             get_profile(profiles, name)  # an unknown device fails now, with the known names
     started = time.perf_counter()
@@ -139,7 +138,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     t = time.perf_counter()
     lm = load_model(recipe.model, base_dir, reporter)
     baseline = lm.model  # stays on the CPU; layer-wise stages move one block at a time, evaluation moves whole models
-    if baseline_timed(recipe):
+    if baseline_timed(recipe.latency, recipe.gates):
         baseline_directory(lm.facts)  # fails now, before the stages, when the baseline cannot be timed
     timings["load_model_s"] = time.perf_counter() - t
 
@@ -207,7 +206,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         evaluations += runtime_evaluations
         host = None
         timed = timed_artifacts(recipe, tmp, exports, lm.facts, device.type)
-        if recipe.latency is not None or wanted_devices(recipe):
+        if recipe.latency is not None or wanted_devices(recipe.latency, recipe.targets, recipe.gates):
             _write_json(tmp / "manifest.json", manifest)  # the torch worker reads the quantized layers' schemes from it
             t = time.perf_counter()
             found, host = performance_evaluations(recipe, timed, eval_chunks, model, threads, reporter)
@@ -244,7 +243,7 @@ def timed_artifacts(recipe: Recipe, root: Path, exports: list[dict[str, Any]], m
     names = spec.artifacts if spec is not None and spec.artifacts is not None else None
     by_name = {e["name"]: e for e in exports}
     timed = []
-    if baseline_timed(recipe):
+    if baseline_timed(recipe.latency, recipe.gates):
         timed.append(Timed("baseline", Target("torch", baseline_directory(model_facts), torch_device)))
     if names is None or "compressed" in names:
         timed.append(Timed("compressed", Target("torch", str(root), torch_device)))
@@ -259,15 +258,6 @@ def timed_artifacts(recipe: Recipe, root: Path, exports: list[dict[str, Any]], m
     return timed
 
 
-def baseline_timed(recipe: Recipe) -> bool:
-    spec = recipe.latency
-    if spec is None:
-        return False
-    if spec.artifacts is not None:
-        return "baseline" in spec.artifacts
-    return any(g.metric in LATENCY_METRICS and g.threshold_kind.endswith("_pct") for g in recipe.gates)
-
-
 def baseline_directory(model_facts: dict[str, Any]) -> str:
     """The source model as a float Hugging Face directory the torch worker can load."""
     if model_facts.get("converted_cache"):  # a GGUF source, converted once to float
@@ -278,16 +268,6 @@ def baseline_directory(model_facts: dict[str, Any]) -> str:
     raise CompressError(f"latency: the baseline ({model_facts.get('source')}) is not a float Hugging Face directory the torch "
                         "worker can load; time the compressed model and the exports only (latency.artifacts), and use max/min "
                         "thresholds rather than ones relative to the baseline")
-
-
-def wanted_devices(recipe: Recipe) -> dict[str, tuple[int, int]]:
-    """Devices to evaluate for (gates and targets), with the context and batch of their fit check."""
-    default_context = recipe.latency.prompt_tokens + recipe.latency.output_tokens if recipe.latency else 2048
-    wanted = {t.device: (t.context or default_context, t.batch) for t in recipe.targets}
-    for gate in recipe.gates:
-        if gate.device is not None and gate.device not in wanted:
-            wanted[gate.device] = (default_context, 1)
-    return wanted
 
 
 def performance_evaluations(recipe: Recipe, timed: list[Timed], eval_chunks: Chunks | None, model: torch.nn.Module,
@@ -303,7 +283,7 @@ def performance_evaluations(recipe: Recipe, timed: list[Timed], eval_chunks: Chu
         measured, host = measure_all(timed, settings, latency_prompts(eval_chunks, spec.prompt_tokens, max(spec.batch_sizes), recipe.seed),
                                      reporter)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return measured + device_evaluations(profiles, wanted_devices(recipe), timed, measured, settings, params), host
+    return measured + device_evaluations(profiles, wanted_devices(recipe.latency, recipe.targets, recipe.gates), timed, measured, settings, params), host
 
 
 def latency_prompts(chunks: Chunks | None, length: int, rows: int, seed: int) -> np.ndarray:

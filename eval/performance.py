@@ -17,6 +17,7 @@ import numpy as np
 from compress.eval import devices as dev
 from compress.eval.gates import Evaluation
 from compress.eval.latency import LatencySettings, Target, latency_metrics, measure, static_bytes
+from compress.eval.metrics import LATENCY_METRICS
 from compress.progress import Reporter
 
 
@@ -117,3 +118,23 @@ def _bytes(item: Timed, local: Evaluation | None) -> tuple[int, int, int]:
         return int(d["weight_bytes_per_token"]), int(d["kv_bytes_per_position"]), int(d["size_bytes"])
     return static_bytes(item.target)
 
+
+def baseline_timed(latency: Any, gates: list[Any]) -> bool:
+    """Whether the baseline is timed too: named in ``latency.artifacts``, or (by default) when a
+    gate asks a latency metric of it or compares one with it."""
+    if latency is None:
+        return False
+    if latency.artifacts is not None:
+        return "baseline" in latency.artifacts
+    return any(g.metric in LATENCY_METRICS and (g.artifact == "baseline" or g.threshold_kind.endswith("_pct")) for g in gates)
+
+
+def wanted_devices(latency: Any, targets: list[Any], gates: list[Any]) -> dict[str, tuple[int, int]]:
+    """Devices to evaluate for (targets, and gates naming one), with the context and batch of their
+    fit check: a target's own, else the latency run's prompt + output tokens (2048 without one), batch 1."""
+    default_context = latency.prompt_tokens + latency.output_tokens if latency is not None else 2048
+    wanted = {t.device: (t.context or default_context, t.batch) for t in targets}
+    for gate in gates:
+        if gate.device is not None and gate.device not in wanted:
+            wanted[gate.device] = (default_context, 1)
+    return wanted
