@@ -177,7 +177,8 @@ def test_plan_of_a_tiny_model_sizes_follow_the_bits(tmp_path: Path, tiny_model_d
 def test_plan_follows_a_prune_stage(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     from transformers import LlamaConfig
 
-    from compress.eval.plan import plan_recipe, shape_of
+    from compress.eval.plan import plan_recipe
+    from compress.eval.plan_sizes import shape_of
     from compress.recipe import load_recipe
 
     text = recipe_text(tiny_model_dir, text_dir).replace("stages:\n", "stages:\n  - prune: {mlp: 0.5, multiple_of: 16}\n")
