@@ -29,7 +29,7 @@ from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
-from compress.eval.latency import LatencySettings, Target, tree_size
+from compress.eval.latency import LatencySettings, Target, load_torch_model, tree_size
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.progress import Reporter
@@ -219,7 +219,7 @@ def _accuracy(subject: Subject, wanted: set[str], lm: Any, spec: GatesFile, thre
             continue
         target = item.target
         if target.runtime == "torch":
-            model = _torch_model(Path(target.path))
+            model = load_torch_model(Path(target.path), dtype=torch.float32)
             candidates[item.name] = torch_forward(model, cpu)
         elif target.runtime == "llama.cpp":
             from compress.export.gguf_runtime import LlamaCppModel
@@ -248,16 +248,6 @@ def _accuracy(subject: Subject, wanted: set[str], lm: Any, spec: GatesFile, thre
         evaluations.append(Evaluation(artifact=name, runtime=d["runtime"], device="cpu", metrics=metrics[name], details={**info, **d}))
     facts = {k: chunks.facts[k] for k in ("source", "tokens_sha256", "samples", "seq_len")}
     return evaluations, facts, chunks.tokens.numpy()
-
-
-def _torch_model(path: Path) -> torch.nn.Module:
-    if (path / "manifest.json").is_file():
-        from compress.artifact import load_artifact
-
-        return load_artifact(path)[0]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 def _params(timed: list[Timed]) -> int:

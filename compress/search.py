@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError, RecipeError
 from compress.fsutil import check_target
@@ -87,23 +86,17 @@ def artifact_size(directory: Path, recipe: Recipe) -> int:
     Without exports, model/'s weights as a packed checkpoint stores them (model/ keeps one byte
     per code, which would make every bit width the same size): each quantized layer at its bits per
     weight with scales and zero points (the manifest's stage records), the float tensors as stored."""
-    if recipe.exports:
-        folder = directory / "exports" / recipe.exports[0].name
-        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    from safetensors import safe_open
+    from compress.eval.latency import RECORD_SUFFIXES, SAFETENSORS_ITEMSIZE, safetensors_entries, tree_size
 
-    from compress.artifact import WEIGHTS_FILE
-    from compress.eval.latency import SAFETENSORS_ITEMSIZE
+    if recipe.exports:
+        return tree_size(directory / "exports" / recipe.exports[0].name)
 
     manifest = json.loads((directory / "manifest.json").read_text())
     layers = {name: info for stage in manifest["stages"] for name, info in (stage.get("layers") or {}).items()
               if "bits_per_weight" in info}
     total = sum(info["shape"][0] * info["shape"][1] * info["bits_per_weight"] / 8 for info in layers.values())
-    with safe_open(str(directory / "model" / WEIGHTS_FILE), "pt") as f:
-        for key in f.keys():
-            if not key.endswith((".weight_codes", ".weight_scale", ".weight_zero_point")):
-                sl = f.get_slice(key)
-                total += int(np.prod(sl.get_shape())) * SAFETENSORS_ITEMSIZE.get(sl.get_dtype(), 4)
+    total += sum(numel * SAFETENSORS_ITEMSIZE.get(dtype, 4) for key, numel, dtype in safetensors_entries(directory / "model")
+                 if not key.endswith((".weight_codes", *RECORD_SUFFIXES)))
     return int(total)
 
 

@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -120,19 +121,11 @@ class _Runner:
 class _TorchRunner(_Runner):
     def __init__(self, path: Path, device: str, threads: int) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.torch, self.device = torch, torch.device(device)
-        if (path / "manifest.json").is_file():  # our artifact: quantized layers dequantized (torch computes in float)
-            from compress.artifact import load_artifact
-
-            model = load_artifact(path)[0]
-            self.size_bytes = tree_size(path / "model")
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(path))
-            self.size_bytes = tree_size(path)
-        self.model = model.to(self.device).eval()
+        self.model = load_torch_model(path).to(self.device).eval()
+        self.size_bytes = tree_size(model_folder(path))
         tied = self.model.get_input_embeddings().weight is self.model.get_output_embeddings().weight
         params = {id(p): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -339,24 +332,50 @@ def static_bytes(target: Target) -> tuple[int, int, int]:
     return _torch_bytes(path)
 
 
+RECORD_SUFFIXES = (".weight_scale", ".weight_zero_point")  # a quantized layer's scales and zero points (its codes count as its weights)
+
+
+def model_folder(path: Path) -> Path:
+    """The Hugging Face folder of a torch target: model/ of our artifact directory, else the folder itself."""
+    return path / "model" if (path / "manifest.json").is_file() else path
+
+
+def load_torch_model(path: Path, dtype: Any = None) -> Any:
+    """Our artifact directory (quantized layers dequantized: torch computes in float) or a Hugging
+    Face folder (in ``dtype``, else transformers' default), in eval mode."""
+    if (path / "manifest.json").is_file():
+        from compress.artifact import load_artifact
+
+        return load_artifact(path)[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), **({} if dtype is None else {"dtype": dtype})).eval()
+
+
+def safetensors_entries(folder: Path) -> Iterator[tuple[str, int, str]]:
+    """(name, element count, safetensors dtype) of every tensor in the folder's .safetensors files,
+    from their headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                yield key, int(np.prod(sl.get_shape())), sl.get_dtype()
+
+
 def _torch_bytes(path: Path) -> tuple[int, int, int]:
     """torch computes in the float dtype: every weight (a quantized layer counts its codes' count)
     at 4 bytes for our artifact (loaded as float32), else at the checkpoint's own dtype."""
-    from safetensors import safe_open
-
-    model_dir = path / "model" if (path / "manifest.json").is_file() else path
+    model_dir = model_folder(path)
     config = json.loads((model_dir / "config.json").read_text())
     total = 0
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                if key.endswith((".weight_scale", ".weight_zero_point")):
-                    continue
-                sl = f.get_slice(key)
-                itemsize = 4 if model_dir is not path or key.endswith(".weight_codes") else SAFETENSORS_ITEMSIZE.get(sl.get_dtype(), 4)
-                nbytes = int(np.prod(sl.get_shape())) * itemsize
-                untied_lookup = key.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False)
-                total += 0 if untied_lookup else nbytes  # an untied embedding is a lookup: one row per token
+    for key, numel, dtype in safetensors_entries(model_dir):
+        if key.endswith(RECORD_SUFFIXES):
+            continue
+        itemsize = 4 if model_dir is not path or key.endswith(".weight_codes") else SAFETENSORS_ITEMSIZE.get(dtype, 4)
+        untied_lookup = key.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False)
+        total += 0 if untied_lookup else numel * itemsize  # an untied embedding is a lookup: one row per token
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
@@ -384,15 +403,7 @@ def parameter_count(target: Target) -> int | None:
                 count += attrs["K"] * attrs["N"]
         return count
     if target.runtime == "torch":
-        from safetensors import safe_open
-
-        model_dir = path / "model" if (path / "manifest.json").is_file() else path
-        count = 0
-        for file in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as f:
-                count += sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()
-                             if not k.endswith((".weight_scale", ".weight_zero_point")))
-        return count
+        return sum(numel for key, numel, _ in safetensors_entries(model_folder(path)) if not key.endswith(RECORD_SUFFIXES))
     return None
 
 
