@@ -124,10 +124,11 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     reporter = Reporter(quiet=True) if rank > 0 else (reporter or Reporter())
     out_dir = Path(out_dir)
     check_target(out_dir, overwrite)  # before any heavy work; atomic_directory checks again at the end
-    profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
-    for name in wanted_devices(recipe.latency, recipe.targets, recipe.gates):
-        if name != LOCAL:
-            get_profile(profiles, name)  # an unknown device fails now, with the known names
+    devices = [name for name in wanted_devices(recipe.latency, recipe.targets, recipe.gates) if name != LOCAL]
+    if devices:  # an unknown device fails now, with the known names (profiles are read only when a run names a device)
+        profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
+        for name in devices:
+            get_profile(profiles, name)
     started = time.perf_counter()
     seed_everything(recipe.seed)
     threads = recipe.compute.threads or os.cpu_count() or 1
