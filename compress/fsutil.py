@@ -31,8 +31,12 @@ def sha256_file(path: Path) -> str:
 def sha256_files(paths: list[Path], root: Path) -> tuple[str, dict[str, str]]:
     """Combined digest over ``paths`` (by relative name and content) and each file's digest."""
     files = {str(p.relative_to(root)): sha256_file(p) for p in sorted(paths)}
-    combined = hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in files.items()).encode()).hexdigest()
-    return combined, files
+    return combined_digest(files), files
+
+
+def combined_digest(files: dict[str, str]) -> str:
+    """One digest over relative names and their SHA-256s, in the dict's order."""
+    return hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in files.items()).encode()).hexdigest()
 
 
 def _pid_alive(pid: int) -> bool:

@@ -228,7 +228,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
             write_reports(tmp, json_safe(report), suite=recipe.name or loaded.path.stem, step_summary=step_summary)
             timings["total_s"] = time.perf_counter() - started
             manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
-            manifest["files"] = checksums(tmp)
+            manifest["files"] = {k: v for k, v in checksums(tmp).items() if k != "manifest.json"}  # a latency run wrote an interim one
             _write_json(tmp / "manifest.json", manifest)
     remove_checkpoints(ctx.work_dir, [f"stages[{i}]" for i, st in enumerate(recipe.stages) if st.kind == "distill"])
     return RunResult(out_dir, manifest, report, evaluations, gates)

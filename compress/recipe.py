@@ -206,6 +206,26 @@ class SearchSpec(Strict):
         return v
 
 
+class PublishSpec(Strict):
+    name: str | None = Field(None, description="Registered model name (default: the recipe's name).")
+    aliases: list[str] = Field(default_factory=list, description="Aliases set on the version once every file is uploaded, e.g. [candidate].")
+    uri: str | None = Field(None, description="MLflow tracking server URI (default: MLFLOW_TRACKING_URI, else the embedded registry).")
+    store: str | None = Field(None, description="Embedded registry directory (SQLite + local files, no server), relative to the "
+                              "recipe's directory (default: $COMPRESS_REGISTRY, else ~/.local/share/compress/registry).")
+    force: bool = Field(False, description="Publish even when a gate failed (recorded on the version and in its model card).")
+
+    @model_validator(mode="after")
+    def _checks(self) -> PublishSpec:
+        from compress.registry import alias_problem
+
+        if self.uri and self.store:
+            raise ValueError("publish: give uri (a tracking server) or store (the embedded registry), not both")
+        for alias in self.aliases:
+            if (problem := alias_problem(alias)) is not None:
+                raise ValueError(f"publish.aliases: {problem}")
+        return self
+
+
 class ComputeSpec(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when available.")
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: all cores).")
@@ -231,6 +251,9 @@ class Recipe(Strict):
     gates: list[GateSpec] = Field(default_factory=list)
     search: SearchSpec | None = Field(None, description="Try every combination of these values and keep the smallest artifact "
                                       "passing every gate (see README, Recipe search).")
+    publish: PublishSpec | None = Field(None, description="Publish the artifact to a model registry (MLflow) when every gate "
+                                        "passed (see README, Publishing). Not part of the recipe's hash: where an artifact is "
+                                        "published does not change it.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
@@ -296,7 +319,7 @@ class Recipe(Strict):
         return self
 
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.model_dump(mode="json", exclude={"publish"}), sort_keys=True, separators=(",", ":"))
 
     def sha256(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()

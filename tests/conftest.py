@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import build_tiny_llama, make_text, train_tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the registry tests' client and server: no usage reports
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,0 +1,175 @@
+"""The model card published with every registry version: Markdown generated from the artifact's
+manifest and report only (no clock, no host), so the same artifact always gives the same card.
+
+It says where the model came from (source, hash, license), what was done to it (each stage with
+its fully expanded configuration), how it did (every gate with its value and where the value was
+measured, or that it was estimated), what was produced (sizes, intended runtimes, speeds), and the
+licenses of the model and of the text used.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Where each export format is meant to run (README, "Exports").
+INTENDED_RUNTIMES = {
+    "gguf": "llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
+    "onnx": "ONNX Runtime / ONNX Runtime GenAI",
+    "tensorrt": "TensorRT (the engine is built for the GPU it was built on; the ONNX rebuilds it elsewhere)",
+    "compressed-tensors": "vLLM, transformers (compressed-tensors)",
+    "gptq": "transformers + GPTQModel, vLLM (GPTQ checkpoint format)",
+}
+COMPRESSED_RUNTIME = "compress (`compress gate`, `load_artifact`) on torch"
+_ACCURACY = (("kl_divergence", "KL", ".4f"), ("top1_agreement", "top-1", ".3f"), ("perplexity", "perplexity", ".2f"))
+_SPEED = (("decode_tokens_per_s", "decode tok/s", ".1f"), ("ttft_ms", "TTFT ms", ".0f"), ("peak_rss_mb", "peak RSS MiB", ".0f"))
+
+
+def _cell(value: Any, fmt: str = ".4g") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) and fmt == ".4g":
+        return f"{value:,}"
+    if isinstance(value, (int, float)):
+        return format(value, fmt)
+    return str(value).replace("|", "\\|")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
+def _data_license(source: str | None) -> str:
+    from compress.assets import ASSETS
+
+    if source and source.startswith("reference:") and source.split(":", 1)[1] in ASSETS:
+        return ASSETS[source.split(":", 1)[1]].license
+    return "not recorded (your own text: state its license here)"
+
+
+def where_measured(entry: dict[str, Any]) -> str:
+    """'measured: llama.cpp on cpu' or 'estimated for raspberry-pi-5-8gb (llama.cpp)'."""
+    runtime, device = entry.get("runtime") or "?", entry.get("device") or "?"
+    if entry.get("source") == "estimated":
+        return f"estimated for {device} ({runtime})"
+    if entry.get("source") == "missing":
+        return "missing (no measurement)"
+    return f"measured: {runtime} on {device}"
+
+
+def gate_summary(report: dict[str, Any]) -> tuple[str, int, int]:
+    """('passed' | 'failed' | 'none', gates passed, gates in all)."""
+    gates = report.get("gates") or []
+    passed = sum(1 for g in gates if g.get("passed"))
+    if not gates:
+        return "none", 0, 0
+    return ("passed" if passed == len(gates) else "failed"), passed, len(gates)
+
+
+def _gates(report: dict[str, Any], forced: bool) -> list[str]:
+    status, passed, total = gate_summary(report)
+    lines = ["## Gates", ""]
+    if status == "none":
+        return lines + ["The recipe has no gates: nothing was checked before publishing.", ""]
+    lines.append(f"{passed} of {total} gates passed.")
+    if forced and status == "failed":
+        lines.append("**Published with `--force` although a gate failed.**")
+    lines.append("")
+    rows = []
+    for g in report["gates"]:
+        threshold = g.get("threshold") or {}
+        limit = f"{threshold.get('kind', '?')} {_cell(threshold.get('value'))}"
+        if "limit" in threshold and threshold.get("kind", "").endswith("_pct"):
+            limit += f" (limit {_cell(threshold['limit'])})"
+        rows.append([_cell(g["name"]), _cell(g.get("artifact")), _cell(g["metric"]), _cell(g.get("value")), limit,
+                     "PASS" if g.get("passed") else "FAIL", where_measured(g)])
+    return lines + _table(["gate", "artifact", "metric", "value", "threshold", "result", "where"], rows)
+
+
+def _method(manifest: dict[str, Any]) -> list[str]:
+    lines = ["## Method", ""]
+    stages = manifest.get("stages") or []
+    if not stages:
+        lines += ["No compression stage: the artifact holds the source model as loaded.", ""]
+    for stage in stages:
+        method = f" {stage['method']}" if stage.get("method") else ""
+        lines += [f"### {stage['label']}: {stage['kind']}{method}", "", "Expanded configuration:", "", "```json",
+                  json.dumps(stage.get("config", {}), indent=2, sort_keys=True), "```", ""]
+        summary = stage.get("summary") or {}
+        facts = {k: summary[k] for k in ("layers_quantized", "params_quantized", "bits_per_weight", "sqnr_db_mean") if k in summary}
+        if facts:
+            lines += ["Result: " + ", ".join(f"{k} {_cell(v)}" for k, v in facts.items()) + ".", ""]
+    return lines
+
+
+def _artifacts(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:
+    def folder(prefix: str) -> tuple[str, str]:
+        inside = [size for path, size in sizes.items() if path.startswith(prefix)]
+        return _cell(sum(inside) / 2**20, ".1f"), str(len(inside))
+
+    rows = [["compressed", "compress artifact (model/)", COMPRESSED_RUNTIME, *folder("model/"), "–"]]
+    for x in manifest.get("exports") or []:
+        kind = " ".join(str(x[k]) for k in ("type", "precision") if x.get(k))
+        rows.append([x["name"], f"{x['format']} {kind}".strip(), INTENDED_RUNTIMES.get(x["format"], "–"), *folder(f"{x['path']}/"),
+                     _cell(x.get("verified"))])
+    return ["## Artifacts", ""] + _table(["name", "format", "intended runtime", "size MiB", "files", "verified on its runtime"], rows)
+
+
+def _results(report: dict[str, Any]) -> list[str]:
+    rows = []
+    for ev in report.get("evaluations") or []:
+        metrics = ev.get("metrics", {})
+        wanted = _ACCURACY if ev.get("kind", "accuracy") == "accuracy" else _SPEED
+        shown = [f"{label} {format(metrics[key], fmt)}" for key, label, fmt in wanted if isinstance(metrics.get(key), (int, float))]
+        if shown:
+            rows.append([_cell(ev["artifact"]), _cell(ev.get("kind", "accuracy")), "; ".join(shown), where_measured(ev)])
+    if not rows:
+        return []
+    return ["## Accuracy and speed", "", "Accuracy is against the source model on held-out text (the evaluation data below).", ""] + _table(
+        ["artifact", "kind", "values", "where"], rows)
+
+
+def _source(manifest: dict[str, Any]) -> list[str]:
+    model = manifest.get("model", {})
+    rows = [["source", _cell(model.get("source"))], ["SHA-256", f"`{model.get('sha256', 'not recorded')}`"],
+            ["architecture", _cell(model.get("architecture"))], ["parameters", _cell(model.get("parameters"), ",")],
+            ["dtype", _cell(model.get("dtype"))], ["license", _cell(model.get("license") or "not recorded")]]
+    return ["## Source model", ""] + _table(["", ""], rows)
+
+
+def _data(manifest: dict[str, Any]) -> list[str]:
+    data = manifest.get("data") or {}
+    rows = []
+    for role in ("calibration", "evaluation"):
+        spec = data.get(role)
+        if spec:
+            digest = spec.get("tokens_sha256") or spec.get("documents_sha256") or "not recorded"
+            rows.append([role, _cell(spec.get("source")), f"`{digest[:16]}…`", _data_license(spec.get("source"))])
+    if not rows:
+        return []
+    return ["## Data", ""] + _table(["role", "source", "SHA-256", "license"], rows)
+
+
+def model_card(manifest: dict[str, Any], report: dict[str, Any], name: str, sizes: dict[str, int], forced: bool = False) -> str:
+    """The card's Markdown; ``sizes`` maps the artifact's files (relative paths) to their bytes."""
+    recipe = manifest.get("recipe", {})
+    versions = manifest.get("versions", {})
+    model = manifest.get("model", {})
+    licenses = [f"- Model: {model.get('license') or 'not recorded'} (from {model.get('source', '?')})"]
+    for role in ("calibration", "evaluation"):
+        spec = (manifest.get("data") or {}).get(role)
+        if spec:
+            licenses.append(f"- {role.capitalize()} text: {_data_license(spec.get('source'))} (from {spec.get('source')})")
+    lines = [
+        f"# {name}", "",
+        f"Made by compress {versions.get('compress', '?')} from the recipe `{(recipe.get('expanded') or {}).get('name') or recipe.get('path', '?')}` "
+        f"(recipe SHA-256 `{recipe.get('sha256', '?')}`, seed {manifest.get('seed', '?')}).", "",
+        *_source(manifest), *_method(manifest), *_gates(report, forced), *_artifacts(manifest, sizes), *_results(report), *_data(manifest),
+        "## Licenses", "", *licenses, "",
+        "## Reproduce", "",
+        "The manifest holds the expanded recipe, every hash and the library versions below; `recipe.yaml` is the file as given.", "",
+        *_table(["library", "version"], [[k, _cell(v)] for k, v in sorted(versions.items())]),
+    ]
+    return "\n".join(lines).rstrip() + "\n"
