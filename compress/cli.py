@@ -198,7 +198,7 @@ def registry_list(
 
     listing = list_registry(resolve_location(uri, store), name)
     if as_json:
-        out.print_json(json.dumps(listing))
+        typer.echo(json.dumps(listing, indent=2))  # plain: rich would wrap long strings inside the JSON
         return
     print_registry(listing)
 

@@ -129,6 +129,10 @@ def check_artifact(directory: str | Path) -> Contents:
     """Every file of an artifact against its manifest: nothing missing, altered or extra (a
     ``MODEL_CARD.md`` from a pulled version is allowed: publishing writes it anew)."""
     root = Path(directory)
+    if not (root / MANIFEST).is_file() and (root / "report.json").is_file():
+        chosen = (json.loads((root / "report.json").read_text()).get("search") or {}).get("chosen_path")
+        if chosen:
+            raise ArtifactError(f"{root} is a recipe search; publish its chosen candidate: {root / chosen}")
     if not (root / MANIFEST).is_file() or not (root / "report.json").is_file():
         raise ArtifactError(f"{root} is not a compress artifact (needs {MANIFEST} and report.json, as `compress run` writes them)")
     manifest = json.loads((root / MANIFEST).read_text())
@@ -163,7 +167,11 @@ def _errors(location: Location) -> Iterator[None]:
     try:
         yield
     except MlflowException as exc:
-        raise RegistryError(f"{location.describe()}: {exc.message}") from None
+        hint = ""
+        if "401" in exc.message or "403" in exc.message:
+            hint = (" — the server wants credentials: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                    "MLFLOW_TRACKING_TOKEN, in the environment (for a user allowed to write)")
+        raise RegistryError(f"{location.describe()}: {exc.message}{hint}") from None
     except OSError as exc:  # connection refused, DNS, disk
         raise RegistryError(f"{location.describe()}: {exc}") from None
 
@@ -184,6 +192,28 @@ def connect(location: Location, create: bool = True) -> Any:
                                 "--store or $COMPRESS_REGISTRY choose another)")
         location.store.mkdir(parents=True, exist_ok=True)
     return MlflowClient(tracking_uri=location.tracking_uri, registry_uri=location.registry_uri)
+
+
+@contextmanager
+def _exclusive(location: Location, reporter: Reporter) -> Iterator[None]:
+    """Publishes to one embedded registry take turns (a file lock in its directory): SQLite and
+    MLflow's first-use schema migration do not take concurrent writers. A server needs no lock."""
+    if location.store is None:
+        yield
+        return
+    import fcntl
+
+    location.store.mkdir(parents=True, exist_ok=True)
+    with open(location.store / ".publish.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with reporter.status(f"waiting for another publish to {location.store} to finish"):
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _already_exists(exc: Exception) -> bool:
@@ -338,6 +368,12 @@ def publish(directory: str | Path, name: str | None = None, aliases: list[str] |
         raise PublishRefused(f"{total - passed} of {total} gates failed in {contents.root / 'report.json'} "
                              f"({', '.join(failed)}); fix the artifact, or pass --force to publish it marked as forced")
     forced = force and status == "failed"
+    with _exclusive(location, reporter):
+        return _publish(contents, name, aliases, status, passed, total, forced, location, reporter)
+
+
+def _publish(contents: Contents, name: str, aliases: list[str], status: str, passed: int, total: int, forced: bool,
+             location: Location, reporter: Reporter) -> Published:
     client = connect(location)
     with _errors(location):
         marked = mark_abandoned(client)

@@ -43,36 +43,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """`mlflow server` on loopback: SQLite backend, artifacts proxied into a temporary folder."""
-    root = tmp_path_factory.mktemp("mlflow-server")
+def _start_server(root: Path, *extra: str, env: dict[str, str] | None = None):
+    """`mlflow server` on loopback: SQLite backend, artifacts proxied into a temporary folder.
+    Returns (process, uri, log file)."""
     port = _free_port()
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "2"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "2", *extra],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root, env={**os.environ, **(env or {})})
     uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
         try:
             with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
                 if r.status == 200:
-                    break
+                    return proc, uri, log
         except OSError:
             pass
         if proc.poll() is not None or time.time() > deadline:
-            log.close()
+            _stop_server(proc, log)
             pytest.fail(f"mlflow server did not start:\n{(root / 'server.log').read_text()[-3000:]}")
         time.sleep(0.5)
-    yield {"uri": uri, "artifacts": root / "artifacts"}
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _stop_server(proc: subprocess.Popen, log) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
     log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("mlflow-server")
+    proc, uri, log = _start_server(root)
+    yield {"uri": uri, "artifacts": root / "artifacts"}
+    _stop_server(proc, log)
 
 
 def _make(root: Path, model: Path, texts: Path, name: str, bits: int, gates: str, extra: str = "") -> Path:
@@ -180,14 +190,24 @@ START_TOGETHER = textwrap.dedent("""
 """)
 
 
-def test_four_processes_publishing_at_once_all_land_as_distinct_complete_versions(server, artifacts, tmp_path: Path) -> None:
+@pytest.mark.parametrize("registry", ["server", "embedded"])
+def test_four_processes_publishing_at_once_all_land_as_distinct_complete_versions(registry: str, request: pytest.FixtureRequest,
+                                                                                  artifacts, tmp_path: Path) -> None:
+    """On a server, and on one embedded registry (there publishes take turns on a file lock: SQLite
+    and MLflow's first-use schema migration do not take concurrent writers)."""
+    if registry == "server":
+        uri = request.getfixturevalue("server")["uri"]
+        where = ["--uri", uri]
+    else:
+        uri = f"sqlite:///{tmp_path / 'registry' / 'mlflow.db'}"
+        where = ["--store", str(tmp_path / "registry")]
     names = ["w8", "w6", "w4", "w3"]
     start_at = str(time.time() + 10)
     procs = [subprocess.Popen([sys.executable, "-c", START_TOGETHER, start_at, "publish", str(artifacts[n]), "--name", "concurrent",
-                               "--uri", server["uri"], "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in names]
+                               *where, "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in names]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
-    versions = _client(server["uri"]).search_model_versions("name='concurrent'")
+    versions = _client(uri).search_model_versions("name='concurrent'")
     assert sorted(int(v.version) for v in versions) == [1, 2, 3, 4]
     by_content = {v.tags["compress.content_sha256"]: str(v.version) for v in versions}
     assert len(by_content) == 4
@@ -196,7 +216,7 @@ def test_four_processes_publishing_at_once_all_land_as_distinct_complete_version
     for n in names:
         target = tmp_path / n
         version = next(v for v in versions if v.tags["compress.content_sha256"] == check_artifact(artifacts[n]).content_sha256)
-        pulled = run_cli(["pull", f"concurrent/{version.version}", "-o", target, "--uri", server["uri"], "-q"])
+        pulled = run_cli(["pull", f"concurrent/{version.version}", "-o", target, *where, "-q"])
         assert pulled.exit_code == 0, pulled.output
         _same_tree(artifacts[n], target)
 
@@ -292,6 +312,8 @@ def test_a_search_publishes_its_chosen_candidate(tiny_model_dir: Path, text_dir:
     [version] = listing["models"][0]["versions"]
     assert version["content_sha256"] == check_artifact(chosen).content_sha256
     assert json.loads((chosen / "manifest.json").read_text())["recipe"]["expanded"]["stages"][0]["quantize"]["bits"] == 4
+    whole = run_cli(["publish", tmp_path / "search", "--store", tmp_path / "registry"])
+    assert whole.exit_code == 2 and "publish its chosen candidate" in whole.output
 
 
 def test_recipe_publish_block_is_validated_and_not_part_of_the_recipe_hash(tiny_model_dir: Path, text_dir: Path, tmp_path: Path) -> None:
@@ -336,6 +358,29 @@ def test_location_order_uri_then_store_then_environment(tmp_path: Path, monkeypa
     assert loc.store == (tmp_path / "reg").resolve() and loc.tracking_uri == f"sqlite:///{tmp_path.resolve() / 'reg' / 'mlflow.db'}"
     with pytest.raises(CompressError, match="not both"):
         resolve_location("http://x", tmp_path)
+
+
+def test_credentials_come_from_the_environment(artifacts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server with MLflow's basic-auth app: without credentials the publish fails with exit 2 and
+    MLflow's refusal; with MLFLOW_TRACKING_USERNAME / _PASSWORD in the environment it lands."""
+    pytest.importorskip("flask_wtf", reason="MLflow's basic-auth server needs Flask-WTF (in dev)")
+    proc, uri, log = _start_server(tmp_path, "--app-name", "basic-auth", env={"MLFLOW_AUTH_ADMIN_PASSWORD": "s3cret-for-tests",
+                                                                                   "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-only"})
+    try:
+        monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+        refused = run_cli(["publish", artifacts["w8"], "--name", "authed", "--uri", uri, "-q"])
+        assert refused.exit_code == 2 and uri in refused.output and "401" in refused.output, refused.output
+        assert "MLFLOW_TRACKING_USERNAME" in refused.output
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret-for-tests")
+        published = run_cli(["publish", artifacts["w8"], "--name", "authed", "--uri", uri, "-q"])
+        assert published.exit_code == 0 and "published authed/1" in published.output, published.output
+        assert "s3cret" not in published.output
+        assert run_cli(["pull", "authed/1", "-o", tmp_path / "pulled", "--uri", uri, "-q"]).exit_code == 0
+        _same_tree(artifacts["w8"], tmp_path / "pulled")
+    finally:
+        _stop_server(proc, log)
 
 
 @pytest.mark.real_model
