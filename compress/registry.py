@@ -125,17 +125,28 @@ class Contents:
     content_sha256: str
 
 
-def check_artifact(directory: str | Path) -> Contents:
+_REPUBLISH = "an artifact is published as its run wrote it: run the recipe again to change it"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path} cannot be read as JSON: {exc}") from None
+
+
+def check_artifact(directory: str | Path, advice: str = _REPUBLISH) -> Contents:
     """Every file of an artifact against its manifest: nothing missing, altered or extra (a
-    ``MODEL_CARD.md`` from a pulled version is allowed: publishing writes it anew)."""
+    ``MODEL_CARD.md`` from a pulled version is allowed: publishing writes it anew). ``advice``
+    ends the error message."""
     root = Path(directory)
     if not (root / MANIFEST).is_file() and (root / "report.json").is_file():
-        chosen = (json.loads((root / "report.json").read_text()).get("search") or {}).get("chosen_path")
+        chosen = (_read_json(root / "report.json").get("search") or {}).get("chosen_path")
         if chosen:
             raise ArtifactError(f"{root} is a recipe search; publish its chosen candidate: {root / chosen}")
     if not (root / MANIFEST).is_file() or not (root / "report.json").is_file():
         raise ArtifactError(f"{root} is not a compress artifact (needs {MANIFEST} and report.json, as `compress run` writes them)")
-    manifest = json.loads((root / MANIFEST).read_text())
+    manifest = _read_json(root / MANIFEST)
     listed = manifest.get("files")
     if not isinstance(listed, dict) or not listed:
         raise ArtifactError(f"{root / MANIFEST} lists no files with their checksums; run the recipe again with this release")
@@ -146,11 +157,10 @@ def check_artifact(directory: str | Path) -> Contents:
     problems = [f"{label}: {', '.join(items[:5])}{' …' if len(items) > 5 else ''}"
                 for label, items in (("missing", missing), ("changed since the run", changed), ("not in the manifest", extra)) if items]
     if problems:
-        raise ArtifactError(f"{root} does not match its manifest ({'; '.join(problems)}); "
-                            "an artifact is published as its run wrote it: run the recipe again to change it")
+        raise ArtifactError(f"{root} does not match its manifest ({'; '.join(problems)})" + (f"; {advice}" if advice else ""))
     files = dict(sorted({**listed, MANIFEST: sha256_file(root / MANIFEST)}.items()))
     sizes = {rel: (root / rel).stat().st_size for rel in files}
-    report = json.loads((root / "report.json").read_text())
+    report = _read_json(root / "report.json")
     return Contents(root, manifest, report, files, sizes, combined_digest(files))
 
 
@@ -540,9 +550,9 @@ def verify_pulled(directory: Path, tags: dict[str, str]) -> Contents:
     if problems:
         raise RegistryError("; ".join(problems))
     try:
-        contents = check_artifact(directory)
+        contents = check_artifact(directory, advice="")
     except ArtifactError as exc:
-        raise RegistryError(str(exc).replace(" an artifact is published as its run wrote it: run the recipe again to change it", "")) from None
+        raise RegistryError(str(exc)) from None
     if contents.content_sha256 != tags.get(Tag.CONTENT):
         raise RegistryError("the files' combined digest differs from the version's content hash")
     return contents

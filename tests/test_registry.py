@@ -400,3 +400,31 @@ def test_quickstart_artifact_publishes_to_the_embedded_registry_and_pulls_back(t
     assert pulled.returncode == 0, pulled.stderr[-3000:]
     _same_tree(tmp_path / "out", tmp_path / "pulled")
     assert "Apache-2.0" in (tmp_path / "pulled" / "MODEL_CARD.md").read_text()
+
+
+def test_model_card_says_where_each_gate_was_measured_and_what_each_export_is_for() -> None:
+    from compress.model_card import model_card
+
+    manifest = {"recipe": {"sha256": "r" * 64, "expanded": {"name": "demo"}}, "seed": 3, "versions": {"compress": "0.1.0", "torch": "2.13"},
+                "model": {"source": "reference:smollm2-135m", "sha256": "b" * 64, "license": "Apache-2.0", "parameters": 134515008},
+                "stages": [{"label": "stages[0]", "kind": "quantize", "method": "gptq", "config": {"bits": 4, "group_size": 32},
+                            "summary": {"layers_quantized": 210, "bits_per_weight": 4.625}}],
+                "data": {"evaluation": {"source": "reference:shakespeare", "tokens_sha256": "e" * 64},
+                         "calibration": {"source": "my-texts/", "documents_sha256": "c" * 64}},
+                "exports": [{"name": "q4", "format": "gguf", "path": "exports/q4", "type": "q4_1", "verified": True}]}
+    report = {"gates": [{"name": "kl", "metric": "kl_divergence", "artifact": "q4", "value": 0.27, "threshold": {"kind": "max", "value": 0.35},
+                         "passed": True, "source": "measured", "runtime": "llama.cpp", "device": "cpu"},
+                        {"name": "pi5", "metric": "decode_tokens_per_s", "artifact": "q4", "value": 101.7, "threshold": {"kind": "min", "value": 200},
+                         "passed": False, "source": "estimated", "runtime": "llama.cpp", "device": "raspberry-pi-5-8gb"}],
+              "evaluations": [{"artifact": "q4", "kind": "latency", "runtime": "llama.cpp", "device": "cpu", "source": "measured",
+                               "metrics": {"decode_tokens_per_s": 80.7, "ttft_ms": 537.0}}]}
+    sizes = {"model/weights.safetensors": 3 * 2**20, "exports/q4/model.gguf": 2**20, "report.json": 100}
+    card = model_card(manifest, report, "demo", sizes, forced=True)
+    assert "| kl | q4 | kl_divergence | 0.27 | max 0.35 | PASS | measured: llama.cpp on cpu |" in card
+    assert "| pi5 | q4 | decode_tokens_per_s | 101.7 | min 200 | FAIL | estimated for raspberry-pi-5-8gb (llama.cpp) |" in card
+    assert "**Published with `--force` although a gate failed.**" in card and "1 of 2 gates passed." in card
+    assert "| q4 | gguf q4_1 | llama.cpp" in card and "| 1.0 | 1 | yes |" in card and "| 3.0 | 1 | –" in card
+    assert "decode tok/s 80.7; TTFT ms 537" in card
+    assert "Public domain (Project Gutenberg texts)" in card and "not recorded (your own text" in card
+    assert '"group_size": 32' in card and "bits_per_weight 4.625" in card and "134,515,008" in card
+    assert model_card(manifest, report, "demo", sizes, forced=True) == card  # deterministic
