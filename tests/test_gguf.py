@@ -354,38 +354,81 @@ def test_smollm2_tokenizer_metadata_matches_the_reference_gguf(tmp_path: Path, s
         assert ours[key].contents() == theirs[key].contents(), key
 
 
+def ours_against_llama_cpp(tmp_path: Path, source_model, tokenizer, stage, type_name: str, cal: torch.Tensor, ev: torch.Tensor,
+                           min_context: int = 32) -> tuple[dict[str, float], str]:
+    """Apply ``stage`` (GPTQ/AWQ) to a copy of ``source_model``, pack its records exactly as
+    ``type_name``; make llama.cpp's own ``type_name`` from our F16 file (token embeddings Q8_0 in
+    both, so the files are the same size); score both in llama.cpp against the F16 file on
+    ``ev``. Returns the KLs {"ours", "theirs"} and a greedy sample of ours."""
+    from compress.context import RunContext
+    from compress.eval.metrics import compare
+    from compress.progress import Reporter
+
+    model = copy.deepcopy(source_model)
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=tokenizer, reporter=Reporter(quiet=True), calibration=lambda: cal)
+    stage.apply(model, ctx)
+    ours, f16, theirs = tmp_path / "ours.gguf", tmp_path / "f16.gguf", tmp_path / "theirs.gguf"
+    facts = G.write_gguf(ours, model, tokenizer, ctx.quantized, type_name, float_type="q8_0")
+    assert G.check_gguf_records(ours, facts["plan"], ctx.quantized) == []
+    assert facts["tensor_types"][f"{type_name} (record)"] == len(ctx.quantized)
+    G.write_gguf(f16, source_model, tokenizer, {}, "f16")
+    gguf_runtime.quantize(f16, theirs, type_name, threads=2, token_embedding_type="q8_0")
+    assert ours.stat().st_size == theirs.stat().st_size
+    n_ctx = max(256, ev.shape[1])
+    runtimes = {name: gguf_runtime.LlamaCppModel(p, n_ctx=n_ctx, threads=2) for name, p in (("f16", f16), ("ours", ours), ("theirs", theirs))}
+    try:
+        assert tokenization_mismatches(runtimes["ours"].tokenize, tokenizer, [tokenizer.decode(ev[0])]) == []
+        kl = {k: m["kl_divergence"] for k, m in compare(runtimes["f16"].forward, {"ours": runtimes["ours"].forward,
+                                                                                 "theirs": runtimes["theirs"].forward}, ev, min_context).items()}
+        text = runtimes["ours"].generate("The capital of France is", 24)
+    finally:
+        for rt in runtimes.values():
+            rt.close()
+    return kl, text
+
+
 @pytest.mark.real_model
 @needs_llama_cpp
 def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path, smollm2, shakespeare_chunks) -> None:
     """The issue's check, on reduced data (16 x 256 calibration, 8 x 256 held-out evaluation tokens):
     GPTQ W4 g32 symmetric packed exactly into Q4_0 has lower KL against our F16 GGUF, measured in
     llama.cpp, than llama.cpp's own Q4_0 of that F16 file, and the files are the same size."""
-    from compress.context import RunContext
-    from compress.eval.metrics import compare
-    from compress.progress import Reporter
     from compress.quantizers.gptq import GPTQConfig, GPTQStage
 
     cal, ev = shakespeare_chunks
-    model = copy.deepcopy(smollm2.model)
-    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=smollm2.tokenizer, reporter=Reporter(quiet=True), calibration=lambda: cal)
-    GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=True), "s").apply(model, ctx)
-    ours, f16, theirs = tmp_path / "ours.gguf", tmp_path / "f16.gguf", tmp_path / "theirs.gguf"
-    facts = G.write_gguf(ours, model, smollm2.tokenizer, ctx.quantized, "q4_0", float_type="q8_0")
-    assert G.check_gguf_records(ours, facts["plan"], ctx.quantized) == [] and facts["tensor_types"]["q4_0 (record)"] == 210
-    G.write_gguf(f16, smollm2.model, smollm2.tokenizer, {}, "f16")
-    gguf_runtime.quantize(f16, theirs, "q4_0", threads=2, token_embedding_type="q8_0")
-    assert ours.stat().st_size == theirs.stat().st_size
-    runtimes = {name: gguf_runtime.LlamaCppModel(p, n_ctx=256, threads=2) for name, p in (("f16", f16), ("ours", ours), ("theirs", theirs))}
-    try:
-        assert tokenization_mismatches(runtimes["ours"].tokenize, smollm2.tokenizer, [smollm2.tokenizer.decode(ev[0])]) == []
-        kl = {k: m["kl_divergence"] for k, m in compare(runtimes["f16"].forward, {"ours": runtimes["ours"].forward,
-                                                                                 "theirs": runtimes["theirs"].forward}, ev, 32).items()}
-        text = runtimes["ours"].generate("The capital of France is", 24)
-    finally:
-        for rt in runtimes.values():
-            rt.close()
+    kl, text = ours_against_llama_cpp(tmp_path, smollm2.model, smollm2.tokenizer, GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=True), "s"),
+                                      "q4_0", cal, ev)
     assert kl["ours"] < 0.8 * kl["theirs"], kl
     assert sum(w.isalpha() for w in text.split()) >= 4, text  # words, not byte soup
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_asymmetric_records_as_q4_1_beat_llama_cpp_q4_1_on_a_model_off_its_grid(tmp_path: Path, trained_tiny_dir: Path,
+                                                                               text_dir: Path, method: str) -> None:
+    """The Q4_1 half of the issue's check needs a model whose weights are not already a Q4_1 file
+    (SmolLM2's are: llama.cpp's Q4_1 recovers them almost exactly). A tiny Llama trained from random
+    weights is off every grid: GPTQ / AWQ W4 g32 asymmetric packed exactly into Q4_1 has lower KL
+    against our F16 GGUF, in llama.cpp, than llama.cpp's own Q4_1 of that F16 file, at the same size.
+    README "GGUF export" has the same comparison on a pruned and repaired SmolLM2."""
+    from compress.quantizers.awq import AWQConfig, AWQStage
+    from compress.quantizers.gptq import GPTQConfig, GPTQStage
+
+    model = AutoModelForCausalLM.from_pretrained(trained_tiny_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained_tiny_dir)
+    docs = sorted(text_dir.glob("*.txt"))
+    cal = token_chunks(tokenizer, "\n\n".join(p.read_text() for p in docs[:2]), 64, 32)
+    ev = token_chunks(tokenizer, docs[2].read_text(), 128, 8)
+    stage = (GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=False), "s") if method == "gptq"
+             else AWQStage(AWQConfig(bits=4, group_size=32, symmetric=False), "s"))
+    kl, _ = ours_against_llama_cpp(tmp_path, model, tokenizer, stage, "q4_1", cal, ev, min_context=8)
+    assert kl["ours"] < 0.8 * kl["theirs"], kl
+
+
+def token_chunks(tokenizer, text: str, seq_len: int, count: int) -> torch.Tensor:
+    ids = torch.tensor(tokenizer(text)["input_ids"])
+    assert ids.numel() >= seq_len * count, (ids.numel(), seq_len * count)
+    return ids[: seq_len * count].reshape(count, seq_len)
 
 
 @pytest.mark.real_model
