@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from compress.eval.reports import runtime_on_device, table_lines
+
 # Where each export format is meant to run (README, "Exports").
 INTENDED_RUNTIMES = {
     "gguf": "llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
@@ -34,11 +36,7 @@ def _cell(value: Any, fmt: str = ".4g") -> str:
         return f"{value:,}"
     if isinstance(value, (int, float)):
         return format(value, fmt)
-    return str(value).replace("|", "\\|")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows), ""]
+    return str(value)  # table_lines escapes what Markdown tables cannot hold
 
 
 def _data_license(source: str | None) -> str:
@@ -51,12 +49,11 @@ def _data_license(source: str | None) -> str:
 
 def where_measured(entry: dict[str, Any]) -> str:
     """'measured: llama.cpp on cpu' or 'estimated for raspberry-pi-5-8gb (llama.cpp)'."""
-    runtime, device = entry.get("runtime") or "?", entry.get("device") or "?"
     if entry.get("source") == "estimated":
-        return f"estimated for {device} ({runtime})"
+        return f"estimated for {entry.get('device') or '?'} ({entry.get('runtime') or '?'})"
     if entry.get("source") == "missing":
         return "missing (no measurement)"
-    return f"measured: {runtime} on {device}"
+    return f"measured: {runtime_on_device(entry)}"
 
 
 def gate_summary(report: dict[str, Any]) -> tuple[str, int, int]:
@@ -85,7 +82,7 @@ def _gates(report: dict[str, Any], forced: bool) -> list[str]:
             limit += f" (limit {_cell(threshold['limit'])})"
         rows.append([_cell(g["name"]), _cell(g.get("artifact")), _cell(g["metric"]), _cell(g.get("value")), limit,
                      "PASS" if g.get("passed") else "FAIL", where_measured(g)])
-    return lines + _table(["gate", "artifact", "metric", "value", "threshold", "result", "where"], rows)
+    return lines + table_lines(["gate", "artifact", "metric", "value", "threshold", "result", "where"], rows)
 
 
 def _method(manifest: dict[str, Any]) -> list[str]:
@@ -114,7 +111,7 @@ def _artifacts(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:
         kind = " ".join(str(x[k]) for k in ("type", "precision") if x.get(k))
         rows.append([x["name"], f"{x['format']} {kind}".strip(), INTENDED_RUNTIMES.get(x["format"], "–"), *folder(f"{x['path']}/"),
                      _cell(x.get("verified"))])
-    return ["## Artifacts", ""] + _table(["name", "format", "intended runtime", "size MiB", "files", "verified on its runtime"], rows)
+    return ["## Artifacts", ""] + table_lines(["name", "format", "intended runtime", "size MiB", "files", "verified on its runtime"], rows)
 
 
 def _results(report: dict[str, Any]) -> list[str]:
@@ -127,7 +124,7 @@ def _results(report: dict[str, Any]) -> list[str]:
             rows.append([_cell(ev["artifact"]), _cell(ev.get("kind", "accuracy")), "; ".join(shown), where_measured(ev)])
     if not rows:
         return []
-    return ["## Accuracy and speed", "", "Accuracy is against the source model on held-out text (the evaluation data below).", ""] + _table(
+    return ["## Accuracy and speed", "", "Accuracy is against the source model on held-out text (the evaluation data below).", ""] + table_lines(
         ["artifact", "kind", "values", "where"], rows)
 
 
@@ -136,7 +133,7 @@ def _source(manifest: dict[str, Any]) -> list[str]:
     rows = [["source", _cell(model.get("source"))], ["SHA-256", f"`{model.get('sha256', 'not recorded')}`"],
             ["architecture", _cell(model.get("architecture"))], ["parameters", _cell(model.get("parameters"), ",")],
             ["dtype", _cell(model.get("dtype"))], ["license", _cell(model.get("license") or "not recorded")]]
-    return ["## Source model", ""] + _table(["", ""], rows)
+    return ["## Source model", ""] + table_lines(["", ""], rows)
 
 
 def _data(manifest: dict[str, Any]) -> list[str]:
@@ -149,7 +146,7 @@ def _data(manifest: dict[str, Any]) -> list[str]:
             rows.append([role, _cell(spec.get("source")), f"`{digest[:16]}…`", _data_license(spec.get("source"))])
     if not rows:
         return []
-    return ["## Data", ""] + _table(["role", "source", "SHA-256", "license"], rows)
+    return ["## Data", ""] + table_lines(["role", "source", "SHA-256", "license"], rows)
 
 
 def model_card(manifest: dict[str, Any], report: dict[str, Any], name: str, sizes: dict[str, int], forced: bool = False) -> str:
@@ -170,6 +167,6 @@ def model_card(manifest: dict[str, Any], report: dict[str, Any], name: str, size
         "## Licenses", "", *licenses, "",
         "## Reproduce", "",
         "The manifest holds the expanded recipe, every hash and the library versions below; `recipe.yaml` is the file as given.", "",
-        *_table(["library", "version"], [[k, _cell(v)] for k, v in sorted(versions.items())]),
+        *table_lines(["library", "version"], [[k, _cell(v)] for k, v in sorted(versions.items())]),
     ]
     return "\n".join(lines).rstrip() + "\n"

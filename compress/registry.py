@@ -46,6 +46,7 @@ EXPERIMENT = "compress-publish"  # the MLflow experiment holding one run per pub
 ARTIFACT_PATH = "artifact"  # the run artifact folder a version's source points at
 MODEL_CARD = "MODEL_CARD.md"
 MANIFEST = "manifest.json"
+DATABASE = "mlflow.db"  # the embedded registry's SQLite file, in its directory
 STALE_AFTER_S = 24 * 3600  # a publish started on another host this long ago without a version is taken as dead
 _INSTALL = "publishing needs MLflow: pip install 'compress[registry]'"
 
@@ -92,6 +93,11 @@ class Location:
     def describe(self) -> str:
         return f"embedded registry {self.store}" if self.store else f"MLflow at {self.tracking_uri}"
 
+    @property
+    def exists(self) -> bool:
+        """False only for an embedded registry that nothing was published to yet."""
+        return self.store is None or (self.store / DATABASE).is_file()
+
 
 def default_store() -> Path:
     """``$COMPRESS_REGISTRY``, else ``$XDG_DATA_HOME/compress/registry``, else ``~/.local/share/compress/registry``."""
@@ -109,7 +115,7 @@ def resolve_location(uri: str | None = None, store: str | Path | None = None) ->
     if uri:
         return Location(uri, os.environ.get("MLFLOW_REGISTRY_URI") or uri)
     directory = Path(store).expanduser().resolve() if store else default_store().resolve()
-    database = f"sqlite:///{directory / 'mlflow.db'}"
+    database = f"sqlite:///{directory / DATABASE}"
     return Location(database, database, directory)
 
 
@@ -197,7 +203,7 @@ def connect(location: Location, create: bool = True) -> Any:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # our own bars show the transfers
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # stdout is ours (`registry list --json`)
     if location.store is not None:
-        if not create and not (location.store / "mlflow.db").is_file():
+        if not create and not location.exists:
             raise RegistryError(f"no registry at {location.store}: nothing was published there yet (`compress publish` creates it; "
                                 "--store or $COMPRESS_REGISTRY choose another)")
         location.store.mkdir(parents=True, exist_ok=True)
@@ -226,8 +232,9 @@ def _exclusive(location: Location, reporter: Reporter) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _already_exists(exc: Exception) -> bool:
-    return getattr(exc, "error_code", "") == "RESOURCE_ALREADY_EXISTS"
+def _error_code(exc: Exception) -> str:
+    """MLflow's error code of an MlflowException (e.g. RESOURCE_ALREADY_EXISTS), else ""."""
+    return getattr(exc, "error_code", "")
 
 
 def _experiment_id(client: Any, location: Location) -> str:
@@ -240,7 +247,7 @@ def _experiment_id(client: Any, location: Location) -> str:
     try:
         return client.create_experiment(EXPERIMENT, artifact_location=where)
     except MlflowException as exc:  # another publish created it first
-        if not _already_exists(exc) and client.get_experiment_by_name(EXPERIMENT) is None:
+        if _error_code(exc) != "RESOURCE_ALREADY_EXISTS" and client.get_experiment_by_name(EXPERIMENT) is None:
             raise
         return client.get_experiment_by_name(EXPERIMENT).experiment_id
 
@@ -333,13 +340,13 @@ def _ensure_registered_model(client: Any, name: str, contents: Contents) -> None
         client.get_registered_model(name)
         return
     except MlflowException as exc:
-        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+        if _error_code(exc) != "RESOURCE_DOES_NOT_EXIST":
             raise
     source = str(contents.manifest.get("model", {}).get("source", ""))
     try:
         client.create_registered_model(name, tags={Tag.BASE_MODEL: source}, description=f"Compressed from {source} by compress.")
     except MlflowException as exc:  # a concurrent publish created it first
-        if not _already_exists(exc):
+        if _error_code(exc) != "RESOURCE_ALREADY_EXISTS":
             raise
 
 
@@ -516,7 +523,7 @@ def _resolve(client: Any, ref: str) -> Any:
     try:
         return client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)
     except MlflowException as exc:
-        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST" and "not found" not in exc.message.lower():
+        if _error_code(exc) != "RESOURCE_DOES_NOT_EXIST" and "not found" not in exc.message.lower():
             raise
     try:
         model = client.get_registered_model(name)
@@ -597,7 +604,7 @@ def list_registry(location: Location | None = None, name: str | None = None) -> 
     """Registered models with their versions, aliases and gate status, and the publishes that did
     not end in a version (failed, or still running). Marks abandoned publishes FAILED first."""
     location = location or resolve_location()
-    if location.store is not None and not (location.store / "mlflow.db").is_file():
+    if not location.exists:
         return {"location": location.describe(), "models": [], "unfinished_publishes": []}
     client = connect(location)
     with _errors(location):

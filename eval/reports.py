@@ -168,7 +168,7 @@ def _limit_text(threshold: dict[str, Any], digits: int = 4) -> str:
     return f"{_relation(threshold)} {relative}" if limit is None else f"{_relation(threshold)} {_fmt(limit, digits)} ({relative})"
 
 
-def _where(item: dict[str, Any]) -> str:
+def runtime_on_device(item: dict[str, Any]) -> str:
     """"runtime on device" for a gate or evaluation."""
     runtime, device = item.get("runtime"), item.get("device")
     return " on ".join(str(p) for p in (runtime, device) if p) or "no runtime"
@@ -237,7 +237,7 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+def table_lines(header: list[str], rows: list[list[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines + [""]
@@ -259,29 +259,29 @@ def markdown_summary(report: dict[str, Any]) -> str:
     lines.append("")
     if gates:
         lines += ["### Gates", ""]
-        lines += _table(["Gate", "Artifact", "Metric", "Value", "Limit", "Result", "Source", "Runtime / device"], [
+        lines += table_lines(["Gate", "Artifact", "Metric", "Value", "Limit", "Result", "Source", "Runtime / device"], [
             [g["name"], g["artifact"], g["metric"], _fmt(g.get("value")), _limit_text(g.get("threshold", {})),
              "pass" if g["passed"] else "**FAIL**", _source_cell(g.get("source")),
-             _where(g) if g.get("source") != "missing" else "—"] for g in gates])
+             runtime_on_device(g) if g.get("source") != "missing" else "—"] for g in gates])
     accuracy = [e for e in evaluations if _kind(e) in ACCURACY_KINDS]
     if accuracy:
         lines += ["### Accuracy", ""]
-        lines += _table(["Artifact", "Runtime", "Device", "Perplexity", "KL", "KL p99", "Top-1", "Tokens", "Size (MiB)", "Source"], [
+        lines += table_lines(["Artifact", "Runtime", "Device", "Perplexity", "KL", "KL p99", "Top-1", "Tokens", "Size (MiB)", "Source"], [
             [e["artifact"], e["runtime"], e["device"], *(_fmt(e["metrics"].get(m)) for m in ("perplexity", "kl_divergence", "kl_divergence_p99")),
              _percent(e["metrics"].get("top1_agreement")), _fmt(e["metrics"].get("tokens_scored")), _fmt(e["metrics"].get("size_mb")),
              _source_cell(e.get("source"))] for e in accuracy])
     latency = [e for e in evaluations if _kind(e) == "latency"]
     if latency:
         lines += ["### Latency", ""]
-        lines += _table(["Artifact", "Runtime / device", "TTFT (ms)", "TPOT (ms)", "Tokens/s", "Peak RSS (MiB)", "Bandwidth use", "Source"], [
-            [e["artifact"], _where(e), *(_fmt(e["metrics"].get(m)) for m in ("ttft_ms", "tpot_ms", "decode_tokens_per_s", "peak_rss_mb")),
+        lines += table_lines(["Artifact", "Runtime / device", "TTFT (ms)", "TPOT (ms)", "Tokens/s", "Peak RSS (MiB)", "Bandwidth use", "Source"], [
+            [e["artifact"], runtime_on_device(e), *(_fmt(e["metrics"].get(m)) for m in ("ttft_ms", "tpot_ms", "decode_tokens_per_s", "peak_rss_mb")),
              _percent(e["metrics"].get("bandwidth_utilization")), _source_cell(e.get("source"))] for e in latency])
     memory = [e for e in evaluations if _kind(e) == "memory"]
     if memory:
         names = sorted({m for e in memory for m in e["metrics"]})
         lines += ["### Memory", ""]
-        lines += _table(["Artifact", "Runtime / device", *names, "Source"], [
-            [e["artifact"], _where(e), *(_fmt(e["metrics"].get(m)) for m in names), _source_cell(e.get("source"))] for e in memory])
+        lines += table_lines(["Artifact", "Runtime / device", *names, "Source"], [
+            [e["artifact"], runtime_on_device(e), *(_fmt(e["metrics"].get(m)) for m in names), _source_cell(e.get("source"))] for e in memory])
     lines += _search_lines(report.get("search"))
     lines += _export_lines(report.get("exports"))
     if estimated:
@@ -296,7 +296,7 @@ def _search_lines(search: dict[str, Any] | None) -> list[str]:
     rows = [[c["name"] + (" ◀ chosen" if c["name"] == chosen else ""), ", ".join(c.get("overrides", [])) or "—",
              _fmt(c.get("size_mb")), _fmt(c.get("metrics", {}).get("kl_divergence")),
              {True: "pass", False: "**FAIL**"}.get(c.get("passed"), "—"), c.get("status", "—")] for c in search["candidates"]]
-    return ["### Search", "", *_table(["Candidate", "Overrides", "Size (MiB)", "KL", "Gates", "Status"], rows),
+    return ["### Search", "", *table_lines(["Candidate", "Overrides", "Size (MiB)", "KL", "Gates", "Status"], rows),
             f"Chosen: **{chosen}**" if chosen else "No candidate passed every gate.", ""]
 
 
@@ -305,7 +305,7 @@ def _export_lines(exports: list[dict[str, Any]] | None) -> list[str]:
         return []
     rows = [[e["name"], e["format"], {True: "yes", False: "**no**"}.get(e.get("verified"), "not run"), e.get("evaluated_as") or "—"]
             for e in exports]
-    return ["### Exports", "", *_table(["Export", "Format", "Verified", "Evaluated as"], rows)]
+    return ["### Exports", "", *table_lines(["Export", "Format", "Verified", "Evaluated as"], rows)]
 
 
 def append_github_summary(markdown: str) -> bool:
