@@ -484,10 +484,12 @@ def bench_prune(
     evaluation: str = _EVALUATION_OPTION,
     eval_samples: int = typer.Option(16, help="Evaluation chunks (of each text)."),
     eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
-    unseen: str = typer.Option("reference:python-docs", help="A second evaluation text, of a kind the training text is not ('' for none)."),
+    unseen: Optional[list[str]] = typer.Option(None, "--unseen", help="Another evaluation text, of a kind the repair does not "
+                                               "train on; repeatable; default: reference:python-docs ('' for none)."),
     setting: Optional[list[str]] = typer.Option(None, "--setting", help="A prune: mapping in YAML, repeatable; default: "
                                                 "'{mlp: 0.25}' and '{layers: {drop: 4}}'."),
-    distill: str = typer.Option("{}", help="distill: options in YAML over the bench defaults (steps 200, batch 4 x 256, lr 3e-4, bf16)."),
+    distill: str = typer.Option("{}", help="distill: options in YAML over the bench defaults (recipes/prune-distill.yaml's: 14.5 minutes, at most "
+                                "400 steps of 2 x 512 tokens, lr 3e-4, bf16), trained on --calibration text unless data.source says otherwise."),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
 ) -> None:
     """Prune, then repair by distillation: KL, top-1 and perplexity before/after, repair time and tokens."""
@@ -511,7 +513,8 @@ def bench_prune(
     settings = [parse(PruneConfig, t, {}) for t in (setting or DEFAULT_SETTINGS)]
     config = parse(DistillConfig, distill, DEFAULT_DISTILL)
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
-    result = run_prune_bench(model, data, unseen or None, settings, config, output, threads, Reporter(err))
+    sources = ["reference:python-docs"] if unseen is None else [u for u in unseen if u]
+    result = run_prune_bench(model, data, sources, settings, config, output, threads, Reporter(err))
     _print_results(markdown_table(result), output)
 
 
@@ -630,7 +633,9 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             out.print(f"{stage['label']} distill: KL to the teacher {b['kl_divergence']:.4f} → {a['kl_divergence']:.4f}, top-1 "
                       f"{b['top1_agreement']:.2%} → {a['top1_agreement']:.2%} (held-apart text); {s['steps']} steps, {s['tokens']:,} tokens, "
                       f"{s['train_seconds']:.0f}s training, {s['processes']} process(es)"
-                      + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] is not None else ""))
+                      + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] is not None else "")
+                      + (f"; the {s['max_minutes']:g}-minute budget ended it ({s['max_steps']} steps allowed)"
+                         if s.get("stopped_by") == "max_minutes" else ""))
     accuracy = [ev for ev in report["evaluations"] if ev.get("kind", "accuracy") in ("accuracy", "kv_cache")]
     if accuracy:
         table = Table(title="evaluation (vs baseline)")

@@ -41,15 +41,16 @@ class Reporter:
                 progress.advance(task)
 
     @contextmanager
-    def bar(self, description: str, total: int, completed: int = 0) -> Iterator[Callable[[str], None]]:
+    def bar(self, description: str, total: int, completed: int = 0) -> Iterator[Callable[..., None]]:
         """A progress bar advanced by hand: the yielded function moves it one step and shows
-        ``info`` (e.g. the loss and tokens/s of a training step) next to it."""
+        ``info`` (e.g. the loss and tokens/s of a training step) next to it; ``total=`` sets a
+        new end (a training run that re-plans its steps)."""
         if self.quiet:
-            yield lambda info: None
+            yield lambda info, total=None: None
             return
         with Progress(*_COLUMNS, TextColumn("{task.fields[info]}"), console=self.console) as progress:
             task = progress.add_task(description, total=total, completed=completed, info="")
-            yield lambda info: progress.update(task, advance=1, info=info)
+            yield lambda info, total=None: progress.update(task, advance=1, info=info, **({} if total is None else {"total": total}))
 
     @contextmanager
     def status(self, message: str) -> Iterator[None]:

@@ -30,9 +30,12 @@ class TrainState:
 
     step: int = 0
     tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # in optimizer steps
     history: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: int | None = None
+    planned_steps: int | None = None  # where training ends: the configured steps, or fewer under a time budget
+    wall_seconds: float = 0.0  # the training loop's wall-clock time: steps, evaluations and checkpoints
+    eval_seconds: float = 0.0  # one held-apart evaluation (timed before the first step)
 
 
 def latest(directory: Path) -> Path | None:
@@ -53,7 +56,8 @@ def save(directory: Path, student: nn.Module, optimizer: torch.optim.Optimizer, 
     save_model(student, str(tmp / "student.safetensors"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
                tmp / "optimizer.pt")
-    payload = {"fingerprint": fingerprint, "step": state.step, "tokens": state.tokens, "seconds": state.seconds, "history": state.history}
+    payload = {"fingerprint": fingerprint, "step": state.step, "tokens": state.tokens, "seconds": state.seconds, "history": state.history,
+               "planned_steps": state.planned_steps, "wall_seconds": state.wall_seconds, "eval_seconds": state.eval_seconds}
     (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -79,4 +83,5 @@ def load(path: Path, student: nn.Module, optimizer: torch.optim.Optimizer, sched
     scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["rng"])
     return TrainState(step=payload["step"], tokens=payload["tokens"], seconds=payload["seconds"], history=payload["history"],
-                      resumed_from=payload["step"])
+                      resumed_from=payload["step"], planned_steps=payload.get("planned_steps"),
+                      wall_seconds=payload.get("wall_seconds", 0.0), eval_seconds=payload.get("eval_seconds", 0.0))

@@ -26,7 +26,7 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.distill import checkpoint
-from compress.distill.losses import lr_factor
+from compress.distill.losses import CosineSchedule
 from compress.distill.train import Processes, Trainer, eval_min_context
 from compress.errors import CompressError
 
@@ -57,7 +57,11 @@ class DistillConfig(_Strict):
 
     teacher: str = Field(ORIGINAL, description="original: the model before the prune stage (or as loaded when no stage "
                          "changed it); otherwise a model source like model.source (same tokenizer).")
-    steps: int = Field(ge=1, description="Optimizer steps.")
+    steps: int = Field(ge=1, description="Optimizer steps (at most this many under max_minutes).")
+    max_minutes: float | None = Field(
+        None, gt=0, description="Wall-clock budget of the training loop (steps, evaluations, checkpoints; a resumed run "
+        "counts the time up to its checkpoint): after the first 3 steps the stage plans how many of `steps` fit, the cosine "
+        "decay ends there, and no step starts that would end past the budget. null: exactly `steps`.")
     batch_size: int = Field(4, ge=1, description="Chunks per forward pass, per process.")
     grad_accum: int = Field(1, ge=1, description="Forward passes per optimizer step.")
     seq_len: int = Field(256, ge=8, description="Tokens per training chunk.")
@@ -138,8 +142,8 @@ class DistillStage:
         model.to(device)
         trainable = self._trainable(model)
         optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.final_lr_ratio))
+        schedule = CosineSchedule(cfg.warmup_steps, cfg.steps, cfg.final_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         ckpt_dir = ctx.work_dir / self.label if ctx.work_dir is not None else None
         fingerprint = self._fingerprint(model, ctx, procs.world)
         state = checkpoint.TrainState()
@@ -147,7 +151,7 @@ class DistillStage:
         if found is not None:
             state = checkpoint.load(found, model, optimizer, scheduler, fingerprint)
             ctx.reporter.info(f"{self.label} (distill): resuming from {found} (step {state.step} of {cfg.steps})")
-        trainer = Trainer(cfg, self.label, model, procs.wrap(model), teacher, procs, optimizer, scheduler, trainable, state,
+        trainer = Trainer(cfg, self.label, model, procs.wrap(model), teacher, procs, optimizer, scheduler, schedule, trainable, state,
                           train_tokens, eval_tokens, device, use_bf16, pairs, channels, ckpt_dir, fingerprint, ctx.reporter)
         trainer.run()
         full = procs.full_state(trainer.wrapped)
@@ -159,7 +163,11 @@ class DistillStage:
         first, final = state.history[0], state.history[-1]
         summary = {
             "teacher": teacher_desc,
-            "steps": cfg.steps,
+            "steps": state.step,
+            "max_steps": cfg.steps,
+            "max_minutes": cfg.max_minutes,
+            "stopped_by": "max_minutes" if state.step < cfg.steps else "steps",
+            "loop_seconds": round(state.wall_seconds, 2),
             "processes": procs.world,
             "tokens": state.tokens,
             "train_seconds": round(state.seconds, 2),
@@ -168,7 +176,7 @@ class DistillStage:
             "autocast": "bf16" if use_bf16 else "off",
             "hidden_loss_layers": len(pairs),
             "training_data": {"source": cfg.data.source or "data.calibration", "chunks": int(train_tokens.shape[0]), "seq_len": cfg.seq_len,
-                              "epochs": round(cfg.steps * per_step / train_tokens.shape[0], 3)},
+                              "epochs": round(state.step * per_step / train_tokens.shape[0], 3)},
             "held_apart_eval": {"chunks": cfg.eval.samples, "seq_len": cfg.seq_len, "min_context": eval_min_context(cfg.seq_len),
                                 "against": "the teacher"},
             "before": {k: first[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
@@ -176,7 +184,8 @@ class DistillStage:
             "history": state.history,
         }
         ctx.reporter.info(f"{self.label} (distill): KL to the teacher {first['kl_divergence']:.4f} → {final['kl_divergence']:.4f} "
-                          f"in {cfg.steps} steps, {state.tokens:,} tokens, {state.seconds:.0f} s")
+                          f"in {state.step} steps, {state.tokens:,} tokens, {state.wall_seconds:.0f} s"
+                          + (f" (the {cfg.max_minutes:g}-minute budget ended it before step {cfg.steps})" if state.step < cfg.steps else ""))
         return StageRecord("distill", cfg.loss, cfg.model_dump(mode="json"), time.perf_counter() - started, summary)
 
     def _teacher(self, model: nn.Module, ctx: RunContext) -> tuple[nn.Module, str]:

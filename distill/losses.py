@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -47,3 +48,16 @@ def lr_factor(step: int, warmup: int, total: int, final_ratio: float) -> float:
     span = max(1, total - warmup)
     progress = min(1.0, (step - warmup) / span)
     return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class CosineSchedule:
+    """:func:`lr_factor` as a ``LambdaLR`` function whose ``total`` can be set again while training
+    runs (a time budget plans how many steps fit; the decay then ends at that step)."""
+
+    warmup: int
+    total: int
+    final_ratio: float
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(step, self.warmup, self.total, self.final_ratio)

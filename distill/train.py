@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from compress.distill import checkpoint
-from compress.distill.losses import hidden_loss, kl_loss
+from compress.distill.losses import CosineSchedule, hidden_loss, kl_loss
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
 
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 def process_rank() -> tuple[int, int]:
     """(rank, world size) when started by ``accelerate launch`` / torchrun, else (0, 1)."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+PLAN_AFTER = 3  # steps this process times before a time budget plans how many fit
 
 
 def eval_min_context(seq_len: int) -> int:
@@ -71,13 +75,24 @@ class Processes:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
 
+    def agree(self, value: int) -> int:
+        """The main process's ``value`` in every process (decisions taken on timings, which differ)."""
+        if self.accelerator is None:
+            return value
+        from accelerate.utils import broadcast
+
+        return int(broadcast(torch.tensor([value], device=self.accelerator.device), from_process=0)[0])
+
     def full_state(self, wrapped: nn.Module) -> dict[str, torch.Tensor] | None:
         return None if self.accelerator is None else self.accelerator.get_state_dict(wrapped)
 
 
 @dataclass
 class Trainer:
-    """One distillation run from ``state.step`` to ``config.steps``."""
+    """One distillation run from ``state.step`` to ``state.planned_steps``: ``config.steps``, or
+    under ``config.max_minutes`` the steps that fit the budget (planned after PLAN_AFTER timed
+    steps from the median step time and the measured evaluation time; a step that would end past
+    the budget is not started)."""
 
     config: DistillConfig
     label: str
@@ -87,6 +102,7 @@ class Trainer:
     procs: Processes
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    schedule: CosineSchedule
     trainable: list[nn.Parameter]
     state: checkpoint.TrainState
     train_tokens: torch.Tensor
@@ -153,28 +169,61 @@ class Trainer:
 
     def run(self) -> None:
         c, state = self.config, self.state
+        state.planned_steps = state.planned_steps or c.steps
+        self.schedule.total = state.planned_steps
+        began = time.perf_counter() - state.wall_seconds
         if not state.history:
             state.history.append({**self.evaluate(), "loss": None})
+            state.eval_seconds = time.perf_counter() - began
         self.model.train()
-        with self.reporter.bar(f"{self.label} distill", total=c.steps, completed=state.step) as advance:
-            while state.step < c.steps:
+        timed: list[float] = []
+        with self.reporter.bar(f"{self.label} distill", total=state.planned_steps, completed=state.step) as advance:
+            while state.step < state.planned_steps:
                 tick = time.perf_counter()
                 loss, grad_norm = self.step()
                 seconds = time.perf_counter() - tick
                 state.step += 1
                 state.tokens += self.tokens_per_step
                 state.seconds += seconds
-                advance(f"loss {loss:.4f}  {self.tokens_per_step / seconds:,.0f} tok/s")
-                last = state.step == c.steps
+                timed.append(seconds)
+                state.wall_seconds = time.perf_counter() - began
+                replanned = self.replan(timed)
+                advance(f"loss {loss:.4f}  {self.tokens_per_step / seconds:,.0f} tok/s", total=replanned)
+                last = state.step == state.planned_steps
                 if (c.eval.every and state.step % c.eval.every == 0) or last:
                     point = {**self.evaluate(), "loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
                     state.history.append(point)
                     self.reporter.info(f"{self.label} step {state.step}: KL {point['kl_divergence']:.4f}  "
                                        f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}  loss {loss:.4f}")
+                state.wall_seconds = time.perf_counter() - began
                 if self.checkpoint_dir is not None and c.checkpoint_every and state.step % c.checkpoint_every == 0 and not last:
                     if self.procs.main:
                         checkpoint.save(self.checkpoint_dir, self.model, self.optimizer, self.scheduler, state, self.fingerprint)
                     self.procs.barrier()
+                    state.wall_seconds = time.perf_counter() - began
+
+    def replan(self, timed: list[float]) -> int | None:
+        """Under ``max_minutes``: after PLAN_AFTER timed steps, set ``planned_steps`` to the steps that
+        fit (and the cosine decay's end with it); at any other step, end there when this step's
+        evaluation, one more step and the final evaluation would pass the budget. Returns the new
+        end when it changed."""
+        c, state = self.config, self.state
+        if c.max_minutes is None:
+            return None
+        step_s = statistics.median(timed[-PLAN_AFTER:])
+        left = c.max_minutes * 60 - state.wall_seconds - state.eval_seconds  # the final evaluation always runs
+        if len(timed) == PLAN_AFTER:
+            per_step = step_s + (state.eval_seconds / c.eval.every if c.eval.every else 0.0)
+            planned = min(c.steps, state.step + max(0, int(left // per_step)))
+        else:
+            evaluates_now = bool(c.eval.every) and state.step % c.eval.every == 0
+            need = step_s + (state.eval_seconds if evaluates_now else 0.0)
+            planned = state.step if left < need else state.planned_steps
+        planned = self.procs.agree(planned)
+        if planned == state.planned_steps:
+            return None
+        state.planned_steps = self.schedule.total = planned
+        return planned
 
 
 @functools.lru_cache(maxsize=4)

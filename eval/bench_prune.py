@@ -2,10 +2,10 @@
 
 For every pruning setting (a ``prune:`` mapping), from the same loaded model: prune with the
 recipe stage, score, repair with the recipe's ``distill`` stage (teacher: the unpruned model),
-score again. Scores are against the unpruned model on two texts the repair never trained on:
-the held-out share of the evaluation source (data.holdout, kept apart from the training text) and
-a second source of another kind (default: the Python documentation, for text of a domain the
-training text does not cover). results.json and results.md are rewritten after every phase.
+score again. Scores are against the unpruned model on texts the repair never trained on: the
+held-out share of the evaluation source (data.holdout, kept apart from the training text) and any
+number of other sources (``--unseen``, text of kinds the training text does not cover), each
+named by its file or reference name. results.json and results.md are rewritten after every phase.
 """
 
 from __future__ import annotations
@@ -29,20 +29,33 @@ from compress.pruning.prune import PruneConfig, PruneStage, parameters
 from compress.recipe import DataSpec, EvaluationSpec
 
 DEFAULT_SETTINGS = ("{mlp: 0.25}", "{layers: {drop: 4}}")
-# Fits 15 minutes of training on 2 CPU cores with bf16 autocast (AMX); see README "Pruning and distillation".
-DEFAULT_DISTILL = {"steps": 200, "batch_size": 4, "seq_len": 256, "lr": 3e-4, "warmup_steps": 10, "autocast": "bf16",
-                   "eval": {"every": 0, "samples": 4}, "checkpoint_every": 0}
+# recipes/prune-distill.yaml's repair (a 14.5-minute training budget, at most 400 steps of 2 x 512 tokens, bf16
+# autocast), trained on the calibration text; see README "Pruning and distillation".
+DEFAULT_DISTILL = {"steps": 400, "max_minutes": 14.5, "batch_size": 2, "seq_len": 512, "lr": 3e-4, "warmup_steps": 10,
+                   "autocast": "bf16", "eval": {"every": 0, "samples": 4}, "checkpoint_every": 0}
 
 
-def run_prune_bench(model_source: str, data: DataSpec, unseen: str | None, settings: list[PruneConfig], distill: DistillConfig,
+def text_label(source: str, taken: set[str]) -> str:
+    """A short unique name for an evaluation source: its reference name or file name."""
+    base = source.split(":", 1)[1] if source.startswith("reference:") else (Path(source).stem or source)
+    label, n = base, 2
+    while label in taken or label == "held_out":
+        label, n = f"{base}-{n}", n + 1
+    return label
+
+
+def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settings: list[PruneConfig], distill: DistillConfig,
                     out_dir: Path, threads: int, reporter: Reporter) -> dict[str, Any]:
     device = torch.device("cpu")
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
     plan = DataPlan.load(data, Path.cwd(), reporter)
     texts = {"held_out": evaluation.tokens}
-    if unseen:
-        other = EvaluationSpec(source=unseen, samples=spec.samples, seq_len=spec.seq_len, min_context=spec.min_context)
-        texts["unseen"] = DataPlan.load(DataSpec(evaluation=other), Path.cwd(), reporter).chunks("evaluation", lm.tokenizer).tokens
+    unseen_facts = {}
+    for source in unseen:
+        other = EvaluationSpec(source=source, samples=spec.samples, seq_len=spec.seq_len, min_context=spec.min_context)
+        chunks = DataPlan.load(DataSpec(evaluation=other), Path.cwd(), reporter).chunks("evaluation", lm.tokenizer)
+        label = text_label(source, set(texts))
+        texts[label], unseen_facts[label] = chunks.tokens, chunks.facts
     baseline = torch_forward(lm.model, device)
 
     def score(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -55,7 +68,7 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: str | None, setti
     result: dict[str, Any] = {
         "model": {"source": model_source, "sha256": lm.facts["sha256"], "parameters": parameters(lm.model)},
         "training_text": distill.data.source or (calibration.facts["source"] if calibration else None),
-        "texts": {"held_out": evaluation.facts, "unseen": unseen},
+        "texts": {"held_out": evaluation.facts, "unseen": unseen_facts},
         "distill": distill.model_dump(mode="json"),
         "threads": threads, "host": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "rows": [],
@@ -79,8 +92,8 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: str | None, setti
         t0 = time.perf_counter()
         record = DistillStage(distill, "distill").apply(model, ctx)
         s = record.summary
-        row.update(repair_seconds=round(time.perf_counter() - t0, 1), train_seconds=s["train_seconds"], tokens=s["tokens"],
-                   tokens_per_second=s["tokens_per_second"], repaired=score(model))
+        row.update(repair_seconds=round(time.perf_counter() - t0, 1), train_seconds=s["train_seconds"], steps=s["steps"],
+                   stopped_by=s["stopped_by"], tokens=s["tokens"], tokens_per_second=s["tokens_per_second"], repaired=score(model))
         for name in texts:
             gap, left = row["pruned"][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
             row.setdefault("kl_gap_recovered", {})[name] = round(1 - left / gap, 4) if gap > 0 else None
@@ -91,8 +104,10 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: str | None, setti
 
 def markdown_table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']['source']}: {result['model']['parameters']:,} parameters; {result['threads']} threads; "
-             f"repair: {result['distill']['steps']} steps x {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "
-             f"of {result['training_text']}, autocast {result['distill']['autocast']}.", "",
+             f"repair: up to {result['distill']['steps']} steps"
+             + (f" within {result['distill']['max_minutes']:g} minutes" if result["distill"].get("max_minutes") else "")
+             + f" of {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "
+             f"of {result['training_text']}, lr {result['distill']['lr']:g}, autocast {result['distill']['autocast']}.", "",
              "| setting | parameters | text | KL pruned | KL repaired | gap recovered | top-1 pruned → repaired | "
              "perplexity base / pruned / repaired | repair time, s | tokens |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -15,6 +15,13 @@ out to be outliers only at run time, the dequantized int8 columns (the original 
 what bitsandbytes does for every outlier column of its int8 inference weights).
 ``threshold: .inf`` turns the decomposition off: plain vector-wise W8A8, the paper's baseline.
 
+The int8 GEMM (``kernel``): ``torch._int_mm`` by default; bitsandbytes' ``int8_linear_matmul``
+(cuBLASLt's int8 GEMM on CUDA, its own CPU kernels elsewhere) on CUDA when bitsandbytes is
+installed, or everywhere with ``kernel: bitsandbytes``. bitsandbytes gets only the products it
+computes in integers (inner dimension a multiple of 4 on CUDA; CPUs with AVX-512), the rest take
+the torch path, so the int32 result is exact either way and the two kernels give the same output;
+the scaling and the outlier part stay ours.
+
 The weight record is ordinary symmetric 8-bit per-channel: ``scale = absmax_row / 127``
 (rounded up to fp16), ``q`` in [-127, 127], stored as uint8 ``q + 128`` with zero point 128, so
 exporters see plain int8 weights (exactly Q8_0 in GGUF). Export formats carry no activation
@@ -24,8 +31,10 @@ Pure math first, the module next, the calibration stage last.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -44,6 +53,9 @@ INT32_SAFE_K = (2**31 - 1) // (INT8_MAX * INT8_MAX)  # longest dot product an in
 SHORT_INDEX_LIST = 16  # calibrated outlier indices are listed in the summary up to this many per layer
 
 
+Kernel = Literal["auto", "torch", "bitsandbytes"]
+
+
 class LLMInt8Config(WeightQuantConfig):
     """`quantize: {method: llm_int8, threshold, batch_size, targets, ignore}`; the scheme is fixed."""
 
@@ -57,6 +69,11 @@ class LLMInt8Config(WeightQuantConfig):
         "the rest in int8. .inf disables the decomposition (plain int8 weights and activations).",
     )
     batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
+    kernel: Kernel = Field(
+        "auto",
+        description="The int8 GEMM. auto: bitsandbytes' int8_linear_matmul on CUDA when bitsandbytes is installed, "
+        "torch._int_mm otherwise; torch: always torch; bitsandbytes: always bitsandbytes (its CPU kernels off CUDA).",
+    )
 
     @field_validator("bits")
     @classmethod
@@ -137,9 +154,52 @@ def _int_mm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
     return False
 
 
-def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def bitsandbytes_functional() -> ModuleType | None:
+    """``bitsandbytes.functional``, or None when bitsandbytes is not installed."""
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except ImportError:
+        return None
+    return bnb_functional
+
+
+def resolve_kernel(kernel: Kernel, device: torch.device) -> Literal["torch", "bitsandbytes"]:
+    """The int8 GEMM ``kernel`` means for tensors on ``device`` (see ``LLMInt8Config.kernel``)."""
+    if kernel == "bitsandbytes":
+        if bitsandbytes_functional() is None:
+            raise CompressError("llm_int8 kernel: bitsandbytes needs the bitsandbytes package: pip install 'bitsandbytes>=0.46' "
+                                "(or use kernel: auto or torch)")
+        return "bitsandbytes"
+    if kernel == "auto" and device.type == "cuda" and bitsandbytes_functional() is not None:
+        return "bitsandbytes"
+    return "torch"
+
+
+def _bitsandbytes_is_exact(a: torch.Tensor) -> bool:
+    """Whether bitsandbytes (checked on 0.50) accumulates ``a``'s products in integers: cuBLASLt's
+    int8 GEMM needs an inner dimension that is a multiple of 4, and its CPU backend uses
+    ``torch._int_mm`` only on AVX-512 CPUs; elsewhere it multiplies in float32, which rounds
+    once a dot product passes 2**24."""
+    if a.device.type == "cuda":
+        return a.shape[1] % 4 == 0
+    return a.device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def kernel_description(kernel: Literal["torch", "bitsandbytes"]) -> str:
+    """What the manifest says about the GEMM that ran."""
+    if kernel == "bitsandbytes":
+        import bitsandbytes
+
+        return f"bitsandbytes {bitsandbytes.__version__} int8_linear_matmul"
+    return "torch._int_mm (float64 emulation where it does not apply)"
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor, kernel: Literal["torch", "bitsandbytes"] = "torch") -> torch.Tensor:
     """Exact ``a [m, k] · b [n, k]ᵀ`` of int8 matrices as int32 [m, n].
 
+    ``kernel: bitsandbytes``: bitsandbytes' ``int8_linear_matmul`` where it accumulates in integers,
+    otherwise the torch path. ``torch``:
     ``torch._int_mm`` where it supports the device and shape; otherwise float64 matmul, which is
     exact here: every product is at most 127² = 16,129 in magnitude, so every partial sum is an
     integer below k · 16,129 < 2**53 and float64 represents it exactly (no rounding anywhere).
@@ -151,6 +211,8 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"int8 dot products of length {a.shape[1]} can overflow int32 (limit {INT32_SAFE_K})")
     if a.shape[0] == 0:
         return torch.zeros((0, b.shape[0]), dtype=torch.int32, device=a.device)
+    if kernel == "bitsandbytes" and _bitsandbytes_is_exact(a):
+        return bitsandbytes_functional().int8_linear_matmul(a.contiguous(), b.contiguous())
     if _int_mm_supports(a, b):
         return torch._int_mm(a, b.t())
     return (a.to(torch.float64) @ b.to(torch.float64).t()).to(torch.int32)
@@ -163,8 +225,8 @@ def find_outliers(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.nonzero(x.abs().amax(dim=0) >= threshold).flatten()
 
 
-def decomposed_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                      outliers: torch.Tensor, outlier_weight: torch.Tensor) -> torch.Tensor:
+def decomposed_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, outliers: torch.Tensor,
+                      outlier_weight: torch.Tensor, kernel: Literal["torch", "bitsandbytes"] = "torch") -> torch.Tensor:
     """``x Wᵀ`` in float32 for ``x`` [tokens, in]: the ``outliers`` columns in float against
     ``outlier_weight`` [out, len(outliers)], every other column as per-token int8 ``x`` times the
     row-wise int8 codes ``w_q`` [out, in] with scales ``w_scale`` [out]. No outliers: plain W8A8,
@@ -175,7 +237,7 @@ def decomposed_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
         regular = x.clone()
         regular[:, outliers] = 0  # zeroed columns add nothing to the int8 part
     x_q, x_scale = quantize_rows_int8(regular)
-    y = int8_matmul(x_q, w_q).to(torch.float32) * x_scale[:, None] * w_scale[None, :]
+    y = int8_matmul(x_q, w_q, kernel).to(torch.float32) * x_scale[:, None] * w_scale[None, :]
     if outliers.numel():
         y = y + x[:, outliers] @ outlier_weight.to(torch.float32).t()
     return y
@@ -193,11 +255,12 @@ class LLMInt8Linear(nn.Linear):
     """
 
     def __init__(self, linear: nn.Linear, record: QuantizedWeight, threshold: float,
-                 outlier_index: torch.Tensor, outlier_weight: torch.Tensor) -> None:
+                 outlier_index: torch.Tensor, outlier_weight: torch.Tensor, kernel: Kernel = "auto") -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight  # shared Parameter: install_record has already put the dequantized values in it
         self.bias = linear.bias
         self.threshold = float(threshold)
+        self.kernel = kernel  # resolved per call: the module may move between devices
         device = linear.weight.device
         q, scale = signed_codes(record)
         self.register_buffer("weight_int8", q.to(device), persistent=False)
@@ -218,13 +281,15 @@ class LLMInt8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32)
         outliers = find_outliers(flat, self.threshold)
-        y = decomposed_matmul(flat, self.weight_int8, self.weight_scale, outliers, self.outlier_columns(outliers))
+        y = decomposed_matmul(flat, self.weight_int8, self.weight_scale, outliers, self.outlier_columns(outliers),
+                              resolve_kernel(self.kernel, flat.device))
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, threshold={self.threshold}, calibrated_outliers={self.outlier_index.numel()}"
+        return (f"{super().extra_repr()}, threshold={self.threshold}, calibrated_outliers={self.outlier_index.numel()}, "
+                f"kernel={self.kernel}")
 
 
 # --------------------------------------------------------------------------- calibration and the stage
@@ -278,6 +343,7 @@ class LLMInt8Stage:
         start = time.perf_counter()
         cfg, label = self.config, self.label
         scheme = cfg.scheme()
+        kernel = resolve_kernel(cfg.kernel, ctx.device)  # fails early when bitsandbytes is asked for and missing
         chosen, unused_ignore = select_or_fail(model, cfg, label)
         already = [n for n, _ in chosen if n in ctx.quantized]
         if already:
@@ -301,7 +367,7 @@ class LLMInt8Stage:
             record = quantize_weight_int8(original.to(ctx.device), scheme)
             outlier_weight = original[:, outlier_index.to(original.device)].to(torch.float16)
             info = install_record(model, name, module, record, ctx, label)
-            swap_module(model, name, LLMInt8Linear(module, record, cfg.threshold, outlier_index, outlier_weight))
+            swap_module(model, name, LLMInt8Linear(module, record, cfg.threshold, outlier_index, outlier_weight, cfg.kernel))
             info["outlier_features"] = int(outlier_index.numel())
             layers[name] = info
             extra_bytes += outlier_weight.numel() * outlier_weight.element_size()
@@ -312,6 +378,7 @@ class LLMInt8Stage:
         summary.update(
             threshold=cfg.threshold,
             activations="int8 per-token absmax" + ("; outlier features in float" if cfg.needs_calibration else ""),
+            kernel=kernel_description(kernel) + f" on {ctx.device.type}",
             calibration_tokens=int(tokens.numel()),
             peak_memory_mb=round(peak_memory_mb(ctx.device), 1),  # `compress run` prints it next to calibration_tokens
             outlier_features_total=sum(per_layer.values()),

@@ -91,8 +91,11 @@ def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, tr
     out = tmp_path / "prune"
     unseen = tmp_path / "unseen.txt"
     unseen.write_text((text_dir / "doc1.txt").read_text().upper())  # same words, other tokens: text the repair never saw
+    (tmp_path / "other").mkdir()
+    other = tmp_path / "other" / "unseen.txt"  # same file name: a second label
+    other.write_text((text_dir / "doc2.txt").read_text().upper())
     result = run_cli(["bench", "prune", "-o", out, "--model", str(trained_tiny_dir), "--calibration", str(text_dir),
-                      "--evaluation", str(text_dir), "--unseen", str(unseen), "--cal-samples", "4", "--cal-seq-len", "64",
+                      "--evaluation", str(text_dir), "--unseen", str(unseen), "--unseen", str(other), "--cal-samples", "4", "--cal-seq-len", "64",
                       "--eval-samples", "2", "--eval-seq-len", "64", "--threads", "1",
                       "--setting", "{mlp: 0.5, heads: 0.5, multiple_of: 8}", "--setting", "{layers: {drop: 2}}",
                       "--distill", "{steps: 20, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, autocast: off}"])
@@ -103,10 +106,13 @@ def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, tr
     assert rows[0]["shape"]["intermediate_size"] == 80 and rows[1]["dropped_layers"] and rows[1]["shape"]["num_hidden_layers"] == 2
     for row in rows:
         assert row["tokens"] == 20 * 2 * 64 and row["parameters"] < saved["model"]["parameters"]
-        assert set(row["pruned"]) == {"held_out", "unseen"}
+        assert set(row["pruned"]) == set(row["repaired"]) == {"held_out", "unseen", "unseen-2"}
+        assert row["steps"] == 20 and row["stopped_by"] == "steps"
         assert row["repaired"]["held_out"]["kl_divergence"] < row["pruned"]["held_out"]["kl_divergence"]
         assert row["kl_gap_recovered"]["held_out"] == pytest.approx(
             1 - row["repaired"]["held_out"]["kl_divergence"] / row["pruned"]["held_out"]["kl_divergence"], abs=1e-4)
+    assert set(saved["texts"]["unseen"]) == {"unseen", "unseen-2"}
+    assert saved["texts"]["unseen"]["unseen-2"]["source"] == str(other)
     assert "| mlp 50%, heads 50%, multiple_of 8 |" in (out / "results.md").read_text()
 
 

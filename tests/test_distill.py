@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from compress.distill.distill import layer_map
-from compress.distill.losses import hidden_loss, kl_loss, lr_factor
+from compress.distill.losses import CosineSchedule, hidden_loss, kl_loss, lr_factor
 from tests.test_pruning import prune_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,54 @@ def test_schedule_warms_up_then_decays_to_the_final_ratio():
     assert all(a >= b for a, b in zip(f[4:], f[5:])) and f[20] == pytest.approx(0.1)
 
 
+def budget_trainer(steps: int, minutes: float, wall: float, eval_s: float, every: int, at: int, planned: int):
+    from types import SimpleNamespace
+
+    from compress.distill.distill import DistillConfig
+    from compress.distill.train import Processes
+
+    config = DistillConfig(steps=steps, max_minutes=minutes, warmup_steps=2, eval={"every": every})
+    state = SimpleNamespace(step=at, wall_seconds=wall, eval_seconds=eval_s, planned_steps=planned)
+    return SimpleNamespace(config=config, state=state, procs=Processes(torch.device("cpu")),
+                           schedule=CosineSchedule(2, planned, 0.1))
+
+
+def test_time_budget_plans_the_steps_that_fit_and_stops_before_passing_it():
+    from compress.distill.train import Trainer
+
+    # 60 s budget; after 3 steps (10 s used, one evaluation 4 s): (60 - 10 - 4) s left for steps of 2 s
+    # plus an evaluation every 10 steps (0.4 s a step) -> 19 more steps
+    t = budget_trainer(steps=500, minutes=1.0, wall=10.0, eval_s=4.0, every=10, at=3, planned=500)
+    assert Trainer.replan(t, [2.5, 2.0, 1.9]) == 22 and t.state.planned_steps == t.schedule.total == 22
+    assert t.schedule(21) == pytest.approx(0.1, abs=0.01)  # the decay now ends at the planned step
+    t.state.step, t.state.wall_seconds = 2, 58.0
+    assert Trainer.replan(t, [2.0] * 2) == 2  # before the plan, too: a step that cannot fit is not started
+    # the configured steps are the ceiling
+    t = budget_trainer(steps=8, minutes=1.0, wall=10.0, eval_s=4.0, every=0, at=3, planned=8)
+    assert Trainer.replan(t, [1.0, 1.0, 1.0]) is None and t.state.planned_steps == 8
+    # later steps ran slower than planned: end now when the next step would not fit
+    t = budget_trainer(steps=500, minutes=1.0, wall=54.0, eval_s=4.0, every=0, at=15, planned=22)
+    assert Trainer.replan(t, [2.0] * 12 + [3.0, 3.0, 3.0]) == 15 and t.state.planned_steps == 15
+    t = budget_trainer(steps=500, minutes=1.0, wall=40.0, eval_s=4.0, every=0, at=15, planned=22)
+    assert Trainer.replan(t, [2.0] * 15) is None  # on track: the plan stands
+    t = budget_trainer(steps=500, minutes=1.0, wall=40.0, eval_s=10.0, every=5, at=15, planned=22)
+    assert Trainer.replan(t, [2.0] * 15) == 15  # ... unless this step's evaluation leaves too little
+    t = budget_trainer(steps=500, minutes=None, wall=1e9, eval_s=4.0, every=0, at=15, planned=500)
+    assert Trainer.replan(t, [2.0] * 15) is None  # no budget: exactly `steps`
+
+
 # ------------------------------------------------------------------ training
+
+
+def test_a_time_budget_ends_the_repair_in_time(trained_tiny_dir, text_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    budget = 0.2  # 12 seconds for thousands of steps
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(
+        5000, extra=f", max_minutes: {budget}, data: {{samples: 40}}")))
+    s = run(recipe, tmp_path / "out").manifest["stages"][1]["summary"]
+    assert s["stopped_by"] == "max_minutes" and s["max_steps"] == 5000 and s["max_minutes"] == budget
+    assert 3 <= s["steps"] < 5000 and s["tokens"] == s["steps"] * 2 * 64 and s["history"][-1]["step"] == s["steps"]
+    assert s["loop_seconds"] <= budget * 60 + 3, s["loop_seconds"]  # 3 s: the spread of step times
 
 
 def test_distillation_repairs_a_pruned_model_on_held_apart_text(trained_tiny_dir, text_dir, tmp_path):
@@ -256,7 +303,7 @@ def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_ru
     out = tmp_path / "out"
     result = run_cli(["run", ROOT / "recipes" / "prune-distill.yaml", "-o", out, "-q",
                       "--set", "data.calibration.samples=16", "--set", "data.calibration.seq_len=256", "--set", "data.evaluation.samples=4",
-                      "--set", "stages.1.distill.steps=20", "--set", "stages.1.distill.warmup_steps=2", "--set", "stages.1.distill.batch_size=2", "--set", "stages.1.distill.lr=1.0e-4",
+                      "--set", "stages.1.distill.steps=20", "--set", "stages.1.distill.max_minutes=null", "--set", "stages.1.distill.warmup_steps=2", "--set", "stages.1.distill.batch_size=2", "--set", "stages.1.distill.lr=1.0e-4",
                       "--set", "stages.1.distill.eval.every=0", "--set", "stages.1.distill.autocast=off",
                       "--set", "gates.0.max=2", "--set", "gates.1.max=2", "--set", "gates.2.min=0.3"])
     assert result.exit_code == 0, result.output

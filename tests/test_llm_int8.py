@@ -24,6 +24,7 @@ from compress.quantizers.llm_int8 import (
     int8_matmul,
     quantize_rows_int8,
     quantize_weight_int8,
+    resolve_kernel,
     signed_codes,
 )
 from compress.recipe import StageSpec
@@ -159,6 +160,72 @@ def test_forward_keeps_dtype_shape_and_linear_identity() -> None:
             assert torch.allclose(out.float(), layer(x).reshape(2, 16, 48), rtol=0.02, atol=0.02)
 
 
+# --------------------------------------------------------------------------- the GEMM kernel
+
+
+def bitsandbytes_or_skip():
+    """bitsandbytes.functional (installed by the dev extra), or skip: its kernel is what is tested."""
+    from compress.quantizers.llm_int8 import _bitsandbytes_is_exact, bitsandbytes_functional
+
+    functional = bitsandbytes_functional()
+    if functional is None:
+        pytest.skip("bitsandbytes is not installed (pip install -e '.[int8]')")
+    if not _bitsandbytes_is_exact(torch.zeros(1, 4, dtype=torch.int8)):
+        pytest.skip("this CPU has no AVX-512: bitsandbytes' CPU int8 GEMM is float32 here, so the torch path runs instead")
+    return functional
+
+
+def test_bitsandbytes_kernel_is_called_and_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    functional = bitsandbytes_or_skip()
+    calls = []
+    real = functional.int8_linear_matmul
+    monkeypatch.setattr(functional, "int8_linear_matmul", lambda a, b: calls.append(a.shape) or real(a, b))
+    g = torch.Generator().manual_seed(3)
+    for m, k, n in [(7, 576, 48), (40, 1536, 576)]:  # the reference model's widths: k * 127² > 2**24
+        a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        assert torch.equal(int8_matmul(a, b, "bitsandbytes"), a.to(torch.int64) @ b.to(torch.int64).t())
+    assert calls == [(7, 576), (40, 1536)]
+
+    linear, x = linear_and_inputs(tokens=24)
+    x[:, [5, 9]] *= 20  # outlier features: the decomposition runs around the bitsandbytes GEMM
+    torch_layer, bnb_layer = int8_layer(linear, 6.0, calibration=x[:8]), int8_layer(linear, 6.0, calibration=x[:8])
+    torch_layer.kernel, bnb_layer.kernel = "torch", "bitsandbytes"
+    with torch.no_grad():
+        assert torch.equal(bnb_layer(x), torch_layer(x))
+    assert len(calls) == 3 and "kernel=bitsandbytes" in repr(bnb_layer)
+
+
+def test_kernel_choice_and_missing_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import compress.quantizers.llm_int8 as mod
+    from compress.errors import CompressError
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernel("torch", cuda) == "torch" and resolve_kernel("auto", cpu) == "torch"
+    monkeypatch.setattr(mod, "bitsandbytes_functional", lambda: object())
+    assert resolve_kernel("auto", cuda) == "bitsandbytes" and resolve_kernel("bitsandbytes", cpu) == "bitsandbytes"
+    monkeypatch.setattr(mod, "bitsandbytes_functional", lambda: None)
+    assert resolve_kernel("auto", cuda) == "torch"
+    with pytest.raises(CompressError, match="pip install 'bitsandbytes"):
+        resolve_kernel("bitsandbytes", cpu)
+    ctx = RunContext(seed=0, device=cpu, tokenizer=None, reporter=QUIET, calibration=lambda: None)
+    with pytest.raises(CompressError, match="needs the bitsandbytes package"):  # before any calibration work
+        LLMInt8Stage(LLMInt8Config(kernel="bitsandbytes"), "stages[0]").apply(tiny_model(), ctx)
+    with pytest.raises(ValidationError, match="kernel"):
+        LLMInt8Config(kernel="cublas")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
+def test_cuda_layer_matches_the_cpu_layer() -> None:
+    linear, x = linear_and_inputs(tokens=64, in_f=128, out_f=96)
+    x[:, [5, 9]] *= 20
+    layer = int8_layer(linear, 6.0, calibration=x[:8])
+    with torch.no_grad():
+        cpu = layer(x)
+        gpu = copy.deepcopy(layer).cuda()  # kernel auto: bitsandbytes' cuBLASLt GEMM when installed, else torch._int_mm
+        assert torch.allclose(gpu(x.cuda()).cpu(), cpu, rtol=1e-4, atol=1e-4)
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -225,6 +292,7 @@ def test_stage_finds_calibrated_outliers_and_beats_plain_int8() -> None:
     assert summary["outlier_features_total"] == sum(summary["outlier_features_per_layer"].values()) >= 6
     assert summary["outlier_fp16_bytes"] == sum(2 * l["outlier_features"] * l["shape"][0] for l in layers.values())
     assert summary["calibration_tokens"] == 6 * 32 and summary["threshold"] == 6.0 and summary["layers_quantized"] == 14
+    assert summary["kernel"].startswith("torch._int_mm") and summary["kernel"].endswith("on cpu")
     assert records[float("inf")].summary["outlier_features_total"] == 0
     assert records[float("inf")].summary["calibration_tokens"] == 0  # skipped: no feature reaches .inf
 
