@@ -77,6 +77,12 @@ def shakespeare_chunks(smollm2):
 
 
 @pytest.fixture(scope="session")
+def shakespeare_eval_32x512(smollm2):
+    """32 x 512 held-out evaluation tokens (16k): enough to tell two near-equal quantizations apart."""
+    return reference_chunks(smollm2.tokenizer, (16, 256), (32, 512))[1]
+
+
+@pytest.fixture(scope="session")
 def shakespeare_full_calibration(smollm2):
     """The issue's calibration size (128 x 512 tokens) and 8 x 512 evaluation chunks of held-out text."""
     return reference_chunks(smollm2.tokenizer, (128, 512), (8, 512))
