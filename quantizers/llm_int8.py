@@ -54,6 +54,7 @@ SHORT_INDEX_LIST = 16  # calibrated outlier indices are listed in the summary up
 
 
 Kernel = Literal["auto", "torch", "bitsandbytes"]
+ResolvedKernel = Literal["torch", "bitsandbytes"]  # what "auto" becomes on a device
 
 
 class LLMInt8Config(WeightQuantConfig):
@@ -164,7 +165,7 @@ def bitsandbytes_functional() -> ModuleType | None:
     return bnb_functional
 
 
-def resolve_kernel(kernel: Kernel, device: torch.device) -> Literal["torch", "bitsandbytes"]:
+def resolve_kernel(kernel: Kernel, device: torch.device) -> ResolvedKernel:
     """The int8 GEMM ``kernel`` means for tensors on ``device`` (see ``LLMInt8Config.kernel``)."""
     if kernel == "bitsandbytes":
         if bitsandbytes_functional() is None:
@@ -186,7 +187,7 @@ def _bitsandbytes_is_exact(a: torch.Tensor) -> bool:
     return a.device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
-def kernel_description(kernel: Literal["torch", "bitsandbytes"]) -> str:
+def kernel_description(kernel: ResolvedKernel) -> str:
     """What the manifest says about the GEMM that ran."""
     if kernel == "bitsandbytes":
         import bitsandbytes
@@ -195,7 +196,7 @@ def kernel_description(kernel: Literal["torch", "bitsandbytes"]) -> str:
     return "torch._int_mm (float64 emulation where it does not apply)"
 
 
-def int8_matmul(a: torch.Tensor, b: torch.Tensor, kernel: Literal["torch", "bitsandbytes"] = "torch") -> torch.Tensor:
+def int8_matmul(a: torch.Tensor, b: torch.Tensor, kernel: ResolvedKernel = "torch") -> torch.Tensor:
     """Exact ``a [m, k] · b [n, k]ᵀ`` of int8 matrices as int32 [m, n].
 
     ``kernel: bitsandbytes``: bitsandbytes' ``int8_linear_matmul`` where it accumulates in integers,
@@ -226,7 +227,7 @@ def find_outliers(x: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def decomposed_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, outliers: torch.Tensor,
-                      outlier_weight: torch.Tensor, kernel: Literal["torch", "bitsandbytes"] = "torch") -> torch.Tensor:
+                      outlier_weight: torch.Tensor, kernel: ResolvedKernel = "torch") -> torch.Tensor:
     """``x Wᵀ`` in float32 for ``x`` [tokens, in]: the ``outliers`` columns in float against
     ``outlier_weight`` [out, len(outliers)], every other column as per-token int8 ``x`` times the
     row-wise int8 codes ``w_q`` [out, in] with scales ``w_scale`` [out]. No outliers: plain W8A8,
