@@ -31,6 +31,7 @@ def process_rank() -> tuple[int, int]:
 
 
 PLAN_AFTER = 3  # steps this process times before a time budget plans how many fit
+REPLAN_EVERY = 10  # then every this many steps the plan is fitted again to the median of as many recent steps
 
 
 def eval_min_context(seq_len: int) -> int:
@@ -91,8 +92,8 @@ class Processes:
 class Trainer:
     """One distillation run from ``state.step`` to ``state.planned_steps``: ``config.steps``, or
     under ``config.max_minutes`` the steps that fit the budget (planned after PLAN_AFTER timed
-    steps from the median step time and the measured evaluation time; a step that would end past
-    the budget is not started)."""
+    steps from the median step time and the measured evaluation time, fitted again every
+    REPLAN_EVERY steps; a step that would end past the budget is not started)."""
 
     config: DistillConfig
     label: str
@@ -204,7 +205,9 @@ class Trainer:
 
     def replan(self, timed: list[float]) -> int | None:
         """Under ``max_minutes``: after PLAN_AFTER timed steps, set ``planned_steps`` to the steps that
-        fit (and the cosine decay's end with it); at any other step, end there when this step's
+        fit (and the cosine decay's end with it), and again every REPLAN_EVERY steps from the median
+        of the last REPLAN_EVERY (the first steps can run slower than the rest; a plan kept from
+        them left two minutes of a 14.5-minute budget unused); at any step, end there when this step's
         evaluation, one more step and the final evaluation would pass the budget. Returns the new
         end when it changed."""
         c, state = self.config, self.state
@@ -212,13 +215,15 @@ class Trainer:
             return None
         step_s = statistics.median(timed[-PLAN_AFTER:])
         left = c.max_minutes * 60 - state.wall_seconds - state.eval_seconds  # the final evaluation always runs
-        if len(timed) == PLAN_AFTER:
-            per_step = step_s + (state.eval_seconds / c.eval.every if c.eval.every else 0.0)
+        evaluates_now = bool(c.eval.every) and state.step % c.eval.every == 0
+        if left < step_s + (state.eval_seconds if evaluates_now else 0.0):
+            planned = state.step
+        elif len(timed) == PLAN_AFTER or (len(timed) > PLAN_AFTER and len(timed) % REPLAN_EVERY == 0):
+            recent = statistics.median(timed[-REPLAN_EVERY:]) if len(timed) > PLAN_AFTER else step_s
+            per_step = recent + (state.eval_seconds / c.eval.every if c.eval.every else 0.0)
             planned = min(c.steps, state.step + max(0, int(left // per_step)))
         else:
-            evaluates_now = bool(c.eval.every) and state.step % c.eval.every == 0
-            need = step_s + (state.eval_seconds if evaluates_now else 0.0)
-            planned = state.step if left < need else state.planned_steps
+            planned = state.planned_steps
         planned = self.procs.agree(planned)
         if planned == state.planned_steps:
             return None

@@ -55,6 +55,40 @@ def test_kl_loss_is_forward_kl_scaled_by_t_squared():
     assert float(kl_loss(s, t, temperature=2.0)) == pytest.approx(float(manual), rel=1e-5)
 
 
+def _plain_kl(s: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The textbook formulation, recorded by autograd end to end."""
+    vocab = s.shape[-1]
+    log_ps = torch.log_softmax(s.float().reshape(-1, vocab) / temperature, -1)
+    log_pt = torch.log_softmax(t.float().reshape(-1, vocab) / temperature, -1)
+    return torch.nn.functional.kl_div(log_ps, log_pt, log_target=True, reduction="batchmean") * temperature**2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_blockwise_kl_loss_has_the_value_and_gradient_of_the_plain_formulation(dtype, temperature, monkeypatch):
+    import compress.distill.losses as losses
+
+    monkeypatch.setattr(losses, "KL_ROWS", 7)  # 3 x 20 positions: several blocks and a partial last one
+    torch.manual_seed(0)
+    s0, t = (torch.randn(3, 20, 50) * 4).to(dtype), (torch.randn(3, 20, 50) * 4).to(dtype)
+    s1, s2 = s0.clone().requires_grad_(True), s0.clone().requires_grad_(True)
+    ours, plain = kl_loss(s1, t, temperature), _plain_kl(s2, t, temperature)
+    assert ours.dtype == torch.float32
+    assert float(ours.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
+    (3 * ours).backward()
+    (3 * plain).backward()
+    assert s1.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-2 * float(s2.grad.abs().max())
+    assert torch.allclose(s1.grad.float(), s2.grad.float(), atol=tol, rtol=0)
+    assert float(s1.grad.abs().max()) > 1e-3  # a real gradient, not zeros
+
+
+def test_kl_loss_sends_no_gradient_to_the_teacher():
+    s, t = torch.randn(4, 9, requires_grad=True), torch.randn(4, 9, requires_grad=True)
+    kl_loss(s, t).backward()
+    assert t.grad is None and s.grad is not None
+
+
 def test_hidden_loss_maps_layers_and_channels():
     torch.manual_seed(0)
     teacher = [torch.randn(1, 4, 8) for _ in range(4)]
@@ -108,6 +142,16 @@ def test_time_budget_plans_the_steps_that_fit_and_stops_before_passing_it():
     assert Trainer.replan(t, [2.0] * 15) is None  # on track: the plan stands
     t = budget_trainer(steps=500, minutes=1.0, wall=40.0, eval_s=10.0, every=5, at=15, planned=22)
     assert Trainer.replan(t, [2.0] * 15) == 15  # ... unless this step's evaluation leaves too little
+    # every REPLAN_EVERY (10) steps the plan is fitted to the median of the last 10: steps got faster
+    # after the first ones -> it grows; (60 - 30 - 4) s left at 1 s a step -> 26 more steps
+    t = budget_trainer(steps=500, minutes=1.0, wall=30.0, eval_s=4.0, every=0, at=20, planned=22)
+    assert Trainer.replan(t, [3.0] * 10 + [1.0] * 10) == 46 and t.schedule.total == 46
+    t = budget_trainer(steps=30, minutes=1.0, wall=30.0, eval_s=4.0, every=0, at=20, planned=22)
+    assert Trainer.replan(t, [3.0] * 10 + [1.0] * 10) == 30  # still capped by `steps`
+    t = budget_trainer(steps=500, minutes=1.0, wall=40.0, eval_s=4.0, every=0, at=20, planned=30)
+    assert Trainer.replan(t, [1.0] * 10 + [3.0] * 10) == 25  # slower: it shrinks, so the decay still ends in time
+    t = budget_trainer(steps=500, minutes=1.0, wall=30.0, eval_s=4.0, every=0, at=21, planned=22)
+    assert Trainer.replan(t, [3.0] * 10 + [1.0] * 11) is None  # between refits the plan stands
     t = budget_trainer(steps=500, minutes=None, wall=1e9, eval_s=4.0, every=0, at=15, planned=500)
     assert Trainer.replan(t, [2.0] * 15) is None  # no budget: exactly `steps`
 
@@ -153,7 +197,9 @@ def test_distill_without_prune_uses_the_loaded_model_and_a_named_teacher(trained
     recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, distill_stage(3, extra=", train: all, autocast: bf16")))
     s = run(recipe, tmp_path / "a").manifest["stages"][0]["summary"]
     assert s["teacher"] == "the model as loaded" and s["before"]["kl_divergence"] == pytest.approx(0.0, abs=1e-6)
-    assert s["autocast"] == "bf16" and s["after"]["kl_divergence"] > 0
+    # the student starts as its teacher: the KL's gradient is exactly zero, so three steps leave it there
+    assert s["autocast"] == "bf16" and s["steps"] == 3 and s["tokens"] == 3 * 2 * 64
+    assert s["after"]["kl_divergence"] == pytest.approx(0.0, abs=1e-4)
     sources = [str(text_dir / "doc2.txt"), str(text_dir)]  # another file, and the recipe's own source
     own_text = f", teacher: {trained_tiny_dir}, data: {{source: [{sources[0]}, {sources[1]}], samples: 5}}"
     recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=own_text)))
