@@ -219,7 +219,7 @@ class Trainer:
         if left < step_s + (state.eval_seconds if evaluates_now else 0.0):
             planned = state.step
         elif len(timed) == PLAN_AFTER or (len(timed) > PLAN_AFTER and len(timed) % REPLAN_EVERY == 0):
-            recent = statistics.median(timed[-REPLAN_EVERY:]) if len(timed) > PLAN_AFTER else step_s
+            recent = statistics.median(timed[-REPLAN_EVERY:])  # at the first plan: the PLAN_AFTER steps timed
             per_step = recent + (state.eval_seconds / c.eval.every if c.eval.every else 0.0)
             planned = min(c.steps, state.step + max(0, int(left // per_step)))
         else:
