@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,7 +28,8 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.distill import checkpoint
 from compress.distill.losses import CosineSchedule
-from compress.distill.train import Processes, Trainer, eval_min_context
+from compress.distill.refit import refit_down_proj, refit_targets
+from compress.distill.train import Processes, Trainer, sample_order, eval_min_context
 from compress.errors import CompressError
 
 ORIGINAL = "original"
@@ -52,6 +54,12 @@ class DistillEval(_Strict):
     samples: int = Field(4, ge=1, description="Chunks of data.evaluation text (seq_len tokens each) to score on.")
 
 
+class DistillRefit(_Strict):
+    samples: int = Field(64, ge=1, description="Chunks of the training text (seq_len tokens each) the fit reads: the first "
+                         "steps' chunks, in the order training takes them (at most the data.samples there are).")
+    damp: float = Field(0.1, gt=0, description="Ridge towards the pruned weights, as a share of the mean squared activation.")
+
+
 class DistillConfig(_Strict):
     """`distill: {teacher, steps, batch_size, seq_len, lr, temperature, loss, hidden_loss_weight, data, ...}`."""
 
@@ -73,6 +81,12 @@ class DistillConfig(_Strict):
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL loss (scaled by T²).")
     loss: Literal["kl"] = Field("kl", description="kl: forward KL(teacher || student) on the logits.")
     hidden_loss_weight: float = Field(0.0, ge=0, description="Weight of the hidden-state loss on mapped layers (0: off).")
+    refit: DistillRefit | None = Field(
+        default_factory=DistillRefit, description="Before training, fit each pruned MLP's down projection by least squares "
+        "so that, fed the teacher's hidden states, it gives the teacher block's MLP output (distill/refit.py). Only blocks "
+        "whose MLP is narrower than their teacher block's change, and only when the hidden channels were not pruned; it "
+        "needs to know which teacher block each student one matches (teacher: original after a prune stage, or the same "
+        "number of layers and hidden size). null: off.")
     train: Literal["blocks", "all"] = Field(
         "blocks", description="blocks: the decoder blocks and norms learn, the embedding and output head stay frozen "
         "(faster; they are the largest matrices of a small model); all: every parameter learns.")
@@ -151,8 +165,9 @@ class DistillStage:
         if found is not None:
             state = checkpoint.load(found, model, optimizer, scheduler, fingerprint)
             ctx.reporter.info(f"{self.label} (distill): resuming from {found} (step {state.step} of {cfg.steps})")
-        trainer = Trainer(cfg, self.label, model, procs.wrap(model), teacher, procs, optimizer, scheduler, schedule, trainable, state,
-                          train_tokens, eval_tokens, device, use_bf16, pairs, channels, ckpt_dir, fingerprint, ctx.reporter)
+        trainer = Trainer(cfg, self.label, model, teacher, procs, optimizer, scheduler, schedule, trainable, state,
+                          train_tokens, eval_tokens, device, use_bf16, pairs, channels, ckpt_dir, fingerprint, ctx.reporter,
+                          self._refit(model, teacher, ctx, train_tokens, use_bf16) if found is None else None)
         trainer.run()
         full = procs.full_state(trainer.wrapped)
         if full is not None:
@@ -161,6 +176,7 @@ class DistillStage:
         model.to("cpu")
         teacher.to("cpu")
         first, final = state.history[0], state.history[-1]
+        refitted = next((point for point in state.history if "refit" in point), None)
         summary = {
             "teacher": teacher_desc,
             "steps": state.step,
@@ -180,6 +196,7 @@ class DistillStage:
             "held_apart_eval": {"chunks": cfg.eval.samples, "seq_len": cfg.seq_len, "min_context": eval_min_context(cfg.seq_len),
                                 "against": "the teacher"},
             "before": {k: first[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
+            "refit": None if refitted is None else {**refitted["refit"], **{k: refitted[k] for k in ("kl_divergence", "top1_agreement", "perplexity")}},
             "after": {k: final[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
             "history": state.history,
         }
@@ -196,18 +213,55 @@ class DistillStage:
         teacher = ctx.frozen_copy(model)  # no prune stage: the model as this stage receives it teaches
         return teacher, "the model as loaded" if teacher is ctx.original else "the model as this stage received it"
 
+    def _block_mapping(self, model: nn.Module, teacher: nn.Module, ctx: RunContext) -> tuple[list[int], torch.Tensor | None] | None:
+        """(teacher block of each student block, kept hidden channels or None), or None when unknown."""
+        kept = ctx.mapping
+        if kept is not None and teacher is ctx.teacher:
+            return kept.layers, kept.hidden
+        if model.config.num_hidden_layers != teacher.config.num_hidden_layers or model.config.hidden_size != teacher.config.hidden_size:
+            return None
+        return list(range(model.config.num_hidden_layers)), None
+
     def _hidden_mapping(self, model: nn.Module, teacher: nn.Module, ctx: RunContext) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
         if self.config.hidden_loss_weight == 0:
             return [], None
-        n_s, n_t = model.config.num_hidden_layers, teacher.config.num_hidden_layers
-        kept = ctx.mapping
-        if kept is not None and teacher is ctx.teacher:
-            return layer_map(kept.layers, n_t), kept.hidden
-        if n_s != n_t or model.config.hidden_size != teacher.config.hidden_size:
+        mapping = self._block_mapping(model, teacher, ctx)
+        if mapping is None:
             raise CompressError(f"{self.label} (distill): hidden_loss_weight needs to know which teacher layer and channel each "
                                 "student one matches; that is known for teacher: original after a prune stage, or when both "
-                                f"have the same shape (student {n_s} x {model.config.hidden_size}, teacher {n_t} x {teacher.config.hidden_size})")
-        return layer_map(list(range(n_s)), n_t), None
+                                f"have the same shape (student {model.config.num_hidden_layers} x {model.config.hidden_size}, "
+                                f"teacher {teacher.config.num_hidden_layers} x {teacher.config.hidden_size})")
+        return layer_map(mapping[0], teacher.config.num_hidden_layers), mapping[1]
+
+    def _refit(self, model: nn.Module, teacher: nn.Module, ctx: RunContext, train_tokens: torch.Tensor,
+               use_bf16: bool) -> Callable[[], dict[str, Any]] | None:
+        """The least-squares refit as the trainer runs it before step 1, or None when it has nothing to do."""
+        cfg = self.config
+        if cfg.refit is None:
+            return None
+        mapping = self._block_mapping(model, teacher, ctx)
+        if mapping is None:
+            if "refit" in cfg.model_fields_set:
+                raise CompressError(f"{self.label} (distill): refit needs to know which teacher block each student block matches; "
+                                    "that is known for teacher: original after a prune stage, or the same number of layers and "
+                                    "hidden size (or set refit: null)")
+            return None
+        layers, channels = mapping
+        if channels is not None:  # hidden channels pruned: measured worse on a tiny model (module docstring)
+            if "refit" in cfg.model_fields_set:
+                raise CompressError(f"{self.label} (distill): refit fits MLPs on the teacher's hidden states, which the student no "
+                                    "longer has once hidden channels are pruned (it made the KL worse there); set refit: null")
+            return None
+        if not refit_targets(model, teacher, layers):
+            return None
+        order = sample_order(train_tokens.shape[0], cfg.data.seed, 0)[: cfg.refit.samples]
+        tokens = train_tokens[list(order)]
+
+        def run() -> dict[str, Any]:
+            report = refit_down_proj(model, teacher, tokens, layers, cfg.refit.damp, cfg.batch_size, ctx.device,
+                                     use_bf16, ctx.reporter.track)
+            return {"blocks": report.blocks, "tokens": report.tokens, "seconds": round(report.seconds, 2), "damp": cfg.refit.damp}
+        return run
 
     def _trainable(self, model: nn.Module) -> list[nn.Parameter]:
         frozen = set()

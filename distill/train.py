@@ -8,8 +8,8 @@ import functools
 import os
 import statistics
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,7 +98,6 @@ class Trainer:
     config: DistillConfig
     label: str
     model: nn.Module  # the student itself
-    wrapped: nn.Module  # the student as trained (DDP/FSDP wrapper in a multi-process run)
     teacher: nn.Module
     procs: Processes
     optimizer: torch.optim.Optimizer
@@ -115,6 +114,8 @@ class Trainer:
     checkpoint_dir: Path | None
     fingerprint: str
     reporter: Reporter
+    refit: Callable[[], dict[str, Any]] | None = None  # the closed-form first phase (distill/refit.py), before step 1
+    wrapped: nn.Module = field(init=False)  # the student as trained (DDP/FSDP wrapper in a multi-process run), set by run()
 
     @property
     def tokens_per_step(self) -> int:
@@ -127,7 +128,7 @@ class Trainer:
         c, n = self.config, self.train_tokens.shape[0]
         for micro in range(c.grad_accum):
             first = ((step * c.grad_accum + micro) * self.procs.world + self.procs.rank) * c.batch_size
-            rows = [_sample_order(n, c.data.seed, (first + k) // n)[(first + k) % n] for k in range(c.batch_size)]
+            rows = [sample_order(n, c.data.seed, (first + k) // n)[(first + k) % n] for k in range(c.batch_size)]
             yield self.train_tokens[rows]
 
     def evaluate(self) -> dict[str, Any]:
@@ -176,6 +177,14 @@ class Trainer:
         if not state.history:
             state.history.append({**self.evaluate(), "loss": None})
             state.eval_seconds = time.perf_counter() - began
+            if self.refit is not None:  # its time counts in the budget; a resumed run has it in its checkpoint
+                done = self.refit()
+                point = {**self.evaluate(), "loss": None, "refit": done}
+                state.history.append(point)
+                self.reporter.info(f"{self.label} least-squares refit of {len(done['blocks'])} down projections "
+                                   f"({done['tokens']:,} tokens, {done['seconds']:.0f} s): KL {point['kl_divergence']:.4f}  "
+                                   f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}")
+        self.wrapped = self.procs.wrap(self.model)  # after the refit: it writes the plain modules' weights
         self.model.train()
         timed: list[float] = []
         with self.reporter.bar(f"{self.label} distill", total=state.planned_steps, completed=state.step) as advance:
@@ -232,7 +241,7 @@ class Trainer:
 
 
 @functools.lru_cache(maxsize=4)
-def _sample_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+def sample_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
     """The order of the training chunks in ``epoch`` (a fresh permutation each epoch)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return tuple(torch.randperm(n, generator=g).tolist())

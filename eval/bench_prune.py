@@ -93,7 +93,8 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
         record = DistillStage(distill, "distill").apply(model, ctx)
         s = record.summary
         row.update(repair_seconds=round(time.perf_counter() - t0, 1), train_seconds=s["train_seconds"], steps=s["steps"],
-                   stopped_by=s["stopped_by"], tokens=s["tokens"], tokens_per_second=s["tokens_per_second"], repaired=score(model))
+                   stopped_by=s["stopped_by"], tokens=s["tokens"], tokens_per_second=s["tokens_per_second"], refit=s["refit"],
+                   repaired=score(model))
         for name in texts:
             gap, left = row["pruned"][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
             row.setdefault("kl_gap_recovered", {})[name] = round(1 - left / gap, 4) if gap > 0 else None
@@ -107,7 +108,9 @@ def markdown_table(result: dict[str, Any]) -> str:
              f"repair: up to {result['distill']['steps']} steps"
              + (f" within {result['distill']['max_minutes']:g} minutes" if result["distill"].get("max_minutes") else "")
              + f" of {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "
-             f"of {result['training_text']}, lr {result['distill']['lr']:g}, autocast {result['distill']['autocast']}.", "",
+             f"of {result['training_text']}, lr {result['distill']['lr']:g}, autocast {result['distill']['autocast']}"
+             + (f", after a least-squares refit of the pruned down projections on {result['distill']['refit']['samples']} of its chunks"
+                if result["distill"].get("refit") else "") + ".", "",
              "| setting | parameters | text | KL pruned | KL repaired | gap recovered | top-1 pruned → repaired | "
              "perplexity base / pruned / repaired | repair time, s | tokens |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -122,6 +125,11 @@ def markdown_table(result: dict[str, Any]) -> str:
                 if q else
                 f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | … | … | "
                 f"{p['top1_agreement']:.2%} | {p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / … | … | … |")
+    for r in result["rows"]:
+        if r.get("refit"):
+            f = r["refit"]
+            lines.append(f"\n{_setting(r['setting'])}: the refit took {f['seconds']:.0f} s of the repair ({f['tokens']:,} tokens, "
+                         f"{len(f['blocks'])} blocks); the distill stage's own held-apart KL after it: {f['kl_divergence']:.4f}.")
     return "\n".join(lines)
 
 

@@ -114,6 +114,9 @@ def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, tr
     assert set(saved["texts"]["unseen"]) == {"unseen", "unseen-2"}
     assert saved["texts"]["unseen"]["unseen-2"]["source"] == str(other)
     assert "| mlp 50%, heads 50%, multiple_of 8 |" in (out / "results.md").read_text()
+    # the repair refits the narrowed MLPs' down projections first; dropping blocks leaves nothing to refit
+    assert rows[0]["refit"]["blocks"] == [0, 1, 2, 3] and rows[1]["refit"] is None
+    assert "mlp 50%, heads 50%, multiple_of 8: the refit took" in (out / "results.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [(["--setting", "{mlp: 2}"], "between 0 and 1"), (["--setting", "mlp"], "not a YAML mapping"),

@@ -156,6 +156,48 @@ def test_time_budget_plans_the_steps_that_fit_and_stops_before_passing_it():
     assert Trainer.replan(t, [2.0] * 15) is None  # no budget: exactly `steps`
 
 
+def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
+    """MLP-only pruning: the student's activations on the teacher's inputs are the teacher's at the
+    kept neurons, so the fit can be checked against an independent solve (lstsq of the stacked
+    ridge system) on activations captured from the teacher."""
+    import copy
+
+    from compress.distill.refit import refit_down_proj
+    from compress.pruning.arch import PrunableModel
+    from compress.pruning.slicing import prune_mlp
+    from tests.test_pruning import ids, tiny
+
+    teacher = tiny(layers=3)
+    student = copy.deepcopy(teacher)
+    keep = [torch.randperm(96, generator=torch.Generator().manual_seed(i))[:64].sort().values for i in range(3)]
+    prune_mlp(PrunableModel.of(student), keep)
+    before = [b.mlp.down_proj.weight.detach().clone() for b in student.model.layers]
+    tokens = ids(batch=6, seq=32)
+    acts, outs = {}, {}
+    hooks = [b.mlp.down_proj.register_forward_pre_hook(lambda m, a, i=i: acts.setdefault(i, []).append(a[0])) for i, b in enumerate(teacher.model.layers)]
+    hooks += [b.mlp.register_forward_hook(lambda m, a, o, i=i: outs.setdefault(i, []).append(o)) for i, b in enumerate(teacher.model.layers)]
+    with torch.no_grad():
+        teacher(input_ids=tokens, use_cache=False)
+    for h in hooks:
+        h.remove()
+    report = refit_down_proj(student, teacher, tokens, [0, 1, 2], damp=0.1, batch_size=4, device=torch.device("cpu"), bf16=False)
+    assert report.blocks == [0, 1, 2] and report.tokens == 6 * 32
+    for i, block in enumerate(student.model.layers):
+        a = torch.cat(acts[i]).reshape(-1, 96)[:, keep[i]].double()
+        y = torch.cat(outs[i]).reshape(a.shape[0], -1).double()
+        lam = 0.1 * (a * a).sum(0).mean()
+        stacked_a = torch.cat([a, lam.sqrt() * torch.eye(64, dtype=torch.float64)])
+        stacked_y = torch.cat([y, lam.sqrt() * before[i].double().T])
+        expected = torch.linalg.lstsq(stacked_a, stacked_y).solution.T
+        torch.testing.assert_close(block.mlp.down_proj.weight.double(), expected, atol=1e-5, rtol=1e-4)
+        error = lambda w: float(((a @ w.detach().double().T - y) ** 2).mean())  # noqa: E731
+        assert error(block.mlp.down_proj.weight) < 0.9 * error(before[i])
+    # nothing to refit where the MLP kept its width: that block is left as it was
+    same = copy.deepcopy(teacher)
+    prune_mlp(PrunableModel.of(same), [torch.arange(96)] * 3)
+    assert refit_down_proj(same, teacher, tokens, [0, 1, 2], 0.1, 4, torch.device("cpu"), False).blocks == []
+
+
 # ------------------------------------------------------------------ training
 
 
@@ -178,12 +220,25 @@ def test_distillation_repairs_a_pruned_model_on_held_apart_text(trained_tiny_dir
     assert s["teacher"] == "the model before pruning" and s["hidden_loss_layers"] == 4
     assert s["tokens"] == 40 * 2 * 64 and s["processes"] == 1 and s["resumed_from_step"] is None
     assert [h["step"] for h in s["history"]] == [0, 10, 20, 30, 40]
+    assert s["refit"] is None  # hidden channels were pruned: the least-squares refit does not run
     assert s["after"]["kl_divergence"] < 0.5 * s["before"]["kl_divergence"]
     # the pipeline's own evaluation (recipe evaluation text, against the loaded model) agrees it improved
     pruned_only = run_prune_only(trained_tiny_dir, text_dir, tmp_path)
     repaired = next(e for e in result.evaluations if e.artifact == "compressed").metrics["kl_divergence"]
     assert repaired < pruned_only
     assert not (tmp_path / "out.work").exists()
+
+
+def test_the_refit_runs_before_training_after_mlp_pruning(trained_tiny_dir, text_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, "  - prune: {mlp: 0.25}\n" + distill_stage(
+        4, extra=", max_minutes: 5, refit: {samples: 16, damp: 0.05}, data: {samples: 24}")))
+    s = run(recipe, tmp_path / "out").manifest["stages"][1]["summary"]
+    assert [h["step"] for h in s["history"]] == [0, 0, 4]  # before, after the refit, at the end
+    r = s["refit"]
+    assert r["blocks"] == [0, 1, 2, 3] and r["tokens"] == 16 * 64 and r["damp"] == 0.05 and r["seconds"] > 0
+    assert r["kl_divergence"] < 0.5 * s["before"]["kl_divergence"]  # measured: 0.0014 -> 0.0001
+    assert s["loop_seconds"] >= r["seconds"]  # the refit counts in the time budget
 
 
 def run_prune_only(model: Path, texts: Path, tmp_path: Path) -> float:
@@ -226,6 +281,13 @@ def test_distill_recipe_errors(trained_tiny_dir, text_dir, tmp_path):
     recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=f", hidden_loss_weight: 1.0, teacher: {trained_tiny_dir}")))
     with pytest.raises(CompressError, match="hidden_loss_weight needs to know which teacher layer"):
         run(recipe, tmp_path / "c")
+    # the refit runs by default where the mapping is known; asked for explicitly without one, it is an error
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=f", refit: {{samples: 4}}, teacher: {trained_tiny_dir}")))
+    with pytest.raises(CompressError, match="refit needs to know which teacher block"):
+        run(recipe, tmp_path / "d")
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=", refit: {samples: 4}")))
+    with pytest.raises(CompressError, match="no longer has once hidden channels are pruned"):
+        run(recipe, tmp_path / "e")
 
 
 def test_gradient_accumulation_equals_the_larger_batch(trained_tiny_dir, text_dir, tmp_path):
@@ -339,7 +401,7 @@ def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, tor
 
 @pytest.mark.real_model
 def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_runtimes(tmp_path):
-    """recipes/prune-distill.yaml on reduced data and a short repair (20 steps of 2 x 512 tokens at lr 1e-4):
+    """recipes/prune-distill.yaml on reduced data and a short repair (refit, then 20 steps of 2 x 512 tokens at lr 1e-4):
     pruned, repaired (KL to the teacher falls on held-apart text), GPTQ W4 g32 asym, exported
     exactly to Q4_1 GGUF and int4 ONNX, each run and scored on its runtime and gated."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (extra gguf) runs the GGUF export")
@@ -357,6 +419,9 @@ def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_ru
     prune, distill = manifest["stages"][0]["summary"], manifest["stages"][1]["summary"]
     assert prune["after"]["intermediate_size"] == 1152
     assert distill["after"]["kl_divergence"] < distill["before"]["kl_divergence"] and distill["tokens"] == 20 * 2 * 512
+    # the least-squares refit ran first, on the 40 training chunks there are, and already lowered the KL
+    assert len(distill["refit"]["blocks"]) == 30 and distill["refit"]["tokens"] == 40 * 512
+    assert distill["refit"]["kl_divergence"] < distill["before"]["kl_divergence"]
     entries = {e["name"]: e for e in manifest["exports"]}
     assert entries["q4_1"]["records_exact"] == 210 and entries["int4"]["records_exact"] == 210
     report = json.loads((out / "report.json").read_text())
