@@ -2,8 +2,9 @@
 distillation from a teacher — by default the model as it was before the prune stage.
 
 First, where MLPs were narrowed, each one's down projection is refitted by least squares to give
-the teacher block's MLP output on the teacher's hidden states (distill/refit.py). Training: forward KL on the logits at a temperature, plus an optional hidden-state loss on
-mapped layers; AdamW with linear warmup and cosine decay, gradient accumulation, gradient
+the teacher block's MLP output on the teacher's hidden states (distill/refit.py). Training:
+forward KL on the logits at a temperature, plus an optional hidden-state loss on mapped layers;
+AdamW with linear warmup and cosine decay, gradient accumulation, gradient
 clipping, bf16 autocast (CUDA by default; CPUs with bf16 matrix units when asked). The student
 is scored against the teacher on held-apart evaluation text every ``eval.every`` steps, a
 checkpoint is written every ``checkpoint_every`` steps, and a killed run started again with the
