@@ -88,7 +88,8 @@ class DistillConfig(_Strict):
         "so that, fed the teacher's hidden states, it gives the teacher block's MLP output (distill/refit.py). Only blocks "
         "whose MLP is narrower than their teacher block's change, and only when the hidden channels were not pruned; it "
         "needs to know which teacher block each student one matches (teacher: original after a prune stage, or the same "
-        "number of layers and hidden size). null: off.")
+        "number of layers and hidden size). Skipped unless set explicitly after a prune stage with mlp_method obs, which "
+        "fits the same columns to the same target. null: off.")
     train: Literal["blocks", "all"] = Field(
         "blocks", description="blocks: the decoder blocks and norms learn, the embedding and output head stay frozen "
         "(faster; they are the largest matrices of a small model); all: every parameter learns.")
@@ -256,6 +257,8 @@ class DistillStage:
             return None
         if not refit_targets(model, teacher, layers):
             return None
+        if cfg.teacher == ORIGINAL and getattr(ctx.mapping, "mlp_refitted", False) and "refit" not in cfg.model_fields_set:
+            return None  # prune's mlp_method obs fitted these columns already, to the same target (measured: no gain, ~1 min lost)
         order = sample_order(train_tokens.shape[0], cfg.data.seed, 0)[: cfg.refit.samples]
         tokens = train_tokens[list(order)]
 

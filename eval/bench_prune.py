@@ -5,7 +5,10 @@ recipe stage, score, repair with the recipe's ``distill`` stage (teacher: the un
 score again. Scores are against the unpruned model on texts the repair never trained on: the
 held-out share of the evaluation source (data.holdout, kept apart from the training text) and any
 number of other sources (``--unseen``, text of kinds the training text does not cover), each
-named by its file or reference name. results.json and results.md are rewritten after every phase.
+named by its file or reference name. A setting with ``mlp_method: obs`` is also pruned the
+default way (activation importance on data.calibration) and scored, so that its row reports the
+share of that gap too: obs already closes part of the gap in pruning. results.json and results.md
+are rewritten after every phase.
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
         ctx.applied.append("prune")
         row.update(prune_seconds=round(time.perf_counter() - t0, 1), parameters=parameters(model), shape=record.summary["after"],
                    dropped_layers=record.summary["dropped_layers"], pruned=score(model))
+        if config.mlp_method != "activation":  # the gap the activation (Minitron) choice on data.calibration opens, for comparison
+            reference = copy.deepcopy(lm.model)
+            PruneStage(config.model_copy(update={"mlp_method": "activation", "data": None}), "prune").apply(reference, RunContext(
+                seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens,
+                original=lm.model))
+            row["pruned_by_activation"] = score(reference)
+            del reference
         write_results(out_dir, result, markdown_table(result))
         t0 = time.perf_counter()
         record = DistillStage(distill, "distill").apply(model, ctx)
@@ -95,9 +105,10 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
         row.update(repair_seconds=round(time.perf_counter() - t0, 1), train_seconds=s["train_seconds"], steps=s["steps"],
                    stopped_by=s["stopped_by"], tokens=s["tokens"], tokens_per_second=s["tokens_per_second"], refit=s["refit"],
                    repaired=score(model))
-        for name in texts:
-            gap, left = row["pruned"][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
-            row.setdefault("kl_gap_recovered", {})[name] = round(1 - left / gap, 4) if gap > 0 else None
+        for key, pruned in (("kl_gap_recovered", "pruned"), ("kl_gap_recovered_of_activation", "pruned_by_activation")):
+            for name in texts if pruned in row else ():
+                gap, left = row[pruned][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
+                row.setdefault(key, {})[name] = round(1 - left / gap, 4) if gap > 0 else None
         write_results(out_dir, result, markdown_table(result))
         del model, ctx
     return result
@@ -110,7 +121,7 @@ def markdown_table(result: dict[str, Any]) -> str:
              + f" of {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "
              f"of {result['training_text']}, lr {result['distill']['lr']:g}, autocast {result['distill']['autocast']}"
              + (f", after a least-squares refit of the pruned down projections on {result['distill']['refit']['samples']} of its chunks"
-                if result["distill"].get("refit") else "") + ".", "",
+                if any(r.get("refit") for r in result["rows"]) else "") + ".", "",
              "| setting | parameters | text | KL pruned | KL repaired | gap recovered | top-1 pruned → repaired | "
              "perplexity base / pruned / repaired | repair time, s | tokens |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -126,6 +137,12 @@ def markdown_table(result: dict[str, Any]) -> str:
                 f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | … | … | "
                 f"{p['top1_agreement']:.2%} | {p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / … | … | … |")
     for r in result["rows"]:
+        if r.get("pruned_by_activation"):
+            shares = r.get("kl_gap_recovered_of_activation", {})
+            lines.append(f"\n{_setting(r['setting'])}: the activation (Minitron) choice of as many neurons (from data.calibration, no "
+                         "update) opens a KL of " + ", ".join(f"{p['kl_divergence']:.4f} ({name}" + (f"; the repaired model is {shares[name]:.1%} below it)"
+                                                   if shares.get(name) is not None else ")")
+                                                   for name, p in r["pruned_by_activation"].items()) + ".")
         if r.get("refit"):
             f = r["refit"]
             lines.append(f"\n{_setting(r['setting'])}: the refit took {f['seconds']:.0f} s of the repair ({f['tokens']:,} tokens, "
@@ -136,5 +153,14 @@ def markdown_table(result: dict[str, Any]) -> str:
 def _setting(s: dict[str, Any]) -> str:
     parts = []
     for k, v in s.items():
-        parts.append(f"{k} {v:.0%}" if isinstance(v, float) else f"{k} {v}")
+        parts.append(f"{k} {v:.0%}" if isinstance(v, float) and k in ("mlp", "heads", "hidden") else f"{k} {_flow(v)}")
     return ", ".join(parts)
+
+
+def _flow(v: Any) -> str:
+    """A value as YAML flow style, unquoted: {source: [a, b], samples: 64}."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_flow(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_flow(x) for x in v) + "]"
+    return str(v)

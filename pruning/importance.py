@@ -38,6 +38,7 @@ class Importance:
     hidden: torch.Tensor | None = None  # [hidden_size]
     layers_cosine: torch.Tensor | None = None  # [num_layers]: 1 - cos(in, out)
     layers_kl: torch.Tensor | None = None  # [num_layers]: KL when the block is skipped
+    mlp_gram: list[torch.Tensor] = field(default_factory=list)  # per block, when asked: Σ aᵀa of the down_proj inputs (float64)
     tokens: int = 0
 
     def group_scores(self, layer: int, kv_heads: int) -> torch.Tensor:
@@ -72,22 +73,28 @@ def head_norms(o_proj_input: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def collect(pm: PrunableModel, batches: Iterable[torch.Tensor], device: torch.device, want_hidden: bool,
-            layer_metric: str | None, progress: Callable[..., Iterable] | None = None) -> Importance:
+            layer_metric: str | None, progress: Callable[..., Iterable] | None = None, want_gram: bool = False) -> Importance:
     """One pass over ``batches`` (token ids [b, seq]) with hooks; returns summed-then-averaged scores.
 
     ``layer_metric`` is None (no block scores), ``"cosine"`` (from the same pass) or ``"kl"``
-    (one more pass per block, see :func:`skip_kl`)."""
+    (one more pass per block, see :func:`skip_kl`). ``want_gram``: also sum each block's aᵀa of
+    the down_proj inputs (for the structured-OBS selection, obs.py)."""
     model, blocks = pm.model, pm.blocks
     n = len(blocks)
     mlp_sum = [torch.zeros(pm.intermediate_size, dtype=torch.float64) for _ in range(n)]
     head_sum = [torch.zeros(pm.num_heads, dtype=torch.float64) for _ in range(n)]
     hidden_sum = torch.zeros(pm.hidden_size, dtype=torch.float64)
     cos_sum = torch.zeros(n, dtype=torch.float64)
+    gram = [torch.zeros(pm.intermediate_size, pm.intermediate_size, dtype=torch.float64) for _ in range(n)] if want_gram else []
     handles = []
 
     def on_down(i: int) -> Callable:
         def hook(_m: nn.Module, args: tuple) -> None:
-            mlp_sum[i] += args[0].detach().reshape(-1, args[0].shape[-1]).abs().double().sum(0).cpu()
+            a = args[0].detach().reshape(-1, args[0].shape[-1])
+            mlp_sum[i] += a.abs().double().sum(0).cpu()
+            if want_gram:
+                a = a.float()
+                gram[i] += (a.T @ a).double().cpu()  # float32 per batch, summed in float64
         return hook
 
     def on_o(i: int) -> Callable:
@@ -125,7 +132,7 @@ def collect(pm: PrunableModel, batches: Iterable[torch.Tensor], device: torch.de
     finally:
         for h in handles:
             h.remove()
-    imp = Importance(mlp=[s / tokens for s in mlp_sum], heads=[s / tokens for s in head_sum], tokens=tokens)
+    imp = Importance(mlp=[s / tokens for s in mlp_sum], heads=[s / tokens for s in head_sum], mlp_gram=gram, tokens=tokens)
     if want_hidden:
         imp.hidden = hidden_sum / tokens
     if layer_metric == "cosine":

@@ -8,12 +8,16 @@ heads and are removed a KV group at a time; MLP and hidden sizes are rounded dow
 Blocks: ``layers: {drop: 4}`` or ``layers: {size: 26}``, least important first by ``metric``.
 
 All scores come from the unpruned model in one pass, then every axis is cut: blocks first,
-then MLP neurons and KV groups per kept block, then embedding channels.
+then MLP neurons and KV groups per kept block, then embedding channels. ``mlp_method: obs``
+chooses the MLP neurons by structured OBS instead (obs.py: the same pass also sums each block's
+aᵀa) and updates the kept down_proj columns; ``data`` gives the pass other text than
+data.calibration.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +28,7 @@ from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.pruning.arch import PrunableModel
 from compress.pruning.importance import Importance, collect, top_indices
+from compress.pruning.obs import obs_cut
 from compress.pruning.slicing import drop_layers, prune_hidden, prune_kv_groups, prune_mlp
 
 
@@ -49,6 +54,16 @@ class LayerTarget(_Strict):
         return self
 
 
+class PruneData(_Strict):
+    source: str | list[str] = Field(
+        description="Text of the importance pass (file, directory, glob or reference:<name>), or a list of them sharing the "
+        "chunks equally. Kept apart from data.evaluation like calibration text.")
+    samples: int | None = Field(None, ge=1, description="Chunks; default: data.calibration.samples.")
+    seq_len: int | None = Field(None, ge=8, description="Tokens per chunk; default: data.calibration.seq_len.")
+    seed: int = Field(0, description="Seed for choosing the chunks.")
+    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
+
+
 Share = float
 Target = Share | SizeTarget | None
 
@@ -60,6 +75,14 @@ class PruneConfig(_Strict):
     heads: Target = Field(None, description="Attention heads, whole KV groups at a time: share to remove, or {size: N} query heads to keep.")
     hidden: Target = Field(None, description="Embedding channels (the residual stream): share to remove, or {size: N} to keep.")
     layers: LayerTarget | None = Field(None, description="Whole decoder blocks: {drop: N} or {size: N}, and the metric.")
+    mlp_method: Literal["activation", "obs"] = Field(
+        "activation", description="Which MLP neurons go. activation: the lowest mean |gated activation| (Minitron); "
+        "obs: structured optimal brain surgeon (ZipLM, SlimGPT), the neurons the kept ones can best stand in for, "
+        "with the kept down_proj columns updated by least squares on the calibration text (pruning/obs.py).")
+    obs_damp: float = Field(0.01, gt=0, description="mlp_method obs: ridge λ = obs_damp · mean(diag(aᵀa)).")
+    data: PruneData | None = Field(
+        None, description="Other text for the importance pass than data.calibration (obs fits to it: give it text as broad "
+        "as what the model must keep doing).")
     multiple_of: int = Field(32, ge=1, description="MLP and hidden sizes are rounded down to a multiple of this (GGUF blocks are 32 wide).")
     batch_size: int = Field(4, ge=1, description="Calibration chunks per forward pass of the importance pass.")
 
@@ -71,6 +94,8 @@ class PruneConfig(_Strict):
                 raise ValueError(f"{name}: a share to remove is between 0 and 1 (exclusive), got {value}; use {{size: N}} for a size")
         if not any(getattr(self, n) is not None for n in ("mlp", "heads", "hidden", "layers")):
             raise ValueError("prune needs at least one of mlp, heads, hidden, layers")
+        if self.mlp_method == "obs" and self.mlp is None:
+            raise ValueError("mlp_method obs chooses MLP neurons: give an mlp target too")
         return self
 
     @property
@@ -144,6 +169,8 @@ class PruneStage:
         self.label = label
 
     def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
+        from compress.data import Chunks  # compress.data imports the recipe, which imports this module
+
         started = time.perf_counter()
         pm = PrunableModel.of(model)
         if ctx.quantized:
@@ -152,16 +179,26 @@ class PruneStage:
         before_shape, before_params = pm.shape(), parameters(model)
         sizes = resolve_sizes(self.config, pm)
         ctx.keep_teacher(model)  # the model before pruning teaches a later distill stage
-        tokens = ctx.calibration()
+        tokens = self._tokens(ctx)
         batches = list(tokens.split(self.config.batch_size))
         device = ctx.device
         model.to(device)
+        obs = self.config.mlp_method == "obs"
         imp = collect(pm, batches, device, want_hidden="hidden" in sizes,
-                      layer_metric=self.config.layers.metric if self.config.layers else None, progress=ctx.reporter.track)
-        kept = self._cut(pm, imp, sizes)
+                      layer_metric=self.config.layers.metric if self.config.layers else None, progress=ctx.reporter.track,
+                      want_gram=obs)
+        if obs and imp.tokens < 8 * pm.intermediate_size:
+            ctx.reporter.warn(f"{self.label} (prune): mlp_method obs fits {pm.intermediate_size} neurons a block from {imp.tokens:,} "
+                              "tokens; with fewer than 8 tokens a neuron the fit follows this text and can hurt other text "
+                              "(give data: more samples)")
+        cut_started = time.perf_counter()
+        kept, obs_removed = self._cut(pm, imp, sizes, self.config.obs_damp if obs else None, ctx.reporter.track)
+        cut_seconds = time.perf_counter() - cut_started
+        imp.mlp_gram = []  # 30 x 1536² float64 for SmolLM2: not kept past the cut
         model.to("cpu")
         ctx.mapping = kept  # student -> teacher indices, for a hidden-state distillation loss
-        ctx.files[f"pruning/{self.label}.safetensors"] = {**imp.tensors(), **{f"kept.{k}": v for k, v in kept.tensor_items()}}
+        ctx.files[f"pruning/{self.label}.safetensors"] = {**imp.tensors(), **{f"kept.{k}": v for k, v in kept.tensor_items()},
+                                                        **{f"obs_removed.mlp.layers.{i}": r for i, r in enumerate(obs_removed)}}
         after_params = parameters(model)
         summary: dict[str, Any] = {
             "before": {**before_shape, "parameters": before_params},
@@ -169,14 +206,36 @@ class PruneStage:
             "removed_parameters_pct": round(100 * (1 - after_params / before_params), 2),
             "dropped_layers": [i for i in range(before_shape["num_hidden_layers"]) if i not in kept.layers],
             "importance": {"calibration_tokens": imp.tokens, "file": f"pruning/{self.label}.safetensors",
-                           "layer_metric": self.config.layers.metric if self.config.layers else None},
+                           "text": "data.calibration" if self.config.data is None else self.config.data.source,
+                           "tokens_sha256": Chunks("calibration", tokens).sha256,
+                           "layer_metric": self.config.layers.metric if self.config.layers else None,
+                           "mlp_method": self.config.mlp_method if "mlp" in sizes else None},
         }
+        if obs:
+            summary["obs"] = {"damp": self.config.obs_damp, "seconds": round(cut_seconds, 1)}
         ctx.reporter.info(f"{self.label} (prune): {before_params:,} → {after_params:,} parameters "
                           f"({summary['removed_parameters_pct']}% removed); shape {pm.shape()}")
-        return StageRecord("prune", "minitron", self.config.model_dump(mode="json"), time.perf_counter() - started, summary)
+        return StageRecord("prune", "minitron+obs" if obs else "minitron", self.config.model_dump(mode="json"),
+                           time.perf_counter() - started, summary)
+
+    def _tokens(self, ctx: RunContext) -> torch.Tensor:
+        """The importance pass's chunks: data.calibration's, or ``data``'s (in the calibration role)."""
+        data = self.config.data
+        if data is None:
+            return ctx.calibration()
+        if ctx.text is None:
+            raise CompressError(f"{self.label} (prune): data: this run gives no text loader")
+        samples, seq_len = data.samples, data.seq_len
+        if samples is None or seq_len is None:
+            base = ctx.calibration()
+            samples, seq_len = samples or int(base.shape[0]), seq_len or int(base.shape[1])
+        return ctx.text("calibration", samples, seq_len, data.source, data.seed, data.text_field)
 
     @staticmethod
-    def _cut(pm: PrunableModel, imp: Importance, sizes: dict[str, int]) -> KeptIndices:
+    def _cut(pm: PrunableModel, imp: Importance, sizes: dict[str, int], obs_damp: float | None = None,
+             progress: Callable[..., Iterable] | None = None) -> tuple[KeptIndices, list[torch.Tensor]]:
+        """Cut every axis; returns what was kept and, with ``obs_damp`` (mlp_method obs), each kept
+        block's MLP neurons in the order the search removed them."""
         n = len(pm.blocks)
         layers = list(range(n))
         if "layers" in sizes:
@@ -185,7 +244,17 @@ class PruneStage:
             layers = top_indices(scores, sizes["layers"]).tolist()
             drop_layers(pm, [i for i in range(n) if i not in layers])
         kept = KeptIndices(layers=layers)
-        if "mlp" in sizes:
+        removed: list[torch.Tensor] = []
+        if "mlp" in sizes and obs_damp is not None:
+            cuts = [obs_cut(imp.mlp_gram[i], pm.down_proj(block).weight, sizes["mlp"], obs_damp)
+                    for i, block in zip(layers, progress(pm.blocks, "pruning: OBS selection", len(layers)) if progress else pm.blocks)]
+            kept.mlp, removed, kept.mlp_refitted = [c.kept for c in cuts], [c.removed for c in cuts], True
+            prune_mlp(pm, kept.mlp)
+            with torch.no_grad():
+                for block, c in zip(pm.blocks, cuts):
+                    weight = pm.down_proj(block).weight
+                    weight.copy_(c.weight.to(weight.dtype))
+        elif "mlp" in sizes:
             kept.mlp = [top_indices(imp.mlp[i], sizes["mlp"]) for i in layers]
             prune_mlp(pm, kept.mlp)
         if "heads" in sizes:
@@ -197,7 +266,7 @@ class PruneStage:
             assert imp.hidden is not None
             kept.hidden = top_indices(imp.hidden, sizes["hidden"])
             prune_hidden(pm, kept.hidden)
-        return kept
+        return kept, removed
 
 
 @dataclass
@@ -209,6 +278,7 @@ class KeptIndices:
     hidden: torch.Tensor | None = None
     mlp: list[torch.Tensor] = field(default_factory=list)
     kv_groups: list[torch.Tensor] = field(default_factory=list)
+    mlp_refitted: bool = False  # the kept down_proj columns were fitted by least squares (mlp_method obs)
 
     def tensor_items(self) -> list[tuple[str, torch.Tensor]]:
         items = [("layers", torch.tensor(self.layers, dtype=torch.long))]
