@@ -77,15 +77,18 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
         "rows": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+
+    def context() -> RunContext:
+        return RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens,
+                          text=plan.text_for(lm.tokenizer, Path.cwd(), reporter), original=lm.model)
+
     for config in settings:
         label = config.model_dump_json(exclude_defaults=True)
         reporter.info(f"[bold]prune {label}[/]")
         row: dict[str, Any] = {"setting": config.model_dump(mode="json", exclude_defaults=True)}
         result["rows"].append(row)
         model = copy.deepcopy(lm.model)
-        ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens,
-                         text=plan.text_for(lm.tokenizer, Path.cwd(), reporter),
-                         original=lm.model)
+        ctx = context()
         t0 = time.perf_counter()
         record = PruneStage(config, "prune").apply(model, ctx)
         ctx.applied.append("prune")
@@ -93,9 +96,7 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
                    dropped_layers=record.summary["dropped_layers"], pruned=score(model))
         if config.mlp_method != "activation":  # the gap the activation (Minitron) choice on data.calibration opens, for comparison
             reference = copy.deepcopy(lm.model)
-            PruneStage(config.model_copy(update={"mlp_method": "activation", "data": None}), "prune").apply(reference, RunContext(
-                seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens,
-                original=lm.model))
+            PruneStage(config.model_copy(update={"mlp_method": "activation", "data": None}), "prune").apply(reference, context())
             row["pruned_by_activation"] = score(reference)
             del reference
         write_results(out_dir, result, markdown_table(result))

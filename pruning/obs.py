@@ -42,7 +42,7 @@ def obs_cut(gram: torch.Tensor, weight: torch.Tensor, keep: int, damp: float, bl
     if not 0 < keep <= d:
         raise ValueError(f"keep must be in 1..{d}, got {keep}")
     h = gram.double().clone()
-    h.diagonal().add_(damp * float(h.diagonal().mean()) if damp > 0 else 0.0)
+    h.diagonal().add_(damp * float(h.diagonal().mean()))
     try:
         chol = torch.linalg.cholesky(h)
     except torch.linalg.LinAlgError:

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: generated text, a tiny random Llama built from a config, recipes, the CLI."""
+"""Helpers shared by the tests: generated text, a tiny random Llama built from a config, recipes, the CLI,
+an independent ridge least-squares solve."""
 
 from __future__ import annotations
 
@@ -126,3 +127,14 @@ def train_tiny(source: Path, target: Path, texts: list[str], steps: int = 150, s
     model.eval().save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+def ridge_lstsq(a, y, w0, lam: float):
+    """W = argmin ||a Wᵀ − y||² + lam ||W − w0||², solved independently of the code under test: lstsq of the
+    stacked system [a; √lam I] Wᵀ = [y; √lam w0ᵀ] in float64."""
+    import torch
+
+    eye = torch.eye(a.shape[1], dtype=torch.float64)
+    lhs = torch.cat([a.double(), float(lam) ** 0.5 * eye])
+    rhs = torch.cat([y.double(), float(lam) ** 0.5 * w0.double().T])
+    return torch.linalg.lstsq(lhs, rhs).solution.T

@@ -163,6 +163,7 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
     import copy
 
     from compress.distill.refit import refit_down_proj
+    from tests.helpers import ridge_lstsq
     from compress.pruning.arch import PrunableModel
     from compress.pruning.slicing import prune_mlp
     from tests.test_pruning import ids, tiny
@@ -185,10 +186,7 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
     for i, block in enumerate(student.model.layers):
         a = torch.cat(acts[i]).reshape(-1, 96)[:, keep[i]].double()
         y = torch.cat(outs[i]).reshape(a.shape[0], -1).double()
-        lam = 0.1 * (a * a).sum(0).mean()
-        stacked_a = torch.cat([a, lam.sqrt() * torch.eye(64, dtype=torch.float64)])
-        stacked_y = torch.cat([y, lam.sqrt() * before[i].double().T])
-        expected = torch.linalg.lstsq(stacked_a, stacked_y).solution.T
+        expected = ridge_lstsq(a, y, before[i], 0.1 * float((a * a).sum(0).mean()))
         torch.testing.assert_close(block.mlp.down_proj.weight.double(), expected, atol=1e-5, rtol=1e-4)
         error = lambda w: float(((a @ w.detach().double().T - y) ** 2).mean())  # noqa: E731
         assert error(block.mlp.down_proj.weight) < 0.9 * error(before[i])

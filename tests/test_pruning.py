@@ -162,12 +162,10 @@ def test_score_math():
 
 
 def ridge_refit(a: torch.Tensor, weight: torch.Tensor, kept: torch.Tensor, damp: float) -> torch.Tensor:
-    """The kept columns fitted to the full layer's output: min ||a_k Wᵀ - a W_fullᵀ||² + λ||W - W_k||², by lstsq."""
-    lam = damp * float((a * a).sum(0).mean())
-    ak, eye = a[:, kept], torch.eye(len(kept), dtype=torch.float64)
-    lhs = torch.cat([ak, lam ** 0.5 * eye])
-    rhs = torch.cat([a @ weight.T, lam ** 0.5 * weight[:, kept].T])
-    return torch.linalg.lstsq(lhs, rhs).solution.T
+    """The kept columns fitted to the full layer's output: min ||a_k Wᵀ - a W_fullᵀ||² + λ||W - W_k||², λ from all columns."""
+    from tests.helpers import ridge_lstsq
+
+    return ridge_lstsq(a[:, kept], a @ weight.T, weight[:, kept], damp * float((a * a).sum(0).mean()))
 
 
 @pytest.mark.parametrize("block", [1, 4])
