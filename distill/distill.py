@@ -8,7 +8,9 @@ AdamW with linear warmup and cosine decay, gradient accumulation, gradient
 clipping, bf16 autocast (CUDA by default; CPUs with bf16 matrix units when asked). The student
 is scored against the teacher on held-apart evaluation text every ``eval.every`` steps, a
 checkpoint is written every ``checkpoint_every`` steps, and a killed run started again with the
-same command resumes from the newest checkpoint.
+same command resumes from the newest checkpoint. With ``keep_best`` the stage returns the
+evaluated weights with the lowest held-apart KL (before the first step, a periodic evaluation,
+or the end).
 
 Several processes: ``accelerate launch -m compress run recipe.yaml`` runs the pipeline in every
 process; this stage wraps the student with accelerate (DDP, or FSDP when accelerate is configured
@@ -99,6 +101,10 @@ class DistillConfig(_Strict):
     data: DistillData = Field(default_factory=DistillData)
     eval: DistillEval = Field(default_factory=DistillEval)
     checkpoint_every: int = Field(50, ge=0, description="Write a resumable checkpoint every this many steps (0: never).")
+    keep_best: bool = Field(
+        True, description="Return the weights that scored the lowest held-apart KL: those before the first step (after the "
+        "refit), at a periodic evaluation, or at the end. Training can make a student that starts close to its teacher "
+        "worse; false: always the weights of the last step.")
 
     @field_validator("autocast", mode="before")
     @classmethod
@@ -179,6 +185,7 @@ class DistillStage:
         model.to("cpu")
         teacher.to("cpu")
         first, final = state.history[0], state.history[-1]
+        kept = final if state.best is None else state.history[state.best]
         refitted = next((point for point in state.history if "refit" in point), None)
         summary = {
             "teacher": teacher_desc,
@@ -200,12 +207,17 @@ class DistillStage:
                                 "against": "the teacher"},
             "before": {k: first[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
             "refit": None if refitted is None else {**refitted["refit"], **{k: refitted[k] for k in ("kl_divergence", "top1_agreement", "perplexity")}},
-            "after": {k: final[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
+            "after": {k: kept[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
+            "kept_step": kept["step"],
             "history": state.history,
         }
         ctx.reporter.info(f"{self.label} (distill): KL to the teacher {first['kl_divergence']:.4f} → {final['kl_divergence']:.4f} "
                           f"in {state.step} steps, {state.tokens:,} tokens, {state.wall_seconds:.0f} s"
                           + (f" (the {cfg.max_minutes:g}-minute budget ended it before step {cfg.steps})" if state.step < cfg.steps else ""))
+        if kept is not final:
+            when = "from before the first step" if kept["step"] == 0 else f"of step {kept['step']}"
+            ctx.reporter.warn(f"{self.label} (distill): training raised the held-apart KL from its best, {kept['kl_divergence']:.4f}; "
+                              f"the stage returns the weights {when} (keep_best)")
         return StageRecord("distill", cfg.loss, cfg.model_dump(mode="json"), time.perf_counter() - started, summary)
 
     def _teacher(self, model: nn.Module, ctx: RunContext) -> tuple[nn.Module, str]:

@@ -185,6 +185,8 @@ class Trainer:
                                    f"({done['tokens']:,} tokens, {done['seconds']:.0f} s): KL {point['kl_divergence']:.4f}  "
                                    f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}")
         self.wrapped = self.procs.wrap(self.model)  # after the refit: it writes the plain modules' weights
+        if state.step == 0 and state.best is None:
+            self.consider(last=False)  # the weights training starts from
         self.model.train()
         timed: list[float] = []
         with self.reporter.bar(f"{self.label} distill", total=state.planned_steps, completed=state.step) as advance:
@@ -205,12 +207,36 @@ class Trainer:
                     state.history.append(point)
                     self.reporter.info(f"{self.label} step {state.step}: KL {point['kl_divergence']:.4f}  "
                                        f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}  loss {loss:.4f}")
+                    self.consider(last)
                 state.wall_seconds = time.perf_counter() - began
                 if self.checkpoint_dir is not None and c.checkpoint_every and state.step % c.checkpoint_every == 0 and not last:
                     if self.procs.main:
                         checkpoint.save(self.checkpoint_dir, self.model, self.optimizer, self.scheduler, state, self.fingerprint)
                     self.procs.barrier()
                     state.wall_seconds = time.perf_counter() - began
+        self.restore_best()
+
+    def consider(self, last: bool) -> None:
+        """``keep_best``: if the newest held-apart evaluation is the lowest KL so far, remember it, with
+        a CPU copy of the trainable tensors unless they are the last step's (the main process decides)."""
+        state = self.state
+        if not self.config.keep_best:
+            return
+        newest = len(state.history) - 1
+        better = state.best is None or state.history[newest]["kl_divergence"] < state.history[state.best]["kl_divergence"]
+        if not self.procs.agree(int(better)):
+            return
+        state.best = newest
+        state.best_weights = None if last else [p.detach().to("cpu", copy=True) for p in self.trainable]
+
+    def restore_best(self) -> None:
+        """Put back the remembered weights when an earlier evaluation beat the last one."""
+        if self.state.best_weights is None:
+            return
+        with torch.no_grad():
+            for p, saved in zip(self.trainable, self.state.best_weights, strict=True):
+                p.copy_(saved)
+        self.state.best_weights = None
 
     def replan(self, timed: list[float]) -> int | None:
         """Under ``max_minutes``: after PLAN_AFTER timed steps, set ``planned_steps`` to the steps that

@@ -239,6 +239,55 @@ def test_the_refit_runs_before_training_after_mlp_pruning(trained_tiny_dir, text
     assert s["loop_seconds"] >= r["seconds"]  # the refit counts in the time budget
 
 
+def test_keep_best_returns_the_start_when_training_makes_the_student_worse(trained_tiny_dir, text_dir, tmp_path):
+    """Structured OBS makes a 75% MLP cut of the trained tiny model almost free; 20 steps at a high
+    learning rate then raise the held-apart KL. keep_best returns the weights from before the first
+    step (those the prune stage wrote); keep_best: false, the last step's."""
+    prune = "  - prune: {mlp: 0.75, mlp_method: obs}\n"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, prune))
+    run(recipe, tmp_path / "pruned")
+    summaries, weights = {}, {}
+    for keep in ("true", "false"):
+        recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, prune + distill_stage(20, extra=f", checkpoint_every: 0, keep_best: {keep}")))
+        summaries[keep] = run(recipe, tmp_path / keep).manifest["stages"][1]["summary"]
+        weights[keep] = load_file(str(tmp_path / keep / "model" / "weights.safetensors"))
+    kept, last = summaries["true"], summaries["false"]
+    kls = [[h["kl_divergence"] for h in s["history"]] for s in (kept, last)]
+    assert kls[0] == kls[1]  # the same training; only what it returns differs
+    start, end = kept["history"][0], kept["history"][-1]
+    assert end["step"] == 20 and end["kl_divergence"] > 2 * start["kl_divergence"], kept["history"]  # measured 0.0004 -> 0.026
+    assert kept["kept_step"] == 0 and kept["after"]["kl_divergence"] == start["kl_divergence"]
+    assert last["kept_step"] == 20 and last["after"]["kl_divergence"] == end["kl_divergence"]
+    pruned = load_file(str(tmp_path / "pruned" / "model" / "weights.safetensors"))
+    assert weights["true"].keys() == pruned.keys()
+    for k in pruned:
+        assert torch.equal(weights["true"][k], pruned[k]), k
+    assert any(not torch.equal(weights["false"][k], pruned[k]) for k in pruned)
+
+
+def test_a_checkpoint_keeps_the_best_weights_it_has_not_reached_again(tmp_path):
+    from torch import nn
+
+    from compress.distill import checkpoint as ckpt
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    best = [torch.randn(2, 3), torch.randn(2)]
+    state = ckpt.TrainState(step=10, history=[{"step": 0, "kl_divergence": 0.1}, {"step": 10, "kl_divergence": 0.3}],
+                            best=0, best_weights=best)
+    path = ckpt.save(tmp_path, model, opt, sched, state, fingerprint="f")
+    back = ckpt.load(path, model, opt, sched, fingerprint="f")
+    assert back.best == 0 and len(back.best_weights) == 2
+    for a, b in zip(back.best_weights, best, strict=True):
+        assert torch.equal(a, b)
+    state.best, state.best_weights = 1, None  # the newest weights are the best: nothing more is written
+    path = ckpt.save(tmp_path, model, opt, sched, state, fingerprint="f")
+    back = ckpt.load(path, model, opt, sched, fingerprint="f")
+    assert back.best == 1 and back.best_weights is None and not (path / ckpt.BEST_FILE).exists()
+
+
 def run_prune_only(model: Path, texts: Path, tmp_path: Path) -> float:
     recipe = tmp_path / "prune-only.yaml"
     recipe.write_text(prune_recipe(model, texts, PRUNE))
