@@ -1,7 +1,7 @@
 """Distillation repair: the losses and schedule, training that lowers the KL to the teacher on
 held-apart text, checkpoints that resume after a SIGKILL to the same weights as an unbroken run,
 two processes (accelerate, gloo) that train the same weights as one process with the same global
-batch, named teachers, and the errors."""
+batch, keep_best returning the best evaluated weights, named teachers, and the errors."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def test_keep_best_returns_the_start_when_training_makes_the_student_worse(train
     kls = [[h["kl_divergence"] for h in s["history"]] for s in (kept, last)]
     assert kls[0] == kls[1]  # the same training; only what it returns differs
     start, end = kept["history"][0], kept["history"][-1]
-    assert end["step"] == 20 and end["kl_divergence"] > 2 * start["kl_divergence"], kept["history"]  # measured 0.0004 -> 0.026
+    assert end["step"] == 20 and end["kl_divergence"] > 2 * start["kl_divergence"], kept["history"]  # measured 0.0005 -> 0.0624 -> 0.0218
     assert kept["kept_step"] == 0 and kept["after"]["kl_divergence"] == start["kl_divergence"]
     assert last["kept_step"] == 20 and last["after"]["kl_divergence"] == end["kl_divergence"]
     pruned = load_file(str(tmp_path / "pruned" / "model" / "weights.safetensors"))
