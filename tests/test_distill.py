@@ -163,9 +163,9 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
     import copy
 
     from compress.distill.refit import refit_down_proj
-    from tests.helpers import ridge_lstsq
     from compress.pruning.arch import PrunableModel
     from compress.pruning.slicing import prune_mlp
+    from tests.helpers import ridge_lstsq
     from tests.test_pruning import ids, tiny
 
     teacher = tiny(layers=3)
