@@ -23,6 +23,7 @@ from torch import nn
 
 from compress.errors import ArtifactError
 from compress.fsutil import sha256_file
+from compress.inputs import check_json, check_model_directory
 from compress.quantizers.core import QuantizedWeight, QuantScheme
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -91,14 +92,17 @@ def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tu
     manifest_file, model_dir = directory / "manifest.json", directory / "model"
     if not manifest_file.is_file() or not (model_dir / WEIGHTS_FILE).is_file():
         raise ArtifactError(f"{directory} is not a compress artifact (needs manifest.json and model/{WEIGHTS_FILE})")
-    manifest = json.loads(manifest_file.read_text())
-    dtype = dtype or getattr(torch, manifest["model"]["dtype"])
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    tensors = load_file(str(model_dir / WEIGHTS_FILE))
-    records = {
-        name: QuantizedWeight.from_tensors(tensors, name, QuantScheme(**info["scheme"]))
-        for name, info in manifest["quantization"]["layers"].items()
-    }
+    manifest = check_json(manifest_file)
+    check_model_directory(model_dir)
+    try:
+        dtype = dtype or getattr(torch, manifest["model"]["dtype"])
+        layers = manifest["quantization"]["layers"]
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        tensors = load_file(str(model_dir / WEIGHTS_FILE))
+        records = {name: QuantizedWeight.from_tensors(tensors, name, QuantScheme(**info["scheme"])) for name, info in layers.items()}
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ArtifactError(f"{directory}: its manifest and weights do not fit together ({type(exc).__name__}: {str(exc)[:200]}); "
+                            "run the recipe again") from None
     floats = {k: v for k, v in tensors.items() if not k.endswith((".weight_codes", ".weight_scale", ".weight_zero_point"))}
     model = assemble_model(config, floats, records, dtype, f"{directory}: {WEIGHTS_FILE}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

@@ -62,12 +62,31 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
             raise
-        except Exception:  # a crash must not read as a failed gate (exit 1) in a pipeline
-            err.print_exception(max_frames=8)
-            err.print("[bold red]error:[/] unexpected failure (traceback above); please report it", highlight=False)
+        except Exception as exc:  # a crash must not read as a failed gate (exit 1) in a pipeline
+            where = _save_traceback(exc)
+            err.print(f"[bold red]error:[/] unexpected failure: {escape(type(exc).__name__)}: {escape(str(exc))[:500]} "
+                      f"(a bug in compress: please report it with the traceback in {where})", highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_ERROR) from None
 
     return wrapper
+
+
+def _save_traceback(exc: BaseException) -> str:
+    """Write ``exc``'s traceback to a file in the temporary directory; its path (or where it went instead)."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    if os.environ.get("COMPRESS_TRACEBACK") == "1":  # for developers: on stderr as well
+        sys.stderr.write(text)
+    try:
+        fd, path = tempfile.mkstemp(prefix="compress-crash-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
+    except OSError:
+        sys.stderr.write(text)
+        return "stderr above"
 
 
 def _version(value: bool) -> None:
@@ -218,6 +237,20 @@ def validate(
     out.print(f"[green]valid[/] {recipe} — model {r.model.source}; stages {stages}; {len(r.gates)} gate(s)")
 
 
+@app.command()
+@guarded
+def verify(
+    artifact: Path = typer.Argument(..., help="A directory compress wrote: a run's artifact, a pulled version or a gate report."),
+) -> None:
+    """Check every file of ARTIFACT against the SHA-256 in its manifest: nothing missing, altered,
+    linked or extra. Reads bytes only (no model is loaded). Exit 0 when it matches, 2 otherwise."""
+    from compress.verify import check_artifact
+
+    contents = check_artifact(artifact)
+    out.print(f"[green]verified[/] {escape(str(artifact))}: {len(contents.files)} files, {contents.total_bytes / 2**20:,.1f} MiB, "
+              f"content {contents.content_sha256[:16]}", highlight=False)
+
+
 @app.command("export-encoder")
 @guarded
 def export_encoder(
@@ -253,7 +286,8 @@ def gate(
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Source model to compare with (default: an artifact's own source model)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile for gates that name none (default: this machine, measured)."),
     devices_file: Optional[list[Path]] = typer.Option(None, "--devices-file", help="YAML file of device profiles of your own (repeatable)."),
-    output: Path = typer.Option(Path("gate-report"), "-o", "--output", help="Directory for report.json, junit.xml, summary.md, plots/."),
+    output: Path = typer.Option(Path("gate-report"), "-o", "--output", help="Directory for report.json, junit.xml, summary.md, plots/ "
+                                "and manifest.json (written atomically; replaces an earlier gate report, never another directory)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
 ) -> None:
@@ -266,10 +300,15 @@ def gate(
     from compress.pipeline import _write_json, json_safe
     from compress.progress import Reporter
 
+    from compress.fsutil import atomic_directory
+    from compress.gate import check_report_directory, write_listing
+
+    check_report_directory(artifact, output)  # before any work: not inside the artifact, writable, ours to replace
     result = run_gate(artifact, gates, baseline, device, devices_file or [], threads, Reporter(err, quiet=quiet))
-    output.mkdir(parents=True, exist_ok=True)
-    _write_json(output / "report.json", result.report)
-    files = write_reports(output, json_safe(result.report), suite=f"compress gate {artifact.name}")
+    with atomic_directory(output, overwrite=True) as tmp:
+        _write_json(tmp / "report.json", result.report)
+        files = write_reports(tmp, json_safe(result.report), suite=f"compress gate {artifact.name}")
+        write_listing(tmp, artifact)
     print_gates(result.report)
     out.print(f"reports: [bold]{output}[/] (report.json, {', '.join(files.values())})")
     raise typer.Exit(result.exit_code)

@@ -2,18 +2,22 @@
 
 A directory is built under a temporary name next to its target and renamed into place only
 when complete, so a killed run leaves either nothing or a complete directory. Leftovers of
-killed runs (``.NAME.partial-PID-*``) are removed by the next write to the same target.
+killed runs (``.NAME.partial-PID-*``) are removed by the next write to the same target, and a
+directory a killed run was replacing (``.NAME.old-PID``) is put back when the target is missing.
+``--overwrite`` replaces only an empty directory or one we wrote (`written_by_us`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from compress.errors import ArtifactError
 
@@ -49,28 +53,106 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_partials(target: Path) -> None:
-    prefix = f".{target.name}.partial-"
+def _leftovers(target: Path, kind: str) -> list[Path]:
+    """``.NAME.<kind>-PID…`` directories next to ``target`` whose process is gone and that this user
+    owns: what a killed run of ours left. Anything else with a similar name is left alone."""
+    prefix = f".{target.name}.{kind}-"
     if not target.parent.is_dir():
-        return
-    for leftover in target.parent.glob(prefix + "*"):
-        pid = leftover.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True)
+        return []
+    found = []
+    for path in target.parent.glob(glob_escape(prefix) + "*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        try:
+            mine = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not _pid_alive(int(pid)):
+            found.append(path)
+    return sorted(found)
 
 
-def check_target(target: Path, overwrite: bool) -> None:
-    if target.exists() and not overwrite:
-        raise ArtifactError(f"{target} already exists; choose another directory or pass --overwrite")
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def clean_stale_partials(target: Path) -> None:
+    """Undo what killed writes to ``target`` left behind: a replaced directory (``.NAME.old-PID``) comes
+    back when the run died between the two renames and ``target`` is missing; half-written
+    directories (``.NAME.partial-PID-*``) and stale replaced ones are removed."""
+    for old in _leftovers(target, "old"):
+        if not target.exists() and not target.is_symlink():
+            os.replace(old, target)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for leftover in _leftovers(target, "partial"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+MANIFEST = "manifest.json"
+REPORT = "report.json"
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def written_by_us(directory: Path) -> bool:
+    """An empty directory, or one of ours: a manifest.json listing its files (an artifact, a pulled
+    version, a gate report), or a recipe search (report.json with a `search` entry)."""
+    try:
+        if not any(directory.iterdir()):
+            return True
+    except OSError:
+        return False
+    manifest = read_json_object(directory / MANIFEST)
+    if manifest is not None and isinstance(manifest.get("files"), dict):
+        return True
+    report = read_json_object(directory / REPORT)
+    return report is not None and isinstance(report.get("search"), dict)
+
+
+def check_target(target: Path, overwrite: bool, owned: bool = True) -> Path:
+    """Check, before any heavy work, that ``target`` can be written; return it resolved.
+
+    Refused: the current directory or one holding it; an existing path without ``overwrite``;
+    with ``overwrite``, anything but an empty directory or one of ours (``owned=False`` skips that
+    check, for our own caches); a parent that cannot be created or written. Leftovers of killed
+    writes to the same target are cleaned up first."""
+    shown = target
+    target = Path(target).expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise ArtifactError(f"{shown}: writing there would replace the current directory (or one holding it); "
+                            "choose a new directory, e.g. -o out")
+    clean_stale_partials(target)
+    if target.exists() or target.is_symlink():
+        if not target.is_dir() or target.is_symlink():
+            raise ArtifactError(f"{shown} exists and is not a directory; choose another output")
+        if not overwrite:
+            raise ArtifactError(f"{shown} already exists; choose another directory or pass --overwrite")
+        if owned and not written_by_us(target):
+            raise ArtifactError(f"{shown} holds files that are not a compress output (no readable {MANIFEST}); --overwrite "
+                                "replaces only an artifact, pulled version, gate report or search of ours, or an empty directory")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-probe-", dir=target.parent))
+    except OSError as exc:
+        raise ArtifactError(f"cannot write {shown}: {exc.strerror or exc} ({target.parent})") from None
+    return target
 
 
 @contextmanager
-def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary directory; on success it replaces ``target`` in one rename."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_partials(target)
-    check_target(target, overwrite)
+def atomic_directory(target: Path, overwrite: bool = False, owned: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary directory; on success it replaces ``target`` in one rename.
+
+    ``target`` is checked as `check_target` does, before and again after the work (something may
+    have appeared there meanwhile)."""
+    target = check_target(Path(target), overwrite, owned)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
         yield tmp
@@ -78,9 +160,11 @@ def atomic_directory(target: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if target.exists():
-        if not overwrite:
+        try:
+            check_target(target, overwrite, owned)
+        except ArtifactError:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ArtifactError(f"{target} appeared while this run was writing; nothing was replaced")
+            raise ArtifactError(f"{target} appeared or changed while this run was writing; nothing was replaced") from None
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
         os.replace(tmp, target)

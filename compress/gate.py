@@ -27,12 +27,16 @@ from pydantic import Field, model_validator
 
 from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
+from compress.fsutil import MANIFEST, check_target, sha256_file
+from compress.inputs import check_gguf, check_json, check_model_directory, check_onnx
 from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.latency import LatencySettings, Target, load_torch_model, tree_size
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.progress import Reporter
+from compress.schema.yamlio import read_text
+from compress.verify import check_artifact
 from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
 
 DEFAULT_EVALUATION = {"source": "reference:shakespeare", "samples": 16, "seq_len": 512}
@@ -59,11 +63,7 @@ class GatesFile(Strict):
 def load_gates_file(path: Path) -> GatesFile:
     from pydantic import ValidationError
 
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise CompressError(f"cannot read gates file {path}: {exc}") from None
-    data, lines = parse_yaml(text, str(path))
+    data, lines = parse_yaml(read_text(path, "gates file"), str(path))
     try:
         return GatesFile.model_validate(data)
     except ValidationError as exc:
@@ -85,12 +85,21 @@ class Subject:
 def inspect(path: Path) -> Subject:
     path = path.expanduser().resolve()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf(path)
         return Subject("gguf", [Timed("compressed", Target("llama.cpp", str(path)))], None, None, Path.cwd(), [])
     if not path.is_dir():
         raise CompressError(f"{path}: not a compress artifact, GGUF file, ONNX folder or Hugging Face model folder")
-    if (path / "manifest.json").is_file():
-        manifest = json.loads((path / "manifest.json").read_text())
-        expanded = manifest["recipe"]["expanded"]
+    if (path / MANIFEST).is_file():
+        manifest = check_artifact(path, advice="gates are checked only on the files the run wrote").manifest
+        if manifest.get("kind") == GATE_REPORT:
+            raise CompressError(f"{path} is a gate report, not an artifact; gate the artifact it names: "
+                                f"{manifest.get('artifact', '?')}")
+        try:
+            expanded = manifest["recipe"]["expanded"]
+            expanded["model"]["source"], expanded["data"], manifest["recipe"]["path"]
+        except (KeyError, TypeError):
+            raise CompressError(f"{path / MANIFEST}: not a manifest of this release (no recipe.expanded.model.source); "
+                                "run the recipe again") from None
         timed = [Timed("compressed", Target("torch", str(path)))]
         stand_ins = []
         for export in manifest.get("exports", []):
@@ -107,11 +116,39 @@ def inspect(path: Path) -> Subject:
         recipe_dir = Path(manifest["recipe"]["path"]).expanduser().parent
         return Subject("artifact", timed, expanded["model"]["source"], expanded["data"], recipe_dir, stand_ins)
     if (path / "genai_config.json").is_file():
+        check_json(path / "genai_config.json")
+        for model_file in sorted(path.glob("*.onnx")):
+            check_onnx(model_file)
         return Subject("onnx", [Timed("compressed", Target("onnxruntime", str(path)))], None, None, Path.cwd(), [])
     if (path / "config.json").is_file():
+        check_model_directory(path)
         return Subject("hf", [Timed("compressed", Target("torch", str(path)))], None, None, Path.cwd(), [])
     raise CompressError(f"{path}: not a compress artifact (manifest.json), ONNX folder (genai_config.json) or Hugging Face "
                         "model folder (config.json)")
+
+
+GATE_REPORT = "gate-report"  # manifest.json `kind` of a `compress gate -o` directory
+
+
+def check_report_directory(artifact: Path, output: Path) -> Path:
+    """Refuse a report directory that is the artifact, inside it or holds it (writing it would
+    change the artifact's files or replace it); otherwise check it as any output (writable; an
+    existing one only when it is an earlier report of ours, or empty)."""
+    subject, target = artifact.expanduser().resolve(), output.expanduser().resolve()
+    if target == subject or subject in target.parents:
+        raise CompressError(f"-o {output}: the gate report would be written into the artifact {artifact} and change its files; "
+                            "choose a directory outside it (the default is ./gate-report)")
+    if target in subject.parents:
+        raise CompressError(f"-o {output}: the gate report would replace a directory holding the artifact {artifact}; "
+                            "choose a directory outside it (the default is ./gate-report)")
+    return check_target(target, overwrite=True)
+
+
+def write_listing(directory: Path, artifact: Path) -> None:
+    """The report directory's manifest.json: each file's SHA-256, so `compress verify` checks it."""
+    files = {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*")) if p.is_file()}
+    listing = {"schema_version": 1, "kind": GATE_REPORT, "artifact": str(artifact), "files": files}
+    (directory / MANIFEST).write_text(json.dumps(listing, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass

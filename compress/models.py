@@ -19,6 +19,7 @@ from typing import Any
 from compress import assets
 from compress.errors import ModelLoadError
 from compress.fsutil import atomic_directory, sha256_file, sha256_files
+from compress.inputs import check_gguf, check_model_directory
 from compress.paths import cache_root
 from compress.progress import Reporter
 from compress.recipe import ModelSpec
@@ -96,6 +97,7 @@ def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sou
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    check_model_directory(path)  # damaged JSON or safetensors files: one line naming the file
     weights = sorted(path.glob("*.safetensors"))
     pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not weights and not pickles:
@@ -105,7 +107,10 @@ def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sou
             f"{path} holds only pickle checkpoints ({pickles[0].name}); loading pickle can run arbitrary code. "
             "Convert it to safetensors, or set model.allow_pickle: true if you trust its origin."
         )
-    config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a config it cannot use
+        raise ModelLoadError(f"{path / 'config.json'}: transformers cannot use it ({type(exc).__name__}: {str(exc)[:300]})") from None
     if getattr(config, "auto_map", None) and not spec.trust_remote_code:
         raise ModelLoadError(
             f"{path} ships its own Python code (auto_map in config.json). It is not run unless the recipe sets "
@@ -127,8 +132,8 @@ def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sou
                 local_files_only=True,
             )
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"transformers could not load {path}: {exc}") from exc
+        except Exception as exc:  # OSError, ValueError, KeyError, safetensors' and tokenizers' own errors …
+            raise ModelLoadError(f"transformers could not load {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
     model.eval().requires_grad_(False)
     digest, files = sha256_files([*(weights or pickles), path / "config.json"], path)
     return LoadedModel(model, tokenizer, {"source": source, "kind": kind, "path": str(path), "sha256": digest, "files": files})
@@ -155,6 +160,7 @@ def _from_quantized_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: s
 
 
 def _from_gguf(path: Path, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
+    check_gguf(path)
     digest = sha256_file(path)
     converted = cache_root() / "models" / f"gguf-{digest[:16]}"
     if not (converted / CONVERTED_MARKER).is_file():
@@ -181,8 +187,8 @@ def _convert_gguf(path: Path, target: Path, digest: str) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"transformers could not read {path}: {exc}") from exc
+    except Exception as exc:  # transformers' GGUF reader: OSError, ValueError, KeyError, RuntimeError, struct errors …
+        raise ModelLoadError(f"transformers could not read {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
     finally:
         if previous is None:
             os.environ.pop("TQDM_DISABLE", None)
@@ -190,7 +196,7 @@ def _convert_gguf(path: Path, target: Path, digest: str) -> None:
             os.environ["TQDM_DISABLE"] = previous
     model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    with atomic_directory(target, overwrite=True) as tmp:
+    with atomic_directory(target, overwrite=True, owned=False) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / CONVERTED_MARKER).write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from compress.distill.distill import DistillConfig
 from compress.errors import RecipeError
+from compress.schema.base import Seed, Strict
+from compress.schema.yamlio import format_path, load_yaml, read_text
 from compress.eval.devices import DeviceProfile
 from compress.eval.metrics import DEVICE_METRICS, LATENCY_METRICS, METRICS
 from compress.export.specs import ExportSpec
@@ -31,10 +33,6 @@ THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
 # Fields that hold filesystem paths; relative values resolve against the recipe's directory
 # (or, for --set overrides, against the current directory).
 PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class ModelSpec(Strict):
@@ -55,7 +53,7 @@ class TextSpec(Strict):
     )
     samples: int = Field(ge=1, description="Number of token chunks.")
     seq_len: int = Field(ge=8, description="Tokens per chunk.")
-    seed: int = Field(0, description="Seed for choosing which text becomes chunks.")
+    seed: Seed = Field(0, description="Seed for choosing which text becomes chunks.")
     text_field: str = Field("text", description="Field holding the text in .jsonl records.")
 
 
@@ -234,7 +232,7 @@ class ComputeSpec(Strict):
 class Recipe(Strict):
     version: Literal[1] = Field(description="Recipe schema version; this release reads version 1.")
     name: str | None = Field(None, description="A label for reports and the manifest.")
-    seed: int = Field(0, description="Global seed (torch, Python) for reproducible runs.")
+    seed: Seed = Field(0, description="Global seed (torch, Python, numpy) for reproducible runs.")
     model: ModelSpec
     data: DataSpec = Field(default_factory=DataSpec)
     compute: ComputeSpec = Field(default_factory=ComputeSpec)
@@ -346,12 +344,7 @@ class LoadedRecipe(BaseModel):
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedRecipe:
     """Read, override and validate a recipe file. Raises RecipeError with key path and line."""
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"cannot read recipe {path}: {exc}") from exc
+    text = read_text(path, "recipe file", RecipeError)
     data, lines = parse_yaml(text, str(path))
     overrides = list(overrides or [])
     for item in overrides:
@@ -360,36 +353,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedR
 
 
 def parse_yaml(text: str, filename: str) -> tuple[dict[str, Any], dict[tuple, int]]:
-    """Parse YAML into plain data and a map from key path to 1-based line number."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{filename}:{mark.line + 1}" if mark else filename
-        raise RecipeError(f"{where}: not valid YAML: {exc.problem or exc}") from exc
-    if node is None or not isinstance(data, dict):
+    """Parse YAML into plain data and a map from key path to 1-based line number (bounded in
+    size, depth and alias expansion: see compress.schema.yamlio)."""
+    data, lines = load_yaml(text, filename, RecipeError)
+    if not isinstance(data, dict):
         raise RecipeError(f"{filename}: a recipe is a YAML mapping (version, model, data, stages, exports, gates)")
-    lines: dict[tuple, int] = {(): node.start_mark.line + 1}
-    _walk(node, (), lines, filename)
     return data, lines
-
-
-def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], filename: str) -> None:
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.value)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise RecipeError(f"{filename}:{line}: key '{_fmt((*path, key))}' repeats the key on line {seen[key]}")
-            seen[key] = line
-            lines[(*path, key)] = line
-            _walk(value_node, (*path, key), lines, filename)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            lines[(*path, i)] = item.start_mark.line + 1
-            _walk(item, (*path, i), lines, filename)
 
 
 def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> None:
@@ -397,11 +366,10 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. --set stages.0.quantize.bits=8")
-    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+    parts: list[Any] = [int(p) if p.isascii() and p.isdigit() else p for p in key.strip().split(".")]
+    if any(p == "" for p in parts):
+        raise RecipeError(f"--set {item!r}: the key path has an empty part (two dots, or a dot at either end)")
+    value, _ = load_yaml(raw, f"--set {item!r}", RecipeError) if raw.strip() else ("", {})
     if key.strip() in PATH_FIELDS and isinstance(value, str) and not value.startswith("reference:"):
         candidate = Path(value).expanduser()
         if not candidate.is_absolute() and candidate.exists():
@@ -411,14 +379,14 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
         nxt = parts[depth + 1]
         if isinstance(node, list):
             if not isinstance(part, int) or part >= len(node):
-                raise RecipeError(f"--set {item!r}: {_fmt(tuple(parts[: depth + 1]))} is not an item of a list of {len(node)}")
+                raise RecipeError(f"--set {item!r}: {format_path(tuple(parts[: depth + 1]))} is not an item of a list of {len(node)}")
             node = node[part]
         elif isinstance(node, dict):
             if part not in node or node[part] is None:
                 node[part] = [] if isinstance(nxt, int) else {}
             node = node[part]
         else:
-            raise RecipeError(f"--set {item!r}: {_fmt(tuple(parts[:depth]))} is a value, not a mapping or list")
+            raise RecipeError(f"--set {item!r}: {format_path(tuple(parts[:depth]))} is a value, not a mapping or list")
     last = parts[-1]
     if isinstance(node, list):
         if not isinstance(last, int) or last >= len(node):
@@ -427,7 +395,7 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
     elif isinstance(node, dict):
         node[last] = value
     else:
-        raise RecipeError(f"--set {item!r}: {_fmt(tuple(parts[:-1]))} is a value, not a mapping or list")
+        raise RecipeError(f"--set {item!r}: {format_path(tuple(parts[:-1]))} is a value, not a mapping or list")
     lines[tuple(parts)] = -1  # marks "from --set"
 
 
@@ -449,7 +417,7 @@ def format_validation_error(exc: ValidationError, lines: dict[tuple, int], filen
             msg = f"unknown key '{loc[-1]}'" + _did_you_mean(str(loc[-1]), parent)
         elif err["type"] == "missing":
             msg = "required key is missing"
-        key = _fmt(loc) or f"({what})"
+        key = format_path(loc) or f"({what})"
         where = "--set" if line == -1 else f"{filename}:{line}"
         messages.append(f"{where}: {key}: {msg}")
     head = f"{what} {filename} is not valid ({len(messages)} problem{'s' if len(messages) != 1 else ''}):"
@@ -507,13 +475,6 @@ def _line_for(loc: tuple, lines: dict[tuple, int]) -> int:
         if loc[:n] in lines:
             return lines[loc[:n]]
     return lines.get((), 1)
-
-
-def _fmt(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 def json_schema() -> dict[str, Any]:

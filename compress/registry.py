@@ -23,7 +23,6 @@ the manifest and the version's tags, so it accepts nothing incomplete or altered
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -38,14 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import EXIT_GATE_FAILED, ArtifactError, CompressError
-from compress.fsutil import atomic_directory, combined_digest, sha256_file
+from compress.fsutil import MANIFEST, atomic_directory, combined_digest, sha256_file
+from compress.verify import MODEL_CARD, Contents, check_artifact
 from compress.model_card import gate_summary, model_card
 from compress.progress import Reporter
 
 EXPERIMENT = "compress-publish"  # the MLflow experiment holding one run per publish
 ARTIFACT_PATH = "artifact"  # the run artifact folder a version's source points at
-MODEL_CARD = "MODEL_CARD.md"
-MANIFEST = "manifest.json"
 DATABASE = "mlflow.db"  # the embedded registry's SQLite file, in its directory
 STALE_AFTER_S = 24 * 3600  # a publish started on another host this long ago without a version is taken as dead
 _INSTALL = "publishing needs MLflow: pip install 'compress[registry]'"
@@ -117,57 +115,6 @@ def resolve_location(uri: str | None = None, store: str | Path | None = None) ->
     directory = Path(store).expanduser().resolve() if store else default_store().resolve()
     database = f"sqlite:///{directory / DATABASE}"
     return Location(database, database, directory)
-
-
-@dataclass
-class Contents:
-    """An artifact directory checked against its manifest."""
-
-    root: Path
-    manifest: dict[str, Any]
-    report: dict[str, Any]
-    files: dict[str, str]  # relative path -> SHA-256, manifest.json included, model card not
-    sizes: dict[str, int]
-    content_sha256: str
-
-
-_REPUBLISH = "an artifact is published as its run wrote it: run the recipe again to change it"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{path} cannot be read as JSON: {exc}") from None
-
-
-def check_artifact(directory: str | Path, advice: str = _REPUBLISH) -> Contents:
-    """Every file of an artifact against its manifest: nothing missing, altered or extra (a
-    ``MODEL_CARD.md`` from a pulled version is allowed: publishing writes it anew). ``advice``
-    ends the error message."""
-    root = Path(directory)
-    if not (root / MANIFEST).is_file() and (root / "report.json").is_file():
-        chosen = (_read_json(root / "report.json").get("search") or {}).get("chosen_path")
-        if chosen:
-            raise ArtifactError(f"{root} is a recipe search; publish its chosen candidate: {root / chosen}")
-    if not (root / MANIFEST).is_file() or not (root / "report.json").is_file():
-        raise ArtifactError(f"{root} is not a compress artifact (needs {MANIFEST} and report.json, as `compress run` writes them)")
-    manifest = _read_json(root / MANIFEST)
-    listed = manifest.get("files")
-    if not isinstance(listed, dict) or not listed:
-        raise ArtifactError(f"{root / MANIFEST} lists no files with their checksums; run the recipe again with this release")
-    listed = {k: v for k, v in listed.items() if k != MANIFEST}  # earlier releases listed an interim manifest.json of latency runs
-    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() or p.is_symlink()} - {MANIFEST, MODEL_CARD}
-    missing, extra = sorted(set(listed) - present), sorted(present - set(listed))
-    changed = [rel for rel in sorted(set(listed) & present) if sha256_file(root / rel) != listed[rel]]
-    problems = [f"{label}: {', '.join(items[:5])}{' …' if len(items) > 5 else ''}"
-                for label, items in (("missing", missing), ("changed since the run", changed), ("not in the manifest", extra)) if items]
-    if problems:
-        raise ArtifactError(f"{root} does not match its manifest ({'; '.join(problems)})" + (f"; {advice}" if advice else ""))
-    files = dict(sorted({**listed, MANIFEST: sha256_file(root / MANIFEST)}.items()))
-    sizes = {rel: (root / rel).stat().st_size for rel in files}
-    report = _read_json(root / "report.json")
-    return Contents(root, manifest, report, files, sizes, combined_digest(files))
 
 
 def artifact_name(contents: Contents) -> str:
@@ -376,7 +323,7 @@ def publish(directory: str | Path, name: str | None = None, aliases: list[str] |
     aliases = list(dict.fromkeys(aliases or []))
     check_aliases(aliases)
     with reporter.status(f"checking {directory} against its manifest"):
-        contents = check_artifact(directory)
+        contents = check_artifact(directory, advice="an artifact is published as its run wrote it: run the recipe again to change it")
     name = name or artifact_name(contents)
     _check_name(name)
     status, passed, total = gate_summary(contents.report)

@@ -118,10 +118,10 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
     assert spec is not None
     candidates = expand(loaded)
     out_dir = Path(out_dir)
+    ours = (out_dir / "candidates").is_dir()  # a search of ours, finished or not: resumed, or replaced with --overwrite
+    check_target(out_dir, overwrite or ours, owned=not ours)  # anything else: refused unless empty (or --overwrite of ours)
     if out_dir.exists() and overwrite:
         shutil.rmtree(out_dir)
-    elif out_dir.exists() and not (out_dir / "candidates").is_dir():
-        check_target(out_dir, overwrite)  # refuses a directory that is not a search of ours
     (out_dir / "candidates").mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     reports: dict[str, dict[str, Any]] = {}

@@ -35,12 +35,10 @@ from compress.distill.losses import CosineSchedule
 from compress.distill.refit import refit_down_proj, refit_targets
 from compress.distill.train import Processes, Trainer, sample_order, eval_min_context
 from compress.errors import CompressError
+from compress.schema.base import Seed
+from compress.schema.base import Strict as _Strict
 
 ORIGINAL = "original"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class DistillData(_Strict):
@@ -49,7 +47,7 @@ class DistillData(_Strict):
         "equally; default: data.calibration.source. Kept apart from data.evaluation like calibration text.")
     samples: int | None = Field(None, ge=1, description="Training chunks; default: exactly what the steps consume "
                                 "(steps x batch_size x grad_accum x processes). Fewer chunks are repeated in new orders (epochs).")
-    seed: int = Field(0, description="Seed for choosing and ordering the chunks.")
+    seed: Seed = Field(0, description="Seed for choosing and ordering the chunks.")
     text_field: str = Field("text", description="Field holding the text in .jsonl records.")
 
 

@@ -35,6 +35,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compress.errors import CompressError
+from compress.schema.base import Strict
+from compress.schema.yamlio import load_yaml, read_text
 
 LOCAL = "local"
 SHIPPED_PROFILES = Path(__file__).with_name("devices.yaml")
@@ -44,7 +46,7 @@ RUNTIME_FORMAT: dict[str, str] = {"torch": "hf", "llama.cpp": "gguf", "onnxrunti
 RUNTIME_MODULES: dict[str, str] = {"llama.cpp": "llama_cpp", "onnxruntime": "onnxruntime", "tensorrt": "tensorrt"}
 
 
-class DeviceProfile(BaseModel):
+class DeviceProfile(Strict):
     """One deployment target. Unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -98,24 +100,15 @@ def get_profile(profiles: dict[str, DeviceProfile], name: str) -> DeviceProfile:
 
 
 def _read_file(path: Path) -> dict[str, DeviceProfile]:
-    try:
-        text = path.read_text(encoding="utf-8")
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except OSError as exc:
-        raise CompressError(f"cannot read device profiles {path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise CompressError(f"{path}{f':{mark.line + 1}' if mark else ''}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    data, all_lines = load_yaml(read_text(path, "device profiles"), str(path))
     if not isinstance(data, dict) or set(data) != {"devices"} or not isinstance(data["devices"], list):
         keys = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise CompressError(f"{path}: a device profile file is a mapping with one key, `devices:` (a list of profiles); got {keys}")
-    items = node.value[0][1].value  # the `devices:` sequence node, for line numbers
     out: dict[str, DeviceProfile] = {}
-    for i, (item, item_node) in enumerate(zip(data["devices"], items)):
-        lines = {"": item_node.start_mark.line + 1}
-        if isinstance(item_node, yaml.MappingNode):
-            lines.update({k.value: k.start_mark.line + 1 for k, _ in item_node.value})
+    for i, item in enumerate(data["devices"]):
+        lines = {"": all_lines.get(("devices", i), 1)}
+        if isinstance(item, dict):
+            lines.update({str(k): all_lines[("devices", i, k)] for k in item if ("devices", i, k) in all_lines})
         name = item.get("name") if isinstance(item, dict) else None
         where = f"{path}:{lines['']}: devices[{i}]" + (f" ({name})" if name else "")
         profile = _validate(item, where, lines, path)

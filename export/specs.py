@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from compress.schema.base import Strict
+
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
 GGUF = "gguf"
@@ -24,8 +26,7 @@ RESERVED_NAMES = ("baseline", "compressed")  # the in-memory artifacts gates alr
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class _Export(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Export(Strict):
 
     name: str | None = Field(
         None,
@@ -152,7 +153,7 @@ class ONNXExport(_Export):
 BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
 
 
-class DimRange(BaseModel):
+class DimRange(Strict):
     """Smallest, typical (what TensorRT tunes kernels for) and largest size of one dynamic axis."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -171,7 +172,7 @@ class DimRange(BaseModel):
         return DimRange(min=self.min + other.min, opt=self.opt + other.opt, max=self.max + other.max)
 
 
-class TensorRTConfig(BaseModel):
+class TensorRTConfig(Strict):
     """`tensorrt:` settings of an engine build."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -26,14 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
+from compress.schema.base import Seed
+from compress.schema.base import Strict as _Strict
 from compress.pruning.arch import PrunableModel
 from compress.pruning.importance import Importance, collect, top_indices
 from compress.pruning.obs import obs_cut
 from compress.pruning.slicing import drop_layers, prune_hidden, prune_kv_groups, prune_mlp
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class SizeTarget(_Strict):
@@ -60,7 +58,7 @@ class PruneData(_Strict):
         "chunks equally. Kept apart from data.evaluation like calibration text.")
     samples: int | None = Field(None, ge=1, description="Chunks; default: data.calibration.samples.")
     seq_len: int | None = Field(None, ge=8, description="Tokens per chunk; default: data.calibration.seq_len.")
-    seed: int = Field(0, description="Seed for choosing the chunks.")
+    seed: Seed = Field(0, description="Seed for choosing the chunks.")
     text_field: str = Field("text", description="Field holding the text in .jsonl records.")
 
 

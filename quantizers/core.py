@@ -22,14 +22,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from compress.schema.base import Strict
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class QuantScheme(BaseModel):
+class QuantScheme(Strict):
     """How one weight matrix is quantized. Frozen, hashable, and written in full to manifests."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

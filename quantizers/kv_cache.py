@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
+from compress.schema.base import Strict
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -37,7 +38,7 @@ LLAMA_CPP_CACHE_TYPES = {("int", 8): "q8_0", ("int", 4): "q4_0"}
 VLLM_CACHE_DTYPES = {("fp8", 8): "fp8_e4m3"}
 
 
-class KVEvalConfig(BaseModel):
+class KVEvalConfig(Strict):
     """How the stage scores the quantized cache: incremental decoding at long context."""
 
     model_config = ConfigDict(extra="forbid")
@@ -48,7 +49,7 @@ class KVEvalConfig(BaseModel):
     prefill: int = Field(0, ge=0, description="Tokens fed in the first step (0 = start decoding from the first token).")
 
 
-class KVCacheConfig(BaseModel):
+class KVCacheConfig(Strict):
     """`kv_cache: {bits, format, key_axis, value_axis, group_size, residual, static_scales, ...}`."""
 
     model_config = ConfigDict(extra="forbid")

@@ -65,7 +65,7 @@ class LLMInt8Config(WeightQuantConfig):
     group_size: int | None = Field(None, description="Fixed at null for llm_int8 (one scale per output row).")
     symmetric: bool = Field(True, description="Fixed at true for llm_int8 (absmax scaling, codes in [-127, 127]).")
     threshold: float = Field(
-        6.0, gt=0,
+        6.0, gt=0, allow_inf_nan=True,
         description="llm_int8: input features where any |x| reaches this value are computed in float; "
         "the rest in int8. .inf disables the decomposition (plain int8 weights and activations).",
     )

@@ -1,0 +1,54 @@
+"""The base of every configuration model: unknown keys, NaN, infinity and absurd integers are errors.
+
+Recipes come from people and from other jobs in a pipeline. A value that no setting can use —
+``seed: 1e30``, ``max: .nan``, ``group_size: 100000000000`` — must stop at validation with the
+key's name, not later as an overflow or an out-of-memory error after the model has loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_INT = 2**31 - 1
+"""Largest integer any field accepts unless its own bound says less (chunk counts, widths, steps…)."""
+
+SEED_MAX = 2**32 - 1
+"""Seeds are unsigned 32-bit: numpy, Python and torch all accept them unchanged."""
+
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+
+
+def _too_large(value: Any) -> int | None:
+    """The first integer in ``value`` (a scalar, or inside lists, tuples and dict values) beyond ±MAX_INT."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if abs(value) > MAX_INT else None
+    if isinstance(value, (list, tuple)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        return None
+    for item in items:
+        if (found := _too_large(item)) is not None:
+            return found
+    return None
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors; floats must be finite; integers stay within ±MAX_INT.
+
+    A field that really takes infinity says so itself (``Field(allow_inf_nan=True)``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded_integers(cls, value: Any) -> Any:
+        if (big := _too_large(value)) is not None:
+            shown = str(big) if len(str(big)) <= 24 else f"an integer of {len(str(abs(big)))} digits"
+            raise ValueError(f"{shown} is out of range (integers here are at most {MAX_INT:,} in size)")
+        return value
