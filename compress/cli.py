@@ -197,10 +197,11 @@ def pull(
     from compress.registry import pull as pull_version
     from compress.registry import resolve_location
 
-    pulled = pull_version(ref, output, resolve_location(uri, store), overwrite, Reporter(err, quiet=quiet))
+    location = resolve_location(uri, store)
+    pulled = pull_version(ref, output, location, overwrite, Reporter(err, quiet=quiet))
     forced = " [red](published with --force)[/]" if pulled.forced else ""
-    out.print(f"[green]pulled[/] {escape(pulled.name)}/{pulled.version} into [bold]{escape(str(pulled.directory))}[/]: "
-              f"{pulled.files} files verified, gates {pulled.gates}{forced}", highlight=False)
+    out.print(f"[green]pulled[/] {escape(pulled.name)}/{pulled.version} from {escape(location.describe())} into "
+              f"[bold]{escape(str(pulled.directory))}[/]: {pulled.files} files verified, gates {pulled.gates}{forced}", highlight=False)
 
 
 @registry_app.command("list")

@@ -51,6 +51,7 @@ def check_safetensors(path: Path) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ModelLoadError(f"{path}: the safetensors header is not a JSON object (corrupt file)")
     data = size - 8 - length
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -70,6 +71,15 @@ def check_safetensors(path: Path) -> dict[str, Any]:
                                  f"{shape} ({expected:,} bytes)")
         if offsets[1] > data:
             raise ModelLoadError(f"{path}: truncated: tensor {name!r} ends at byte {offsets[1]:,} of a data section of {data:,}")
+        spans.append((offsets[0], offsets[1], name))
+    position = 0
+    for begin, end, name in sorted(spans):  # the format's rule: tensors tile the data section, no gaps or overlaps
+        if begin != position:
+            raise ModelLoadError(f"{path}: tensor {name!r} starts at byte {begin:,}, expected {position:,} (overlapping or "
+                                 "missing data: corrupt file)")
+        position = end
+    if position != data:
+        raise ModelLoadError(f"{path}: {data - position:,} bytes after the last tensor (corrupt file, or a different format)")
     return header
 
 

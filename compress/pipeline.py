@@ -103,6 +103,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_shapes_early(loaded: LoadedRecipe) -> None:
+    """Settings that cannot fit the model (a group wider than every layer) fail before any weight
+    is read, from the model's config alone; a source whose config cannot be read that way is
+    checked by the stage itself once loaded."""
+    recipe = loaded.recipe
+    if not any(st.kind == "quantize" and getattr(st.config, "group_size", None) for st in recipe.stages):
+        return
+    from compress.eval.plan_sizes import check_group_sizes, final_shape, model_shape
+
+    try:
+        shape = final_shape(recipe, model_shape(recipe.model, loaded.base_dir))
+    except CompressError:
+        return
+    check_group_sizes(recipe, shape)
+
+
 def work_dir_for(out_dir: Path) -> Path:
     """Resumable state of a run (training checkpoints) lives next to its artifact until it is written."""
     return out_dir.with_name(out_dir.name + ".work")
@@ -129,6 +145,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
         for name in devices:
             get_profile(profiles, name)
+    check_shapes_early(loaded)
     started = time.perf_counter()
     seed_everything(recipe.seed)
     threads = recipe.compute.threads or os.cpu_count() or 1

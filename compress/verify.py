@@ -53,7 +53,8 @@ def check_artifact(directory: str | Path, advice: str = RERUN) -> Contents:
     if not (root / MANIFEST).is_file() and (root / REPORT).is_file():
         chosen = (read_json_object(root / REPORT) or {}).get("search") or {}
         if isinstance(chosen, dict) and chosen.get("chosen_path"):
-            raise ArtifactError(f"{root} is a recipe search; use its chosen candidate: {root / str(chosen['chosen_path'])}")
+            raise ArtifactError(f"{root} is a recipe search, not an artifact; publish its chosen candidate (or gate or verify it): "
+                                f"{root / str(chosen['chosen_path'])}")
     if not (root / MANIFEST).is_file() or not (root / REPORT).is_file():
         raise ArtifactError(f"{root} is not a compress artifact (needs {MANIFEST} and {REPORT}, as `compress run` writes them)")
     manifest = _json(root / MANIFEST)

@@ -21,6 +21,8 @@ from compress.eval.plan_sizes import (
     ModelShape,
     Record,
     artifacts,
+    check_group_sizes,
+    final_shape,
     model_shape,
     pruned_shape,
     quantized_layers,
@@ -174,10 +176,8 @@ def plan_recipe(loaded: LoadedRecipe, devices: dict[str, DeviceProfile], targets
         targets = ([LOCAL] if LOCAL in devices and LOCAL not in named else []) + named if named else list(devices)
     chosen = [get_profile(devices, n) for n in dict.fromkeys(targets)]
     shape = model_shape(recipe.model, loaded.base_dir)
-    final = shape
-    for stage in recipe.stages:
-        if stage.kind == "prune":
-            final = pruned_shape(final, stage.config)
+    final = final_shape(recipe, shape)
+    check_group_sizes(recipe, final)
     records = quantized_layers(recipe, final)
     arts = artifacts(recipe, shape, final, records)
     steps = stage_estimates(recipe, shape, records, arts)

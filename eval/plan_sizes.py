@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compress.errors import ModelLoadError
+from compress.errors import CompressError, ModelLoadError
+from compress.inputs import check_json
 from compress.recipe import ModelSpec, Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -84,10 +85,11 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model.source {source}: no config.json at {path} (give a Hugging Face directory, a .gguf file, "
                              "a cached Hugging Face id or reference:<name>)")
+    check_json(path / "config.json")
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True), f"{path / 'config.json'}"
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"transformers could not read {path / 'config.json'}: {exc}") from exc
+    except Exception as exc:  # transformers raises many types for a config it cannot use
+        raise ModelLoadError(f"transformers could not read {path / 'config.json'}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 def _gguf_config(path: Path) -> tuple[Any, str]:
@@ -95,8 +97,8 @@ def _gguf_config(path: Path) -> tuple[Any, str]:
 
     try:  # transformers reads the metadata with gguf.GGUFReader (memory-mapped; tensors are not loaded)
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name), f"GGUF metadata of {path}"
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read the model config from the GGUF metadata of {path}: {exc}") from exc
+    except Exception as exc:  # the GGUF reader raises many types for a damaged file
+        raise ModelLoadError(f"cannot read the model config from the GGUF metadata of {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 def shape_of(config: Any, trust_remote_code: bool = False, origin: str = "") -> ModelShape:
@@ -146,6 +148,30 @@ class Record:
     in_f: int
     scheme: Any  # QuantScheme
     tied: bool
+
+
+def final_shape(recipe: Recipe, shape: ModelShape) -> ModelShape:
+    """The shape the recipe's prune stages leave."""
+    for stage in recipe.stages:
+        if stage.kind == "prune":
+            shape = pruned_shape(shape, stage.config)
+    return shape
+
+
+def check_group_sizes(recipe: Recipe, shape: ModelShape) -> None:
+    """Refuse a quantize stage whose group_size exceeds the widest input of the layers it
+    quantizes (``shape``: the model as that stage sees it), before any weight is loaded."""
+    from compress.quantizers.targets import select_linears
+
+    for i, stage in enumerate(recipe.stages):
+        group = getattr(stage.config, "group_size", None) if stage.kind == "quantize" else None
+        if group is None:
+            continue
+        chosen, _ = select_linears(shape.model, stage.config.targets, stage.config.ignore)
+        widest = max((m.in_features for _, m in chosen), default=None)
+        if widest is not None and group > widest:
+            raise CompressError(f"stages[{i}].quantize.group_size: {group} is wider than every layer it quantizes (the widest "
+                                f"input is {widest}); use a group size up to {widest}, or null for one scale per output row")
 
 
 def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:

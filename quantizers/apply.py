@@ -25,6 +25,10 @@ def select_or_fail(model: nn.Module, cfg: WeightQuantConfig, label: str) -> tupl
             f"{label}: targets {cfg.targets} with ignore {cfg.ignore} select no Linear layer. "
             f"This model's Linear layers are named like: {', '.join(names) or '(none)'}."
         )
+    widest = max(m.in_features for _, m in chosen)
+    if cfg.group_size is not None and cfg.group_size > widest:
+        raise CompressError(f"{label}: group_size {cfg.group_size} is wider than every layer it quantizes (the widest input is "
+                            f"{widest}); use a group size up to {widest}, or null for one scale per output row")
     return chosen, unused_ignore
 
 

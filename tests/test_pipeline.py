@@ -116,8 +116,17 @@ def test_existing_output_needs_overwrite(tmp_path: Path, tiny_model_dir: Path, t
     result = run_cli(["run", recipe, "-o", out])
     assert result.exit_code == 2 and "already exists" in result.output
     assert (out / "keep.txt").read_text() == "mine"
+    refused = run_cli(["run", recipe, "-o", out, "--overwrite"])  # not an output of ours: --overwrite does not delete it
+    assert refused.exit_code == 2 and "not a compress output" in refused.output, refused.output
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()  # an empty directory may be written into
+    assert run_cli(["run", recipe, "-o", out]).exit_code == 2  # still exists: needs --overwrite
     assert run_cli(["run", recipe, "-o", out, "--overwrite"]).exit_code == 0
-    assert (out / "manifest.json").is_file() and not (out / "keep.txt").exists()
+    first = json.loads((out / "manifest.json").read_text())["created_at"]
+    (out / "extra.txt").write_text("added later")  # an artifact of ours is replaced whole by --overwrite
+    assert run_cli(["run", recipe, "-o", out, "--overwrite"]).exit_code == 0
+    assert (out / "manifest.json").is_file() and not (out / "extra.txt").exists()
+    assert json.loads((out / "manifest.json").read_text())["created_at"] >= first
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
