@@ -1,20 +1,32 @@
-"""The docs match the code: the README's commands, its recipe reference, and the packaging."""
+"""The docs match the code: the README's commands, the manual (docs/, mkdocs.yml), its recipe
+reference and the field list generated from the schema, and the packaging."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from compress.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+# The recipe reference: the annotated YAML examples of every recipe key (docs/recipes.md).
+RECIPES = (DOCS / "recipes.md").read_text()
 
 
 def _bash_blocks(text: str) -> list[str]:
     return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def _yaml_blocks(text: str) -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -26,6 +38,17 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 def test_readme_main_command_runs_the_quickstart() -> None:
     assert any("compress run recipes/quickstart.yaml -o out" in block and "pip install torch==2.13.0" in block for block in _bash_blocks(README))
+
+
+def test_readme_is_the_short_front_door() -> None:
+    lines = len(README.splitlines())
+    assert lines < 300, f"README.md has {lines} lines; keep it under 300 and move the details into docs/"
+
+
+def test_readme_links_exist() -> None:
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
 def _field_names(model: type) -> set[str]:
@@ -46,11 +69,9 @@ def _field_names(model: type) -> set[str]:
 
 
 def test_recipe_reference_documents_every_field() -> None:
-    section = README.split("## Recipe reference", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
-    keys = {k for block in blocks for k in re.findall(r"^\s*-?\s*([a-z_0-9]+):", block, flags=re.M)}
+    keys = {k for block in _yaml_blocks(RECIPES) for k in re.findall(r"^\s*-?\s*([a-z_0-9]+):", block, flags=re.M)}
     missing = _field_names(Recipe) - keys
-    assert not missing, f"README recipe reference lacks: {sorted(missing)}"
+    assert not missing, f"docs/recipes.md (the recipe reference) lacks: {sorted(missing)}"
 
 
 def test_import_compress_is_cheap() -> None:
@@ -59,33 +80,73 @@ def test_import_compress_is_cheap() -> None:
     assert out.strip() == "[]"
 
 
-def test_readme_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
+def test_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
     from compress.recipe import load_recipe
 
-    block = README.split("## Recipe reference", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
-    (tmp_path / "r.yaml").write_text(block)
+    (tmp_path / "r.yaml").write_text(_yaml_blocks(RECIPES)[0])
     recipe = load_recipe(tmp_path / "r.yaml").recipe
     assert [g.threshold_kind for g in recipe.gates] == ["max", "min", "max_increase_pct", "max_decrease_pct"]
 
 
-def test_readme_calibrated_method_examples_validate() -> None:
+def test_recipe_reference_calibrated_method_examples_validate() -> None:
     import yaml
 
     from compress.recipe import StageSpec
 
-    section = README.split("## Recipe reference", 1)[1].split("\n## ", 1)[0]
-    stages = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, flags=re.S)[1])["stages"]
+    blocks = _yaml_blocks(RECIPES)
+    stages = yaml.safe_load(blocks[1])["stages"]
     assert [StageSpec.model_validate(s).config.method for s in stages] == ["gptq", "awq"]
-    blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
     kv, int8 = (yaml.safe_load(b)["stages"][0] for b in blocks[2:4])
     assert StageSpec.model_validate(kv).kind == "kv_cache" and StageSpec.model_validate(int8).config.method == "llm_int8"
 
 
-def test_readme_prune_and_distill_example_validates() -> None:
+def test_recipe_reference_prune_and_distill_example_validates() -> None:
     import yaml
 
     from compress.recipe import StageSpec
 
-    section = README.split("## Recipe reference", 1)[1].split("\n## ", 1)[0]
-    block = next(b for b in re.findall(r"```yaml\n(.*?)```", section, flags=re.S) if "- prune:" in b)
+    block = next(b for b in _yaml_blocks(RECIPES) if "- prune:" in b)
     assert [StageSpec.model_validate(s).kind for s in yaml.safe_load(block)["stages"]] == ["prune", "distill"]
+
+
+def _nav_pages(nav: list) -> list[str]:
+    pages = []
+    for item in nav:
+        value = next(iter(item.values())) if isinstance(item, dict) else item
+        pages.extend(_nav_pages(value) if isinstance(value, list) else [value])
+    return pages
+
+
+def test_every_page_in_nav_exists_and_every_page_is_in_nav() -> None:
+    import yaml
+
+    pages = _nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    missing = [p for p in pages if not (DOCS / p).is_file()]
+    assert not missing, f"mkdocs.yml nav names pages that do not exist under docs/: {missing}"
+    on_disk = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    left_out = [p for p in on_disk if p not in pages]
+    assert not left_out, f"docs/ pages missing from the nav in mkdocs.yml: {left_out}"
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        pytest.skip("mkdocs-material is not installed (pip install -e \".[docs]\"; the dev extra includes it)")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    assert (tmp_path / "site" / "reference" / "recipe-fields" / "index.html").is_file()
+
+
+def test_recipe_field_reference_is_fresh() -> None:
+    spec = importlib.util.spec_from_file_location("gen_recipe_reference", DOCS / "gen_recipe_reference.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gen  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(gen)
+    finally:
+        del sys.modules[spec.name]
+    committed = (DOCS / "reference" / "recipe-fields.md").read_text(encoding="utf-8")
+    assert gen.render() == committed, "docs/reference/recipe-fields.md is stale: run python docs/gen_recipe_reference.py"
