@@ -89,3 +89,95 @@ def test_schema_package_imports_only_schema_errors_and_light_libraries() -> None
 def test_errors_module_imports_nothing_from_compress() -> None:
     """compress.errors is the one module below the schema besides the schema itself."""
     assert [m for _, m in _imports(ROOT / "compress" / "errors.py") if m.split(".")[0] in ("compress", *HEAVY)] == []
+
+
+# --------------------------------------------------------------------------- generated JSON Schemas
+
+
+@pytest.mark.parametrize("name", ["recipe", "manifest", "report"])
+def test_committed_schema_is_generated(name: str) -> None:
+    from compress.schema.documents import REGENERATE, SCHEMA_DIR, file_name, render
+
+    committed = ROOT / SCHEMA_DIR / file_name(name)
+    assert committed.is_file(), f"{committed} is missing; regenerate with: {REGENERATE}"
+    assert committed.read_text(encoding="utf-8") == render(name), (
+        f"{committed.relative_to(ROOT)} differs from the schema generated from compress.schema; regenerate with: {REGENERATE}")
+
+
+def test_legacy_report_schema_path_is_the_generated_schema() -> None:
+    """README and users' CI point at docs/report.schema.json: it is the same generated file."""
+    from compress.schema.documents import REGENERATE, render
+
+    assert (ROOT / "docs" / "report.schema.json").read_text(encoding="utf-8") == render("report"), (
+        f"docs/report.schema.json differs from the generated report schema; regenerate with: {REGENERATE} "
+        "&& cp docs/schemas/report.schema.json docs/report.schema.json")
+
+
+@pytest.mark.parametrize("name", ["recipe", "manifest", "report"])
+def test_schema_command_prints_each_document(name: str) -> None:
+    from compress.schema.documents import render
+    from tests.helpers import run_cli
+
+    result = run_cli(["schema", name])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == render(name)
+
+
+def test_schema_command_defaults_to_the_recipe_and_refuses_unknown_documents() -> None:
+    from compress.schema.documents import render
+    from tests.helpers import run_cli
+
+    assert run_cli(["schema"]).stdout == render("recipe")
+    result = run_cli(["schema", "manifests"])
+    assert result.exit_code == 2 and "recipe, manifest, report" in result.output
+
+
+def test_one_version_constant_per_document() -> None:
+    from compress.schema.documents import VERSIONS, json_schema
+
+    for name, version in VERSIONS.items():
+        key = "version" if name == "recipe" else "schema_version"
+        assert json_schema(name)["properties"][key]["const"] == version
+
+
+def test_report_literals_match_their_constants() -> None:
+    import typing
+
+    from compress.schema import recipe, report
+
+    assert typing.get_args(report.Source) == report.SOURCES
+    assert typing.get_args(report.GateSource) == report.GATE_SOURCES
+    assert typing.get_args(report.EvaluationKind) == report.EVALUATION_KINDS
+    assert typing.get_args(report.ThresholdKind) == report.THRESHOLD_KINDS == recipe.THRESHOLD_KEYS
+
+
+def test_writers_use_the_schema_version_constants() -> None:
+    """No writer spells a schema_version number itself (one constant per document, in compress/schema)."""
+    import re
+
+    pattern = re.compile(r"[\"']schema_version[\"']\s*:\s*\d")
+    found = [f"{p.relative_to(ROOT)}:{i}" for d in ("compress", "eval", "export", "quantizers", "pruning", "distill")
+             for p in sorted((ROOT / d).rglob("*.py")) for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
+
+
+def test_manifest_and_report_models_accept_what_the_writers_build() -> None:
+    """A hand-built report like the pipeline's (non-finite numbers as strings) and a gate listing validate;
+    unknown top-level keys and wrong versions do not."""
+    from pydantic import ValidationError
+
+    from compress.schema.manifest import GateReportListing
+    from compress.schema.report import REPORT_VERSION, Report
+
+    report = {"schema_version": REPORT_VERSION, "recipe": None, "passed": False,
+              "evaluations": [{"artifact": "compressed", "runtime": "torch", "device": "cpu", "source": "measured",
+                               "kind": "accuracy", "metrics": {"perplexity": "inf", "tokens_scored": 10}}],
+              "gates": [{"name": "g", "metric": "perplexity", "artifact": "compressed", "value": "nan",
+                         "threshold": {"kind": "max", "value": 20.0, "limit": 20.0}, "passed": False, "source": "measured",
+                         "runtime": "torch", "device": "cpu", "message": "m"}],
+              "evaluation_data": None, "exports": [{"name": "gguf", "format": "gguf", "evaluated_as": None, "engine": {}}]}
+    Report.model_validate(report)
+    for bad in ({**report, "surprise": 1}, {**report, "schema_version": REPORT_VERSION + 1}):
+        with pytest.raises(ValidationError):
+            Report.model_validate(bad)
+    GateReportListing.model_validate({"schema_version": 1, "kind": "gate-report", "artifact": "a", "files": {"report.json": "0" * 64}})

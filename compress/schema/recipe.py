@@ -24,6 +24,7 @@ from compress.schema.prune import PruneConfig
 from compress.schema.quantize import QuantizeConfig
 
 SCHEMA_VERSION = 1
+"""The recipe `version` this release reads (the one place it is defined)."""
 IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
 KV_CACHE_ARTIFACT = "kv_cache"  # the compressed model decoding through its quantized KV cache (a kv_cache stage)
 RUNTIME_FORMATS = ("gguf", "onnx", "tensorrt")  # exports that run on a runtime of their own (timeable)
@@ -233,7 +234,7 @@ class ComputeSpec(Strict):
 
 
 class Recipe(Strict):
-    version: Literal[1] = Field(description="Recipe schema version; this release reads version 1.")  # SCHEMA_VERSION
+    version: Literal[SCHEMA_VERSION] = Field(description="Recipe schema version; this release reads version 1.")
     name: str | None = Field(None, description="A label for reports and the manifest.")
     seed: Seed = Field(0, description="Global seed (torch, Python, numpy) for reproducible runs.")
     model: ModelSpec
