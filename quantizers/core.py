@@ -1,4 +1,5 @@
-"""Quantization core: the scheme, the QuantizedWeight record, and pure grouping math.
+"""Quantization core: the QuantizedWeight record and pure grouping math (the scheme, QuantScheme, is
+torch-free in compress.schema.quantize and re-exported here).
 
 Every weight quantizer (RTN here; GPTQ and AWQ later) produces `QuantizedWeight` records in
 one convention, and every exporter packs those records into its own format without
@@ -21,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from compress.schema.quantize import QuantScheme, ScaleDType, WeightQuantConfig
 
 __all__ = ["QuantScheme", "QuantizedWeight", "ScaleDType", "WeightQuantConfig", "compute_qparams", "group_rows",
