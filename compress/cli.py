@@ -298,8 +298,9 @@ def gate(
     """
     from compress.eval.reports import write_reports
     from compress.gate import run_gate
-    from compress.pipeline import _write_json, json_safe
+    from compress.pipeline import json_safe, write_document
     from compress.progress import Reporter
+    from compress.schema.report import Report
 
     from compress.fsutil import atomic_directory
     from compress.gate import check_report_directory, write_listing
@@ -307,7 +308,7 @@ def gate(
     check_report_directory(artifact, output)  # before any work: not inside the artifact, writable, ours to replace
     result = run_gate(artifact, gates, baseline, device, devices_file or [], threads, Reporter(err, quiet=quiet))
     with atomic_directory(output, overwrite=True) as tmp:
-        _write_json(tmp / "report.json", result.report)
+        write_document(tmp / "report.json", result.report, Report)
         files = write_reports(tmp, json_safe(result.report), suite=f"compress gate {artifact.name}")
         write_listing(tmp, artifact)
     print_gates(result.report)
@@ -316,11 +317,17 @@ def gate(
 
 
 @app.command()
-def schema() -> None:
-    """Print the recipe JSON schema (for editors and CI linters)."""
-    from compress.recipe import json_schema
+@guarded
+def schema(
+    document: str = typer.Argument("recipe", help="recipe (default), manifest or report."),
+) -> None:
+    """Print the JSON Schema of a recipe, a manifest.json or a report.json (for editors and CI linters);
+    the same files are committed under docs/schemas/."""
+    from compress.schema.documents import DOCUMENTS, render
 
-    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+    if document not in DOCUMENTS:
+        raise CompressError(f"unknown document '{document}'; expected one of: {', '.join(DOCUMENTS)}")
+    sys.stdout.write(render(document))
 
 
 @app.command()

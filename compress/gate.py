@@ -35,6 +35,8 @@ from compress.eval.latency import LatencySettings, Target, load_torch_model, tre
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.progress import Reporter
+from compress.schema.manifest import GATE_LISTING_VERSION, GATE_REPORT, GateReportListing
+from compress.schema.report import REPORT_VERSION
 from compress.schema.yamlio import read_text
 from compress.verify import check_artifact
 from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
@@ -127,7 +129,6 @@ def inspect(path: Path) -> Subject:
                         "model folder (config.json)")
 
 
-GATE_REPORT = "gate-report"  # manifest.json `kind` of a `compress gate -o` directory
 
 
 def check_report_directory(artifact: Path, output: Path) -> Path:
@@ -147,7 +148,8 @@ def check_report_directory(artifact: Path, output: Path) -> Path:
 def write_listing(directory: Path, artifact: Path) -> None:
     """The report directory's manifest.json: each file's SHA-256, so `compress verify` checks it."""
     files = {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*")) if p.is_file()}
-    listing = {"schema_version": 1, "kind": GATE_REPORT, "artifact": str(artifact), "files": files}
+    listing = {"schema_version": GATE_LISTING_VERSION, "kind": GATE_REPORT, "artifact": str(artifact), "files": files}
+    GateReportListing.model_validate(listing)
     (directory / MANIFEST).write_text(json.dumps(listing, indent=2, sort_keys=True) + "\n")
 
 
@@ -220,7 +222,7 @@ def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str
     evaluations += [dataclasses.replace(e, artifact=name) for name in subject.stand_ins for e in compressed]
     results = evaluate_gates(gates, evaluations)
     report = {
-        "schema_version": 2,
+        "schema_version": REPORT_VERSION,
         "recipe": "compress gate",
         "passed": all(g.passed for g in results),
         "evaluations": [e.to_json() for e in evaluations],

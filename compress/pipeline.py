@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 
 from compress import __version__
 from compress.artifact import checksums, write_model
@@ -44,11 +45,11 @@ from compress.models import load_model
 from compress.progress import Reporter
 from compress.pruning.prune import PruneStage
 from compress.quantizers import QUANTIZE_METHODS
+from compress.schema.manifest import MANIFEST_VERSION, Manifest
+from compress.schema.report import REPORT_VERSION, Report
 from compress.quantizers.kv_cache import KVCacheStage
 from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, ModelSpec, Recipe
 
-MANIFEST_VERSION = 1
-REPORT_VERSION = 2
 RUNTIMES_OF = {"gguf": "llama.cpp", "onnx": "onnxruntime", "tensorrt": "tensorrt"}
 VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "gguf", "accelerate",
                       "llama_cpp_python", "onnx", "onnxruntime", "onnxruntime_genai", "onnxscript")
@@ -225,7 +226,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         host = None
         timed = timed_artifacts(recipe, tmp, exports, lm.facts, device.type)
         if recipe.latency is not None or wanted_devices(recipe.latency, recipe.targets, recipe.gates):
-            _write_json(tmp / "manifest.json", manifest)  # the torch worker reads the quantized layers' schemes from it
+            write_document(tmp / "manifest.json", manifest, Manifest)  # the torch worker reads the quantized layers' schemes from it
             t = time.perf_counter()
             found, host = performance_evaluations(recipe, timed, eval_chunks, model, threads, reporter)
             evaluations += found
@@ -241,12 +242,12 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
             manifest["kv_cache"] = report["kv_cache"]
         manifest["exports"] = exports
         with reporter.status(f"writing artifact {out_dir}"):
-            _write_json(tmp / "report.json", report)
+            write_document(tmp / "report.json", report, Report)
             write_reports(tmp, json_safe(report), suite=recipe.name or loaded.path.stem, step_summary=step_summary)
             timings["total_s"] = time.perf_counter() - started
             manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
             manifest["files"] = {k: v for k, v in checksums(tmp).items() if k != "manifest.json"}  # a latency run wrote an interim one
-            _write_json(tmp / "manifest.json", manifest)
+            write_document(tmp / "manifest.json", manifest, Manifest)
     remove_checkpoints(ctx.work_dir, [f"stages[{i}]" for i, st in enumerate(recipe.stages) if st.kind == "distill"])
     return RunResult(out_dir, manifest, report, evaluations, gates)
 
@@ -470,6 +471,14 @@ def build_manifest(
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")
+
+
+def write_document(path: Path, obj: dict[str, Any], model: type[BaseModel]) -> None:
+    """Write ``obj`` as _write_json does, after checking it against its schema model (Manifest,
+    Report): a document that does not match is a bug here, so this raises before anything is written."""
+    safe = json_safe(obj)
+    model.model_validate(safe)
+    path.write_text(json.dumps(safe, indent=2, allow_nan=False) + "\n")
 
 
 def json_safe(obj: Any) -> Any:

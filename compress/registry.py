@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 
 from compress.errors import EXIT_GATE_FAILED, ArtifactError, CompressError
 from compress.fsutil import MANIFEST, atomic_directory, combined_digest, sha256_file
+from compress.schema.recipe import alias_problem
 from compress.verify import MODEL_CARD, Contents, check_artifact
 from compress.model_card import gate_summary, model_card
 from compress.progress import Reporter
@@ -300,13 +300,6 @@ def _ensure_registered_model(client: Any, name: str, contents: Contents) -> None
 def _set_aliases(client: Any, name: str, version: str, aliases: list[str]) -> None:
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version)
-
-
-def alias_problem(alias: str) -> str | None:
-    """Why MLflow would refuse ``alias``, or None."""
-    if not re.fullmatch(r"[A-Za-z0-9_\-]+", alias) or alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias):
-        return f"alias {alias!r} is not usable: letters, digits, '-' and '_' only, and not 'latest' or v<number> (MLflow reserves those)"
-    return None
 
 
 def check_aliases(aliases: list[str]) -> None:

@@ -112,7 +112,8 @@ class SearchResult:
 
 def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Reporter) -> SearchResult:
     from compress.eval.reports import write_reports
-    from compress.pipeline import REPORT_VERSION, _write_json, json_safe, run_recipe
+    from compress.pipeline import json_safe, run_recipe, write_document
+    from compress.schema.report import REPORT_VERSION, Report
 
     spec = loaded.recipe.search
     assert spec is not None
@@ -165,7 +166,7 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
                          "chosen_path": chosen["path"] if chosen else None, "stop_at_first_pass": spec.stop_at_first_pass,
                          "order": "expected bits per weight, then method cost (rtn, llm_int8, awq, gptq)",
                          "size": "the first export's files, else model/'s weights as a packed checkpoint stores them, MiB"}}
-    _write_json(out_dir / "report.json", report)
+    write_document(out_dir / "report.json", report, Report)
     write_reports(out_dir, json_safe(report), suite=f"search {loaded.recipe.name or loaded.path.stem}")
     return SearchResult(out_dir, report)
 

@@ -1,6 +1,7 @@
 """Reports of a run for machines, people and CI, all rendered from report.json.
 
-* ``REPORT_SCHEMA``: the JSON Schema of report.json (shipped as docs/report.schema.json);
+* ``REPORT_SCHEMA``: the JSON Schema of report.json, generated from compress.schema.report.Report
+  (committed as docs/schemas/report.schema.json, and as docs/report.schema.json for existing links);
 * ``junit_xml``: one test case per gate, for GitLab / Jenkins / any JUnit reader;
 * ``markdown_summary``: gates, accuracy, latency and search tables (GitHub step summary);
 * ``plot_pareto`` / ``plot_latency``: KL divergence against size, TTFT / TPOT bars.
@@ -20,12 +21,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-REPORT_SCHEMA_VERSION = 2
-SOURCES = ["measured", "estimated"]  # where an evaluation's numbers came from
-GATE_SOURCES = [*SOURCES, "missing"]  # a gate can also find no measurement at all
-EVALUATION_KINDS = ["accuracy", "latency", "memory", "kv_cache"]
-THRESHOLD_KINDS = ["max", "min", "max_increase_pct", "max_decrease_pct"]  # compress.recipe.THRESHOLD_KEYS (a test checks)
-NON_FINITE = ["nan", "inf", "-inf"]  # how compress.pipeline.json_safe writes non-finite floats
+from compress.schema import report as _report
+from compress.schema.documents import json_schema
+
+REPORT_SCHEMA_VERSION = _report.REPORT_VERSION
+SOURCES = list(_report.SOURCES)  # where an evaluation's numbers came from
+GATE_SOURCES = list(_report.GATE_SOURCES)  # a gate can also find no measurement at all
+EVALUATION_KINDS = list(_report.EVALUATION_KINDS)
+THRESHOLD_KINDS = list(_report.THRESHOLD_KINDS)  # compress.recipe.THRESHOLD_KEYS (a test checks)
+NON_FINITE = list(_report.NON_FINITE)  # how compress.pipeline.json_safe writes non-finite floats
 UPPER_BOUNDS = ("max", "max_increase_pct")  # threshold kinds that pass when value <= limit
 ACCURACY_KINDS = ("accuracy", "kv_cache")
 REPORT_FILES = {"junit": "junit.xml", "summary": "summary.md", "pareto": "plots/pareto.png", "latency": "plots/latency.png"}
@@ -33,63 +37,8 @@ ESTIMATED_NOTE = ("Estimated: computed from the device profile (memory bandwidth
                   "not from running the artifact on that device.")
 
 
-def _obj(required: list[str], properties: dict[str, Any], extra: bool = False) -> dict[str, Any]:
-    return {"type": "object", "required": required, "properties": properties, "additionalProperties": extra}
-
-
-_STR = {"type": "string"}
-_STR_OR_NULL = {"type": ["string", "null"]}
-_NUMBER = {"$ref": "#/$defs/number"}
-
-REPORT_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "compress report.json",
-    "description": "Evaluations, gate results and exports of one `compress run` or `compress gate`. "
-                   "Non-finite numbers are written as the strings \"nan\", \"inf\", \"-inf\".",
-    **_obj(["schema_version", "recipe", "passed", "evaluations", "gates", "evaluation_data"], {
-        "schema_version": {"const": REPORT_SCHEMA_VERSION},
-        "recipe": {"type": ["string", "null"], "description": "recipe name (null when unnamed), or \"compress gate\""},
-        "passed": {"type": "boolean", "description": "every gate passed"},
-        "evaluations": {"type": "array", "items": {"$ref": "#/$defs/evaluation"}},
-        "gates": {"type": "array", "items": {"$ref": "#/$defs/gate"}},
-        "evaluation_data": {"oneOf": [{"type": "null"}, _obj(["source", "tokens_sha256", "samples", "seq_len"], {
-            "source": _STR, "tokens_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
-            "samples": {"type": "integer", "minimum": 0}, "seq_len": {"type": "integer", "minimum": 0}})]},
-        "exports": {"type": "array", "items": _obj(["name", "format"], {
-            "name": _STR, "format": _STR, "path": _STR_OR_NULL, "verified": {"type": ["boolean", "null"]},
-            "check": {}, "evaluated_as": _STR_OR_NULL}, extra=True)},
-        "host": {"type": "object", "properties": {"bandwidth_gbs": _NUMBER}, "additionalProperties": True},
-        "devices": {"type": "object", "additionalProperties": {
-            "type": "object", "properties": {"fit": {"type": "object"}}, "additionalProperties": True}},
-        "search": _obj(["candidates", "chosen"], {
-            "candidates": {"type": "array", "items": _obj(["name"], {
-                "name": _STR, "overrides": {"type": "array", "items": _STR},
-                "size_mb": {"oneOf": [{"type": "null"}, _NUMBER]}, "passed": {"type": ["boolean", "null"]},
-                "metrics": {"$ref": "#/$defs/metrics"}, "status": _STR,
-                "source": {"enum": SOURCES}}, extra=True)},
-            "chosen": _STR_OR_NULL}, extra=True),
-        "kv_cache": {"type": "object"},
-        "artifact": {"type": "object", "description": "compress gate: the artifact under test, its kind, baseline and gates file",
-                     "additionalProperties": True},
-    }),
-    "$defs": {
-        "number": {"anyOf": [{"type": "number"}, {"enum": NON_FINITE}]},
-        "metrics": {"type": "object", "additionalProperties": _NUMBER, "description": "metric name -> value; see compress.eval.metrics.METRICS"},
-        "evaluation": _obj(["artifact", "runtime", "device", "source", "kind", "metrics"], {
-            "artifact": _STR, "runtime": _STR, "device": _STR,
-            "source": {"enum": SOURCES}, "kind": {"enum": EVALUATION_KINDS},
-            "metrics": {"$ref": "#/$defs/metrics"},
-            "profile": {"type": ["string", "null"], "description": "the device profile the evaluation stands for (absent: this machine)"},
-            "details": {"type": "object", "additionalProperties": True}}),
-        "gate": _obj(["name", "metric", "artifact", "value", "threshold", "passed", "source", "runtime", "device", "message"], {
-            "name": _STR, "metric": _STR, "artifact": _STR,
-            "value": {"oneOf": [{"type": "null"}, _NUMBER]},
-            "threshold": _obj(["kind", "value"], {"kind": {"enum": THRESHOLD_KINDS}, "value": _NUMBER,
-                                                  "limit": _NUMBER, "baseline": _NUMBER}),
-            "passed": {"type": "boolean"}, "source": {"enum": GATE_SOURCES},
-            "runtime": _STR_OR_NULL, "device": _STR_OR_NULL, "message": _STR}),
-    },
-}
+REPORT_SCHEMA: dict[str, Any] = json_schema("report")
+"""The JSON Schema of report.json, generated from compress.schema.report.Report."""
 
 
 def write_schema(path: Path) -> Path:

@@ -18,10 +18,9 @@ Per decoder block, for each mapping ``prev -> linears`` of the architecture tabl
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from compress.context import RunContext, StageRecord
@@ -29,27 +28,10 @@ from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture, AWQMapping
 from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, quantize_codes
 from compress.quantizers.rtn import rtn_quantize
-from compress.quantizers.sequential import BlockJob, CalibratedConfig, run_layerwise
+from compress.quantizers.sequential import BlockJob, run_layerwise
+from compress.schema.quantize import AWQConfig
 
 NO_CLIP = ("q_proj", "k_proj")
-
-
-class AWQConfig(CalibratedConfig):
-    """`quantize: {method: awq, bits, group_size, symmetric (default false), grid, duo_scaling, clip, ...}`."""
-
-    method: Literal["awq"] = "awq"
-    symmetric: bool = Field(False, description="AWQ defaults to asymmetric (integer zero point per group).")
-    grid: int = Field(20, ge=2, description="Points of the scale-exponent grid in [0, 1).")
-    duo_scaling: bool | Literal["both"] = Field(
-        True, description="s = x_mean^α / w_mean^(1-α) (true), x_mean^α (false, the AWQ paper's form), or both families searched (twice the grid).")
-    clip: bool = Field(True, description="Search a clipping range per group after scaling.")
-    clip_grid: int = Field(20, ge=2, description="Clipping steps: max |w| · (1 - i/clip_grid).")
-    max_shrink: float = Field(0.5, gt=0, lt=1, description="Largest share of max |w| the clipping search removes.")
-    search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
-    clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
-    clip_in_search: bool = Field(
-        True, description="Score each scale candidate with its clipping search applied (false: scales searched on unclipped "
-        "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits, see the README).")
 
 
 # --------------------------------------------------------------------------- pure math

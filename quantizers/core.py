@@ -1,4 +1,5 @@
-"""Quantization core: the scheme, the QuantizedWeight record, and pure grouping math.
+"""Quantization core: the QuantizedWeight record and pure grouping math (the scheme, QuantScheme, is
+torch-free in compress.schema.quantize and re-exported here).
 
 Every weight quantizer (RTN here; GPTQ and AWQ later) produces `QuantizedWeight` records in
 one convention, and every exporter packs those records into its own format without
@@ -19,64 +20,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import ConfigDict, Field, field_validator
 
-from compress.schema.base import Strict
+from compress.schema.quantize import QuantScheme, ScaleDType, WeightQuantConfig
 
-ScaleDType = Literal["float16", "bfloat16", "float32"]
+__all__ = ["QuantScheme", "QuantizedWeight", "ScaleDType", "WeightQuantConfig", "compute_qparams", "group_rows",
+           "pack_record", "quantize_codes", "round_scale", "scale_torch_dtype", "sqnr_db"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class QuantScheme(Strict):
-    """How one weight matrix is quantized. Frozen, hashable, and written in full to manifests."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    bits: int = Field(ge=2, le=8, description="Bits per weight code (2-8).")
-    group_size: int | None = Field(
-        default=128,
-        description="Input features per scale group; null means per-channel (one group per row).",
-    )
-    symmetric: bool = Field(
-        default=True,
-        description="Symmetric: fixed zero point 2**(bits-1). Asymmetric: one integer zero point per group.",
-    )
-    scale_dtype: ScaleDType = Field(
-        default="float16", description="Precision the scales are rounded to and stored in."
-    )
-
-    @field_validator("group_size")
-    @classmethod
-    def _positive_group(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("group_size must be a positive integer, or null for per-channel")
-        return v
-
-    @property
-    def qmax(self) -> int:
-        return 2**self.bits - 1
-
-    @property
-    def symmetric_zero(self) -> int:
-        return 2 ** (self.bits - 1)
-
-    def group_width(self, in_features: int) -> int:
-        return in_features if self.group_size is None else self.group_size
-
-    def n_groups(self, in_features: int) -> int:
-        return math.ceil(in_features / self.group_width(in_features))
-
-    @property
-    def torch_scale_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.scale_dtype]
-
-    def describe(self) -> str:
-        group = "per-channel" if self.group_size is None else f"g{self.group_size}"
-        return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+def scale_torch_dtype(scheme: QuantScheme) -> torch.dtype:
+    """The torch dtype of ``scheme.scale_dtype`` (kept here: the scheme itself is torch-free)."""
+    return _TORCH_DTYPES[scheme.scale_dtype]
 
 
 @dataclass
@@ -109,7 +66,7 @@ class QuantizedWeight:
         for name, t in (("scale", self.scale), ("zero_point", self.zero_point)):
             if tuple(t.shape) != expect:
                 raise ValueError(f"{name} must have shape {expect} for codes {self.shape} and {s.describe()}, got {tuple(t.shape)}")
-        if self.scale.dtype != s.torch_scale_dtype:
+        if self.scale.dtype != scale_torch_dtype(s):
             raise ValueError(f"scale dtype must be {s.scale_dtype}, got {self.scale.dtype}")
         if self.zero_point.dtype != torch.uint8:
             raise ValueError(f"zero_point must be uint8, got {self.zero_point.dtype}")
@@ -135,7 +92,7 @@ class QuantizedWeight:
     def bits_per_weight(self) -> float:
         """Storage cost per weight, including scales (and zero points when asymmetric)."""
         out_f, in_f = self.shape
-        scale_bits = torch.finfo(self.scheme.torch_scale_dtype).bits
+        scale_bits = torch.finfo(scale_torch_dtype(self.scheme)).bits
         overhead = scale_bits + (0 if self.scheme.symmetric else self.scheme.bits)
         return self.scheme.bits + overhead * self.scheme.n_groups(in_f) / in_f
 
@@ -201,7 +158,7 @@ def compute_qparams(groups: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Te
 def round_scale(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Round scales up to the storage dtype (never shrinking the range the grid covers);
     zero scales (all-zero groups) become the smallest normal number."""
-    dtype = scheme.torch_scale_dtype
+    dtype = scale_torch_dtype(scheme)
     scale = scale.clamp(min=torch.finfo(dtype).tiny)
     stored = scale.to(dtype)
     below = stored.to(torch.float32) < scale
@@ -221,7 +178,7 @@ def pack_record(codes_grouped: torch.Tensor, scale: torch.Tensor, zero: torch.Te
     codes = codes_grouped.reshape(out_f, -1)[:, :in_features].to(torch.uint8)
     return QuantizedWeight(
         codes=codes.contiguous(),
-        scale=scale.to(scheme.torch_scale_dtype).contiguous(),
+        scale=scale.to(scale_torch_dtype(scheme)).contiguous(),
         zero_point=zero.to(torch.uint8).contiguous(),
         scheme=scheme,
     )
@@ -234,24 +191,3 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if noise == 0:
         return math.inf
     return float(10 * torch.log10(ref.pow(2).sum() / noise))
-
-
-# --------------------------------------------------------------------------- method configs
-
-
-class WeightQuantConfig(QuantScheme):
-    """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
-
-    Patterns are matched against module names (``model.layers.0.mlp.down_proj``): a glob that
-    matches the whole name or its trailing components (``down_proj``, ``mlp.*``), or a regular
-    expression with the prefix ``re:`` that must match the whole name.
-    """
-
-    targets: list[str] = Field(default_factory=lambda: ["*"], description="Linear layers to quantize.")
-    ignore: list[str] = Field(
-        default_factory=lambda: ["lm_head"],
-        description="Linear layers to leave in float (embeddings are never Linear layers and stay float).",
-    )
-
-    def scheme(self) -> QuantScheme:
-        return QuantScheme(**{k: getattr(self, k) for k in QuantScheme.model_fields})

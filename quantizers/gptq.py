@@ -12,25 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
 
 import torch
-from pydantic import Field
 
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
 from compress.quantizers.core import QuantizedWeight, QuantScheme, compute_qparams, pack_record
-from compress.quantizers.sequential import BlockJob, CalibratedConfig, run_layerwise
-
-
-class GPTQConfig(CalibratedConfig):
-    """`quantize: {method: gptq, bits, group_size, symmetric, dampening, block_size, act_order, ...}`."""
-
-    method: Literal["gptq"] = "gptq"
-    dampening: float = Field(0.01, gt=0, lt=1, description="Added to the Hessian diagonal, as a share of its mean.")
-    block_size: int = Field(128, ge=1, description="Columns updated together (lazy batch updates).")
-    act_order: bool = Field(True, description="Visit columns by decreasing Hessian diagonal; group scales come from the original weights (static groups), so groups stay contiguous. false: columns in order, each group's scale from the updated weights when the group starts.")
+from compress.quantizers.sequential import BlockJob, run_layerwise
+from compress.schema.quantize import GPTQConfig
 
 
 def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor) -> int:

@@ -21,106 +21,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.schema.base import Strict
+from compress.schema.kv_cache import LLAMA_CPP_CACHE_TYPES, VLLM_CACHE_DTYPES, KVCacheConfig, KVEvalConfig  # noqa: F401 - re-exported
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-# What each runtime's own KV cache can hold, by (format, bits): llama.cpp cache types
-# (`--cache-type-k/-v`, llama_context_params.type_k/type_v) and vLLM's kv_cache_dtype.
-LLAMA_CPP_CACHE_TYPES = {("int", 8): "q8_0", ("int", 4): "q4_0"}
-VLLM_CACHE_DTYPES = {("fp8", 8): "fp8_e4m3"}
-
-
-class KVEvalConfig(Strict):
-    """How the stage scores the quantized cache: incremental decoding at long context."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    context: int = Field(2048, ge=16, description="Tokens of context per evaluation sequence (taken from data.evaluation's text).")
-    samples: int = Field(1, ge=1, description="Evaluation sequences.")
-    step: int = Field(1, ge=1, description="Tokens fed per decoding step after the prefill (1 = token by token).")
-    prefill: int = Field(0, ge=0, description="Tokens fed in the first step (0 = start decoding from the first token).")
-
-
-class KVCacheConfig(Strict):
-    """`kv_cache: {bits, format, key_axis, value_axis, group_size, residual, static_scales, ...}`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    bits: Literal[8, 4, 2] = Field(8, description="Bits per stored key/value element (fp8 format: 8).")
-    format: Literal["int", "fp8"] = Field("int", description="int: integer codes with scales; fp8: float8 e4m3 with scales.")
-    key_axis: Literal["channel", "token"] = Field(
-        "channel", description="channel: one scale per head channel over a block of `residual` tokens (KIVI); token: per token."
-    )
-    value_axis: Literal["token", "channel"] = Field("token", description="token: per-token groups of `group_size` channels (KIVI); channel: like keys.")
-    group_size: int | None = Field(None, ge=1, description="Channels per per-token group; null = the whole head.")
-    residual: int = Field(128, ge=0, description="Most recent tokens kept in full precision; also the token block of per-channel groups.")
-    residual_dtype: Literal["float16", "bfloat16", "model"] = Field("float16", description="Storage dtype of the full-precision window.")
-    symmetric: bool | None = Field(None, description="Symmetric codes (absmax) or asymmetric (min/max); null: symmetric at 8 bits only.")
-    static_scales: bool = Field(False, description="Calibrate one scale per layer and KV head on the calibration text instead of storing scales.")
-    calibration_samples: int | None = Field(None, ge=1, description="Calibration chunks for static scales (default: all).")
-    evaluate: KVEvalConfig | None = Field(
-        default_factory=KVEvalConfig, description="Long-context evaluation through the cache; null to skip."
-    )
-
-    @model_validator(mode="after")
-    def _consistent(self) -> KVCacheConfig:
-        if self.format == "fp8" and self.bits != 8:
-            raise ValueError("format fp8 stores 8 bits; set bits: 8")
-        if self.residual % 4:
-            raise ValueError("residual must be a multiple of 4 (2-bit codes pack 4 tokens to a byte in per-channel blocks)")
-        if self.residual == 0 and "channel" in (self.key_axis, self.value_axis):
-            raise ValueError("per-channel groups span a block of `residual` tokens; set residual > 0 or use axis: token")
-        if self.static_scales and (self.bits < 8 and self.format == "int"):
-            raise ValueError("static scales are one number per layer and head; below 8 bits use dynamic scales (static_scales: false)")
-        if self.static_scales and self.symmetric is False:
-            raise ValueError("static scales are symmetric (absmax); drop `symmetric: false`")
-        return self
-
-    @property
-    def is_symmetric(self) -> bool:
-        if self.format == "fp8" or self.static_scales:
-            return True
-        return self.bits == 8 if self.symmetric is None else self.symmetric
-
-    def describe(self) -> str:
-        kind = "fp8 e4m3" if self.format == "fp8" else f"int{self.bits} {'sym' if self.is_symmetric else 'asym'}"
-        scales = "static scales" if self.static_scales else f"K per {self.key_axis}, V per {self.value_axis}"
-        return f"{kind}, {scales}, residual {self.residual}"
-
-    def runtime_support(self) -> dict[str, dict[str, Any]]:
-        """What each deployment runtime can hold of this scheme (for the manifest and report)."""
-        key = (self.format, self.bits)
-        out: dict[str, dict[str, Any]] = {}
-        cache_type = LLAMA_CPP_CACHE_TYPES.get(key)
-        if cache_type:
-            out["llama.cpp"] = {"supported": True, "type_k": cache_type, "type_v": cache_type,
-                                "note": f"llama.cpp quantizes the cache itself in {cache_type} blocks of 32 per token; its numbers differ from this scheme's"}
-        else:
-            out["llama.cpp"] = {"supported": False, "why": f"llama.cpp has no {self.format}{self.bits} cache type (it has f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"}
-        vllm = VLLM_CACHE_DTYPES.get(key)
-        if vllm and self.static_scales:
-            out["vllm"] = {"supported": True, "kv_cache_dtype": vllm, "scales": "per-layer k_scale/v_scale in the compressed-tensors checkpoint"}
-        elif vllm:
-            out["vllm"] = {"supported": True, "kv_cache_dtype": vllm, "note": "dynamic scales: vLLM computes its own per-tensor scales"}
-        else:
-            out["vllm"] = {"supported": False, "why": "vLLM quantizes the KV cache to fp8 only"}
-        if self.static_scales and key in (("int", 8), ("fp8", 8)):
-            scheme = f"{'int8' if self.format == 'int' else 'fp8'}_per_channel"
-            out["onnxruntime-genai"] = {"supported": True, "kv_cache_quant_scheme": scheme,
-                                        "scales": "per-layer, per-KV-head scales repeated over each head's channels (kv_cache_scales.json)",
-                                        **({"note": "fp8: CUDA only in onnxruntime 1.31"} if self.format == "fp8" else {})}
-        else:
-            out["onnxruntime-genai"] = {"supported": False, "why": "ONNX Runtime GenAI's CPU/CUDA attention takes static per-tensor or "
-                                        "per-channel scales (static_scales: true, int8 or fp8); per-token scales need CUDA paged attention"}
-        return out
 
 
 # --------------------------------------------------------------------------- geometry and planning

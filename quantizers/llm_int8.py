@@ -32,78 +32,24 @@ Pure math first, the module next, the calibration stage last.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, field_validator
 from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.progress import Reporter
 from compress.quantizers.apply import install_record, select_or_fail, summarize
-from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, round_scale
+from compress.quantizers.core import QuantizedWeight, QuantScheme, round_scale, scale_torch_dtype
 from compress.quantizers.sequential import StopForward, peak_memory_mb
+from compress.schema.quantize import Kernel, LLMInt8Config, ResolvedKernel
 
 INT8_MAX = 127  # codes use [-127, 127]: symmetric, so -q is always representable
 INT32_SAFE_K = (2**31 - 1) // (INT8_MAX * INT8_MAX)  # longest dot product an int32 accumulator holds exactly
 SHORT_INDEX_LIST = 16  # calibrated outlier indices are listed in the summary up to this many per layer
-
-
-Kernel = Literal["auto", "torch", "bitsandbytes"]
-ResolvedKernel = Literal["torch", "bitsandbytes"]  # what "auto" becomes on a device
-
-
-class LLMInt8Config(WeightQuantConfig):
-    """`quantize: {method: llm_int8, threshold, batch_size, targets, ignore}`; the scheme is fixed."""
-
-    method: Literal["llm_int8"] = "llm_int8"
-    bits: int = Field(8, description="Fixed at 8 for llm_int8 (int8 weight codes).")
-    group_size: int | None = Field(None, description="Fixed at null for llm_int8 (one scale per output row).")
-    symmetric: bool = Field(True, description="Fixed at true for llm_int8 (absmax scaling, codes in [-127, 127]).")
-    threshold: float = Field(
-        6.0, gt=0, allow_inf_nan=True,
-        description="llm_int8: input features where any |x| reaches this value are computed in float; "
-        "the rest in int8. .inf disables the decomposition (plain int8 weights and activations).",
-    )
-    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
-    kernel: Kernel = Field(
-        "auto",
-        description="The int8 GEMM. auto: bitsandbytes' int8_linear_matmul on CUDA when bitsandbytes is installed, "
-        "torch._int_mm otherwise; torch: always torch; bitsandbytes: always bitsandbytes (its CPU kernels off CUDA).",
-    )
-
-    @field_validator("bits")
-    @classmethod
-    def _bits_8(cls, v: int) -> int:
-        if v != 8:
-            raise ValueError(f"llm_int8 stores weights as int8, so bits must be 8 (got {v}); "
-                             "for fewer bits use method rtn, gptq or awq")
-        return v
-
-    @field_validator("group_size")
-    @classmethod
-    def _per_row(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError(f"llm_int8 uses one scale per output row, so group_size must be null (got {v}); "
-                             "for grouped int8 use method rtn with bits: 8")
-        return v
-
-    @field_validator("symmetric")
-    @classmethod
-    def _symmetric(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("llm_int8 is absmax (symmetric) quantization, so symmetric must be true")
-        return v
-
-    @property
-    def needs_calibration(self) -> bool:
-        """Calibration finds the outlier features whose float columns are kept; with
-        ``threshold: .inf`` there are none, so plain W8A8 needs no calibration data."""
-        return math.isfinite(self.threshold)
 
 
 # --------------------------------------------------------------------------- pure math
@@ -120,7 +66,7 @@ def quantize_weight_int8(weight: torch.Tensor, scheme: QuantScheme | None = None
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)
     return QuantizedWeight(
         codes=(q + scheme.symmetric_zero).to(torch.uint8).contiguous(),
-        scale=scale[:, None].to(scheme.torch_scale_dtype).contiguous(),
+        scale=scale[:, None].to(scale_torch_dtype(scheme)).contiguous(),
         zero_point=torch.full((w.shape[0], 1), scheme.symmetric_zero, dtype=torch.uint8, device=w.device),
         scheme=scheme,
     )

@@ -43,7 +43,7 @@ from compress.errors import CompressError, FormatError
 from compress.export import compressed_tensors as ct_format
 from compress.export.hf_checkpoint import QUANTIZATION_CONFIG
 from compress.quantizers.apply import install_record, summarize
-from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.core import QuantizedWeight, QuantScheme, scale_torch_dtype
 from compress.quantizers.gptq import one_cpu_thread
 from compress.quantizers.sequential import peak_memory_mb, select_block_linears
 
@@ -83,7 +83,7 @@ class _Method:
 
 def _weight_args(scheme: QuantScheme) -> dict[str, Any]:
     """compressed-tensors ``QuantizationArgs`` (as a dict) for our scheme; scales are rounded to ``scale_dtype``."""
-    return {**ct_format.weight_args(scheme), "scale_dtype": scheme.torch_scale_dtype}
+    return {**ct_format.weight_args(scheme), "scale_dtype": scale_torch_dtype(scheme)}
 
 
 def _gptq_modifiers(cfg: GPTQConfig, groups: dict[str, Any], ignore: list[str]) -> list[Any]:
@@ -218,7 +218,7 @@ def import_layer(module: nn.Module, name: str, scheme: QuantScheme, label: str) 
     packed = PackedQuantizationCompressor.compress(state, qscheme)
     theirs = PackedQuantizationCompressor.decompress(packed, qscheme)["weight"]
     scale = packed[ct_format.Key.SCALE]
-    want = scheme.torch_scale_dtype
+    want = scale_torch_dtype(scheme)
     if scale.dtype != want and torch.equal(scale.to(want).to(scale.dtype), scale):
         packed[ct_format.Key.SCALE] = scale.to(want)  # rounded to scale_dtype by llmcompressor, held in the model's dtype
     record = ct_format.unpack_record(packed, qscheme.weights.model_dump(mode="json"), where)

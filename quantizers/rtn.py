@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from compress.quantizers.apply import quantize_each_layer
 from compress.quantizers.core import (
     QuantizedWeight,
     QuantScheme,
-    WeightQuantConfig,
     compute_qparams,
     group_rows,
     pack_record,
     quantize_codes,
 )
-
-
-class RTNConfig(WeightQuantConfig):
-    """`quantize: {method: rtn, bits, group_size, symmetric, targets, ignore}`."""
-
-    method: Literal["rtn"] = "rtn"
-
-    @property
-    def needs_calibration(self) -> bool:
-        return False
+from compress.schema.quantize import RTNConfig
 
 
 def rtn_quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:

@@ -18,30 +18,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize
 from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks
-from compress.quantizers.core import WeightQuantConfig
-
-
-class CalibratedConfig(WeightQuantConfig):
-    """Fields shared by the layer-wise, calibrated methods (GPTQ, AWQ)."""
-
-    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
-    backend: Literal["compress", "llmcompressor"] = Field(
-        "compress", description="compress (ours) or llmcompressor (its GPTQModifier, or AWQModifier + QuantizationModifier; "
-        "extra `llmcompressor`, see quantizers/llmcompressor_backend.py).")
-
-    @property
-    def needs_calibration(self) -> bool:
-        return True
+from compress.schema.quantize import CalibratedConfig, WeightQuantConfig  # noqa: F401 - CalibratedConfig re-exported
 
 
 class StopForward(Exception):

@@ -1,0 +1,236 @@
+"""The recipe's ``exports:`` items: one spec class per format, discriminated by ``format``.
+
+Torch-free, so the recipe schema can import it cheaply. The writers and verifiers are registered
+in compress/export/registry.py; compress.export.specs re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+
+from compress.schema.base import Strict
+
+COMPRESSED_TENSORS = "compressed-tensors"
+GPTQ = "gptq"
+GGUF = "gguf"
+ONNX = "onnx"
+TENSORRT = "tensorrt"
+EXPORT_FORMATS = (COMPRESSED_TENSORS, GPTQ, GGUF, ONNX, TENSORRT)
+FORMATS_DOC = " | ".join(EXPORT_FORMATS)
+EXPORTS_DIR = "exports"
+RESERVED_NAMES = ("baseline", "compressed")  # the in-memory artifacts gates already know
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class _Export(Strict):
+
+    name: str | None = Field(
+        None,
+        description="Names the export in reports and gates and its folder exports/<name>/ in the artifact; "
+        "defaults to the format; unique within the recipe.",
+    )
+
+    @model_validator(mode="after")
+    def _default_name(self) -> _Export:
+        if self.name is None:
+            self.name = getattr(self, "format")
+        if not NAME_PATTERN.match(self.name):
+            raise ValueError(f"export name '{self.name}' must be letters, digits, '.', '_' or '-' (it names a folder)")
+        if self.name in RESERVED_NAMES:
+            raise ValueError(f"export name '{self.name}' is reserved for the in-memory artifacts {', '.join(RESERVED_NAMES)}")
+        return self
+
+
+class CompressedTensorsExport(_Export):
+    """compressed-tensors pack-quantized HF directory (transformers with compressed-tensors, vLLM)."""
+
+    format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMATS_DOC)
+
+
+class GPTQExport(_Export):
+    """AutoGPTQ v1 HF directory (GPTQModel, AutoGPTQ, transformers with optimum/gptqmodel, vLLM)."""
+
+    format: Literal["gptq"] = Field("gptq", description=FORMATS_DOC)
+
+
+GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
+GGUF_EXACT_TYPES = ("q8_0", "q4_0", "q4_1")  # blocks our records map into exactly
+GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)
+# llama.cpp's file types made by its quantizer, by our lower-case names (gguf.LlamaFileType members).
+GGUF_LLAMA_CPP_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
+                        "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs", "f16", "bf16")
+GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
+
+
+class GGUFExport(_Export):
+    """A GGUF file for llama.cpp (exports/<name>/model.gguf), verified in llama.cpp."""
+
+    format: Literal["gguf"] = Field("gguf", description=FORMATS_DOC)
+    type: str = Field(
+        "auto",
+        description="Block type. With quantizer records: auto (q4_0 for symmetric 4-bit records, q4_1 for other 4-bit, q8_0 for "
+        "8-bit symmetric, f16 without records), q4_0, q4_1, q8_0 (records packed exactly), f32, f16, bf16. With quantizer "
+        "llama.cpp: " + ", ".join(GGUF_LLAMA_CPP_TYPES) + " (llama.cpp re-quantizes our F16 file).",
+    )
+    quantizer: Literal["records", "llama.cpp"] | None = Field(
+        None, description="records: pack our records exactly; llama.cpp: llama.cpp's own quantizer from our F16 file. "
+        "Default: records for the types it writes, llama.cpp for the others (K-quants …).")
+    float_type: GGUFFloat | None = Field(
+        None, description="Type of weight matrices without a record (embeddings, output head, layers left unquantized); "
+        "default q8_0 for quantized types (as llama.cpp stores SmolLM-sized embeddings), else the type itself. "
+        "With quantizer llama.cpp: the token-embedding type passed to its quantizer (default: its own choice).")
+    fallback: GGUFFloat | None = Field(
+        None, description="Type for records that cannot become the block type exactly (3-bit, group size not a multiple of "
+        "32, …); recorded per layer in the manifest. Default none: such records are an error.")
+    pre_tokenizer: str = Field("auto", description="llama.cpp pre-tokenizer name; auto recognizes it from tokenizer.json.")
+    verify: bool = Field(True, description="Run the file in llama.cpp after writing it: tokenizer parity, metrics against the "
+                         "baseline on the evaluation chunks, and the same-weights check (needs the gguf extra).")
+    verify_samples: int | None = Field(None, ge=1, description="Evaluation chunks scored in llama.cpp; default all of them.")
+    same_weights_max_kl: float = Field(
+        0.02, gt=0, description="Largest KL (nats/token) allowed between llama.cpp on this file and our in-memory model with "
+        "the same weights; llama.cpp quantizes activations internally, so it is small but not zero. A larger value is a layout bug.")
+
+    @model_validator(mode="after")
+    def _check_type(self) -> GGUFExport:
+        if self.quantizer is None:
+            self.quantizer = "records" if self.type == "auto" or self.type in GGUF_RECORD_TYPES else "llama.cpp"
+        allowed = ("auto", *GGUF_RECORD_TYPES) if self.quantizer == "records" else GGUF_LLAMA_CPP_TYPES
+        if self.type not in allowed:
+            raise ValueError(f"gguf type '{self.type}' with quantizer {self.quantizer}: expected one of {', '.join(allowed)}")
+        if self.quantizer == "llama.cpp" and self.fallback is not None:
+            raise ValueError("fallback applies to quantizer records; llama.cpp's quantizer chooses its own types")
+        return self
+
+
+ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# what onnxruntime-genai's builder makes for each execution provider
+ONNX_DEVICE_PRECISIONS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp32", "fp16", "int8", "int4")}
+
+
+class ONNXExport(_Export):
+    """An ONNX model for ONNX Runtime / ONNX Runtime GenAI (exports/<name>/model.onnx + genai_config.json),
+    made by onnxruntime-genai's model builder and verified in ONNX Runtime."""
+
+    format: Literal["onnx"] = Field("onnx", description=FORMATS_DOC)
+    precision: Literal["auto", "fp32", "fp16", "int8", "int4"] = Field(
+        "auto", description="Weight precision: int4 / int8 (MatMulNBits), fp32, fp16 (cuda). auto: int4 or int8 from the "
+        "records' bits, fp32 without records.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider the builder targets: cpu | cuda.")
+    quantizer: Literal["records", "builder"] | None = Field(
+        None, description="records: our codes and scales, proven equal in the file (the builder gets our GPTQ checkpoint; "
+        "when it cannot read it exactly we write the MatMulNBits initializers ourselves). builder: the builder's own "
+        "round-to-nearest quantizer on the float model (for comparison). Default: records when the model has records.")
+    block_size: Literal[16, 32, 64, 128, 256] | None = Field(
+        None, description="MatMulNBits block size for quantizer builder (default 32, the builder's); with records it follows their group size.")
+    symmetric: bool = Field(True, description="Quantizer builder only: symmetric blocks (no zero points).")
+    accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
+        4, description="MatMulNBits accuracy_level shipped in the file: 4 (int8 activations, fastest on CPU, ~1e-2 logit "
+        "error), 0 (float activations, exact). The exactness check always runs a level-0 copy.")
+    verify: bool = Field(True, description="Run the model in ONNX Runtime after writing it: tokenizer parity with ONNX Runtime "
+                         "GenAI, same-weights check, metrics against the baseline, a greedy sample (needs the onnx extra).")
+    verify_samples: int | None = Field(None, ge=1, description="Evaluation chunks scored in ONNX Runtime; default all of them.")
+    same_weights_max_kl: float = Field(
+        0.02, gt=0, description="Largest KL (nats/token) allowed between the shipped file in ONNX Runtime and our in-memory "
+        "model with the same weights; accuracy_level 4 quantizes activations, so it is small but not zero.")
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> ONNXExport:
+        if self.precision != "auto" and self.precision not in ONNX_DEVICE_PRECISIONS[self.device]:
+            raise ValueError(f"onnx precision {self.precision} on {self.device}: the builder makes "
+                             f"{', '.join(ONNX_DEVICE_PRECISIONS[self.device])} there")
+        if self.quantizer == "builder" and self.precision not in ("int4", "int8"):
+            raise ValueError("quantizer builder needs precision int4 or int8")
+        if self.block_size is not None and self.quantizer != "builder":
+            raise ValueError("block_size applies to quantizer builder; with records the block size follows their group size")
+        return self
+
+
+# Axis names of the TensorRT-ready graph's inputs and outputs (what its optimization profiles are keyed by).
+BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past_sequence", "total_sequence"
+
+
+class DimRange(Strict):
+    """Smallest, typical (what TensorRT tunes kernels for) and largest size of one dynamic axis."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min: int = Field(ge=0)
+    opt: int = Field(ge=0)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DimRange:
+        if not self.min <= self.opt <= self.max:
+            raise ValueError(f"expected min <= opt <= max, got min={self.min} opt={self.opt} max={self.max}")
+        return self
+
+    def __add__(self, other: DimRange) -> DimRange:
+        return DimRange(min=self.min + other.min, opt=self.opt + other.opt, max=self.max + other.max)
+
+
+class TensorRTConfig(Strict):
+    """`tensorrt:` settings of an engine build."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch: DimRange = Field(DimRange(min=1, opt=1, max=4), description="Sequences per call.")
+    sequence: DimRange = Field(DimRange(min=1, opt=128, max=1024),
+                               description="New tokens per call (prompt length in prefill, 1 when decoding).")
+    past: DimRange = Field(DimRange(min=0, opt=256, max=1024),
+                           description="Cached tokens before the call (0 in prefill).")
+    workspace_mib: int = Field(4096, ge=64, description="Scratch memory TensorRT may use while building and running.")
+    timing_cache: Path | None = Field(
+        None, description="Kernel timing cache: loaded when the file exists, saved after the build (speeds up rebuilds). "
+        "Default: timing.cache next to the engine.")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> TensorRTConfig:
+        if self.batch.min < 1:
+            raise ValueError("batch.min must be at least 1")
+        if self.sequence.min < 1:
+            raise ValueError("sequence.min must be at least 1 (every call feeds at least one token)")
+        return self
+
+    def axis_ranges(self) -> dict[str, DimRange]:
+        """Range of every axis name the ONNX graph uses; total_sequence (the mask) is past + sequence."""
+        return {BATCH: self.batch, SEQUENCE: self.sequence, PAST: self.past, TOTAL: self.past + self.sequence}
+
+
+class TensorRTExport(_Export):
+    """A TensorRT-ready ONNX (standard ops, weights as explicit Q/DQ, explicit past/present KV tensors),
+    checked on ONNX Runtime CPU, and a TensorRT engine built from it where TensorRT and a GPU exist."""
+
+    format: Literal["tensorrt"] = Field("tensorrt", description=FORMATS_DOC)
+    dtype: Literal["float16", "float32"] = Field(
+        "float16", description="Float type of the graph (activations, KV cache, logits, scales); TensorRT's int4 weight-only "
+        "path runs with float16 activations.")
+    fallback: Literal["symmetric", "int8"] | None = Field(
+        None, description="For records with no exact Q/DQ form (asymmetric, groups other than 64/128, other bits): symmetric "
+        "(re-quantize to int4 blocks of 64/128) or int8 (per-channel); each converted layer is listed in the manifest with "
+        "its largest weight change. Default none: such records are an error.")
+    fp8: bool = Field(False, description="Write every quantized layer as float8 e4m3fn with per-channel scales.")
+    engine: TensorRTConfig = Field(default_factory=TensorRTConfig, description="Optimization profile, workspace and timing "
+                                   "cache of the engine build.")
+    check_tokens: int = Field(32, ge=2, description="Tokens of evaluation text the ONNX Runtime CPU check runs (prefill plus "
+                              "one decode step fed back through the explicit KV tensors).")
+    check_max_kl: float = Field(1e-3, gt=0, description="Largest KL (nats/token) allowed between ONNX Runtime CPU on the Q/DQ ONNX "
+                                "and our in-memory model (float16 graphs round activations).")
+
+
+def _known_format(value: Any) -> Any:
+    if isinstance(value, dict) and "format" not in value:
+        raise ValueError(f"an export names its format: format: {' | '.join(EXPORT_FORMATS)}")
+    if isinstance(value, dict) and value["format"] not in EXPORT_FORMATS:
+        raise ValueError(f"export format '{value['format']}' is not available; available: {', '.join(EXPORT_FORMATS)}")
+    return value
+
+
+ExportSpec = Annotated[
+    Union[CompressedTensorsExport, GPTQExport, GGUFExport, ONNXExport, TensorRTExport],
+    Field(discriminator="format"),
+    BeforeValidator(_known_format),
+]

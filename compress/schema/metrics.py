@@ -1,0 +1,40 @@
+"""The metrics a gate may name: what each means, which way is better, whether a % change makes sense.
+
+Torch-free; computing them lives in compress/eval/metrics.py (accuracy) and compress/eval/latency.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    description: str
+    better: str  # "lower" or "higher"
+    relative: bool  # whether "% change vs the baseline" thresholds make sense
+
+
+METRICS: dict[str, MetricInfo] = {
+    "perplexity": MetricInfo("exp of the mean negative log-likelihood of the next token", "lower", True),
+    "kl_divergence": MetricInfo("mean KL(baseline || model) per scored token, nats", "lower", False),
+    "kl_divergence_p99": MetricInfo("99th percentile of per-token KL(baseline || model), nats", "lower", False),
+    "top1_agreement": MetricInfo("share of tokens where the model's top-1 equals the baseline's", "higher", False),
+    # Latency and memory (eval/latency.py), measured on the artifact's runtime, or estimated for a
+    # device profile that is not this machine (eval/devices.py); medians over repeats at batch 1.
+    "ttft_ms": MetricInfo("time to first token for the stated prompt length, ms (median)", "lower", True),
+    "ttft_ms_p90": MetricInfo("90th percentile of the time to first token, ms", "lower", True),
+    "tpot_ms": MetricInfo("time per output token while decoding, ms (median)", "lower", True),
+    "tpot_ms_p90": MetricInfo("90th percentile of the time per output token, ms", "lower", True),
+    "decode_tokens_per_s": MetricInfo("decoded tokens per second at batch 1 (median)", "higher", True),
+    "batch_decode_tokens_per_s": MetricInfo("decoded tokens per second summed over the batch, at the stated batch size", "higher", True),
+    "peak_rss_mb": MetricInfo("peak resident memory of the process while the runtime ran, MiB", "lower", True),
+    "gpu_peak_mb": MetricInfo("peak GPU memory allocated while the runtime ran, MiB", "lower", True),
+    "size_mb": MetricInfo("artifact size on disk, MiB", "lower", True),
+    "bandwidth_utilization": MetricInfo("bytes read per decoded token / time per token / memory bandwidth", "higher", False),
+    "memory_fraction": MetricInfo("weights + KV cache at the target context and batch / the device's usable memory", "lower", False),
+}
+ACCURACY_METRICS = ("perplexity", "kl_divergence", "kl_divergence_p99", "top1_agreement")
+LATENCY_METRICS = ("ttft_ms", "ttft_ms_p90", "tpot_ms", "tpot_ms_p90", "decode_tokens_per_s", "batch_decode_tokens_per_s",
+                   "peak_rss_mb", "gpu_peak_mb", "bandwidth_utilization")
+DEVICE_METRICS = (*LATENCY_METRICS, "memory_fraction", "size_mb")  # the metrics a gate may ask of a named device

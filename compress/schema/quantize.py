@@ -1,0 +1,194 @@
+"""The recipe's ``quantize:`` stage: the weight scheme and one config model per method.
+
+Torch-free: the math, the records and the stages live in compress/quantizers/ (one module per
+method), which re-export these models. ``QUANTIZE_CONFIGS`` maps a method name to its config;
+the implementation table (name -> stage class) is ``compress.quantizers.QUANTIZE_METHODS``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, Union
+
+from pydantic import ConfigDict, Field, field_validator
+
+from compress.schema.base import Strict
+
+ScaleDType = Literal["float16", "bfloat16", "float32"]
+
+
+class QuantScheme(Strict):
+    """How one weight matrix is quantized. Frozen, hashable, and written in full to manifests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bits: int = Field(ge=2, le=8, description="Bits per weight code (2-8).")
+    group_size: int | None = Field(
+        default=128,
+        description="Input features per scale group; null means per-channel (one group per row).",
+    )
+    symmetric: bool = Field(
+        default=True,
+        description="Symmetric: fixed zero point 2**(bits-1). Asymmetric: one integer zero point per group.",
+    )
+    scale_dtype: ScaleDType = Field(
+        default="float16", description="Precision the scales are rounded to and stored in."
+    )
+
+    @field_validator("group_size")
+    @classmethod
+    def _positive_group(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("group_size must be a positive integer, or null for per-channel")
+        return v
+
+    @property
+    def qmax(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def symmetric_zero(self) -> int:
+        return 2 ** (self.bits - 1)
+
+    def group_width(self, in_features: int) -> int:
+        return in_features if self.group_size is None else self.group_size
+
+    def n_groups(self, in_features: int) -> int:
+        return math.ceil(in_features / self.group_width(in_features))
+
+    def describe(self) -> str:
+        group = "per-channel" if self.group_size is None else f"g{self.group_size}"
+        return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+
+
+class WeightQuantConfig(QuantScheme):
+    """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
+
+    Patterns are matched against module names (``model.layers.0.mlp.down_proj``): a glob that
+    matches the whole name or its trailing components (``down_proj``, ``mlp.*``), or a regular
+    expression with the prefix ``re:`` that must match the whole name.
+    """
+
+    targets: list[str] = Field(default_factory=lambda: ["*"], description="Linear layers to quantize.")
+    ignore: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="Linear layers to leave in float (embeddings are never Linear layers and stay float).",
+    )
+
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(**{k: getattr(self, k) for k in QuantScheme.model_fields})
+
+
+class RTNConfig(WeightQuantConfig):
+    """`quantize: {method: rtn, bits, group_size, symmetric, targets, ignore}`."""
+
+    method: Literal["rtn"] = "rtn"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
+
+
+class CalibratedConfig(WeightQuantConfig):
+    """Fields shared by the layer-wise, calibrated methods (GPTQ, AWQ)."""
+
+    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
+    backend: Literal["compress", "llmcompressor"] = Field(
+        "compress", description="compress (ours) or llmcompressor (its GPTQModifier, or AWQModifier + QuantizationModifier; "
+        "extra `llmcompressor`, see quantizers/llmcompressor_backend.py).")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+class GPTQConfig(CalibratedConfig):
+    """`quantize: {method: gptq, bits, group_size, symmetric, dampening, block_size, act_order, ...}`."""
+
+    method: Literal["gptq"] = "gptq"
+    dampening: float = Field(0.01, gt=0, lt=1, description="Added to the Hessian diagonal, as a share of its mean.")
+    block_size: int = Field(128, ge=1, description="Columns updated together (lazy batch updates).")
+    act_order: bool = Field(True, description="Visit columns by decreasing Hessian diagonal; group scales come from the original weights (static groups), so groups stay contiguous. false: columns in order, each group's scale from the updated weights when the group starts.")
+
+
+class AWQConfig(CalibratedConfig):
+    """`quantize: {method: awq, bits, group_size, symmetric (default false), grid, duo_scaling, clip, ...}`."""
+
+    method: Literal["awq"] = "awq"
+    symmetric: bool = Field(False, description="AWQ defaults to asymmetric (integer zero point per group).")
+    grid: int = Field(20, ge=2, description="Points of the scale-exponent grid in [0, 1).")
+    duo_scaling: bool | Literal["both"] = Field(
+        True, description="s = x_mean^α / w_mean^(1-α) (true), x_mean^α (false, the AWQ paper's form), or both families searched (twice the grid).")
+    clip: bool = Field(True, description="Search a clipping range per group after scaling.")
+    clip_grid: int = Field(20, ge=2, description="Clipping steps: max |w| · (1 - i/clip_grid).")
+    max_shrink: float = Field(0.5, gt=0, lt=1, description="Largest share of max |w| the clipping search removes.")
+    search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
+    clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
+    clip_in_search: bool = Field(
+        True, description="Score each scale candidate with its clipping search applied (false: scales searched on unclipped "
+        "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits, see the README).")
+
+
+Kernel = Literal["auto", "torch", "bitsandbytes"]
+ResolvedKernel = Literal["torch", "bitsandbytes"]  # what "auto" becomes on a device
+
+
+class LLMInt8Config(WeightQuantConfig):
+    """`quantize: {method: llm_int8, threshold, batch_size, targets, ignore}`; the scheme is fixed."""
+
+    method: Literal["llm_int8"] = "llm_int8"
+    bits: int = Field(8, description="Fixed at 8 for llm_int8 (int8 weight codes).")
+    group_size: int | None = Field(None, description="Fixed at null for llm_int8 (one scale per output row).")
+    symmetric: bool = Field(True, description="Fixed at true for llm_int8 (absmax scaling, codes in [-127, 127]).")
+    threshold: float = Field(
+        6.0, gt=0, allow_inf_nan=True,
+        description="llm_int8: input features where any |x| reaches this value are computed in float; "
+        "the rest in int8. .inf disables the decomposition (plain int8 weights and activations).",
+    )
+    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
+    kernel: Kernel = Field(
+        "auto",
+        description="The int8 GEMM. auto: bitsandbytes' int8_linear_matmul on CUDA when bitsandbytes is installed, "
+        "torch._int_mm otherwise; torch: always torch; bitsandbytes: always bitsandbytes (its CPU kernels off CUDA).",
+    )
+
+    @field_validator("bits")
+    @classmethod
+    def _bits_8(cls, v: int) -> int:
+        if v != 8:
+            raise ValueError(f"llm_int8 stores weights as int8, so bits must be 8 (got {v}); "
+                             "for fewer bits use method rtn, gptq or awq")
+        return v
+
+    @field_validator("group_size")
+    @classmethod
+    def _per_row(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError(f"llm_int8 uses one scale per output row, so group_size must be null (got {v}); "
+                             "for grouped int8 use method rtn with bits: 8")
+        return v
+
+    @field_validator("symmetric")
+    @classmethod
+    def _symmetric(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("llm_int8 is absmax (symmetric) quantization, so symmetric must be true")
+        return v
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Calibration finds the outlier features whose float columns are kept; with
+        ``threshold: .inf`` there are none, so plain W8A8 needs no calibration data."""
+        return math.isfinite(self.threshold)
+
+
+QUANTIZE_CONFIGS: dict[str, type[WeightQuantConfig]] = {
+    "rtn": RTNConfig,
+    "gptq": GPTQConfig,
+    "awq": AWQConfig,
+    "llm_int8": LLMInt8Config,
+}
+"""Method name -> config model (the stage classes are in compress.quantizers.QUANTIZE_METHODS)."""
+
+# The recipe's `quantize:` value, chosen by its `method`.
+QuantizeConfig = Annotated[Union[RTNConfig, GPTQConfig, AWQConfig, LLMInt8Config], Field(discriminator="method")]

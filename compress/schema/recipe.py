@@ -1,0 +1,327 @@
+"""Recipe schema v1: the models a recipe YAML is validated against (torch-free).
+
+A recipe is data: where the model comes from, which text calibrates and evaluates it, the
+ordered compression stages, the exports, and the gates that decide pass or fail. Reading the
+file, ``--set`` overrides and error messages with lines are in compress/recipe.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from compress.schema.base import Seed, Strict
+from compress.schema.devices import DeviceProfile
+from compress.schema.distill import DistillConfig
+from compress.schema.exports import ExportSpec
+from compress.schema.kv_cache import KVCacheConfig
+from compress.schema.metrics import DEVICE_METRICS, LATENCY_METRICS, METRICS
+from compress.schema.prune import PruneConfig
+from compress.schema.quantize import QuantizeConfig
+
+SCHEMA_VERSION = 1
+"""The recipe `version` this release reads (the one place it is defined)."""
+IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
+KV_CACHE_ARTIFACT = "kv_cache"  # the compressed model decoding through its quantized KV cache (a kv_cache stage)
+RUNTIME_FORMATS = ("gguf", "onnx", "tensorrt")  # exports that run on a runtime of their own (timeable)
+THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
+# Fields that hold filesystem paths; relative values resolve against the recipe's directory
+# (or, for --set overrides, against the current directory).
+PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
+
+
+def alias_problem(alias: str) -> str | None:
+    """Why MLflow would refuse ``alias``, or None."""
+    if not re.fullmatch(r"[A-Za-z0-9_\-]+", alias) or alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias):
+        return f"alias {alias!r} is not usable: letters, digits, '-' and '_' only, and not 'latest' or v<number> (MLflow reserves those)"
+    return None
+
+
+class ModelSpec(Strict):
+    source: str = Field(
+        description="A Hugging Face model directory, a Hugging Face id already in the local cache, "
+        "a .gguf file, or reference:<name> (see `compress assets list`)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the loaded model.")
+    trust_remote_code: bool = Field(False, description="Allow a model's own Python code to run (off by default).")
+    allow_pickle: bool = Field(
+        False, description="Allow pickle checkpoints (pytorch_model.bin): they can run arbitrary code when loaded."
+    )
+
+
+class TextSpec(Strict):
+    source: str = Field(
+        description="A .txt/.md/.rst/.jsonl file, a directory of them, a glob, or reference:<name>."
+    )
+    samples: int = Field(ge=1, description="Number of token chunks.")
+    seq_len: int = Field(ge=8, description="Tokens per chunk.")
+    seed: Seed = Field(0, description="Seed for choosing which text becomes chunks.")
+    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
+
+
+class CalibrationSpec(TextSpec):
+    """Text the compression stages learn from."""
+
+
+class EvaluationSpec(TextSpec):
+    """Text every artifact is scored on; kept apart from calibration text."""
+
+    min_context: int = Field(
+        32, ge=1, description="Score only positions with at least this many tokens of context before them."
+    )
+    batch_size: int = Field(1, ge=1, description="Chunks per forward pass.")
+
+    @model_validator(mode="after")
+    def _context_fits(self) -> EvaluationSpec:
+        if self.min_context >= self.seq_len:
+            raise ValueError(f"min_context ({self.min_context}) must be smaller than seq_len ({self.seq_len})")
+        return self
+
+
+class DataSpec(Strict):
+    calibration: CalibrationSpec | None = None
+    evaluation: EvaluationSpec | None = None
+    holdout: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="Share of the text of documents used for both calibration and evaluation that is "
+        "held out for evaluation only (split in ~4,000-character blocks).",
+    )
+
+
+class StageSpec(Strict):
+    """One stage: a mapping with exactly one key naming the stage kind."""
+
+    prune: PruneConfig | None = None
+    distill: DistillConfig | None = None
+    quantize: QuantizeConfig | None = None
+    kv_cache: KVCacheConfig | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StageSpec:
+        kinds = [k for k in type(self).model_fields if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"a stage names exactly one of: {', '.join(type(self).model_fields)} (got {len(kinds)})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in type(self).model_fields if getattr(self, k) is not None)
+
+    @property
+    def config(self) -> BaseModel:
+        return getattr(self, self.kind)
+
+
+class GateSpec(Strict):
+    name: str | None = Field(None, description="Shown in reports; defaults to artifact.metric.threshold.")
+    metric: str = Field(description="One of: " + ", ".join(METRICS) + ".")
+    artifact: str = Field("compressed", description="Which artifact: baseline, compressed, kv_cache (with a kv_cache stage), or an export's name.")
+    max: float | None = Field(None, description="Pass when value <= max.")
+    min: float | None = Field(None, description="Pass when value >= min.")
+    max_increase_pct: float | None = Field(None, ge=0, description="Pass when value <= baseline * (1 + pct/100).")
+    max_decrease_pct: float | None = Field(None, ge=0, description="Pass when value >= baseline * (1 - pct/100).")
+    device: str | None = Field(None, description="Device profile the gate is for. Unset or `local`: measured on this machine. "
+                               "Another device: measured when this machine is that device, else estimated from its roofline "
+                               "and reported as `source: estimated`.")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, v: str) -> str:
+        if v not in METRICS:
+            raise ValueError(f"unknown metric '{v}'; known: {', '.join(METRICS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _device_metrics(self) -> GateSpec:
+        if self.device not in (None, "local") and self.metric not in DEVICE_METRICS:
+            raise ValueError(f"{self.metric} is measured on the artifact's runtime here and does not depend on the device; "
+                             "device applies to latency and memory metrics")
+        return self
+
+    @model_validator(mode="after")
+    def _one_threshold(self) -> GateSpec:
+        given = [k for k in THRESHOLD_KEYS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a gate takes exactly one threshold of {', '.join(THRESHOLD_KEYS)} (got {given or 'none'})")
+        if given[0].endswith("_pct"):
+            if not METRICS[self.metric].relative:
+                raise ValueError(f"{given[0]} compares with the baseline, which is not meaningful for {self.metric}; use max or min")
+            if self.artifact == "baseline":
+                raise ValueError(f"{given[0]} compares an artifact with the baseline; it cannot gate the baseline itself")
+        return self
+
+    @property
+    def threshold_kind(self) -> str:
+        return next(k for k in THRESHOLD_KEYS if getattr(self, k) is not None)
+
+    @property
+    def threshold_value(self) -> float:
+        return float(getattr(self, self.threshold_kind))
+
+    @property
+    def display_name(self) -> str:
+        device = f"@{self.device}" if self.device else ""
+        return self.name or f"{self.artifact}.{self.metric}{device}.{self.threshold_kind}"
+
+
+class LatencySpec(Strict):
+    prompt_tokens: int = Field(128, ge=1, description="Prompt length for the time to first token (real evaluation-text tokens).")
+    output_tokens: int = Field(64, ge=2, description="Greedy tokens decoded per run (no stop at end-of-text).")
+    batch_sizes: list[int] = Field([1, 4], min_length=1, description="Batch sizes to measure; 1 is required (the gated medians). "
+                                   "A runtime that decodes one sequence (llama-cpp-python) skips the others and says so.")
+    warmup: int = Field(1, ge=0, description="Unmeasured runs before the measured ones.")
+    repeats: int = Field(5, ge=1, description="Measured runs; medians and p90 are over these.")
+    artifacts: list[str] | None = Field(None, description="Artifacts to time: baseline and compressed (torch) and export names. "
+                                        "Default: compressed and every GGUF, ONNX and TensorRT export, and the baseline "
+                                        "when a gate compares a latency metric with it.")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _has_one(cls, v: list[int]) -> list[int]:
+        if 1 not in v or any(b < 1 for b in v):
+            raise ValueError("batch_sizes are positive and include 1 (the gated latency is at batch 1)")
+        return sorted(set(v))
+
+
+class TargetSpec(Strict):
+    device: str = Field(description="A device profile name (shipped, or in `devices`).")
+    context: int | None = Field(None, ge=1, description="Tokens of KV cache for the fit check (default: latency prompt + output).")
+    batch: int = Field(1, ge=1, description="Sequences decoded at once, for the fit check.")
+
+
+class SearchSpec(Strict):
+    variants: dict[str, list[Any]] = Field(min_length=1, description="Recipe key path (as for --set, e.g. stages.0.quantize.bits) -> "
+                                           "values to try; every combination is a candidate.")
+    stop_at_first_pass: bool = Field(False, description="Stop at the first candidate that passes every gate (candidates run "
+                                     "smallest expected size first).")
+
+    @field_validator("variants")
+    @classmethod
+    def _non_empty(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        empty = [k for k, values in v.items() if not values]
+        if empty:
+            raise ValueError(f"no values to try for {', '.join(empty)}")
+        return v
+
+
+class PublishSpec(Strict):
+    name: str | None = Field(None, description="Registered model name (default: the recipe's name).")
+    aliases: list[str] = Field(default_factory=list, description="Aliases set on the version once every file is uploaded, e.g. [candidate].")
+    uri: str | None = Field(None, description="MLflow tracking server URI (default: MLFLOW_TRACKING_URI, else the embedded registry).")
+    store: str | None = Field(None, description="Embedded registry directory (SQLite + local files, no server), relative to the "
+                              "recipe's directory (default: $COMPRESS_REGISTRY, else ~/.local/share/compress/registry).")
+    force: bool = Field(False, description="Publish even when a gate failed (recorded on the version and in its model card).")
+
+    @model_validator(mode="after")
+    def _checks(self) -> PublishSpec:
+        if self.uri and self.store:
+            raise ValueError("publish: give uri (a tracking server) or store (the embedded registry), not both")
+        for alias in self.aliases:
+            if (problem := alias_problem(alias)) is not None:
+                raise ValueError(f"publish.aliases: {problem}")
+        return self
+
+
+class ComputeSpec(Strict):
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when available.")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: all cores).")
+
+
+class Recipe(Strict):
+    version: Literal[SCHEMA_VERSION] = Field(description="Recipe schema version; this release reads version 1.")
+    name: str | None = Field(None, description="A label for reports and the manifest.")
+    seed: Seed = Field(0, description="Global seed (torch, Python, numpy) for reproducible runs.")
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    compute: ComputeSpec = Field(default_factory=ComputeSpec)
+    stages: list[StageSpec] = Field(default_factory=list, description="Applied in order.")
+    exports: list[ExportSpec] = Field(
+        default_factory=list,
+        description="Checkpoints of the quantized weights, packed exactly (compressed-tensors, gptq); "
+        "each is written to exports/<name>/ in the artifact and verified by reloading it.",
+    )
+    latency: LatencySpec | None = Field(None, description="Time the artifacts on their runtimes (each in a fresh process).")
+    devices: list[DeviceProfile] = Field(default_factory=list, description="Device profiles of your own (added to, or replacing, the shipped ones).")
+    targets: list[TargetSpec] = Field(default_factory=list, description="Devices to check fit and estimate latency for, "
+                                      "with the context and batch they must serve.")
+    gates: list[GateSpec] = Field(default_factory=list)
+    search: SearchSpec | None = Field(None, description="Try every combination of these values and keep the smallest artifact "
+                                      "passing every gate (see README, Recipe search).")
+    publish: PublishSpec | None = Field(None, description="Publish the artifact to a model registry (MLflow) when every gate "
+                                        "passed (see README, Publishing). Not part of the recipe's hash: where an artifact is "
+                                        "published does not change it.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Recipe:
+        if self.gates and self.data.evaluation is None:
+            raise ValueError("gates need data.evaluation: there is no text to measure them on")
+        export_names = [x.name for x in self.exports]
+        repeated = sorted({n for n in export_names if export_names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"export names must be unique; repeated: {', '.join(repeated)} (give each a `name`)")
+        # Exports hold exactly the compressed model's records (verified when written), so gates on
+        # an export read the `compressed` evaluation; see README "Checkpoint formats".
+        known = set(IN_MEMORY_ARTIFACTS) | set(export_names)
+        kv_stages = [i for i, st in enumerate(self.stages) if st.kind == "kv_cache"]
+        if len(kv_stages) > 1:
+            raise ValueError(f"stages {kv_stages} are all kv_cache stages; a recipe has at most one")
+        if kv_stages:
+            kv = self.stages[kv_stages[0]].config
+            if kv.static_scales and self.data.calibration is None:
+                raise ValueError(f"stages[{kv_stages[0]}] (kv_cache) calibrates static scales and needs data.calibration")
+            if kv.evaluate is not None:
+                if self.data.evaluation is None:
+                    raise ValueError(f"stages[{kv_stages[0]}] (kv_cache) evaluates through the cache and needs data.evaluation "
+                                     "(or set kv_cache.evaluate: null)")
+                known.add(KV_CACHE_ARTIFACT)
+                for i, gate in enumerate(self.gates):
+                    if gate.artifact == KV_CACHE_ARTIFACT and gate.threshold_kind.endswith("_pct"):
+                        raise ValueError(f"gates[{i}]: kv_cache metrics are measured at the kv_cache stage's context against the "
+                                         f"compressed model's float cache, not against the baseline; use max or min, not {gate.threshold_kind}")
+        for i, gate in enumerate(self.gates):
+            if gate.artifact not in known:
+                raise ValueError(f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")
+        if self.search is not None and not self.gates:
+            raise ValueError("search picks the smallest artifact passing every gate, and this recipe has no gates")
+        latency_metrics = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
+        if latency_metrics and self.latency is None:
+            raise ValueError(f"gates{latency_metrics} gate latency metrics and need a `latency:` block (what to time, how)")
+        for i, gate in enumerate(self.gates):
+            if gate.metric == "memory_fraction" and gate.device is None:
+                raise ValueError(f"gates[{i}]: memory_fraction is a fit check on a named device; set gates[{i}].device")
+        if self.latency is not None:
+            timeable = {"baseline", "compressed"} | {x.name for x in self.exports if x.format in RUNTIME_FORMATS}
+            for name in self.latency.artifacts or []:
+                if name not in timeable:
+                    raise ValueError(f"latency.artifacts: '{name}' is not timeable here; known: {', '.join(sorted(timeable))}")
+            relative = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS and g.threshold_kind.endswith("_pct")]
+            if relative and self.latency.artifacts is not None and "baseline" not in self.latency.artifacts:
+                raise ValueError(f"gates{relative} compare latency with the baseline; add baseline to latency.artifacts")
+        names = [g.display_name for g in self.gates]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"gate names must be unique; repeated: {', '.join(dupes)} (give each a `name`)")
+        for i, stage in enumerate(self.stages):
+            if getattr(stage.config, "needs_calibration", False) and self.data.calibration is None:
+                also = " (or its own distill.data.source)" if stage.kind == "distill" else ""
+                raise ValueError(f"stages[{i}] ({stage.kind}) needs data.calibration{also}")
+            if stage.kind == "distill" and self.data.evaluation is None:
+                raise ValueError(f"stages[{i}] (distill) scores the student on held-apart text and needs data.evaluation")
+            if stage.kind in ("prune", "distill"):
+                quantize = [j for j, st in enumerate(self.stages[:i]) if st.kind == "quantize"]
+                if quantize:
+                    raise ValueError(f"stages[{i}] ({stage.kind}) comes after stages[{quantize[0]}] (quantize); "
+                                     f"{stage.kind} changes float weights, so put it before quantization")
+        return self
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json", exclude={"publish"}), sort_keys=True, separators=(",", ":"))
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
