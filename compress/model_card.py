@@ -14,7 +14,7 @@ from typing import Any
 
 from compress.eval.reports import runtime_on_device, table_lines
 
-# Where each export format is meant to run (README, "Exports").
+# Where each export format is meant to run (docs/exports/).
 INTENDED_RUNTIMES = {
     "gguf": "llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
     "onnx": "ONNX Runtime / ONNX Runtime GenAI",

@@ -33,7 +33,7 @@ from compress.recipe import DataSpec, EvaluationSpec
 
 DEFAULT_SETTINGS = ("{mlp: 0.25}", "{layers: {drop: 4}}")
 # recipes/prune-distill.yaml's repair (a 14.5-minute training budget, at most 400 steps of 2 x 512 tokens, bf16
-# autocast), trained on the calibration text; see README "Pruning and distillation".
+# autocast), trained on the calibration text; see docs/pruning.md.
 DEFAULT_DISTILL = {"steps": 400, "max_minutes": 14.5, "batch_size": 2, "seq_len": 512, "lr": 3e-4, "warmup_steps": 10,
                    "autocast": "bf16", "eval": {"every": 0, "samples": 4}, "checkpoint_every": 0}
 

@@ -117,12 +117,14 @@ def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record
                     secs = _forward_s(weights, cal_tokens) + 1.25 * cfg.grid * _forward_s(weights, cfg.search_tokens)
                     how = (f"forward over {cal_tokens:,} calibration tokens + {cfg.grid} scale candidates x "
                            f"{cfg.search_tokens:,} search tokens (+25% clipping)")
-                else:  # llm_int8: one pass to find outlier columns, then rounding
+                elif cfg.method == "llm_int8":  # one pass to find outlier columns, then rounding
                     secs = _forward_s(cur.params, cal_tokens) + weights / RTN_WEIGHTS_PER_S
                     how = f"one forward over {cal_tokens:,} calibration tokens, then rounding"
+                else:
+                    raise CompressError(f"{label}: compress plan has no estimate for quantize method '{cfg.method}'")
                 basis = (f"baseline + working copy + codes + block inputs/outputs of {cal_tokens:,} tokens (float32) + one block's "
                          f"Hessians; {how}")
-        else:  # kv_cache
+        elif stage.kind == "kv_cache":
             per_token = kv_bytes_per_token(cur.config, dtype)
             ev = cfg.evaluate
             mem = held + (2 * per_token * ev.context * ev.samples if ev else 0)
@@ -131,6 +133,8 @@ def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record
             basis = (f"baseline + working copy + float and quantized caches at {ev.context if ev else 0} tokens; decoding "
                      f"{ev.samples if ev else 0} x {ev.context if ev else 0} tokens token by token twice (float cache and quantized) "
                      f"at ~{rate:.0f} tokens/s" if ev else "baseline + working copy; no evaluation through the cache")
+        else:
+            raise CompressError(f"{label}: compress plan has no estimate for stage kind '{stage.kind}'")
         rows.append({"step": label, "peak_memory_gb": mem / GB, "time_s": secs, "basis": basis})
     ev = recipe.data.evaluation
     if ev is not None:

@@ -126,7 +126,7 @@ class AWQConfig(CalibratedConfig):
     clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
     clip_in_search: bool = Field(
         True, description="Score each scale candidate with its clipping search applied (false: scales searched on unclipped "
-        "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits, see the README).")
+        "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits: docs/benchmarks.md).")
 
 
 Kernel = Literal["auto", "torch", "bitsandbytes"]

@@ -252,9 +252,9 @@ class Recipe(Strict):
                                       "with the context and batch they must serve.")
     gates: list[GateSpec] = Field(default_factory=list)
     search: SearchSpec | None = Field(None, description="Try every combination of these values and keep the smallest artifact "
-                                      "passing every gate (see README, Recipe search).")
+                                      "passing every gate (see the manual, docs/search-and-plan.md).")
     publish: PublishSpec | None = Field(None, description="Publish the artifact to a model registry (MLflow) when every gate "
-                                        "passed (see README, Publishing). Not part of the recipe's hash: where an artifact is "
+                                        "passed (see the manual, docs/registry.md). Not part of the recipe's hash: where an artifact is "
                                         "published does not change it.")
 
     @model_validator(mode="after")
@@ -266,7 +266,7 @@ class Recipe(Strict):
         if repeated:
             raise ValueError(f"export names must be unique; repeated: {', '.join(repeated)} (give each a `name`)")
         # Exports hold exactly the compressed model's records (verified when written), so gates on
-        # an export read the `compressed` evaluation; see README "Checkpoint formats".
+        # an export read the `compressed` evaluation; see docs/exports/checkpoints.md.
         known = set(IN_MEMORY_ARTIFACTS) | set(export_names)
         kv_stages = [i for i, st in enumerate(self.stages) if st.kind == "kv_cache"]
         if len(kv_stages) > 1:
