@@ -297,13 +297,11 @@ def gate(
     Exit code 0 when every gate passed, 1 when a gate failed, 2 on bad input or an error.
     """
     from compress.eval.reports import write_reports
-    from compress.gate import run_gate
+    from compress.fsutil import atomic_directory
+    from compress.gate import check_report_directory, run_gate, write_listing
     from compress.pipeline import json_safe, write_document
     from compress.progress import Reporter
     from compress.schema.report import Report
-
-    from compress.fsutil import atomic_directory
-    from compress.gate import check_report_directory, write_listing
 
     check_report_directory(artifact, output)  # before any work: not inside the artifact, writable, ours to replace
     result = run_gate(artifact, gates, baseline, device, devices_file or [], threads, Reporter(err, quiet=quiet))

@@ -9,6 +9,7 @@ directory a killed run was replacing (``.NAME.old-PID``) is put back when the ta
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -60,7 +61,7 @@ def _leftovers(target: Path, kind: str) -> list[Path]:
     if not target.parent.is_dir():
         return []
     found = []
-    for path in target.parent.glob(glob_escape(prefix) + "*"):
+    for path in target.parent.glob(glob.escape(prefix) + "*"):
         pid = path.name[len(prefix):].split("-", 1)[0]
         try:
             mine = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
@@ -69,10 +70,6 @@ def _leftovers(target: Path, kind: str) -> list[Path]:
         if mine and pid.isdigit() and not _pid_alive(int(pid)):
             found.append(path)
     return sorted(found)
-
-
-def glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
 def clean_stale_partials(target: Path) -> None:
@@ -130,8 +127,8 @@ def check_target(target: Path, overwrite: bool, owned: bool = True) -> Path:
         raise ArtifactError(f"{shown}: writing there would replace the current directory (or one holding it); "
                             "choose a new directory, e.g. -o out")
     clean_stale_partials(target)
-    if target.exists() or target.is_symlink():
-        if not target.is_dir() or target.is_symlink():
+    if target.exists() or target.is_symlink():  # resolved: a link was followed, a dangling one stays a link
+        if not target.is_dir():
             raise ArtifactError(f"{shown} exists and is not a directory; choose another output")
         if not overwrite:
             raise ArtifactError(f"{shown} already exists; choose another directory or pass --overwrite")

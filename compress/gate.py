@@ -98,7 +98,7 @@ def inspect(path: Path) -> Subject:
                                 f"{manifest.get('artifact', '?')}")
         try:
             expanded = manifest["recipe"]["expanded"]
-            expanded["model"]["source"], expanded["data"], manifest["recipe"]["path"]
+            source, data, recipe_path = expanded["model"]["source"], expanded["data"], manifest["recipe"]["path"]
         except (KeyError, TypeError):
             raise CompressError(f"{path / MANIFEST}: not a manifest of this release (no recipe.expanded.model.source); "
                                 "run the recipe again") from None
@@ -115,8 +115,7 @@ def inspect(path: Path) -> Subject:
                     timed.append(Timed(export["name"], Target("tensorrt", str(folder), "cuda")))
             else:
                 stand_ins.append(export["name"])
-        recipe_dir = Path(manifest["recipe"]["path"]).expanduser().parent
-        return Subject("artifact", timed, expanded["model"]["source"], expanded["data"], recipe_dir, stand_ins)
+        return Subject("artifact", timed, source, data, Path(recipe_path).expanduser().parent, stand_ins)
     if (path / "genai_config.json").is_file():
         check_json(path / "genai_config.json")
         for model_file in sorted(path.glob("*.onnx")):
