@@ -166,9 +166,10 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
     from compress.pruning.arch import PrunableModel
     from compress.pruning.slicing import prune_mlp
     from tests.helpers import ridge_lstsq
-    from tests.test_pruning import ids, tiny
+    from tests.test_pruning import ids
+    from tests.tiny import prunable_model
 
-    teacher = tiny(layers=3)
+    teacher = prunable_model(layers=3)
     student = copy.deepcopy(teacher)
     keep = [torch.randperm(96, generator=torch.Generator().manual_seed(i))[:64].sort().values for i in range(3)]
     prune_mlp(PrunableModel.of(student), keep)

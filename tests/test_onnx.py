@@ -201,12 +201,11 @@ def test_records_of_other_bits_are_refused_before_any_work(tmp_path: Path, onnx_
 
 
 def test_kv_cache_static_scales_become_the_builders_per_channel_scale_file(tmp_path: Path) -> None:
-    from transformers import LlamaConfig
-
     from compress.export.onnx_export import kv_cache_options
     from compress.quantizers.kv_cache import KVCacheConfig, KVCacheScheme
+    from tests.tiny import tiny_config
 
-    config = LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    config = tiny_config(hidden=96, heads=4, kv_heads=2, layers=2)
     scales = {"k_scale": torch.tensor([[0.1, 0.2], [0.3, 0.4]]), "v_scale": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
     static = KVCacheScheme(KVCacheConfig(bits=8, static_scales=True, symmetric=True), scales, 2)
     entry, options = kv_cache_options(static, config, tmp_path / "s.json")

@@ -26,7 +26,8 @@ from compress.errors import FormatError
 from compress.export import onnx_qdq as Q
 from compress.export import specs as S
 from compress.export import tensorrt as T
-from tests.test_formats import quantize, tiny_llama
+from tests.test_formats import quantize
+from tests.tiny import tiny_llama
 
 VOCAB = 300
 FP32_ATOL, FP32_KL = 1e-4, 1e-8
