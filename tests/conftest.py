@@ -16,6 +16,16 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the registry tests'
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test carries unit, runtime or slow (pyproject.toml says what each means): real_model tests are
+    slow; a test marked neither runtime nor slow is unit."""
+    for item in items:
+        if item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)
+        if not (item.get_closest_marker("runtime") or item.get_closest_marker("slow")):
+            item.add_marker(pytest.mark.unit)
+
+
 def texts_of(text_dir: Path) -> list[str]:
     return [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
 

@@ -159,6 +159,7 @@ def test_search_clip_equals_replaying_the_tokens(out_f: int, in_f: int, group: i
     assert torch.equal(search_clip(x, w, scheme, 20, 0.5), expected)
 
 
+@pytest.mark.runtime
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_layerwise_calibration_on_cuda_matches_cpu(method: str) -> None:

@@ -14,6 +14,7 @@ from tests.helpers import recipe_text, run_cli, write_recipe
 
 pytest.importorskip("llama_cpp")
 pytest.importorskip("onnxruntime_genai")
+pytestmark = pytest.mark.runtime  # every test here runs exports in llama.cpp and ONNX Runtime GenAI
 
 LATENCY = """\
 latency:

@@ -26,7 +26,11 @@ from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_formats import quantize, token_ids
 from tests.tiny import scale_weights, tiny_llama, tiny_model
 
-needs_llama_cpp = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+
+def needs_llama_cpp(test):
+    """A test that runs llama.cpp: marked runtime, skipped where llama-cpp-python is not installed."""
+    skip = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+    return pytest.mark.runtime(skip(test))
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +108,7 @@ def test_transformers_loads_our_gguf_with_the_same_weights_and_logits(tmp_path: 
 ARCH_EXTRA = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {}, "qwen3": {"head_dim": 128}}
 
 
+@pytest.mark.runtime
 @pytest.mark.parametrize("model_type", list(ARCH_EXTRA))
 def test_every_architecture_round_trips_through_transformers_and_llama_cpp(tmp_path: Path, tokenizer, model_type: str) -> None:
     """A tiny model of each supported architecture (Qwen2: q/k/v biases; Qwen3: q/k norms; llama and

@@ -28,7 +28,12 @@ from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import scale_weights, tiny_model
 
 CPU = torch.device("cpu")
-needs_llama_cpp = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+
+
+def needs_llama_cpp(test):
+    """A test that runs llama.cpp: marked runtime, skipped where llama-cpp-python is not installed."""
+    skip = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+    return pytest.mark.runtime(skip(test))
 
 
 def tiny(layers: int = 2, head_dim: int = 32) -> LlamaForCausalLM:

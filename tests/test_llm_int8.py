@@ -175,6 +175,7 @@ def bitsandbytes_or_skip():
     return functional
 
 
+@pytest.mark.runtime
 def test_bitsandbytes_kernel_is_called_and_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     functional = bitsandbytes_or_skip()
     calls = []
@@ -215,6 +216,7 @@ def test_kernel_choice_and_missing_bitsandbytes(monkeypatch: pytest.MonkeyPatch)
         LLMInt8Config(kernel="cublas")
 
 
+@pytest.mark.runtime
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
 def test_cuda_layer_matches_the_cpu_layer() -> None:
     linear, x = linear_and_inputs(tokens=64, in_f=128, out_f=96)

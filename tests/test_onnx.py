@@ -20,6 +20,7 @@ from compress.quantizers.rtn import rtn_quantize
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'compress[onnx]')")
+pytestmark = pytest.mark.runtime  # ONNX Runtime GenAI's builder and ONNX Runtime (the module needs them to be collected)
 
 
 def record(out_f: int, in_f: int, bits: int, group: int | None, symmetric: bool, seed: int = 0) -> QuantizedWeight:

@@ -12,6 +12,7 @@ from tests.helpers import make_text, run_cli
 from tests.tiny import tiny_bert_dir
 
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'compress[onnx]')")
+pytestmark = pytest.mark.runtime  # torch.onnx and ONNX Runtime
 
 
 @pytest.fixture(scope="module")

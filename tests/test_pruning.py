@@ -318,6 +318,7 @@ def test_prune_stage_in_a_recipe_writes_scores_and_a_loadable_smaller_model(tiny
     assert not (tmp_path / "out.work").exists()
 
 
+@pytest.mark.runtime
 def test_pruned_and_repaired_model_goes_through_gptq_to_gguf_and_onnx_in_one_recipe(text_dir, tmp_path):
     """The whole point of pruning: the smaller dense model is an ordinary model for the rest of the
     pipeline. Pruned on every axis, repaired, GPTQ W4, exported exactly to GGUF (run in llama.cpp)

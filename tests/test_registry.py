@@ -23,6 +23,7 @@ import pytest
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 pytest.importorskip("mlflow", reason="the registry tests need MLflow: pip install -e '.[registry]' (in dev)")
+pytestmark = pytest.mark.runtime  # MLflow: a server or the embedded store
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSING = """\
