@@ -356,12 +356,12 @@ def test_model_source_imports_quantized_checkpoints(tmp_path: Path, tokenizer, f
 PASSING = """\
   - name: kl
     metric: kl_divergence
-    max: 10
+    max: 0.01
   - name: gptq-kl
     metric: kl_divergence
     artifact: gptq
-    max: 10
-"""
+    max: 0.01
+"""  # measured: KL 0.00023 (W4 g32 asym), 0 for the converted checkpoint against itself
 EXPORTS = "exports:\n  - format: compressed-tensors\n    name: ct\n  - format: gptq\n"
 
 

@@ -333,7 +333,7 @@ def test_pruned_and_repaired_model_goes_through_gptq_to_gguf_and_onnx_in_one_rec
               "  - distill: {steps: 8, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, eval: {every: 0, samples: 2}}\n"
               "  - quantize: {method: gptq, bits: 4, group_size: 32, symmetric: true}\n")
     exports = "\n  - {format: gguf, name: gguf}\n  - {format: onnx, name: onnx}"
-    gates = ("\n  - {metric: kl_divergence, artifact: gguf, max: 5}\n  - {metric: kl_divergence, artifact: onnx, max: 5}")
+    gates = ("\n  - {metric: kl_divergence, artifact: gguf, max: 0.1}\n  - {metric: kl_divergence, artifact: onnx, max: 0.1}")  # measured: 0.016 each
     recipe = tmp_path / "r.yaml"
     recipe.write_text(prune_recipe(model, text_dir, stages, exports, gates))
     result = run_recipe_quiet(recipe, tmp_path / "out")
