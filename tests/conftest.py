@@ -1,4 +1,5 @@
-"""Fixtures: generated text files, a tiny random Llama, a private cache directory."""
+"""Fixtures: generated text files, the tiny random Llamas on disk (built by tests/tiny.py), a private cache
+directory, the reference model and its text."""
 
 from __future__ import annotations
 
@@ -7,11 +8,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import build_tiny_llama, make_text, train_tiny
+from tests.helpers import make_text
+from tests.tiny import tiny_llama_dir, train_tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the registry tests' client and server: no usage reports
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test carries unit, runtime or slow (pyproject.toml says what each means): real_model tests are
+    slow; a test marked neither runtime nor slow is unit."""
+    for item in items:
+        if item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)
+        if not (item.get_closest_marker("runtime") or item.get_closest_marker("slow")):
+            item.add_marker(pytest.mark.unit)
+
+
+def texts_of(text_dir: Path) -> list[str]:
+    return [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
 
 
 @pytest.fixture(scope="session")
@@ -25,16 +41,16 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
-    texts = [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", texts)
+    """A random 2-block Llama (width 96, tied embeddings) and its BPE tokenizer trained on the generated text."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama", texts_of(text_dir))
 
 
 @pytest.fixture(scope="session")
 def trained_tiny_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
     """A 4-block tiny Llama trained for 150 steps on the generated text (~5 s): a teacher worth distilling from."""
-    texts = [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
+    texts = texts_of(text_dir)
     root = tmp_path_factory.mktemp("trained")
-    return train_tiny(build_tiny_llama(root / "random", texts, layers=4), root / "trained", texts)
+    return train_tiny(tiny_llama_dir(root / "random", texts, layers=4), root / "trained", texts)
 
 
 @pytest.fixture()
@@ -89,19 +105,7 @@ def shakespeare_full_calibration(smollm2):
 
 
 @pytest.fixture(scope="session")
-def onnx_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+def onnx_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
     """The tiny test model with 6 heads of 16 (ONNX Runtime's CPU attention wants head sizes in multiples of 16);
     hidden 96 and MLP 160 leave partial last groups of 64."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("onnx") / "tiny-llama-h16"
-    shutil.copytree(tiny_model_dir, directory)
-    config = LlamaConfig.from_pretrained(tiny_model_dir)
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 6, 2, 16
-    import torch
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    return directory
+    return tiny_llama_dir(tmp_path_factory.mktemp("onnx") / "tiny-llama-h16", texts_of(text_dir), heads=6, head_dim=16)

@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: generated text, a tiny random Llama built from a config, recipes, the CLI,
-an independent ridge least-squares solve."""
+"""Helpers shared by the tests: generated text, recipes, the CLI, an independent ridge least-squares solve.
+The tiny models are built in tests/tiny.py."""
 
 from __future__ import annotations
 
@@ -26,37 +26,6 @@ def make_text(seed: int, paragraphs: int) -> str:
             sentences.append(" ".join(words).capitalize() + rng.choice([".", ".", "!", "?"]))
         out.append(textwrap.fill(" ".join(sentences), 72))
     return "\n\n".join(out) + "\n"
-
-
-def build_tiny_llama(directory: Path, texts: list[str], tie: bool = True, hidden: int = 96, layers: int = 2) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(texts, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=hidden,  # 96: a group of 64 leaves a partial last group of 32
-        intermediate_size=160,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def recipe_text(model: Path | str, texts: Path | str, bits: int = 4, group_size: int | None = 64, symmetric: bool = True,
@@ -102,31 +71,6 @@ def run_cli(args: list[str]):
     from compress.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def train_tiny(source: Path, target: Path, texts: list[str], steps: int = 150, seq_len: int = 64) -> Path:
-    """A copy of the tiny model at ``source`` trained briefly (next-token loss) on ``texts``, so that
-    it predicts something: pruning a random model barely changes its near-uniform outputs, which
-    leaves distillation nothing to repair."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source)
-    ids = torch.tensor(tokenizer("\n\n".join(texts))["input_ids"])
-    n = ids.numel() // seq_len
-    chunks = ids[: n * seq_len].reshape(n, seq_len)
-    g = torch.Generator().manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        batch = chunks[torch.randint(0, n, (8,), generator=g)]
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval().save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    return target
 
 
 def ridge_lstsq(a, y, w0, lam: float):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from compress.context import RunContext
 from compress.errors import CompressError
@@ -20,23 +19,10 @@ from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, q
 from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
 from tests.helpers import recipe_text, run_cli, write_recipe
+from tests.tiny import tiny_model
 
 QUIET = Reporter(quiet=True)
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=300, max_position_embeddings=128)
-
-
-def tiny(model_type: str, **extra) -> torch.nn.Module:
-    from transformers import AutoConfig
-
-    kwargs = dict(COMMON, **extra)
-    if model_type.startswith("gemma"):
-        kwargs.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=16)
-    if model_type == "qwen3":
-        kwargs.update(head_dim=16)
-    config = AutoConfig.for_model(model_type, **kwargs)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+VOCAB = 300  # tiny_model's default vocabulary
 
 
 def ctx_for(tokens: torch.Tensor) -> RunContext:
@@ -44,7 +30,7 @@ def ctx_for(tokens: torch.Tensor) -> RunContext:
 
 
 def tokens(n: int = 8, length: int = 48, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, COMMON["vocab_size"], (n, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
 # --------------------------------------------------------------------------- math
@@ -99,7 +85,7 @@ def test_act_order_keeps_groups_static_and_contiguous() -> None:
 
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_awq_scale_folding_keeps_the_float_model(model_type: str) -> None:
-    model = tiny(model_type)
+    model = tiny_model(model_type)
     arch = architecture_of(model)
     ids = tokens(2, 24)
     with torch.no_grad():
@@ -123,13 +109,16 @@ def test_awq_scale_folding_keeps_the_float_model(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_calibrated_methods_run_on_every_architecture(model_type: str, method: str) -> None:
-    model = tiny(model_type)
+    model = tiny_model(model_type)
     ctx = ctx_for(tokens())
     stage = GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]") if method == "gptq" else AWQStage(AWQConfig(bits=4, group_size=32), "stages[0]")
     record = stage.apply(model, ctx)
     assert record.summary["layers_quantized"] == 2 * 7
     assert len(record.summary["blocks"]) == 2
-    assert all(b["seconds"] >= 0 and b["peak_memory_mb"] > 0 for b in record.summary["blocks"])
+    blocks = record.summary["blocks"]
+    assert [b["block"] for b in blocks] == [0, 1] and all(b["peak_memory_mb"] > 0 for b in blocks)
+    # each block's time (rounded to 1 ms) is part of the stage's own
+    assert all(b["seconds"] > 0 for b in blocks) and sum(b["seconds"] for b in blocks) <= record.duration_s + 0.001, (blocks, record.duration_s)
     for name, rec in ctx.quantized.items():
         assert torch.equal(model.get_submodule(name).weight, rec.dequantize(model.get_submodule(name).weight.dtype))
     with torch.no_grad():
@@ -145,7 +134,7 @@ def test_unsupported_architecture_says_how_to_add_it() -> None:
 
 
 def test_layers_outside_blocks_are_refused() -> None:
-    model = tiny("llama")
+    model = tiny_model("llama")
     with pytest.raises(CompressError, match="lm_head is outside them"):
         GPTQStage(GPTQConfig(bits=4, group_size=32, ignore=[]), "stages[0]").apply(model, ctx_for(tokens()))
 
@@ -173,12 +162,13 @@ def test_search_clip_equals_replaying_the_tokens(out_f: int, in_f: int, group: i
     assert torch.equal(search_clip(x, w, scheme, 20, 0.5), expected)
 
 
+@pytest.mark.runtime
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_layerwise_calibration_on_cuda_matches_cpu(method: str) -> None:
     """The same stage with compute.device cuda: blocks visit the GPU one at a time and come back,
     per-block GPU peak memory is reported, and the codes agree with the CPU run (float order only)."""
-    base = tiny("llama")
+    base = tiny_model("llama")
     cal = tokens(8, 48)
     found = {}
     for device in ("cpu", "cuda"):
@@ -199,7 +189,7 @@ def test_layerwise_calibration_on_cuda_matches_cpu(method: str) -> None:
 
 
 def test_gptq_and_awq_beat_rtn_on_a_tiny_model() -> None:
-    base = tiny("llama", num_hidden_layers=3)
+    base = tiny_model("llama", layers=3)
     cal, ev = tokens(16, 64, seed=1), tokens(8, 64, seed=2)
     candidates = {}
     for name, stage in {

@@ -99,9 +99,9 @@ def test_unknown_device_lists_the_known_names() -> None:
 
 
 def test_kv_bytes_per_token_of_a_tiny_llama() -> None:
-    from transformers import LlamaConfig
+    from tests.tiny import tiny_config
 
-    config = LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    config = tiny_config(hidden=96, heads=4, kv_heads=2, layers=3)
     assert kv_bytes_per_token(config) == 2 * 3 * 2 * 24 * 2  # K and V x layers x KV heads x head_dim 96/4 x fp16
     assert kv_bytes_per_token(config, 1.0) == 2 * 3 * 2 * 24
     config.head_dim = 32  # an explicit head_dim wins over hidden / heads

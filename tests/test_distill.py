@@ -166,9 +166,10 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
     from compress.pruning.arch import PrunableModel
     from compress.pruning.slicing import prune_mlp
     from tests.helpers import ridge_lstsq
-    from tests.test_pruning import ids, tiny
+    from tests.test_pruning import ids
+    from tests.tiny import prunable_model
 
-    teacher = tiny(layers=3)
+    teacher = prunable_model(layers=3)
     student = copy.deepcopy(teacher)
     keep = [torch.randperm(96, generator=torch.Generator().manual_seed(i))[:64].sort().values for i in range(3)]
     prune_mlp(PrunableModel.of(student), keep)
@@ -414,6 +415,7 @@ def test_a_checkpoint_of_another_run_is_refused(trained_tiny_dir, text_dir, tmp_
 # ------------------------------------------------------------------ several processes
 
 
+@pytest.mark.runtime
 def test_two_cpu_processes_train_the_same_weights_as_one_with_the_same_global_batch(trained_tiny_dir, text_dir, tmp_path):
     one = tmp_path / "one.yaml"
     one.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(6, batch=4, extra=", checkpoint_every: 0"))
@@ -446,6 +448,7 @@ def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, tor
     return load_file(str(tmp_path / "p" / "model" / "weights.safetensors"))
 
 
+@pytest.mark.runtime
 @pytest.mark.real_model
 def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_runtimes(tmp_path):
     """recipes/prune-distill.yaml on reduced data and a short repair (refit, then 20 steps of 2 x 512 tokens at lr 1e-4):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.context import RunContext
 from compress.errors import CompressError, FormatError
@@ -32,17 +32,10 @@ from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import RTNConfig, RTNStage
 from compress.recipe import ModelSpec, load_recipe
 from tests.helpers import recipe_text, run_cli, write_recipe
+from tests.tiny import tiny_llama
 
 QUIET = Reporter(quiet=True)
 LOGITS_ATOL = 1e-5  # fp32; the weights are bit-identical, so only kernel-order noise could differ (observed: 0)
-
-
-def tiny_llama(vocab: int, hidden: int = 128, intermediate: int = 256, tie: bool = True) -> LlamaForCausalLM:
-    """A random 2-layer Llama whose widths (128, 256, kv 64) are multiples of every group size tested."""
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie)
-    return LlamaForCausalLM(config).eval()
 
 
 def quantize(model: torch.nn.Module, bits: int, group_size: int | None, symmetric: bool, **kw) -> dict[str, QuantizedWeight]:
@@ -363,12 +356,12 @@ def test_model_source_imports_quantized_checkpoints(tmp_path: Path, tokenizer, f
 PASSING = """\
   - name: kl
     metric: kl_divergence
-    max: 10
+    max: 0.01
   - name: gptq-kl
     metric: kl_divergence
     artifact: gptq
-    max: 10
-"""
+    max: 0.01
+"""  # measured: KL 0.00023 (W4 g32 asym), 0 for the converted checkpoint against itself
 EXPORTS = "exports:\n  - format: compressed-tensors\n    name: ct\n  - format: gptq\n"
 
 

@@ -23,9 +23,14 @@ from compress.export import gguf_runtime
 from compress.export.parity import tokenization_mismatches
 from compress.export.specs import GGUFExport
 from tests.helpers import recipe_text, run_cli, write_recipe
-from tests.test_formats import quantize, tiny_llama, token_ids
+from tests.test_formats import quantize, token_ids
+from tests.tiny import scale_weights, tiny_llama, tiny_model
 
-needs_llama_cpp = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+
+def needs_llama_cpp(test):
+    """A test that runs llama.cpp: marked runtime, skipped where llama-cpp-python is not installed."""
+    skip = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+    return pytest.mark.runtime(skip(test))
 
 
 @pytest.fixture(scope="module")
@@ -103,23 +108,17 @@ def test_transformers_loads_our_gguf_with_the_same_weights_and_logits(tmp_path: 
 ARCH_EXTRA = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {}, "qwen3": {"head_dim": 128}}
 
 
+@pytest.mark.runtime
 @pytest.mark.parametrize("model_type", list(ARCH_EXTRA))
 def test_every_architecture_round_trips_through_transformers_and_llama_cpp(tmp_path: Path, tokenizer, model_type: str) -> None:
     """A tiny model of each supported architecture (Qwen2: q/k/v biases; Qwen3: q/k norms; llama and
     mistral: permuted Q/K rows) as exact Q4_0: transformers reads back the same weights and logits,
     and llama.cpp (when installed) computes the same function up to its 8-bit activations."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **ARCH_EXTRA[model_type])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # sharpen the random attention so that a wrong row order or a missing bias/norm would show
+    model = tiny_model(model_type, vocab=len(tokenizer), hidden=128, intermediate=256, positions=256, **ARCH_EXTRA[model_type])
+    # sharpen the random attention so that a wrong row order or a missing bias/norm would show
+    scale_weights(model, {"q_proj.weight": 8, "k_proj.weight": 8, "v_proj.weight": 4, "o_proj.weight": 4})
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(8)
-            if name.endswith(("v_proj.weight", "o_proj.weight")):
-                p.mul_(4)
             if name.endswith("_proj.bias"):  # Qwen2's q/k/v biases start at zero
                 p.normal_(0, 0.5)
     records = quantize(model, 4, 32, True)
@@ -321,7 +320,7 @@ def test_llama_cpp_quantizer_makes_k_quants_from_our_f16(tmp_path: Path, tokeniz
 @needs_llama_cpp
 def test_pipeline_verifies_gguf_in_llama_cpp_and_gates_on_it(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     exports = "exports:\n  - format: gguf\n    name: q4\n  - format: gguf\n    name: k\n    type: q6_k\n"
-    gates = "  - metric: kl_divergence\n    artifact: q4\n    max: 10\n  - metric: top1_agreement\n    artifact: k\n    min: 0.5\n"
+    gates = "  - metric: kl_divergence\n    artifact: q4\n    max: 0.01\n  - metric: top1_agreement\n    artifact: k\n    min: 0.95\n"  # measured: 0.00031, 100%
     result, out = run_tiny_recipe(tmp_path, tiny_model_dir, text_dir, exports, gates, symmetric=True)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())

@@ -25,21 +25,20 @@ from compress.quantizers.kv_cache_store import (
     unpack_codes,
 )
 from tests.helpers import recipe_text, run_cli, write_recipe
+from tests.tiny import scale_weights, tiny_model
 
 CPU = torch.device("cpu")
-needs_llama_cpp = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+
+
+def needs_llama_cpp(test):
+    """A test that runs llama.cpp: marked runtime, skipped where llama-cpp-python is not installed."""
+    skip = pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed (pip install 'compress[gguf]')")
+    return pytest.mark.runtime(skip(test))
 
 
 def tiny(layers: int = 2, head_dim: int = 32) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=4 * head_dim, intermediate_size=256, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharpen the random attention so that what the cache holds changes the output
-        for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(6)
-    return model
+    model = tiny_model(vocab=256, hidden=4 * head_dim, intermediate=256, layers=layers, positions=1024)
+    return scale_weights(model, {"q_proj.weight": 6, "k_proj.weight": 6})  # sharpened: what the cache holds changes the output
 
 
 def ids(n: int, seed: int = 0) -> torch.Tensor:
@@ -309,12 +308,12 @@ def test_llama_cpp_measures_the_cache_types_the_gguf_names(tmp_path: Path, text_
     from compress.export.gguf_export import verify_kv_cache
     from compress.export.parity import VerifyInputs
     from compress.progress import Reporter
-    from tests.helpers import build_tiny_llama
+    from tests.tiny import tiny_llama_dir
 
     texts = [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
     found = {}
     for hidden in (128, 96):  # head_dim 32 (a multiple of llama.cpp's 32-blocks) and 24 (not)
-        d = build_tiny_llama(tmp_path / f"h{hidden}", texts, hidden=hidden)
+        d = tiny_llama_dir(tmp_path / f"h{hidden}", texts, hidden=hidden)
         tok = AutoTokenizer.from_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d).eval()
         G.write_gguf(d / "m.gguf", model, tok, {}, "f16")

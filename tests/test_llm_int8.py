@@ -175,6 +175,7 @@ def bitsandbytes_or_skip():
     return functional
 
 
+@pytest.mark.runtime
 def test_bitsandbytes_kernel_is_called_and_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     functional = bitsandbytes_or_skip()
     calls = []
@@ -215,6 +216,7 @@ def test_kernel_choice_and_missing_bitsandbytes(monkeypatch: pytest.MonkeyPatch)
         LLMInt8Config(kernel="cublas")
 
 
+@pytest.mark.runtime
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
 def test_cuda_layer_matches_the_cpu_layer() -> None:
     linear, x = linear_and_inputs(tokens=64, in_f=128, out_f=96)
@@ -262,12 +264,9 @@ def test_recipe_needs_calibration_data_unless_threshold_is_inf(tmp_path: Path) -
 
 
 def tiny_model() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny import tiny_model
 
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_model(vocab=300, hidden=64, intermediate=128)
     with torch.no_grad():  # emergent-outlier stand-ins: two hidden features 30x larger after block 0's input norm
         model.model.layers[0].input_layernorm.weight[[3, 17]] = 30.0
     return model

@@ -28,7 +28,8 @@ from compress.quantizers.gptq import GPTQConfig, GPTQStage
 from compress.quantizers.rtn import RTNConfig, RTNStage
 
 from tests.helpers import recipe_text, run_cli, write_recipe
-from tests.test_calibrated import ctx_for, tiny, tokens
+from tests.test_calibrated import ctx_for, tokens
+from tests.tiny import tiny_model
 
 CPU = torch.device("cpu")
 
@@ -40,10 +41,11 @@ def _check_records(model: torch.nn.Module, ctx, layers: int) -> None:
         assert torch.equal(model.get_submodule(name).weight, rec.dequantize(torch.float32)), name
 
 
+@pytest.mark.runtime
 def test_llmcompressor_gptq_and_awq_beat_rtn_at_w3() -> None:
     """Measured (tiny random Llama, 3 blocks, W3 g32 sym): KL rtn 8.2e-4, llmcompressor GPTQ 5.2e-4, AWQ 7.9e-4.
     AWQ gains little on random weights (no salient channels); it is still below RTN."""
-    base = tiny("llama", num_hidden_layers=3)
+    base = tiny_model("llama", layers=3)
     cal, ev = tokens(16, 64, seed=1), tokens(8, 64, seed=2)
     candidates, summaries = {}, {}
     for name, stage in {
@@ -67,8 +69,9 @@ def test_llmcompressor_gptq_and_awq_beat_rtn_at_w3() -> None:
     assert kl["gptq"] < kl["rtn"] and kl["awq"] < kl["rtn"], kl
 
 
+@pytest.mark.runtime
 def test_awq_takes_over_the_folded_norms_and_computes_what_llmcompressor_computes(monkeypatch: pytest.MonkeyPatch) -> None:
-    base = tiny("llama")
+    base = tiny_model("llama")
     model, ctx = copy.deepcopy(base), ctx_for(tokens())
     results = []
     run = backend.run_oneshot
@@ -82,11 +85,12 @@ def test_awq_takes_over_the_folded_norms_and_computes_what_llmcompressor_compute
         assert torch.allclose(model(ids).logits, results[0](ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.runtime
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_import_equals_llmcompressors_saved_checkpoint(tmp_path: Path, symmetric: bool) -> None:
     """The in-memory import packs each layer with compressed-tensors' compressor; the records are
     identical to what our reader finds in llmcompressor's own saved checkpoint."""
-    model = tiny("llama")
+    model = tiny_model("llama")
     cfg = GPTQConfig(bits=4, group_size=32, symmetric=symmetric, backend="llmcompressor")
     scheme = cfg.scheme()
     selected, _ = backend.select_block_linears(model, cfg, "s", "gptq")
@@ -104,8 +108,9 @@ def test_import_equals_llmcompressors_saved_checkpoint(tmp_path: Path, symmetric
     assert records_identical(ours, saved) == []
 
 
+@pytest.mark.runtime
 def test_partial_groups_are_refused_with_a_fix() -> None:
-    model = tiny("llama", hidden_size=96, intermediate_size=160)
+    model = tiny_model("llama", hidden=96, intermediate=160)
     stage = GPTQStage(GPTQConfig(bits=4, group_size=64, backend="llmcompressor"), "stages[0]")
     with pytest.raises(CompressError, match=r"96 input features.*no partial last group.*group_size: 32.*backend: compress"):
         stage.apply(model, ctx_for(tokens()))
@@ -115,7 +120,7 @@ def test_missing_llmcompressor_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "llmcompressor", None)  # import llmcompressor raises ImportError
     stage = AWQStage(AWQConfig(bits=4, group_size=32, backend="llmcompressor"), "stages[0]")
     with pytest.raises(CompressError, match=r'pip install -e "\.\[llmcompressor\]"'):
-        stage.apply(tiny("llama"), ctx_for(tokens()))
+        stage.apply(tiny_model("llama"), ctx_for(tokens()))
 
 
 def test_backend_is_validated() -> None:
@@ -124,6 +129,7 @@ def test_backend_is_validated() -> None:
         GPTQConfig(bits=4, backend="autogptq")
 
 
+@pytest.mark.runtime
 def test_recipe_end_to_end_with_a_compressed_tensors_export(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32).replace("method: rtn", "method: gptq\n      backend: llmcompressor")
     text = text.replace("exports: []", "exports:\n  - format: compressed-tensors")
@@ -137,6 +143,7 @@ def test_recipe_end_to_end_with_a_compressed_tensors_export(tmp_path: Path, tiny
     assert report["exports"][0]["verified"] and report["evaluations"][1]["metrics"]["kl_divergence"] > 0
 
 
+@pytest.mark.runtime
 @pytest.mark.real_model
 @pytest.mark.parametrize(("act_order", "tolerance"), [(False, 1.0), (True, 1.05)])
 def test_our_gptq_is_no_worse_than_llmcompressors_on_the_reference_model(

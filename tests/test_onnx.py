@@ -20,6 +20,7 @@ from compress.quantizers.rtn import rtn_quantize
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'compress[onnx]')")
+pytestmark = pytest.mark.runtime  # ONNX Runtime GenAI's builder and ONNX Runtime (the module needs them to be collected)
 
 
 def record(out_f: int, in_f: int, bits: int, group: int | None, symmetric: bool, seed: int = 0) -> QuantizedWeight:
@@ -131,7 +132,7 @@ def entry_and_eval(out: Path) -> tuple[dict, dict]:
 
 def test_gptq_checkpoint_handed_to_the_builder_is_proven_exact_and_verified(tmp_path: Path, onnx_model_dir: Path,
                                                                              text_dir: Path) -> None:
-    gates = "  - metric: kl_divergence\n    artifact: onnx\n    max: 10\n"
+    gates = "  - metric: kl_divergence\n    artifact: onnx\n    max: 0.01\n"  # measured: 0.00022
     result, out = run_export(tmp_path, onnx_model_dir, text_dir, "  - format: onnx\n", gates=gates)
     assert result.exit_code == 0, result.output
     entry, evals = entry_and_eval(out)
@@ -201,12 +202,11 @@ def test_records_of_other_bits_are_refused_before_any_work(tmp_path: Path, onnx_
 
 
 def test_kv_cache_static_scales_become_the_builders_per_channel_scale_file(tmp_path: Path) -> None:
-    from transformers import LlamaConfig
-
     from compress.export.onnx_export import kv_cache_options
     from compress.quantizers.kv_cache import KVCacheConfig, KVCacheScheme
+    from tests.tiny import tiny_config
 
-    config = LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    config = tiny_config(hidden=96, heads=4, kv_heads=2, layers=2)
     scales = {"k_scale": torch.tensor([[0.1, 0.2], [0.3, 0.4]]), "v_scale": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
     static = KVCacheScheme(KVCacheConfig(bits=8, static_scales=True, symmetric=True), scales, 2)
     entry, options = kv_cache_options(static, config, tmp_path / "s.json")

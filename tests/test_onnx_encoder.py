@@ -1,5 +1,5 @@
 """Encoder (BERT-style) export: torch.onnx + ONNX Runtime dynamic int8, checked by sentence-embedding
-cosine similarity against torch, on a tiny random BERT built from a config in the test."""
+cosine similarity against torch, on a tiny random BERT (tests/tiny.py)."""
 
 from __future__ import annotations
 
@@ -9,33 +9,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_text, run_cli
+from tests.tiny import tiny_bert_dir
 
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'compress[onnx]')")
+pytestmark = pytest.mark.runtime  # torch.onnx and ONNX Runtime
 
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-
-    directory = tmp_path_factory.mktemp("bert") / "tiny-bert"
-    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator([make_text(s, 20) for s in range(3)], trainers.WordPieceTrainer(vocab_size=300, special_tokens=special))
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
-                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                        sep_token="[SEP]", mask_token="[MASK]")
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=128, architectures=["BertModel"])
-    BertModel(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return tiny_bert_dir(tmp_path_factory.mktemp("bert") / "tiny-bert", [make_text(s, 20) for s in range(3)])
 
 
 def test_encoder_exports_to_onnx_and_int8_with_embeddings_that_match(tmp_path: Path, tiny_bert: Path) -> None:
@@ -45,7 +27,8 @@ def test_encoder_exports_to_onnx_and_int8_with_embeddings_that_match(tmp_path: P
     report = json.loads((out / "encoder_report.json").read_text())
     fp32, int8 = report["checks"]["model.onnx"], report["checks"]["model.int8.onnx"]
     assert fp32["min_cosine"] > 0.99999 and 0.99 < int8["min_cosine"] < 1.0, report
-    assert int8["size_bytes"] < 0.7 * fp32["size_bytes"]  # MatMul weights int8; the tiny vocabulary stays float and report["inputs"] == ["input_ids", "attention_mask"]
+    assert int8["size_bytes"] < 0.7 * fp32["size_bytes"]  # MatMul weights int8; the tiny vocabulary stays float
+    assert report["inputs"] == ["input_ids", "attention_mask"]
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
 
 

@@ -26,7 +26,8 @@ from compress.errors import FormatError
 from compress.export import onnx_qdq as Q
 from compress.export import specs as S
 from compress.export import tensorrt as T
-from tests.test_formats import quantize, tiny_llama
+from tests.test_formats import quantize
+from tests.tiny import tiny_llama
 
 VOCAB = 300
 FP32_ATOL, FP32_KL = 1e-4, 1e-8
@@ -74,6 +75,7 @@ def int4_export(tmp_path_factory: pytest.TempPathFactory):
 # --------------------------------------------------------------------------- exact Q/DQ graphs
 
 
+@pytest.mark.runtime
 def test_int4_blocks_match_torch_in_prefill_and_decode(int4_export) -> None:
     directory, model, _, facts, before = int4_export
     got = Q.check_qdq_onnx(directory, model, ids())
@@ -112,6 +114,7 @@ def test_int4_initializers_are_the_records_codes_and_scales(int4_export) -> None
     assert any(i.data_location == onnx.TensorProto.EXTERNAL for i in stored)
 
 
+@pytest.mark.runtime
 def test_partial_block_and_int8_per_channel(tmp_path: Path) -> None:
     """Hidden 96 with block 64 ends every attention row in a partial block of 32; the MLP is int8 per-channel."""
     model = tiny_llama(VOCAB, hidden=96, intermediate=160)
@@ -149,6 +152,7 @@ def test_asymmetric_records_without_a_fallback_are_an_error(tmp_path: Path) -> N
         Q.write_qdq_onnx(tmp_path / "x", model, records, fallback="int8", dtype="bfloat16")
 
 
+@pytest.mark.runtime
 @pytest.mark.parametrize(("fallback", "became", "max_kl"), [("symmetric", "int4 block 64", 5e-3), ("int8", "int8 per-channel", 1e-4)])
 def test_fallbacks_are_recorded_and_the_graph_computes_them_exactly(tmp_path: Path, fallback: str, became: str, max_kl: float) -> None:
     model = tiny_llama(VOCAB)
@@ -170,6 +174,7 @@ def test_fallbacks_are_recorded_and_the_graph_computes_them_exactly(tmp_path: Pa
     assert exact["max_abs_diff"] <= FP32_ATOL and exact["top1_agreement"] == 1.0, exact
 
 
+@pytest.mark.runtime
 def test_float16_graph_is_close(tmp_path: Path) -> None:
     model = tiny_llama(VOCAB)
     records = quantize(model, 4, 128, True)
@@ -184,6 +189,7 @@ def test_float16_graph_is_close(tmp_path: Path) -> None:
     assert all(i.data_type == onnx.TensorProto.FLOAT16 for i in g.initializer if i.name.endswith(".weight_scale"))
 
 
+@pytest.mark.runtime
 def test_fp8_weights_when_requested(tmp_path: Path) -> None:
     model = tiny_llama(VOCAB)
     records = quantize(model, 4, 64, True)
@@ -200,6 +206,7 @@ def test_fp8_weights_when_requested(tmp_path: Path) -> None:
     assert got["kl_divergence"] <= 1e-4, got
 
 
+@pytest.mark.runtime
 def test_check_refuses_contrib_operators(tmp_path: Path) -> None:
     from onnx import helper
 
@@ -243,6 +250,7 @@ def test_profile_shapes_for_the_exported_inputs(int4_export) -> None:
         T.profile_shapes({"x": ["batch", "tokens"]}, config)
 
 
+@pytest.mark.runtime
 @pytest.mark.skipif(trt_reason is None, reason="TensorRT and a GPU are present: the refusal cannot be observed")
 def test_build_engine_says_why_it_cannot_run(int4_export, tmp_path: Path) -> None:
     assert trt_reason.startswith(("tensorrt is not installed", "no CUDA GPU"))
@@ -251,6 +259,7 @@ def test_build_engine_says_why_it_cannot_run(int4_export, tmp_path: Path) -> Non
     assert not (tmp_path / T.ENGINE_FILE).exists()
 
 
+@pytest.mark.runtime
 @pytest.mark.skipif(trt_reason is not None, reason=trt_reason or "")
 def test_tensorrt_engine_builds_and_decodes(tmp_path: Path) -> None:
     """fp16 graph (TensorRT's int4 weight-only path wants fp16/bf16 activations); engine vs the torch model."""
@@ -279,6 +288,7 @@ def test_tensorrt_engine_builds_and_decodes(tmp_path: Path) -> None:
     assert parity["kl_divergence"] <= 1e-4 and parity["top1_agreement"] >= 0.95, parity
 
 
+@pytest.mark.runtime
 def test_pipeline_tensorrt_export_checks_the_qdq_onnx_and_says_why_no_engine(tmp_path: Path, tiny_model_dir: Path,
                                                                               text_dir: Path) -> None:
     from tests.helpers import recipe_text, run_cli, write_recipe

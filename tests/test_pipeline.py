@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -19,19 +20,22 @@ from compress.quantizers.rtn import RTNConfig, RTNStage
 from compress.recipe import load_recipe
 from tests.helpers import recipe_text, run_cli, write_recipe
 
+# Measured (W4 g64 on the tiny model): KL 0.00039, perplexity +0.15% over the baseline's.
 PASSING = """\
   - name: kl
     metric: kl_divergence
-    max: 10
+    max: 0.01
   - metric: perplexity
-    max_increase_pct: 1000
+    max_increase_pct: 5
 """
 
 
 def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, bits=4, group_size=64, gates=PASSING))
     out = tmp_path / "out"
+    started = time.perf_counter()
     result = run_cli(["run", recipe, "-o", out])
+    wall_s = time.perf_counter() - started
     assert result.exit_code == 0, result.output
     assert "all gates passed" in result.stdout
 
@@ -49,7 +53,7 @@ def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text
     gates = {g["name"]: g for g in report["gates"]}
     assert gates["kl"]["passed"] and gates["kl"]["source"] == "measured" and gates["kl"]["runtime"] == "torch"
     ppl_gate = gates["compressed.perplexity.max_increase_pct"]
-    assert ppl_gate["threshold"]["limit"] == pytest.approx(evals["baseline"]["metrics"]["perplexity"] * 11)
+    assert ppl_gate["threshold"]["limit"] == pytest.approx(evals["baseline"]["metrics"]["perplexity"] * 1.05)
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["recipe"]["expanded"]["stages"][0]["quantize"]["symmetric"] is True
@@ -59,7 +63,11 @@ def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text
     assert manifest["data"]["calibration"]["documents_sha256"]
     assert manifest["versions"]["torch"] and manifest["versions"]["transformers"]
     stage = manifest["stages"][0]
-    assert stage["kind"] == "quantize" and stage["duration_s"] >= 0
+    assert stage["kind"] == "quantize"
+    # seconds, timed inside the run: the stages ran after loading the model and the data and before evaluating
+    timings = manifest["timings"]
+    assert 0 < timings["total_s"] <= wall_s
+    assert 0 < stage["duration_s"] <= timings["total_s"] - timings["load_model_s"] - timings["prepare_data_s"] - timings["evaluate_s"]
     assert stage["summary"]["layers_quantized"] == 2 * 7  # q k v o gate up down per layer; lm_head ignored
     layers = manifest["quantization"]["layers"]
     assert "lm_head" not in layers
@@ -98,7 +106,7 @@ def test_kl_orders_by_bits(tmp_path: Path, tiny_model_dir: Path, text_dir: Path)
 
 
 def test_failing_gate_exits_1_and_still_writes_report(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
-    gates = "  - metric: top1_agreement\n    min: 0.9999\n  - metric: kl_divergence\n    max: 100\n"
+    gates = "  - metric: top1_agreement\n    min: 0.9999\n  - metric: kl_divergence\n    max: 0.05\n"  # W2: top-1 99.4%, KL 0.008
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, bits=2, group_size=None, gates=gates))
     result = run_cli(["run", recipe, "-o", tmp_path / "out"])
     assert result.exit_code == 1, result.output
