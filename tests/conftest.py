@@ -80,8 +80,10 @@ def reference_chunks(tokenizer, cal: tuple[int, int], ev: tuple[int, int]):
     from compress.progress import Reporter
     from compress.recipe import DataSpec
 
-    data = DataSpec(calibration={"source": "reference:shakespeare", "samples": cal[0], "seq_len": cal[1]},
-                    evaluation={"source": "reference:shakespeare", "samples": ev[0], "seq_len": ev[1]})
+    data = DataSpec(
+        calibration={"source": "reference:shakespeare", "samples": cal[0], "seq_len": cal[1]},
+        evaluation={"source": "reference:shakespeare", "samples": ev[0], "seq_len": ev[1]},
+    )
     plan = DataPlan.load(data, ROOT, Reporter(quiet=True))
     return plan.chunks("calibration", tokenizer).tokens, plan.chunks("evaluation", tokenizer).tokens
 

@@ -28,8 +28,17 @@ def make_text(seed: int, paragraphs: int) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def recipe_text(model: Path | str, texts: Path | str, bits: int = 4, group_size: int | None = 64, symmetric: bool = True,
-                gates: str = "", samples: int = 6, seq_len: int = 64, extra_stage: str = "") -> str:
+def recipe_text(
+    model: Path | str,
+    texts: Path | str,
+    bits: int = 4,
+    group_size: int | None = 64,
+    symmetric: bool = True,
+    gates: str = "",
+    samples: int = 6,
+    seq_len: int = 64,
+    extra_stage: str = "",
+) -> str:
     group = "null" if group_size is None else group_size
     return f"""\
 version: 1

@@ -50,21 +50,52 @@ def test_bench_cli_rejects_unknown_method(tmp_path: Path) -> None:
 
 def test_bench_cli_passes_method_options(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     out = tmp_path / "b"
-    result = run_cli(["bench", "quant", "-o", out, "--model", str(tiny_model_dir), "--calibration", str(text_dir),
-                      "--evaluation", str(text_dir), "--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2",
-                      "--eval-seq-len", "64", "--methods", "awq", "--settings", "W3g32s", "--threads", "1",
-                      "--option", "awq.duo_scaling=both", "--option", "awq.grid=4"])
+    result = run_cli(
+        [
+            "bench",
+            "quant",
+            "-o",
+            out,
+            "--model",
+            str(tiny_model_dir),
+            "--calibration",
+            str(text_dir),
+            "--evaluation",
+            str(text_dir),
+            "--cal-samples",
+            "4",
+            "--cal-seq-len",
+            "64",
+            "--eval-samples",
+            "2",
+            "--eval-seq-len",
+            "64",
+            "--methods",
+            "awq",
+            "--settings",
+            "W3g32s",
+            "--threads",
+            "1",
+            "--option",
+            "awq.duo_scaling=both",
+            "--option",
+            "awq.grid=4",
+        ]
+    )
     assert result.exit_code == 0, result.output
     row = json.loads((out / "results.json").read_text())["rows"][0]
     assert row["config"]["duo_scaling"] == "both" and row["config"]["grid"] == 4 and row["config"]["bits"] == 3
 
 
-@pytest.mark.parametrize(("option", "message"), [
-    ("awq.nope=1", "nope"),
-    ("gptq.bits=3", "bits comes from --settings"),
-    ("awq.grid=1", "grid"),
-    ("duo_scaling=true", "expected METHOD.KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("awq.nope=1", "nope"),
+        ("gptq.bits=3", "bits comes from --settings"),
+        ("awq.grid=1", "grid"),
+        ("duo_scaling=true", "expected METHOD.KEY=VALUE"),
+    ],
+)
 def test_bench_cli_rejects_bad_options(tmp_path: Path, option: str, message: str) -> None:
     result = run_cli(["bench", "quant", "-o", tmp_path, "--option", option])
     assert result.exit_code == 2 and message in result.output, result.output
@@ -72,10 +103,38 @@ def test_bench_cli_rejects_bad_options(tmp_path: Path, option: str, message: str
 
 def test_bench_kv_cli_measures_every_scheme(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     out = tmp_path / "kv"
-    result = run_cli(["bench", "kv", "-o", out, "--model", str(tiny_model_dir), "--calibration", str(text_dir),
-                      "--evaluation", str(text_dir), "--cal-samples", "2", "--cal-seq-len", "64", "--context", "96",
-                      "--schemes", "int8;int4:residual=32;fp8-static", "--decode-tokens", "4", "--decode-prefill", "16",
-                      "--repeats", "1", "--memory-gib", "1", "--threads", "1"])
+    result = run_cli(
+        [
+            "bench",
+            "kv",
+            "-o",
+            out,
+            "--model",
+            str(tiny_model_dir),
+            "--calibration",
+            str(text_dir),
+            "--evaluation",
+            str(text_dir),
+            "--cal-samples",
+            "2",
+            "--cal-seq-len",
+            "64",
+            "--context",
+            "96",
+            "--schemes",
+            "int8;int4:residual=32;fp8-static",
+            "--decode-tokens",
+            "4",
+            "--decode-prefill",
+            "16",
+            "--repeats",
+            "1",
+            "--memory-gib",
+            "1",
+            "--threads",
+            "1",
+        ]
+    )
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in saved["rows"]}
@@ -101,17 +160,50 @@ def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, tr
     (tmp_path / "other").mkdir()
     other = tmp_path / "other" / "unseen.txt"  # same file name: a second label
     other.write_text((text_dir / "doc2.txt").read_text().upper())
-    result = run_cli(["bench", "prune", "-o", out, "--model", str(trained_tiny_dir), "--calibration", str(text_dir),
-                      "--evaluation", str(text_dir), "--unseen", str(unseen), "--unseen", str(other), "--cal-samples", "4", "--cal-seq-len", "64",
-                      "--eval-samples", "2", "--eval-seq-len", "64", "--threads", "1",
-                      "--setting", "{mlp: 0.5, heads: 0.5, multiple_of: 8}", "--setting", "{layers: {drop: 2}}",
-                      "--setting", f"{{mlp: 0.75, mlp_method: obs, multiple_of: 8, data: {{source: {text_dir}, samples: 32}}}}",
-                      "--distill", "{steps: 20, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, autocast: off}"])
+    result = run_cli(
+        [
+            "bench",
+            "prune",
+            "-o",
+            out,
+            "--model",
+            str(trained_tiny_dir),
+            "--calibration",
+            str(text_dir),
+            "--evaluation",
+            str(text_dir),
+            "--unseen",
+            str(unseen),
+            "--unseen",
+            str(other),
+            "--cal-samples",
+            "4",
+            "--cal-seq-len",
+            "64",
+            "--eval-samples",
+            "2",
+            "--eval-seq-len",
+            "64",
+            "--threads",
+            "1",
+            "--setting",
+            "{mlp: 0.5, heads: 0.5, multiple_of: 8}",
+            "--setting",
+            "{layers: {drop: 2}}",
+            "--setting",
+            f"{{mlp: 0.75, mlp_method: obs, multiple_of: 8, data: {{source: {text_dir}, samples: 32}}}}",
+            "--distill",
+            "{steps: 20, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, autocast: off}",
+        ]
+    )
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "results.json").read_text())
     rows = saved["rows"]
-    assert [r["setting"] for r in rows] == [{"mlp": 0.5, "heads": 0.5, "multiple_of": 8}, {"layers": {"drop": 2}},
-                                            {"mlp": 0.75, "mlp_method": "obs", "multiple_of": 8, "data": {"source": str(text_dir), "samples": 32}}]
+    assert [r["setting"] for r in rows] == [
+        {"mlp": 0.5, "heads": 0.5, "multiple_of": 8},
+        {"layers": {"drop": 2}},
+        {"mlp": 0.75, "mlp_method": "obs", "multiple_of": 8, "data": {"source": str(text_dir), "samples": 32}},
+    ]
     assert rows[0]["shape"]["intermediate_size"] == 80 and rows[1]["dropped_layers"] and rows[1]["shape"]["num_hidden_layers"] == 2
     for row in rows:
         assert row["tokens"] == 20 * 2 * 64 and row["parameters"] < saved["model"]["parameters"]
@@ -120,7 +212,8 @@ def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, tr
         if row is not rows[2]:  # obs leaves this tiny model almost unchanged, and 20 steps at lr 2e-3 raise its KL (below)
             assert row["repaired"]["held_out"]["kl_divergence"] < row["pruned"]["held_out"]["kl_divergence"]
         assert row["kl_gap_recovered"]["held_out"] == pytest.approx(
-            1 - row["repaired"]["held_out"]["kl_divergence"] / row["pruned"]["held_out"]["kl_divergence"], abs=1e-4)
+            1 - row["repaired"]["held_out"]["kl_divergence"] / row["pruned"]["held_out"]["kl_divergence"], abs=1e-4
+        )
     assert set(saved["texts"]["unseen"]) == {"unseen", "unseen-2"}
     assert saved["texts"]["unseen"]["unseen-2"]["source"] == str(other)
     assert "| mlp 50%, heads 50%, multiple_of 8 |" in (out / "results.md").read_text()
@@ -134,13 +227,18 @@ def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, tr
     for name in ("held_out", "unseen", "unseen-2"):
         assert obs["pruned"][name]["kl_divergence"] < 0.1 * obs["pruned_by_activation"][name]["kl_divergence"]
         assert obs["kl_gap_recovered_of_activation"][name] == pytest.approx(
-            1 - obs["repaired"][name]["kl_divergence"] / obs["pruned_by_activation"][name]["kl_divergence"], abs=1e-4)
-    assert f"mlp 75%, mlp_method obs, data {{source: {text_dir}, samples: 32}}, multiple_of 8: the activation (Minitron) choice" in (
-        out / "results.md").read_text()
+            1 - obs["repaired"][name]["kl_divergence"] / obs["pruned_by_activation"][name]["kl_divergence"], abs=1e-4
+        )
+    assert (
+        f"mlp 75%, mlp_method obs, data {{source: {text_dir}, samples: 32}}, multiple_of 8: the activation (Minitron) choice"
+        in (out / "results.md").read_text()
+    )
 
 
-@pytest.mark.parametrize("args, message", [(["--setting", "{mlp: 2}"], "between 0 and 1"), (["--setting", "mlp"], "not a YAML mapping"),
-                                           (["--distill", "{stepz: 3}"], "stepz")])
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--setting", "{mlp: 2}"], "between 0 and 1"), (["--setting", "mlp"], "not a YAML mapping"), (["--distill", "{stepz: 3}"], "stepz")],
+)
 def test_bench_prune_cli_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
     result = run_cli(["bench", "prune", "-o", tmp_path, *args])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

@@ -111,14 +111,21 @@ def test_awq_scale_folding_keeps_the_float_model(model_type: str) -> None:
 def test_calibrated_methods_run_on_every_architecture(model_type: str, method: str) -> None:
     model = tiny_model(model_type)
     ctx = ctx_for(tokens())
-    stage = GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]") if method == "gptq" else AWQStage(AWQConfig(bits=4, group_size=32), "stages[0]")
+    stage = (
+        GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]")
+        if method == "gptq"
+        else AWQStage(AWQConfig(bits=4, group_size=32), "stages[0]")
+    )
     record = stage.apply(model, ctx)
     assert record.summary["layers_quantized"] == 2 * 7
     assert len(record.summary["blocks"]) == 2
     blocks = record.summary["blocks"]
     assert [b["block"] for b in blocks] == [0, 1] and all(b["peak_memory_mb"] > 0 for b in blocks)
     # each block's time (rounded to 1 ms) is part of the stage's own
-    assert all(b["seconds"] > 0 for b in blocks) and sum(b["seconds"] for b in blocks) <= record.duration_s + 0.001, (blocks, record.duration_s)
+    assert all(b["seconds"] > 0 for b in blocks) and sum(b["seconds"] for b in blocks) <= record.duration_s + 0.001, (
+        blocks,
+        record.duration_s,
+    )
     for name, rec in ctx.quantized.items():
         assert torch.equal(model.get_submodule(name).weight, rec.dequantize(model.get_submodule(name).weight.dtype))
     with torch.no_grad():
@@ -128,7 +135,9 @@ def test_calibrated_methods_run_on_every_architecture(model_type: str, method: s
 def test_unsupported_architecture_says_how_to_add_it() -> None:
     from transformers import OPTConfig, OPTForCausalLM
 
-    model = OPTForCausalLM(OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=100, word_embed_proj_dim=32))
+    model = OPTForCausalLM(
+        OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=100, word_embed_proj_dim=32)
+    )
     with pytest.raises(CompressError, match=r"does not know the architecture 'opt'.*quantizers/arch.py"):
         GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]").apply(model, ctx_for(tokens()))
 

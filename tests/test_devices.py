@@ -23,14 +23,36 @@ from compress.eval.devices import (
 from tests.conftest import ROOT
 from tests.helpers import recipe_text, run_cli, write_recipe
 
-SHIPPED = ("h100-sxm", "h200", "a100-80gb", "a100-40gb", "l4", "a10g", "jetson-orin-nano-8gb", "jetson-agx-orin-64gb",
-           "raspberry-pi-5-8gb", "apple-m2", "apple-m3-max")
+SHIPPED = (
+    "h100-sxm",
+    "h200",
+    "a100-80gb",
+    "a100-40gb",
+    "l4",
+    "a10g",
+    "jetson-orin-nano-8gb",
+    "jetson-agx-orin-64gb",
+    "raspberry-pi-5-8gb",
+    "apple-m2",
+    "apple-m3-max",
+)
 
 
 def profile(**kw) -> DeviceProfile:
-    base = dict(name="test", description="a test device", kind="gpu", memory_gb=10, bandwidth_gbs=100, fp16_tflops=10,
-                runtimes=["torch"], formats=["hf"], decode_efficiency=0.5, prefill_efficiency=0.5, usable_memory_fraction=0.9,
-                source="made up for a test")
+    base = dict(
+        name="test",
+        description="a test device",
+        kind="gpu",
+        memory_gb=10,
+        bandwidth_gbs=100,
+        fp16_tflops=10,
+        runtimes=["torch"],
+        formats=["hf"],
+        decode_efficiency=0.5,
+        prefill_efficiency=0.5,
+        usable_memory_fraction=0.9,
+        source="made up for a test",
+    )
     return DeviceProfile(**{**base, **kw})
 
 
@@ -77,8 +99,10 @@ def test_user_file_overrides_a_shipped_profile_and_adds_its_own(tmp_path: Path) 
 
 def test_bad_key_names_the_key_file_and_line(tmp_path: Path) -> None:
     f = tmp_path / "bad.yaml"
-    f.write_text("devices:\n  - name: box\n    description: x\n    kind: cpu\n    memory_gb: 4\n    bandwith_gbs: 10\n"
-                 "    fp16_tflops: 1\n    runtimes: [torch]\n    formats: [hf]\n    source: s\n")
+    f.write_text(
+        "devices:\n  - name: box\n    description: x\n    kind: cpu\n    memory_gb: 4\n    bandwith_gbs: 10\n"
+        "    fp16_tflops: 1\n    runtimes: [torch]\n    formats: [hf]\n    source: s\n"
+    )
     with pytest.raises(CompressError) as exc:
         load_profiles([f])
     msg = str(exc.value)
@@ -110,8 +134,9 @@ def test_kv_bytes_per_token_of_a_tiny_llama() -> None:
 
 def test_estimate_latency_memory_bound_by_hand() -> None:
     p = profile()  # 100 GB/s x 0.5 = 50e9 B/s; 10 TFLOPS x 0.5 = 5e12 FLOP/s
-    est = estimate_latency(p, weight_bytes=10**9, kv_bytes_per_token=10**5, params=5 * 10**8, prompt_tokens=1000,
-                           output_tokens=200, batch=2)
+    est = estimate_latency(
+        p, weight_bytes=10**9, kv_bytes_per_token=10**5, params=5 * 10**8, prompt_tokens=1000, output_tokens=200, batch=2
+    )
     # decode: (1e9 + 2 x 1e5 x (1000 + 200/2)) / 50e9 = 24.4 ms (compute: 2 x 5e8 x 2 / 5e12 = 0.2 ms)
     assert est["tpot_ms"] == pytest.approx(24.4)
     assert est["decode_tokens_per_s"] == pytest.approx(1000 / 24.4)
@@ -167,7 +192,11 @@ def test_plan_of_a_tiny_model_sizes_follow_the_bits(tmp_path: Path, tiny_model_d
     assert sizes[4]["gguf"] < sizes[8]["gguf"]  # auto: q4_0 (4.5 bits/weight) vs q8_0 (8.5)
     p = plans[4]
     assert p["source"] == "estimated" and [s["step"] for s in p["steps"]] == [
-        "load model", "stages[0] quantize rtn", "evaluate", "export gguf (gguf)"]
+        "load model",
+        "stages[0] quantize rtn",
+        "evaluate",
+        "export gguf (gguf)",
+    ]
     assert all(s["peak_memory_gb"] > 0 and s["time_s"] > 0 and s["basis"] for s in p["steps"])
     fit = {r["artifact"]: r for r in p["fit"]}
     assert set(fit) == {"baseline", "compressed", "gguf"} and all(r["fits"] and r["supported"] for r in fit.values())
@@ -228,7 +257,9 @@ def test_plan_uses_the_recipe_targets_and_devices(tmp_path: Path, tiny_model_dir
     devices = load_profiles(extra=[d.model_dump() for d in loaded.recipe.devices])
     plan = plan_recipe(loaded, devices, [])
     assert [(r["device"], r["context"], r["batch"]) for r in plan["fit"] if r["artifact"] == "baseline"] == [
-        ("my-board", 1000, 3), ("l4", 64, 1)]  # l4 names no context: data.evaluation.seq_len
+        ("my-board", 1000, 3),
+        ("l4", 64, 1),
+    ]  # l4 names no context: data.evaluation.seq_len
     assert not any(r["supported"] for r in plan["fit"] if r["device"] == "my-board")  # hf/torch does not run there
     plan = plan_recipe(loaded, devices, ["h200"], context=10, batch=2)  # the command line wins
     assert {(r["device"], r["context"], r["batch"]) for r in plan["fit"]} == {("h200", 10, 2)}

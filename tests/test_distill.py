@@ -26,8 +26,10 @@ PRUNE = "  - prune: {mlp: 0.25, heads: 0.5, hidden: {size: 64}, multiple_of: 8}\
 
 
 def distill_stage(steps: int = 30, batch: int = 2, extra: str = "") -> str:
-    return (f"  - distill: {{steps: {steps}, batch_size: {batch}, seq_len: 64, lr: 3.0e-3, warmup_steps: 2, "
-            f"eval: {{every: 10, samples: 2}}{extra}}}\n")
+    return (
+        f"  - distill: {{steps: {steps}, batch_size: {batch}, seq_len: 64, lr: 3.0e-3, warmup_steps: 2, "
+        f"eval: {{every: 10, samples: 2}}{extra}}}\n"
+    )
 
 
 def run(recipe: Path, out: Path):
@@ -39,8 +41,15 @@ def run(recipe: Path, out: Path):
 
 
 def cli(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "compress", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "compress", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------ math
@@ -107,7 +116,7 @@ def test_layer_map_skips_a_pair_where_only_one_side_is_after_the_final_norm():
 def test_schedule_warms_up_then_decays_to_the_final_ratio():
     f = [lr_factor(s, 4, 20, 0.1) for s in range(21)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(f[4:], f[5:])) and f[20] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[4:], f[5:], strict=False)) and f[20] == pytest.approx(0.1)  # pairs: f[4:] is one longer
 
 
 def budget_trainer(steps: int, minutes: float, wall: float, eval_s: float, every: int, at: int, planned: int):
@@ -118,8 +127,7 @@ def budget_trainer(steps: int, minutes: float, wall: float, eval_s: float, every
 
     config = DistillConfig(steps=steps, max_minutes=minutes, warmup_steps=2, eval={"every": every})
     state = SimpleNamespace(step=at, wall_seconds=wall, eval_seconds=eval_s, planned_steps=planned)
-    return SimpleNamespace(config=config, state=state, procs=Processes(torch.device("cpu")),
-                           schedule=CosineSchedule(2, planned, 0.1))
+    return SimpleNamespace(config=config, state=state, procs=Processes(torch.device("cpu")), schedule=CosineSchedule(2, planned, 0.1))
 
 
 def test_time_budget_plans_the_steps_that_fit_and_stops_before_passing_it():
@@ -176,8 +184,13 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
     before = [b.mlp.down_proj.weight.detach().clone() for b in student.model.layers]
     tokens = ids(batch=6, seq=32)
     acts, outs = {}, {}
-    hooks = [b.mlp.down_proj.register_forward_pre_hook(lambda m, a, i=i: acts.setdefault(i, []).append(a[0])) for i, b in enumerate(teacher.model.layers)]
-    hooks += [b.mlp.register_forward_hook(lambda m, a, o, i=i: outs.setdefault(i, []).append(o)) for i, b in enumerate(teacher.model.layers)]
+    hooks = [
+        b.mlp.down_proj.register_forward_pre_hook(lambda m, a, i=i: acts.setdefault(i, []).append(a[0]))
+        for i, b in enumerate(teacher.model.layers)
+    ]
+    hooks += [
+        b.mlp.register_forward_hook(lambda m, a, o, i=i: outs.setdefault(i, []).append(o)) for i, b in enumerate(teacher.model.layers)
+    ]
     with torch.no_grad():
         teacher(input_ids=tokens, use_cache=False)
     for h in hooks:
@@ -189,7 +202,10 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
         y = torch.cat(outs[i]).reshape(a.shape[0], -1).double()
         expected = ridge_lstsq(a, y, before[i], 0.1 * float((a * a).sum(0).mean()))
         torch.testing.assert_close(block.mlp.down_proj.weight.double(), expected, atol=1e-5, rtol=1e-4)
-        error = lambda w: float(((a @ w.detach().double().T - y) ** 2).mean())  # noqa: E731
+
+        def error(w, a=a, y=y):
+            return float(((a @ w.detach().double().T - y) ** 2).mean())
+
         assert error(block.mlp.down_proj.weight) < 0.9 * error(before[i])
     # nothing to refit where the MLP kept its width: that block is left as it was
     same = copy.deepcopy(teacher)
@@ -203,8 +219,9 @@ def test_refit_solves_the_ridge_least_squares_of_each_pruned_down_projection():
 def test_a_time_budget_ends_the_repair_in_time(trained_tiny_dir, text_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
     budget = 0.2  # 12 seconds for thousands of steps
-    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(
-        5000, extra=f", max_minutes: {budget}, data: {{samples: 40}}")))
+    recipe.write_text(
+        prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(5000, extra=f", max_minutes: {budget}, data: {{samples: 40}}"))
+    )
     s = run(recipe, tmp_path / "out").manifest["stages"][1]["summary"]
     assert s["stopped_by"] == "max_minutes" and s["max_steps"] == 5000 and s["max_minutes"] == budget
     assert 3 <= s["steps"] < 5000 and s["tokens"] == s["steps"] * 2 * 64 and s["history"][-1]["step"] == s["steps"]
@@ -230,8 +247,13 @@ def test_distillation_repairs_a_pruned_model_on_held_apart_text(trained_tiny_dir
 
 def test_the_refit_runs_before_training_after_mlp_pruning(trained_tiny_dir, text_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, "  - prune: {mlp: 0.25}\n" + distill_stage(
-        4, extra=", max_minutes: 5, refit: {samples: 16, damp: 0.05}, data: {samples: 24}")))
+    recipe.write_text(
+        prune_recipe(
+            trained_tiny_dir,
+            text_dir,
+            "  - prune: {mlp: 0.25}\n" + distill_stage(4, extra=", max_minutes: 5, refit: {samples: 16, damp: 0.05}, data: {samples: 24}"),
+        )
+    )
     s = run(recipe, tmp_path / "out").manifest["stages"][1]["summary"]
     assert [h["step"] for h in s["history"]] == [0, 0, 4]  # before, after the refit, at the end
     r = s["refit"]
@@ -250,7 +272,9 @@ def test_keep_best_returns_the_start_when_training_makes_the_student_worse(train
     run(recipe, tmp_path / "pruned")
     summaries, weights = {}, {}
     for keep in ("true", "false"):
-        recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, prune + distill_stage(20, extra=f", checkpoint_every: 0, keep_best: {keep}")))
+        recipe.write_text(
+            prune_recipe(trained_tiny_dir, text_dir, prune + distill_stage(20, extra=f", checkpoint_every: 0, keep_best: {keep}"))
+        )
         summaries[keep] = run(recipe, tmp_path / keep).manifest["stages"][1]["summary"]
         weights[keep] = load_file(str(tmp_path / keep / "model" / "weights.safetensors"))
     kept, last = summaries["true"], summaries["false"]
@@ -276,8 +300,9 @@ def test_a_checkpoint_keeps_the_best_weights_it_has_not_reached_again(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     best = [torch.randn(2, 3), torch.randn(2)]
-    state = ckpt.TrainState(step=10, history=[{"step": 0, "kl_divergence": 0.1}, {"step": 10, "kl_divergence": 0.3}],
-                            best=0, best_weights=best)
+    state = ckpt.TrainState(
+        step=10, history=[{"step": 0, "kl_divergence": 0.1}, {"step": 10, "kl_divergence": 0.3}], best=0, best_weights=best
+    )
     path = ckpt.save(tmp_path, model, opt, sched, state, fingerprint="f")
     back = ckpt.load(path, model, opt, sched, fingerprint="f")
     assert back.best == 0 and len(back.best_weights) == 2
@@ -326,11 +351,15 @@ def test_distill_recipe_errors(trained_tiny_dir, text_dir, tmp_path):
     recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, distill_stage().replace("warmup_steps: 2", "warmup_steps: 40")))
     with pytest.raises(RecipeError, match="warmup_steps \\(40\\) must be fewer than steps \\(30\\)"):
         load_recipe(recipe)
-    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=f", hidden_loss_weight: 1.0, teacher: {trained_tiny_dir}")))
+    recipe.write_text(
+        prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=f", hidden_loss_weight: 1.0, teacher: {trained_tiny_dir}"))
+    )
     with pytest.raises(CompressError, match="hidden_loss_weight needs to know which teacher layer"):
         run(recipe, tmp_path / "c")
     # the refit runs by default where the mapping is known; asked for explicitly without one, it is an error
-    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=f", refit: {{samples: 4}}, teacher: {trained_tiny_dir}")))
+    recipe.write_text(
+        prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=f", refit: {{samples: 4}}, teacher: {trained_tiny_dir}"))
+    )
     with pytest.raises(CompressError, match="refit needs to know which teacher block"):
         run(recipe, tmp_path / "d")
     recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=", refit: {samples: 4}")))
@@ -358,8 +387,11 @@ def test_gradient_accumulation_equals_the_larger_batch(trained_tiny_dir, text_di
 
 def checkpoint_recipe(model: Path, texts: Path, tmp_path: Path, steps: int) -> Path:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(prune_recipe(model, texts, PRUNE + distill_stage(steps, extra=", checkpoint_every: 10, data: {samples: 40}")
-                                   ).replace("version: 1\n", "version: 1\ncompute: {threads: 1}\n"))
+    recipe.write_text(
+        prune_recipe(model, texts, PRUNE + distill_stage(steps, extra=", checkpoint_every: 10, data: {samples: 40}")).replace(
+            "version: 1\n", "version: 1\ncompute: {threads: 1}\n"
+        )
+    )
     return recipe
 
 
@@ -395,11 +427,10 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_weights(trained_ti
 
 
 def test_a_checkpoint_of_another_run_is_refused(trained_tiny_dir, text_dir, tmp_path):
-    from compress.errors import CompressError
-
     from torch import nn
 
     from compress.distill import checkpoint as ckpt
+    from compress.errors import CompressError
 
     recipe = checkpoint_recipe(trained_tiny_dir, text_dir, tmp_path, 12)
     work = tmp_path / "out.work" / "stages[1]"
@@ -418,17 +449,44 @@ def test_a_checkpoint_of_another_run_is_refused(trained_tiny_dir, text_dir, tmp_
 @pytest.mark.runtime
 def test_two_cpu_processes_train_the_same_weights_as_one_with_the_same_global_batch(trained_tiny_dir, text_dir, tmp_path):
     one = tmp_path / "one.yaml"
-    one.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(6, batch=4, extra=", checkpoint_every: 0"))
-                   .replace("version: 1\n", "version: 1\ncompute: {threads: 1}\n"))
+    one.write_text(
+        prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(6, batch=4, extra=", checkpoint_every: 0")).replace(
+            "version: 1\n", "version: 1\ncompute: {threads: 1}\n"
+        )
+    )
     two = tmp_path / "two.yaml"
     two.write_text(one.read_text().replace("batch_size: 4", "batch_size: 2"))
     single = cli("run", str(one), "-o", str(tmp_path / "one"), "-q")
     log, _ = single.communicate(timeout=300)
     assert single.returncode == 0, log
     accelerate = Path(sys.executable).with_name("accelerate")
-    proc = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-                           "--dynamo_backend", "no", "-m", "compress", "run", str(two), "-o", str(tmp_path / "two"), "-q"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [
+            str(accelerate),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "compress",
+            "run",
+            str(two),
+            "-o",
+            str(tmp_path / "two"),
+            "-q",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads((tmp_path / "two" / "manifest.json").read_text())["stages"][1]["summary"]
     assert s["processes"] == 2 and s["tokens"] == 6 * 2 * 2 * 64
@@ -459,11 +517,41 @@ def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_ru
     from tests.helpers import run_cli
 
     out = tmp_path / "out"
-    result = run_cli(["run", ROOT / "recipes" / "prune-distill.yaml", "-o", out, "-q",
-                      "--set", "data.calibration.samples=16", "--set", "data.calibration.seq_len=256", "--set", "data.evaluation.samples=4",
-                      "--set", "stages.1.distill.steps=20", "--set", "stages.1.distill.max_minutes=null", "--set", "stages.1.distill.warmup_steps=2", "--set", "stages.1.distill.batch_size=2", "--set", "stages.1.distill.lr=1.0e-4",
-                      "--set", "stages.1.distill.eval.every=0", "--set", "stages.1.distill.autocast=off",
-                      "--set", "gates.0.max=2", "--set", "gates.1.max=2", "--set", "gates.2.min=0.3"])
+    result = run_cli(
+        [
+            "run",
+            ROOT / "recipes" / "prune-distill.yaml",
+            "-o",
+            out,
+            "-q",
+            "--set",
+            "data.calibration.samples=16",
+            "--set",
+            "data.calibration.seq_len=256",
+            "--set",
+            "data.evaluation.samples=4",
+            "--set",
+            "stages.1.distill.steps=20",
+            "--set",
+            "stages.1.distill.max_minutes=null",
+            "--set",
+            "stages.1.distill.warmup_steps=2",
+            "--set",
+            "stages.1.distill.batch_size=2",
+            "--set",
+            "stages.1.distill.lr=1.0e-4",
+            "--set",
+            "stages.1.distill.eval.every=0",
+            "--set",
+            "stages.1.distill.autocast=off",
+            "--set",
+            "gates.0.max=2",
+            "--set",
+            "gates.1.max=2",
+            "--set",
+            "gates.2.min=0.3",
+        ]
+    )
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
     prune, distill = manifest["stages"][0]["summary"], manifest["stages"][1]["summary"]

@@ -30,14 +30,16 @@ def _yaml_blocks(text: str) -> list[str]:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    ci_lines = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l and not l.startswith("#")]
+    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     test_command = ci_lines[-1]
     assert test_command.endswith("pytest")
     assert any(block.strip() == test_command for block in _bash_blocks(README))
 
 
 def test_readme_main_command_runs_the_quickstart() -> None:
-    assert any("compress run recipes/quickstart.yaml -o out" in block and "pip install torch==2.13.0" in block for block in _bash_blocks(README))
+    assert any(
+        "compress run recipes/quickstart.yaml -o out" in block and "pip install torch==2.13.0" in block for block in _bash_blocks(README)
+    )
 
 
 def test_readme_is_the_short_front_door() -> None:

@@ -108,8 +108,18 @@ def test_gptq_packing_matches_autogptq_loop(bits: int) -> None:
 
 
 CT_CASES = [
-    (4, 32, True), (4, 32, False), (4, 64, True), (4, 64, False), (4, 128, True), (4, 128, False),
-    (8, 32, False), (8, 64, True), (8, 128, False), (4, None, False), (8, None, True), (2, 64, False),
+    (4, 32, True),
+    (4, 32, False),
+    (4, 64, True),
+    (4, 64, False),
+    (4, 128, True),
+    (4, 128, False),
+    (8, 32, False),
+    (8, 64, True),
+    (8, 128, False),
+    (4, None, False),
+    (8, None, True),
+    (2, 64, False),
 ]
 
 
@@ -121,7 +131,11 @@ def test_compressed_tensors_loads_in_transformers_with_identical_logits(tmp_path
     compressed_tensors.write(out, model, tokenizer, records)
 
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert (config["quant_method"], config["format"], config["quantization_status"]) == ("compressed-tensors", "pack-quantized", "compressed")
+    assert (config["quant_method"], config["format"], config["quantization_status"]) == (
+        "compressed-tensors",
+        "pack-quantized",
+        "compressed",
+    )
     weights = config["config_groups"]["group_0"]["weights"]
     assert weights["num_bits"] == bits and weights["symmetric"] == symmetric and weights["type"] == "int"
     assert (weights["strategy"], weights["group_size"]) == (("channel", None) if group is None else ("group", group))
@@ -203,8 +217,10 @@ def _autogptq_dequantize(tensors: dict[str, torch.Tensor], name: str, bits: int)
     return (scales[g_idx] * (codes - zeros[g_idx])).t()
 
 
-@pytest.mark.parametrize(("bits", "group", "symmetric"), [(2, 32, False), (3, 64, True), (3, 32, False), (4, 32, True),
-                                                         (4, 128, False), (8, 64, False), (4, None, True), (8, None, False)])
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric"),
+    [(2, 32, False), (3, 64, True), (3, 32, False), (4, 32, True), (4, 128, False), (8, 64, False), (4, None, True), (8, None, False)],
+)
 def test_gptq_round_trip_and_independent_dequantization(tmp_path: Path, tokenizer, bits, group, symmetric) -> None:
     from safetensors.torch import load_file
 
@@ -214,8 +230,16 @@ def test_gptq_round_trip_and_independent_dequantization(tmp_path: Path, tokenize
         assert all(int(r.zero_point.min()) >= 1 for r in records.values())
     autogptq.write(tmp_path / "gptq", model, tokenizer, records)
     config = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
-    assert config == {**config, "quant_method": "gptq", "bits": bits, "group_size": group or -1, "desc_act": False,
-                      "sym": symmetric, "checkpoint_format": "gptq", "lm_head": False}
+    assert config == {
+        **config,
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group or -1,
+        "desc_act": False,
+        "sym": symmetric,
+        "checkpoint_format": "gptq",
+        "lm_head": False,
+    }
     assert json.loads((tmp_path / "gptq" / "quantize_config.json").read_text())["bits"] == bits
 
     tensors = load_file(str(tmp_path / "gptq" / "model.safetensors"))
@@ -253,8 +277,10 @@ def test_gptq_writer_errors_name_the_problem(tokenizer) -> None:
     partly = {n: rec for n, rec in records.items() if "mlp" not in n}
     with pytest.raises(FormatError, match="every Linear layer.*stay float"):
         autogptq.check(model, partly)
-    mixed = {**quantize(tiny_llama(len(tokenizer)), 4, 64, False, targets=["mlp.*"]),
-             **quantize(tiny_llama(len(tokenizer)), 4, 32, False, targets=["self_attn.*"])}
+    mixed = {
+        **quantize(tiny_llama(len(tokenizer)), 4, 64, False, targets=["mlp.*"]),
+        **quantize(tiny_llama(len(tokenizer)), 4, 32, False, targets=["self_attn.*"]),
+    }
     with pytest.raises(FormatError, match="one scheme, these records use 2: W4 g32 asym .*; W4 g64 asym"):
         autogptq.check(model, mixed)
     five = quantize(tiny_llama(len(tokenizer)), 5, 32, True)
@@ -372,7 +398,10 @@ def test_pipeline_writes_and_verifies_exports(tmp_path: Path, tiny_model_dir: Pa
     assert result.exit_code == 0, result.output
 
     report = json.loads((out / "report.json").read_text())
-    assert [(e["name"], e["format"], e["verified"]) for e in report["exports"]] == [("ct", "compressed-tensors", True), ("gptq", "gptq", True)]
+    assert [(e["name"], e["format"], e["verified"]) for e in report["exports"]] == [
+        ("ct", "compressed-tensors", True),
+        ("gptq", "gptq", True),
+    ]
     assert all(e["check"].startswith("records identical after reload") and e["evaluated_as"] == "compressed" for e in report["exports"])
     gates = {g["name"]: g for g in report["gates"]}
     assert gates["gptq-kl"]["artifact"] == "gptq" and gates["gptq-kl"]["value"] == gates["kl"]["value"]

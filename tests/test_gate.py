@@ -73,8 +73,12 @@ def test_run_measures_latency_on_each_runtime_and_estimates_other_devices(artifa
     assert validate_report(report) == []
     latency = [e for e in report["evaluations"] if e["kind"] == "latency"]
     measured = {e["artifact"]: e for e in latency if e["source"] == "measured"}
-    assert {(n, e["runtime"]) for n, e in measured.items()} == {("baseline", "torch"), ("compressed", "torch"), ("q4", "llama.cpp"),
-                                                               ("int4", "onnxruntime")}  # baseline: a gate compares with it
+    assert {(n, e["runtime"]) for n, e in measured.items()} == {
+        ("baseline", "torch"),
+        ("compressed", "torch"),
+        ("q4", "llama.cpp"),
+        ("int4", "onnxruntime"),
+    }  # baseline: a gate compares with it
     for e in measured.values():
         m = e["metrics"]
         assert 0 < m["ttft_ms"] <= m["ttft_ms_p90"] and 0 < m["tpot_ms"] <= m["tpot_ms_p90"]
@@ -97,8 +101,9 @@ def test_run_measures_latency_on_each_runtime_and_estimates_other_devices(artifa
     assert relative["threshold"]["baseline"] == measured["baseline"]["metrics"]["tpot_ms"] and relative["source"] == "measured"
     # each gate judged the number its evaluation holds, against its limit
     pi_latency = next(e for e in estimated if e["kind"] == "latency" and e["artifact"] == "q4")
-    jetson_memory = next(e for e in report["evaluations"] if e.get("profile") == "jetson-orin-nano-8gb" and e["kind"] == "memory"
-                         and e["artifact"] == "int4")
+    jetson_memory = next(
+        e for e in report["evaluations"] if e.get("profile") == "jetson-orin-nano-8gb" and e["kind"] == "memory" and e["artifact"] == "int4"
+    )
     assert gates["q4.tpot_ms.max"]["value"] == measured["q4"]["metrics"]["tpot_ms"]
     assert gates["q4.tpot_ms@raspberry-pi-5-8gb.max"]["value"] == pi_latency["metrics"]["tpot_ms"]
     assert gates["int4.memory_fraction@jetson-orin-nano-8gb.max"]["value"] == jetson_memory["metrics"]["memory_fraction"]
@@ -131,8 +136,10 @@ def _gates_file(tmp_path: Path, body: str) -> Path:
 
 
 def test_gate_command_on_gguf_and_onnx_exports(artifact: Path, tmp_path: Path) -> None:
-    body = ("  - {metric: kl_divergence, artifact: q4, max: 0.01}\n  - {metric: kl_divergence, artifact: int4, max: 0.01}\n"
-            "  - {metric: top1_agreement, artifact: compressed, min: 0.95}\n")  # measured: KL 0.00023 each, top-1 100%
+    body = (
+        "  - {metric: kl_divergence, artifact: q4, max: 0.01}\n  - {metric: kl_divergence, artifact: int4, max: 0.01}\n"
+        "  - {metric: top1_agreement, artifact: compressed, min: 0.95}\n"
+    )  # measured: KL 0.00023 each, top-1 100%
     result = run_cli(["gate", artifact, "--gates", _gates_file(tmp_path, body), "-o", tmp_path / "r1", "-q"])
     assert result.exit_code == 0, result.output
     cases = ET.parse(tmp_path / "r1" / "junit.xml").getroot().findall(".//testcase")
@@ -151,12 +158,13 @@ def test_gate_command_on_gguf_and_onnx_exports(artifact: Path, tmp_path: Path) -
     assert len(failures) == 1
 
 
-def test_gate_command_on_a_bare_gguf_file_needs_a_baseline(artifact: Path, onnx_model_dir: Path, text_dir: Path,
-                                                           tmp_path: Path) -> None:
+def test_gate_command_on_a_bare_gguf_file_needs_a_baseline(artifact: Path, onnx_model_dir: Path, text_dir: Path, tmp_path: Path) -> None:
     gguf = artifact / "exports" / "q4" / "model.gguf"
     gates = tmp_path / "gates.yaml"
-    gates.write_text(f"data:\n  evaluation: {{source: {text_dir}, samples: 2, seq_len: 32, min_context: 8}}\n"
-                     "gates:\n  - {metric: kl_divergence, max: 0.01}\n")
+    gates.write_text(
+        f"data:\n  evaluation: {{source: {text_dir}, samples: 2, seq_len: 32, min_context: 8}}\n"
+        "gates:\n  - {metric: kl_divergence, max: 0.01}\n"
+    )
     result = run_cli(["gate", gguf, "--gates", gates, "-o", tmp_path / "r", "-q"])
     assert result.exit_code == 2 and "--baseline" in result.output
     result = run_cli(["gate", gguf, "--gates", gates, "--baseline", onnx_model_dir, "-o", tmp_path / "r", "-q"])
@@ -202,10 +210,10 @@ def test_search_picks_the_smallest_passing_candidate(tmp_path: Path, tiny_model_
     chosen = min(passing, key=lambda r: r["size_mb"])
     assert report["search"]["chosen"] == chosen["name"] and report["passed"]
     if stop:
-        assert ran[-1] is passing[0] and all(r["status"].startswith("not run") for r in rows[len(ran):])
+        assert ran[-1] is passing[0] and all(r["status"].startswith("not run") for r in rows[len(ran) :])
     else:
         sizes = [r["size_mb"] for r in ran]
-        assert len(ran) == 4 and all(a < b for a, b in zip(sizes, sizes[1:]))  # packed sizes grow with the bits
+        assert len(ran) == 4 and all(a < b for a, b in zip(sizes, sizes[1:], strict=False))  # packed sizes grow with the bits
     assert (tmp_path / "s" / chosen["path"] / "manifest.json").is_file()
     assert (tmp_path / "s" / "plots" / "pareto.png").is_file() and "chosen" in result.stdout
     again = run_cli(["run", write_recipe(tmp_path, text), "-o", tmp_path / "s"])  # resumes: every candidate run is reused
@@ -220,10 +228,12 @@ def test_gate_command_times_the_runtimes_and_the_baseline_for_relative_latency(a
     """Latency gates pass and fail on what the runtimes measure: the last two limits are below anything a runtime
     can reach (1 ns per token, a billion tokens/s), so those two gates fail and the command exits 1."""
     gates = tmp_path / "gates.yaml"
-    gates.write_text("latency: {prompt_tokens: 16, output_tokens: 4, batch_sizes: [1], repeats: 2}\n"
-                     "gates:\n  - {metric: tpot_ms, artifact: q4, max_increase_pct: 1000}\n"
-                     "  - {metric: decode_tokens_per_s, artifact: q4, device: raspberry-pi-5-8gb, min: 1000}\n"  # estimated: 75,053
-                     "  - {metric: tpot_ms, artifact: q4, max: 1.0e-6}\n  - {metric: decode_tokens_per_s, artifact: int4, min: 1.0e9}\n")
+    gates.write_text(
+        "latency: {prompt_tokens: 16, output_tokens: 4, batch_sizes: [1], repeats: 2}\n"
+        "gates:\n  - {metric: tpot_ms, artifact: q4, max_increase_pct: 1000}\n"
+        "  - {metric: decode_tokens_per_s, artifact: q4, device: raspberry-pi-5-8gb, min: 1000}\n"  # estimated: 75,053
+        "  - {metric: tpot_ms, artifact: q4, max: 1.0e-6}\n  - {metric: decode_tokens_per_s, artifact: int4, min: 1.0e9}\n"
+    )
     result = run_cli(["gate", artifact, "--gates", gates, "-o", tmp_path / "r", "-q"])
     assert result.exit_code == 1, result.output
     report = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -233,17 +243,23 @@ def test_gate_command_times_the_runtimes_and_the_baseline_for_relative_latency(a
     assert [g["source"] for g in report["gates"]] == ["measured", "estimated", "measured", "measured"]
     assert [g["passed"] for g in report["gates"]] == [True, True, False, False]
     relative, _, fast, many = report["gates"]
-    assert relative["threshold"]["limit"] == pytest.approx(11 * relative["threshold"]["baseline"]) and relative["value"] == fast["value"] > 1e-6
+    assert (
+        relative["threshold"]["limit"] == pytest.approx(11 * relative["threshold"]["baseline"])
+        and relative["value"] == fast["value"] > 1e-6
+    )
     assert 0 < many["value"] < 1e9
     assert len(ET.parse(tmp_path / "r" / "junit.xml").getroot().findall(".//failure")) == 2
     assert "estimated" in result.stdout
 
 
-def test_gate_command_on_an_onnx_folder_and_a_hugging_face_folder(artifact: Path, onnx_model_dir: Path, text_dir: Path,
-                                                                  tmp_path: Path) -> None:
+def test_gate_command_on_an_onnx_folder_and_a_hugging_face_folder(
+    artifact: Path, onnx_model_dir: Path, text_dir: Path, tmp_path: Path
+) -> None:
     gates = tmp_path / "gates.yaml"
-    gates.write_text(f"data:\n  evaluation: {{source: {text_dir}, samples: 2, seq_len: 32, min_context: 8}}\n"
-                     "gates:\n  - {metric: kl_divergence, max: 0.01}\n")
+    gates.write_text(
+        f"data:\n  evaluation: {{source: {text_dir}, samples: 2, seq_len: 32, min_context: 8}}\n"
+        "gates:\n  - {metric: kl_divergence, max: 0.01}\n"
+    )
     kl = {}
     for name, path in (("onnx", artifact / "exports" / "int4"), ("hf", onnx_model_dir)):
         result = run_cli(["gate", path, "--gates", gates, "--baseline", onnx_model_dir, "-o", tmp_path / name, "-q"])
@@ -255,12 +271,17 @@ def test_gate_command_on_an_onnx_folder_and_a_hugging_face_folder(artifact: Path
 
 
 def test_gate_device_option_applies_to_latency_and_memory_gates_only(artifact: Path, tmp_path: Path) -> None:
-    body = ("  - {metric: kl_divergence, artifact: q4, max: 0.01}\n  - {metric: tpot_ms, artifact: q4, max: 0.5}\n"
-            "  - {metric: memory_fraction, artifact: q4, max: 0.001}\n")  # the Pi estimates: 0.0133 ms, 0.0002
+    body = (
+        "  - {metric: kl_divergence, artifact: q4, max: 0.01}\n  - {metric: tpot_ms, artifact: q4, max: 0.5}\n"
+        "  - {metric: memory_fraction, artifact: q4, max: 0.001}\n"
+    )  # the Pi estimates: 0.0133 ms, 0.0002
     gates = tmp_path / "gates.yaml"
     gates.write_text("latency: {prompt_tokens: 16, output_tokens: 4, batch_sizes: [1], repeats: 1}\ngates:\n" + body)
     result = run_cli(["gate", artifact, "--gates", gates, "--device", "raspberry-pi-5-8gb", "-o", tmp_path / "r", "-q"])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert [(g["metric"], g["source"]) for g in report["gates"]] == [
-        ("kl_divergence", "measured"), ("tpot_ms", "estimated"), ("memory_fraction", "estimated")]
+        ("kl_divergence", "measured"),
+        ("tpot_ms", "estimated"),
+        ("memory_fraction", "estimated"),
+    ]

@@ -183,7 +183,9 @@ def test_sentencepiece_style_tokenizer_parity_in_llama_cpp(tmp_path: Path, text_
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
-    tok.train_from_iterator([p.read_text() for p in sorted(text_dir.glob("*.txt"))], trainers.BpeTrainer(vocab_size=700, special_tokens=specials))
+    tok.train_from_iterator(
+        [p.read_text() for p in sorted(text_dir.glob("*.txt"))], trainers.BpeTrainer(vocab_size=700, special_tokens=specials)
+    )
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     model = tiny_llama(len(hf))
     path = tmp_path / "spm.gguf"
@@ -200,8 +202,15 @@ def test_sentencepiece_style_tokenizer_parity_in_llama_cpp(tmp_path: Path, text_
 
 
 def test_pre_tokenizer_recognition() -> None:
-    smollm = {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True}, {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}}
+    smollm = {
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Digits", "individual_digits": True},
+                {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
+            ],
+        }
+    }
     assert G.pre_tokenizer_name(smollm) == "smollm"
     qwen2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     split = {"type": "Split", "pattern": {"Regex": qwen2}, "behavior": "Isolated", "invert": False}
@@ -346,15 +355,28 @@ def test_smollm2_tokenizer_metadata_matches_the_reference_gguf(tmp_path: Path, s
     path = tmp_path / "smol.gguf"
     G.write_gguf(path, smollm2.model, smollm2.tokenizer, {}, "f16")
     ours, theirs = gguf.GGUFReader(path).fields, gguf.GGUFReader(smollm2.facts["path"]).fields
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.chat_template",
-                "tokenizer.ggml.add_bos_token", "llama.context_length", "llama.rope.freq_base", "llama.attention.head_count_kv",
-                "llama.attention.layer_norm_rms_epsilon", "llama.rope.dimension_count", "llama.feed_forward_length"):
+    for key in (
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.chat_template",
+        "tokenizer.ggml.add_bos_token",
+        "llama.context_length",
+        "llama.rope.freq_base",
+        "llama.attention.head_count_kv",
+        "llama.attention.layer_norm_rms_epsilon",
+        "llama.rope.dimension_count",
+        "llama.feed_forward_length",
+    ):
         assert ours[key].contents() == theirs[key].contents(), key
 
 
-def ours_against_llama_cpp(tmp_path: Path, source_model, tokenizer, stage, type_name: str, cal: torch.Tensor, ev: torch.Tensor,
-                           min_context: int = 32) -> tuple[dict[str, float], str]:
+def ours_against_llama_cpp(
+    tmp_path: Path, source_model, tokenizer, stage, type_name: str, cal: torch.Tensor, ev: torch.Tensor, min_context: int = 32
+) -> tuple[dict[str, float], str]:
     """Apply ``stage`` (GPTQ/AWQ) to a copy of ``source_model``, pack its records exactly as
     ``type_name``; make llama.cpp's own ``type_name`` from our F16 file (token embeddings Q8_0 in
     both, so the files are the same size); score both in llama.cpp against the F16 file on
@@ -374,11 +396,17 @@ def ours_against_llama_cpp(tmp_path: Path, source_model, tokenizer, stage, type_
     gguf_runtime.quantize(f16, theirs, type_name, threads=2, token_embedding_type="q8_0")
     assert ours.stat().st_size == theirs.stat().st_size
     n_ctx = max(256, ev.shape[1])
-    runtimes = {name: gguf_runtime.LlamaCppModel(p, n_ctx=n_ctx, threads=2) for name, p in (("f16", f16), ("ours", ours), ("theirs", theirs))}
+    runtimes = {
+        name: gguf_runtime.LlamaCppModel(p, n_ctx=n_ctx, threads=2) for name, p in (("f16", f16), ("ours", ours), ("theirs", theirs))
+    }
     try:
         assert tokenization_mismatches(runtimes["ours"].tokenize, tokenizer, [tokenizer.decode(ev[0])]) == []
-        kl = {k: m["kl_divergence"] for k, m in compare(runtimes["f16"].forward, {"ours": runtimes["ours"].forward,
-                                                                                 "theirs": runtimes["theirs"].forward}, ev, min_context).items()}
+        kl = {
+            k: m["kl_divergence"]
+            for k, m in compare(
+                runtimes["f16"].forward, {"ours": runtimes["ours"].forward, "theirs": runtimes["theirs"].forward}, ev, min_context
+            ).items()
+        }
         text = runtimes["ours"].generate("The capital of France is", 24)
     finally:
         for rt in runtimes.values():
@@ -395,16 +423,18 @@ def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path,
     from compress.quantizers.gptq import GPTQConfig, GPTQStage
 
     cal, ev = shakespeare_chunks
-    kl, text = ours_against_llama_cpp(tmp_path, smollm2.model, smollm2.tokenizer, GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=True), "s"),
-                                      "q4_0", cal, ev)
+    kl, text = ours_against_llama_cpp(
+        tmp_path, smollm2.model, smollm2.tokenizer, GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=True), "s"), "q4_0", cal, ev
+    )
     assert kl["ours"] < 0.8 * kl["theirs"], kl
     assert sum(w.isalpha() for w in text.split()) >= 4, text  # words, not byte soup
 
 
 @needs_llama_cpp
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_asymmetric_records_as_q4_1_beat_llama_cpp_q4_1_on_a_model_off_its_grid(tmp_path: Path, trained_tiny_dir: Path,
-                                                                               text_dir: Path, method: str) -> None:
+def test_asymmetric_records_as_q4_1_beat_llama_cpp_q4_1_on_a_model_off_its_grid(
+    tmp_path: Path, trained_tiny_dir: Path, text_dir: Path, method: str
+) -> None:
     """The Q4_1 half of the issue's check needs a model whose weights are not already a Q4_1 file
     (SmolLM2's are: llama.cpp's Q4_1 recovers them almost exactly). A tiny Llama trained from random
     weights is off every grid: GPTQ / AWQ W4 g32 asymmetric packed exactly into Q4_1 has lower KL
@@ -418,8 +448,11 @@ def test_asymmetric_records_as_q4_1_beat_llama_cpp_q4_1_on_a_model_off_its_grid(
     docs = sorted(text_dir.glob("*.txt"))
     cal = token_chunks(tokenizer, "\n\n".join(p.read_text() for p in docs[:2]), 64, 32)
     ev = token_chunks(tokenizer, docs[2].read_text(), 128, 8)
-    stage = (GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=False), "s") if method == "gptq"
-             else AWQStage(AWQConfig(bits=4, group_size=32, symmetric=False), "s"))
+    stage = (
+        GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=False), "s")
+        if method == "gptq"
+        else AWQStage(AWQConfig(bits=4, group_size=32, symmetric=False), "s")
+    )
     kl, _ = ours_against_llama_cpp(tmp_path, model, tokenizer, stage, "q4_1", cal, ev, min_context=8)
     assert kl["ours"] < 0.8 * kl["theirs"], kl
 
@@ -438,8 +471,21 @@ def test_smollm2_recipe_exports_a_verified_gguf(tmp_path: Path) -> None:
     same-weights KL for the exact one), scored, and gated on their own llama.cpp evaluations."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
-    result = run_cli(["run", root / "recipes" / "gguf.yaml", "-o", out, "-q", "--set", "data.evaluation.samples=4",
-                      "--set", "data.calibration.samples=16", "--set", "data.calibration.seq_len=256"])
+    result = run_cli(
+        [
+            "run",
+            root / "recipes" / "gguf.yaml",
+            "-o",
+            out,
+            "-q",
+            "--set",
+            "data.evaluation.samples=4",
+            "--set",
+            "data.calibration.samples=16",
+            "--set",
+            "data.calibration.seq_len=256",
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     ev = {e["artifact"]: e for e in report["evaluations"]}["q4_0"]

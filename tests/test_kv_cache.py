@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from compress.eval.kv_eval import cached_forward, evaluate_kv
-from compress.export import gguf_runtime
 from compress.eval.metrics import torch_forward
+from compress.export import gguf_runtime
 from compress.quantizers.kv_cache import KVCacheConfig, KVCacheScheme, estimate_bytes_per_token, float_cache_bytes_per_token, memory_plan
 from compress.quantizers.kv_cache_store import (
     QuantizedKVCache,
@@ -54,10 +54,17 @@ def test_pack_unpack_roundtrip(bits: int, n: int) -> None:
     assert torch.equal(unpack_codes(packed, bits, n), codes)
 
 
-@pytest.mark.parametrize(("fields", "dim"), [
-    ({"bits": 8}, -1), ({"bits": 8}, -2), ({"bits": 4}, -1), ({"bits": 4}, -2), ({"bits": 2, "group_size": 16}, -1),
-    ({"format": "fp8"}, -1),
-])
+@pytest.mark.parametrize(
+    ("fields", "dim"),
+    [
+        ({"bits": 8}, -1),
+        ({"bits": 8}, -2),
+        ({"bits": 4}, -1),
+        ({"bits": 4}, -2),
+        ({"bits": 2, "group_size": 16}, -1),
+        ({"format": "fp8"}, -1),
+    ],
+)
 def test_block_error_is_within_half_a_step(fields: dict, dim: int) -> None:
     cfg = KVCacheConfig(**fields)
     gen = torch.Generator().manual_seed(0)
@@ -127,7 +134,11 @@ def test_more_bits_give_lower_kl_through_the_cache() -> None:
         found[name] = evaluate_kv(model, KVCacheScheme(cfg, None, 2), chunks, 8, CPU)
     kl = {k: v["metrics"]["kl_divergence"] for k, v in found.items()}
     assert 0 < kl["int8"] < kl["int4"] < kl["int2"], kl
-    assert found["int8"]["memory"]["compression_vs_fp16"] < found["int4"]["memory"]["compression_vs_fp16"] < found["int2"]["memory"]["compression_vs_fp16"]
+    assert (
+        found["int8"]["memory"]["compression_vs_fp16"]
+        < found["int4"]["memory"]["compression_vs_fp16"]
+        < found["int2"]["memory"]["compression_vs_fp16"]
+    )
     assert found["int2"]["metrics"]["tokens_scored"] == 2 * (256 - 8)
 
 
@@ -149,13 +160,16 @@ def test_memory_plan_counts_what_fits() -> None:
     assert memory_plan(2**31, {"fp16": 1.0}, 1, 10)["fp16"]["max_context_batch1"] == 0
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"format": "fp8", "bits": 4}, "format fp8 stores 8 bits"),
-    ({"residual": 0}, "per-channel groups span a block"),
-    ({"bits": 4, "static_scales": True}, "below 8 bits use dynamic scales"),
-    ({"bits": 3}, "Input should be 8, 4 or 2"),
-    ({"bits": 8, "colour": 1}, "Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"format": "fp8", "bits": 4}, "format fp8 stores 8 bits"),
+        ({"residual": 0}, "per-channel groups span a block"),
+        ({"bits": 4, "static_scales": True}, "below 8 bits use dynamic scales"),
+        ({"bits": 3}, "Input should be 8, 4 or 2"),
+        ({"bits": 8, "colour": 1}, "Extra inputs are not permitted"),
+    ],
+)
 def test_config_errors(fields: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         KVCacheConfig(**fields)
@@ -169,7 +183,10 @@ def test_runtime_support_says_what_each_runtime_can_hold() -> None:
     assert int2["llama.cpp"]["supported"] is False and "no int2 cache type" in int2["llama.cpp"]["why"]
     fp8 = KVCacheConfig(format="fp8", key_axis="token", residual=0, static_scales=True).runtime_support()
     assert fp8["vllm"]["kv_cache_dtype"] == "fp8_e4m3" and fp8["llama.cpp"]["supported"] is False
-    assert float_cache_bytes_per_token(LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)) == 2 * 30 * 3 * 64 * 2
+    assert (
+        float_cache_bytes_per_token(LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3))
+        == 2 * 30 * 3 * 64 * 2
+    )
 
 
 # --------------------------------------------------------------------------- the recipe stage
@@ -208,13 +225,20 @@ def test_recipe_with_a_kv_stage_scores_it_and_exports_its_scheme(tmp_path: Path,
     assert manifest["stages"][1]["kind"] == "kv_cache" and manifest["kv_cache"]["describe"].startswith("fp8 e4m3, static scales")
     # compressed-tensors: kv_cache_scheme + one k_scale/v_scale per layer, and the reader skips them
     config = json.loads((out / "exports/compressed-tensors/config.json").read_text())
-    assert config["quantization_config"]["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                                 "dynamic": False, "symmetric": True, "group_size": None}
+    assert config["quantization_config"]["kv_cache_scheme"] == {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "tensor",
+        "dynamic": False,
+        "symmetric": True,
+        "group_size": None,
+    }
     from safetensors.torch import load_file
 
     tensors = load_file(next((out / "exports/compressed-tensors").glob("*.safetensors")))
     assert sorted(k for k in tensors if k.endswith("_scale") and "self_attn." in k and "proj" not in k) == [
-        f"model.layers.{i}.self_attn.{s}" for i in range(2) for s in ("k_scale", "v_scale")]
+        f"model.layers.{i}.self_attn.{s}" for i in range(2) for s in ("k_scale", "v_scale")
+    ]
     from compress.export.registry import read_records
 
     assert read_records(out / "exports/compressed-tensors").facts["kv_cache_scales"] == 4
@@ -242,14 +266,20 @@ def test_int8_kv_stage_writes_llama_cpp_cache_types(tmp_path: Path, tiny_model_d
     assert entries["gptq"]["kv_cache"]["carried"] is False and "no KV-cache field" in entries["gptq"]["kv_cache"]["why"]
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda t: t.replace("  evaluation:", "  unused:").split("  unused:")[0] + "stages:" + t.split("stages:")[1],
-     "evaluates through the cache and needs data.evaluation"),
-    (lambda t: t.replace("gates:\n  []", "gates:\n  - {artifact: kv_cache, metric: perplexity, max_increase_pct: 5}"),
-     "kv_cache metrics are measured at the kv_cache stage's context"),
-    (lambda t: t.replace("stages:\n", "stages:\n" + KV_STAGE.format(fmt="int")),
-     "are all kv_cache stages"),
-])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: t.replace("  evaluation:", "  unused:").split("  unused:")[0] + "stages:" + t.split("stages:")[1],
+            "evaluates through the cache and needs data.evaluation",
+        ),
+        (
+            lambda t: t.replace("gates:\n  []", "gates:\n  - {artifact: kv_cache, metric: perplexity, max_increase_pct: 5}"),
+            "kv_cache metrics are measured at the kv_cache stage's context",
+        ),
+        (lambda t: t.replace("stages:\n", "stages:\n" + KV_STAGE.format(fmt="int")), "are all kv_cache stages"),
+    ],
+)
 def test_kv_recipe_errors(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, edit, message: str) -> None:
     result = run_cli(["validate", write_recipe(tmp_path, edit(kv_recipe(tiny_model_dir, text_dir)))])
     assert result.exit_code == 2 and message in result.output, result.output

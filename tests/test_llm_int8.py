@@ -238,9 +238,14 @@ def test_config_fixes_the_scheme_and_validates_threshold() -> None:
     assert plain.threshold == float("inf") and not plain.needs_calibration
     stage = StageSpec.model_validate({"quantize": {"method": "llm_int8", "threshold": 4.5, "ignore": []}})
     assert isinstance(stage.config, LLMInt8Config)
-    for bad, message in [({"bits": 4}, "bits must be 8"), ({"group_size": 64}, "group_size must be null"),
-                         ({"symmetric": False}, "symmetric must be true"), ({"threshold": 0}, "greater than 0"),
-                         ({"threshold": -1.0}, "greater than 0"), ({"threshold": float("nan")}, "greater than 0")]:
+    for bad, message in [
+        ({"bits": 4}, "bits must be 8"),
+        ({"group_size": 64}, "group_size must be null"),
+        ({"symmetric": False}, "symmetric must be true"),
+        ({"threshold": 0}, "greater than 0"),
+        ({"threshold": -1.0}, "greater than 0"),
+        ({"threshold": float("nan")}, "greater than 0"),
+    ]:
         with pytest.raises(ValidationError, match=message):
             StageSpec.model_validate({"quantize": {"method": "llm_int8", **bad}})
 
@@ -289,7 +294,7 @@ def test_stage_finds_calibrated_outliers_and_beats_plain_int8() -> None:
     assert summary["outlier_indices"][q0] == [3, 17] and layers[q0]["outlier_features"] == 2
     assert summary["outlier_features_per_layer"]["model.layers.0.mlp.up_proj"] == 0  # after the post-attention norm
     assert summary["outlier_features_total"] == sum(summary["outlier_features_per_layer"].values()) >= 6
-    assert summary["outlier_fp16_bytes"] == sum(2 * l["outlier_features"] * l["shape"][0] for l in layers.values())
+    assert summary["outlier_fp16_bytes"] == sum(2 * layer["outlier_features"] * layer["shape"][0] for layer in layers.values())
     assert summary["calibration_tokens"] == 6 * 32 and summary["threshold"] == 6.0 and summary["layers_quantized"] == 14
     assert summary["kernel"].startswith("torch._int_mm") and summary["kernel"].endswith("on cpu")
     assert records[float("inf")].summary["outlier_features_total"] == 0
@@ -298,8 +303,10 @@ def test_stage_finds_calibrated_outliers_and_beats_plain_int8() -> None:
     ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = torch.log_softmax(base(ids).logits, -1)
-        kl = {t: float(torch.nn.functional.kl_div(torch.log_softmax(m(ids).logits, -1), ref, log_target=True,
-                                                  reduction="batchmean")) for t, m in models.items()}
+        kl = {
+            t: float(torch.nn.functional.kl_div(torch.log_softmax(m(ids).logits, -1), ref, log_target=True, reduction="batchmean"))
+            for t, m in models.items()
+        }
     assert kl[6.0] < 0.5 * kl[float("inf")], kl
 
 
@@ -319,7 +326,11 @@ def test_recipe_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: 
     assert set(stage["summary"]["outlier_features_per_layer"]) == set(stage["layers"])
     assert all("outlier_features" in layer for layer in stage["layers"].values())
     assert manifest["quantization"]["layers"]["model.layers.0.mlp.down_proj"]["scheme"] == {
-        "bits": 8, "group_size": None, "symmetric": True, "scale_dtype": "float16"}
+        "bits": 8,
+        "group_size": None,
+        "symmetric": True,
+        "scale_dtype": "float16",
+    }
     report = json.loads((out / "report.json").read_text())
     assert report["evaluations"][1]["metrics"]["kl_divergence"] < 1e-2
     # both exports hold the plain int8 records (the GGUF exactly as Q8_0) and say what they do not carry

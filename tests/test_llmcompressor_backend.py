@@ -26,7 +26,6 @@ from compress.quantizers.awq import AWQConfig, AWQStage
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.gptq import GPTQConfig, GPTQStage
 from compress.quantizers.rtn import RTNConfig, RTNStage
-
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_calibrated import ctx_for, tokens
 from tests.tiny import tiny_model
@@ -147,7 +146,8 @@ def test_recipe_end_to_end_with_a_compressed_tensors_export(tmp_path: Path, tiny
 @pytest.mark.real_model
 @pytest.mark.parametrize(("act_order", "tolerance"), [(False, 1.0), (True, 1.05)])
 def test_our_gptq_is_no_worse_than_llmcompressors_on_the_reference_model(
-        smollm2, shakespeare_chunks, shakespeare_eval_32x512, act_order: bool, tolerance: float) -> None:
+    smollm2, shakespeare_chunks, shakespeare_eval_32x512, act_order: bool, tolerance: float
+) -> None:
     """Same model, calibration (16 x 256 tokens of Shakespeare) and recipe (W4 g64 sym); KL on
     32 x 512 held-out tokens. act_order false (columns in order): ours computes each group's scale
     when the group starts, llmcompressor all of them up front; measured ours 0.2524 vs 0.3110.

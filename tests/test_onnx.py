@@ -38,19 +38,30 @@ def run_matmulnbits(x: np.ndarray, packed: dict[str, np.ndarray], n: int, k: int
     if "zero_points" in packed:
         inits.append(numpy_helper.from_array(packed["zero_points"], "zp"))
         inputs.append("zp")
-    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
-                            accuracy_level=0)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, list(x.shape))],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [x.shape[0], n])], inits)
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=0)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [x.shape[0], n])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {"A": x})[0]
 
 
-@pytest.mark.parametrize("bits,group,symmetric,in_f,block", [
-    (4, 32, True, 96, 32), (4, 64, False, 96, 32), (4, 128, False, 576, 64), (4, None, False, 80, 16), (8, 32, True, 64, 32),
-    (8, 64, False, 96, 32),
-])
+@pytest.mark.parametrize(
+    "bits,group,symmetric,in_f,block",
+    [
+        (4, 32, True, 96, 32),
+        (4, 64, False, 96, 32),
+        (4, 128, False, 576, 64),
+        (4, None, False, 80, 16),
+        (8, 32, True, 64, 32),
+        (8, 64, False, 96, 32),
+    ],
+)
 def test_records_pack_into_matmulnbits_that_onnx_runtime_computes_exactly(bits, group, symmetric, in_f, block) -> None:
     rec = record(40, in_f, bits, group, symmetric)
     blocks = mnb.record_blocks(rec, block)
@@ -76,8 +87,7 @@ def test_blocks_that_cannot_hold_a_record_are_refused() -> None:
 
 
 def test_builder_node_names_map_to_layers() -> None:
-    assert ob.layer_names("/model/layers.3/attn/qkv_proj/MatMulNBits") == tuple(
-        f"model.layers.3.self_attn.{p}_proj" for p in "qkv")
+    assert ob.layer_names("/model/layers.3/attn/qkv_proj/MatMulNBits") == tuple(f"model.layers.3.self_attn.{p}_proj" for p in "qkv")
     assert ob.layer_names("/model/layers.0/mlp/down_proj/MatMul_Q4") == ("model.layers.0.mlp.down_proj",)
     assert ob.layer_names("/lm_head/MatMul_Q4") is None
     with pytest.raises(FormatError, match="unknown projection"):
@@ -106,7 +116,9 @@ def test_tokenizer_json_is_made_plain_byte_level(tmp_path: Path, tiny_model_dir:
     assert ob.normalize_tokenizer(tmp_path) == ["model.byte_fallback → false", "decoder Sequence → ByteLevel"]
     after = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     text = AutoTokenizer.from_pretrained(tiny_model_dir).decode(list(range(60)))
-    assert before.encode(text).ids == after.encode(text).ids and after.decode(after.encode(text).ids) == before.decode(before.encode(text).ids)
+    assert before.encode(text).ids == after.encode(text).ids and after.decode(after.encode(text).ids) == before.decode(
+        before.encode(text).ids
+    )
     assert ob.normalize_tokenizer(tmp_path) == []
 
 
@@ -115,8 +127,16 @@ def test_head_sizes_onnx_runtime_cannot_run_are_refused(tmp_path: Path, tiny_mod
     assert result.exit_code == 2 and "head size that is a multiple of 16" in result.output and not out.exists()
 
 
-def run_export(tmp_path: Path, model_dir: Path, text_dir: Path, export: str, group: int | None = 32, symmetric: bool = False,
-               gates: str = "", bits: int = 4):
+def run_export(
+    tmp_path: Path,
+    model_dir: Path,
+    text_dir: Path,
+    export: str,
+    group: int | None = 32,
+    symmetric: bool = False,
+    gates: str = "",
+    bits: int = 4,
+):
     text = recipe_text(model_dir, text_dir, bits=bits, group_size=group, symmetric=symmetric, gates=gates)
     text = text.replace("exports: []\n", "exports:\n" + export)
     out = tmp_path / "out"
@@ -130,8 +150,7 @@ def entry_and_eval(out: Path) -> tuple[dict, dict]:
     return manifest["exports"][0], {e["artifact"]: e for e in report["evaluations"]}
 
 
-def test_gptq_checkpoint_handed_to_the_builder_is_proven_exact_and_verified(tmp_path: Path, onnx_model_dir: Path,
-                                                                             text_dir: Path) -> None:
+def test_gptq_checkpoint_handed_to_the_builder_is_proven_exact_and_verified(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
     gates = "  - metric: kl_divergence\n    artifact: onnx\n    max: 0.01\n"  # measured: 0.00022
     result, out = run_export(tmp_path, onnx_model_dir, text_dir, "  - format: onnx\n", gates=gates)
     assert result.exit_code == 0, result.output
@@ -182,8 +201,10 @@ def test_a_changed_code_in_the_file_is_caught(tmp_path: Path, onnx_model_dir: Pa
 
 
 def test_builder_quantizer_and_float_exports(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
-    export = ("  - format: onnx\n    name: rtn\n    quantizer: builder\n    precision: int4\n    block_size: 32\n"
-              "  - format: onnx\n    name: f32\n    precision: fp32\n")
+    export = (
+        "  - format: onnx\n    name: rtn\n    quantizer: builder\n    precision: int4\n    block_size: 32\n"
+        "  - format: onnx\n    name: f32\n    precision: fp32\n"
+    )
     result, out = run_export(tmp_path, onnx_model_dir, text_dir, export)
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
@@ -220,10 +241,13 @@ def test_kv_cache_static_scales_become_the_builders_per_channel_scale_file(tmp_p
 
 
 @pytest.mark.parametrize("fmt,bits,scheme", [("int", 8, "int8_per_channel"), ("fp8", 8, None)])  # static scales: 8 bits only
-def test_kv_cache_stage_with_static_scales_is_carried_into_onnx(tmp_path: Path, onnx_model_dir: Path, text_dir: Path, fmt: str,
-                                                                bits: int, scheme: str | None) -> None:
-    stage = (f"  - kv_cache:\n      bits: {bits}\n      format: {fmt}\n      key_axis: token\n      residual: 0\n      static_scales: true\n"
-             "      evaluate: {context: 64, samples: 1, step: 8}\n")
+def test_kv_cache_stage_with_static_scales_is_carried_into_onnx(
+    tmp_path: Path, onnx_model_dir: Path, text_dir: Path, fmt: str, bits: int, scheme: str | None
+) -> None:
+    stage = (
+        f"  - kv_cache:\n      bits: {bits}\n      format: {fmt}\n      key_axis: token\n      residual: 0\n      static_scales: true\n"
+        "      evaluate: {context: 64, samples: 1, step: 8}\n"
+    )
     text = recipe_text(onnx_model_dir, text_dir, bits=4, group_size=32, symmetric=True, extra_stage=stage)
     text = text.replace("exports: []\n", "exports:\n  - format: onnx\n")
     out = tmp_path / "out"
@@ -247,8 +271,21 @@ def test_smollm2_recipe_exports_a_verified_int4_onnx_and_a_checked_tensorrt_grap
     ONNX Runtime CPU against the in-memory model."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
-    result = run_cli(["run", root / "recipes" / "onnx.yaml", "-o", out, "-q", "--set", "data.evaluation.samples=4",
-                      "--set", "data.calibration.samples=16", "--set", "data.calibration.seq_len=256"])
+    result = run_cli(
+        [
+            "run",
+            root / "recipes" / "onnx.yaml",
+            "-o",
+            out,
+            "-q",
+            "--set",
+            "data.evaluation.samples=4",
+            "--set",
+            "data.calibration.samples=16",
+            "--set",
+            "data.calibration.seq_len=256",
+        ]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     evals = {e["artifact"]: e for e in report["evaluations"]}
@@ -274,8 +311,10 @@ def test_symmetric_records_ship_without_zero_points(tmp_path: Path, onnx_model_d
 
 def test_llm_int8_records_become_an_exact_int8_onnx(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
     text = recipe_text(onnx_model_dir, text_dir, bits=8, group_size=None)
-    text = text.replace("      method: rtn\n      bits: 8\n      group_size: null\n      symmetric: true\n",
-                        "      method: llm_int8\n      threshold: 6.0\n")
+    text = text.replace(
+        "      method: rtn\n      bits: 8\n      group_size: null\n      symmetric: true\n",
+        "      method: llm_int8\n      threshold: 6.0\n",
+    )
     text = text.replace("exports: []\n", "exports:\n  - format: onnx\n    accuracy_level: 0\n")
     out = tmp_path / "out"
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", out, "-q"])
@@ -287,14 +326,42 @@ def test_llm_int8_records_become_an_exact_int8_onnx(tmp_path: Path, onnx_model_d
 
 def test_bench_onnx_scores_ours_and_the_builders(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
     out = tmp_path / "bench"
-    result = run_cli(["bench", "onnx", "-o", out, "--model", str(onnx_model_dir), "--calibration", str(text_dir),
-                      "--evaluation", str(text_dir), "--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2",
-                      "--eval-seq-len", "64", "--candidates", "rtn:W4g32a,builder:W4g32a", "--decode-tokens", "4",
-                      "--repeats", "1", "--threads", "1"])
+    result = run_cli(
+        [
+            "bench",
+            "onnx",
+            "-o",
+            out,
+            "--model",
+            str(onnx_model_dir),
+            "--calibration",
+            str(text_dir),
+            "--evaluation",
+            str(text_dir),
+            "--cal-samples",
+            "4",
+            "--cal-seq-len",
+            "64",
+            "--eval-samples",
+            "2",
+            "--eval-seq-len",
+            "64",
+            "--candidates",
+            "rtn:W4g32a,builder:W4g32a",
+            "--decode-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+        ]
+    )
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "results.json").read_text())
     ours, theirs = saved["rows"]
-    assert ours["records_exact"] == 14 and theirs["records_exact"] == 0 and ours["size_bytes"] == pytest.approx(theirs["size_bytes"], rel=0.01)
+    assert (
+        ours["records_exact"] == 14 and theirs["records_exact"] == 0 and ours["size_bytes"] == pytest.approx(theirs["size_bytes"], rel=0.01)
+    )
     assert 0 < ours["metrics"]["kl_divergence"] and ours["decode_tokens_per_s"] > 0 and theirs["decode_tokens_per_s"] > 0
     assert "| rtn W4 g32 asym |" in (out / "results.md").read_text() and not (out / "files" / "fp32").exists()
     bad = run_cli(["bench", "onnx", "-o", out, "--candidates", "builder:W3g32a"])

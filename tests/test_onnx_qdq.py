@@ -211,10 +211,16 @@ def test_check_refuses_contrib_operators(tmp_path: Path) -> None:
     from onnx import helper
 
     node = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft")
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 2]) for n in "ab"],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]),
-              str(tmp_path / Q.MODEL_FILE))
+    g = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 2]) for n in "ab"],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])],
+    )
+    onnx.save(
+        helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]),
+        str(tmp_path / Q.MODEL_FILE),
+    )
     assert Q.non_standard_ops(tmp_path / Q.MODEL_FILE) == ["FusedMatMul@com.microsoft"]
     with pytest.raises(FormatError, match="non-standard operators"):
         Q.check_qdq_onnx(tmp_path, tiny_llama(VOCAB), ids())
@@ -237,8 +243,9 @@ def test_tensorrt_config_is_validated() -> None:
 
 def test_profile_shapes_for_the_exported_inputs(int4_export) -> None:
     directory = int4_export[0]
-    config = S.TensorRTConfig(batch={"min": 1, "opt": 2, "max": 4}, sequence={"min": 1, "opt": 64, "max": 256},
-                              past={"min": 0, "opt": 192, "max": 768})
+    config = S.TensorRTConfig(
+        batch={"min": 1, "opt": 2, "max": 4}, sequence={"min": 1, "opt": 64, "max": 256}, past={"min": 0, "opt": 192, "max": 768}
+    )
     axes = T.onnx_input_axes(directory / Q.MODEL_FILE)
     assert list(axes) == Q.io_names(2)[0]
     shapes = T.profile_shapes(axes, config)
@@ -273,12 +280,18 @@ def test_tensorrt_engine_builds_and_decodes(tmp_path: Path) -> None:
     runner = T.EngineRunner(tmp_path / "engine" / T.ENGINE_FILE)
     x = ids()
     batch, seq = x.shape
-    feeds = {"input_ids": x, "attention_mask": torch.ones(batch, seq, dtype=torch.int64),
-             "position_ids": torch.arange(seq).expand(batch, seq)}
+    feeds = {
+        "input_ids": x,
+        "attention_mask": torch.ones(batch, seq, dtype=torch.int64),
+        "position_ids": torch.arange(seq).expand(batch, seq),
+    }
     feeds |= {n: torch.zeros(batch, 2, 0, 32, dtype=torch.float16) for n in runner.inputs if n.startswith("past_")}
     out = runner(feeds)
-    step = {"input_ids": out["logits"][:, -1:].argmax(-1).cpu(), "attention_mask": torch.ones(batch, seq + 1, dtype=torch.int64),
-            "position_ids": torch.full((batch, 1), seq)}
+    step = {
+        "input_ids": out["logits"][:, -1:].argmax(-1).cpu(),
+        "attention_mask": torch.ones(batch, seq + 1, dtype=torch.int64),
+        "position_ids": torch.full((batch, 1), seq),
+    }
     step |= {n: out[n.replace("past_key_values.", "present.")] for n in runner.inputs if n.startswith("past_")}
     decode = runner(step)
     with torch.no_grad():
@@ -289,13 +302,13 @@ def test_tensorrt_engine_builds_and_decodes(tmp_path: Path) -> None:
 
 
 @pytest.mark.runtime
-def test_pipeline_tensorrt_export_checks_the_qdq_onnx_and_says_why_no_engine(tmp_path: Path, tiny_model_dir: Path,
-                                                                              text_dir: Path) -> None:
+def test_pipeline_tensorrt_export_checks_the_qdq_onnx_and_says_why_no_engine(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     from tests.helpers import recipe_text, run_cli, write_recipe
 
     gates = "  - metric: kl_divergence\n    artifact: trt\n    max: 10\n"
     text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=64, symmetric=False, gates=gates).replace(
-        "exports: []\n", "exports:\n  - format: tensorrt\n    name: trt\n    dtype: float32\n    fallback: symmetric\n")
+        "exports: []\n", "exports:\n  - format: tensorrt\n    name: trt\n    dtype: float32\n    fallback: symmetric\n"
+    )
     out = tmp_path / "out"
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", out, "-q"])
     entry = json.loads((out / "manifest.json").read_text())["exports"][0]

@@ -137,7 +137,9 @@ def test_existing_output_needs_overwrite(tmp_path: Path, tiny_model_dir: Path, t
     assert json.loads((out / "manifest.json").read_text())["created_at"] >= first
 
 
-def test_failure_while_writing_leaves_nothing(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failure_while_writing_leaves_nothing(
+    tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import compress.pipeline as pipeline
 
     def broken(*args, **kwargs):
@@ -152,7 +154,9 @@ def test_failure_while_writing_leaves_nothing(tmp_path: Path, tiny_model_dir: Pa
 
 def test_tied_lm_head_is_untied_when_quantized(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     extra = "      ignore: []\n"
-    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32).replace("      symmetric: true\n", "      symmetric: true\n" + extra)
+    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32).replace(
+        "      symmetric: true\n", "      symmetric: true\n" + extra
+    )
     recipe = write_recipe(tmp_path, text)
     result = run_recipe(load_recipe(recipe), tmp_path / "out", reporter=Reporter(quiet=True))
     layers = result.manifest["stages"][0]["layers"]
@@ -164,10 +168,14 @@ def test_tied_lm_head_is_untied_when_quantized(tmp_path: Path, tiny_model_dir: P
 
 
 def test_targets_and_ignore(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
-    text = recipe_text(tiny_model_dir, text_dir).replace("      symmetric: true\n", "      symmetric: true\n      ignore: [lm_head, mlp.*]\n")
+    text = recipe_text(tiny_model_dir, text_dir).replace(
+        "      symmetric: true\n", "      symmetric: true\n      ignore: [lm_head, mlp.*]\n"
+    )
     result = run_recipe(load_recipe(write_recipe(tmp_path, text)), tmp_path / "a", reporter=Reporter(quiet=True))
     assert sorted({n.rsplit(".", 1)[1] for n in result.manifest["quantization"]["layers"]}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    text = recipe_text(tiny_model_dir, text_dir).replace("      symmetric: true\n", "      symmetric: true\n      targets: [no_such_layer]\n")
+    text = recipe_text(tiny_model_dir, text_dir).replace(
+        "      symmetric: true\n", "      symmetric: true\n      targets: [no_such_layer]\n"
+    )
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", tmp_path / "b"])
     assert result.exit_code == 2 and "select no Linear layer" in result.output
 
@@ -214,6 +222,8 @@ def test_hub_id_resolves_from_local_cache(tmp_path: Path, tiny_model_dir: Path, 
     (hub / "models--acme--tiny" / "refs").mkdir()
     (hub / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    result = run_recipe(load_recipe(write_recipe(tmp_path, recipe_text("acme/tiny", text_dir))), tmp_path / "out", reporter=Reporter(quiet=True))
+    result = run_recipe(
+        load_recipe(write_recipe(tmp_path, recipe_text("acme/tiny", text_dir))), tmp_path / "out", reporter=Reporter(quiet=True)
+    )
     assert result.manifest["model"]["kind"] == "huggingface-cache"
     assert result.manifest["model"]["path"] == str(snapshot)

@@ -38,7 +38,7 @@ def test_mlp_slicing_equals_zeroing_the_removed_neurons():
     x = ids()
     keep = [torch.tensor(sorted(torch.randperm(96, generator=torch.Generator().manual_seed(i))[:64].tolist())) for i in range(4)]
     masked = copy.deepcopy(model)
-    for block, k in zip(masked.model.layers, keep):
+    for block, k in zip(masked.model.layers, keep, strict=True):
         mask = torch.zeros(96)
         mask[k] = 1
         block.mlp.down_proj.register_forward_pre_hook(lambda _m, a, mask=mask: (a[0] * mask,))
@@ -54,11 +54,12 @@ def test_kv_group_slicing_equals_zeroing_the_group_heads(model_type):
     x = ids()
     keep = [torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), torch.tensor([0])]
     masked = copy.deepcopy(model)
-    for block, groups in zip(masked.model.layers, keep):  # 4 query heads in 2 groups of 2, head_dim 16
+    for block, groups in zip(masked.model.layers, keep, strict=True):  # 4 query heads in 2 groups of 2, head_dim 16
         mask = torch.zeros(4, 16)
         for g in groups.tolist():
-            mask[2 * g: 2 * g + 2] = 1
-        block.self_attn.o_proj.register_forward_pre_hook(lambda _m, a, mask=mask.reshape(-1): (a[0] * mask,))
+            mask[2 * g : 2 * g + 2] = 1
+        flat = mask.reshape(-1)
+        block.self_attn.o_proj.register_forward_pre_hook(lambda _m, a, mask=flat: (a[0] * mask,))
     pm = PrunableModel.of(model)
     prune_kv_groups(pm, keep)
     assert (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim) == (2, 1, 16)
@@ -109,8 +110,14 @@ def test_pruned_model_round_trips_save_and_from_pretrained(model_type, tmp_path)
     model.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["num_hidden_layers"]) == (48, 32, 2, 1, 16, 3)
+    assert (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["num_hidden_layers"],
+    ) == (48, 32, 2, 1, 16, 3)
     torch.testing.assert_close(logits(again, x), logits(model, x), atol=1e-5, rtol=1e-5)
 
 
@@ -143,7 +150,6 @@ def test_score_math():
     assert float(cosine_distance(torch.tensor([1.0, 0.0]), torch.tensor([2.0, 0.0]))) == pytest.approx(0.0)
     assert float(cosine_distance(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))) == pytest.approx(1.0)
     assert top_indices(torch.tensor([0.1, 0.9, 0.5, 0.9]), 2).tolist() == [1, 3]  # highest, returned in index order
-
 
 
 def ridge_refit(a: torch.Tensor, weight: torch.Tensor, kept: torch.Tensor, damp: float) -> torch.Tensor:
@@ -191,11 +197,12 @@ def test_obs_prune_stage_keeps_what_reproduces_each_mlp_and_records_its_choice(t
     """mlp_method obs in a recipe: the pruned model's MLPs, fed the unpruned model's own hidden
     states, reproduce its MLP outputs on the calibration text better than the activation choice's
     do; the importance file holds the removal order, the manifest the method and its time."""
+    from transformers import AutoModelForCausalLM
+
     from compress.artifact import load_artifact
     from compress.pipeline import run_recipe
     from compress.progress import Reporter
     from compress.recipe import load_recipe
-    from transformers import AutoModelForCausalLM
 
     errors, hashes = {}, {}
     for method in ("activation", "obs"):
@@ -221,15 +228,18 @@ def test_obs_prune_stage_keeps_what_reproduces_each_mlp_and_records_its_choice(t
         kept = [scores[f"kept.mlp.layers.{i}"] for i in range(2)]
         x = tokenizer((text_dir / "doc0.txt").read_text()[:2000], return_tensors="pt").input_ids[:, :64]
         inputs = []
-        hooks = [b.mlp.register_forward_pre_hook(lambda _m, a: inputs.append(a[0])) for b in teacher.model.layers]
+        hooks = [b.mlp.register_forward_pre_hook(lambda _m, a, inputs=inputs: inputs.append(a[0])) for b in teacher.model.layers]
         with torch.no_grad():
             teacher(input_ids=x)
             for h in hooks:
                 h.remove()
-            errors[method] = sum(float((t.mlp(r) - p.mlp(r)).norm()) for t, p, r in zip(teacher.model.layers, pruned.model.layers, inputs))
+            errors[method] = sum(
+                float((t.mlp(r) - p.mlp(r)).norm()) for t, p, r in zip(teacher.model.layers, pruned.model.layers, inputs, strict=True)
+            )
         assert all(k.shape == (120,) for k in kept)
     assert hashes["obs"] == hashes["activation"]  # prune.data naming data.calibration's text gives the same chunks
     assert errors["obs"] < errors["activation"], errors  # measured 0.289 vs 0.308 (a random-init model: little redundancy)
+
 
 # ------------------------------------------------------------------ targets and errors
 
@@ -272,8 +282,11 @@ def test_recipe_refuses_prune_after_quantize(tiny_model_dir, text_dir, tmp_path)
     from compress.recipe import load_recipe
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(prune_recipe(tiny_model_dir, text_dir, "  - quantize: {method: rtn, bits: 4, group_size: 32}\n"
-                                   "  - prune: {mlp: 0.25, multiple_of: 8}\n"))
+    recipe.write_text(
+        prune_recipe(
+            tiny_model_dir, text_dir, "  - quantize: {method: rtn, bits: 4, group_size: 32}\n  - prune: {mlp: 0.25, multiple_of: 8}\n"
+        )
+    )
     with pytest.raises(RecipeError, match=r"stages\[1\] \(prune\) comes after stages\[0\] \(quantize\)"):
         load_recipe(recipe)
     recipe.write_text(prune_recipe(tiny_model_dir, text_dir, "  - prune: {mlp: 0.25, hiden: 0.5}\n"))
@@ -305,8 +318,15 @@ def test_prune_stage_in_a_recipe_writes_scores_and_a_loadable_smaller_model(tiny
     result = run_recipe(load_recipe(recipe), tmp_path / "out", reporter=Reporter(quiet=True))
     stage = result.manifest["stages"][0]
     assert stage["kind"] == "prune"
-    assert stage["summary"]["after"] | {"parameters": 0} == {"hidden_size": 64, "intermediate_size": 120, "num_attention_heads": 2,
-                                                             "num_key_value_heads": 1, "head_dim": 24, "num_hidden_layers": 2, "parameters": 0}
+    assert stage["summary"]["after"] | {"parameters": 0} == {
+        "hidden_size": 64,
+        "intermediate_size": 120,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 24,
+        "num_hidden_layers": 2,
+        "parameters": 0,
+    }
     assert stage["summary"]["after"]["parameters"] < stage["summary"]["before"]["parameters"]
     scores = load_file(str(tmp_path / "out" / stage["summary"]["importance"]["file"]))
     assert scores["mlp.layers.0"].shape == (160,) and scores["kept.mlp.layers.1"].shape == (120,) and scores["kept.hidden"].shape == (64,)
@@ -329,11 +349,13 @@ def test_pruned_and_repaired_model_goes_through_gptq_to_gguf_and_onnx_in_one_rec
 
     texts = [p.read_text() for p in sorted(text_dir.glob("*.txt"))]
     model = train_tiny(tiny_llama_dir(tmp_path / "random", texts, hidden=128, layers=4), tmp_path / "h128", texts, steps=60)
-    stages = ("  - prune: {mlp: 0.25, heads: 0.5, hidden: 0.25, layers: {drop: 1}}\n"
-              "  - distill: {steps: 8, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, eval: {every: 0, samples: 2}}\n"
-              "  - quantize: {method: gptq, bits: 4, group_size: 32, symmetric: true}\n")
+    stages = (
+        "  - prune: {mlp: 0.25, heads: 0.5, hidden: 0.25, layers: {drop: 1}}\n"
+        "  - distill: {steps: 8, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, eval: {every: 0, samples: 2}}\n"
+        "  - quantize: {method: gptq, bits: 4, group_size: 32, symmetric: true}\n"
+    )
     exports = "\n  - {format: gguf, name: gguf}\n  - {format: onnx, name: onnx}"
-    gates = ("\n  - {metric: kl_divergence, artifact: gguf, max: 0.1}\n  - {metric: kl_divergence, artifact: onnx, max: 0.1}")  # measured: 0.016 each
+    gates = "\n  - {metric: kl_divergence, artifact: gguf, max: 0.1}\n  - {metric: kl_divergence, artifact: onnx, max: 0.1}"  # measured: 0.016 each
     recipe = tmp_path / "r.yaml"
     recipe.write_text(prune_recipe(model, text_dir, stages, exports, gates))
     result = run_recipe_quiet(recipe, tmp_path / "out")
@@ -343,7 +365,9 @@ def test_pruned_and_repaired_model_goes_through_gptq_to_gguf_and_onnx_in_one_rec
     runtimes = {e.artifact: e.runtime for e in result.evaluations}
     assert runtimes["gguf"] == "llama.cpp" and runtimes["onnx"] == "onnxruntime"
     entries = {e["name"]: e for e in result.manifest["exports"]}
-    assert entries["onnx"]["records_exact"] == 3 * 7  # every quantized Linear (q, k, v, o, gate, up, down) of the 3 kept blocks, proven equal to the GPTQ records
+    assert (
+        entries["onnx"]["records_exact"] == 3 * 7
+    )  # every quantized Linear (q, k, v, o, gate, up, down) of the 3 kept blocks, proven equal to the GPTQ records
     gguf = next(e for e in result.evaluations if e.artifact == "gguf").metrics
     torch_kl = next(e for e in result.evaluations if e.artifact == "compressed").metrics["kl_divergence"]
     assert abs(gguf["kl_divergence"] - torch_kl) < 0.05 * max(torch_kl, 0.01) + 0.01
@@ -368,15 +392,21 @@ def test_smollm2_activation_importance_beats_random_neurons_and_the_pruned_model
     the same outputs."""
     from transformers import AutoModelForCausalLM
 
-    from compress.eval.metrics import compare, torch_forward
-    from compress.pruning.prune import PruneStage, parameters
     from compress.context import RunContext
+    from compress.eval.metrics import compare, torch_forward
     from compress.progress import Reporter
+    from compress.pruning.prune import PruneStage, parameters
 
     calibration, evaluation = shakespeare_chunks
     base = smollm2.model
-    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=smollm2.tokenizer, reporter=Reporter(quiet=True),
-                     calibration=lambda: calibration[:8], original=base)
+    ctx = RunContext(
+        seed=0,
+        device=torch.device("cpu"),
+        tokenizer=smollm2.tokenizer,
+        reporter=Reporter(quiet=True),
+        calibration=lambda: calibration[:8],
+        original=base,
+    )
     pruned = copy.deepcopy(base)
     record = PruneStage(PruneConfig(mlp=0.25), "stages[0]").apply(pruned, ctx)
     assert record.summary["after"]["intermediate_size"] == 1152 and parameters(pruned) == 134_515_008 - 30 * 3 * 576 * 384
@@ -390,10 +420,16 @@ def test_smollm2_activation_importance_beats_random_neurons_and_the_pruned_model
     assert record.method == "minitron+obs" and record.summary["obs"]["seconds"] > 0 and parameters(obs) == parameters(pruned)
     kept = ctx.mapping.mlp[0]
     assert not torch.equal(obs.model.layers[0].mlp.down_proj.weight, base.model.layers[0].mlp.down_proj.weight[:, kept])
-    kl = compare(torch_forward(base, torch.device("cpu")),
-                 {"importance": torch_forward(pruned, torch.device("cpu")), "random": torch_forward(rand, torch.device("cpu")),
-                  "obs": torch_forward(obs, torch.device("cpu"))},
-                 evaluation[:4], min_context=32)
+    kl = compare(
+        torch_forward(base, torch.device("cpu")),
+        {
+            "importance": torch_forward(pruned, torch.device("cpu")),
+            "random": torch_forward(rand, torch.device("cpu")),
+            "obs": torch_forward(obs, torch.device("cpu")),
+        },
+        evaluation[:4],
+        min_context=32,
+    )
     assert kl["importance"]["kl_divergence"] < 0.6 * kl["random"]["kl_divergence"], kl  # measured 0.724 vs 3.389
     assert kl["obs"]["kl_divergence"] < 0.8 * kl["importance"]["kl_divergence"], kl  # in-domain text: OBS fits it
     pruned.save_pretrained(tmp_path)
@@ -403,14 +439,20 @@ def test_smollm2_activation_importance_beats_random_neurons_and_the_pruned_model
 
 @pytest.mark.real_model
 def test_smollm2_block_importance_drops_four_blocks(smollm2, shakespeare_chunks):
-    from compress.pruning.prune import PruneStage
     from compress.context import RunContext
     from compress.progress import Reporter
+    from compress.pruning.prune import PruneStage
 
     calibration, _ = shakespeare_chunks
     model = copy.deepcopy(smollm2.model)
-    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=smollm2.tokenizer, reporter=Reporter(quiet=True),
-                     calibration=lambda: calibration[:4], original=smollm2.model)
+    ctx = RunContext(
+        seed=0,
+        device=torch.device("cpu"),
+        tokenizer=smollm2.tokenizer,
+        reporter=Reporter(quiet=True),
+        calibration=lambda: calibration[:4],
+        original=smollm2.model,
+    )
     record = PruneStage(PruneConfig(layers={"drop": 4}), "stages[0]").apply(model, ctx)
     dropped = record.summary["dropped_layers"]
     scores = ctx.files["pruning/stages[0].safetensors"]["layers.cosine"]

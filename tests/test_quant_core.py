@@ -9,12 +9,7 @@ from compress.quantizers.core import QuantizedWeight, QuantScheme, sqnr_db
 from compress.quantizers.rtn import rtn_quantize
 from compress.quantizers.targets import matches, select_linears
 
-SCHEMES = [
-    QuantScheme(bits=b, group_size=g, symmetric=s)
-    for b in (2, 3, 4, 8)
-    for g in (32, 64, 128, None)
-    for s in (True, False)
-]
+SCHEMES = [QuantScheme(bits=b, group_size=g, symmetric=s) for b in (2, 3, 4, 8) for g in (32, 64, 128, None) for s in (True, False)]
 
 
 def weight(out_f: int = 48, in_f: int = 576, seed: int = 0) -> torch.Tensor:

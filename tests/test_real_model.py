@@ -81,9 +81,20 @@ def test_rtn_kl_orders_w8_w4_w3(smollm2) -> None:
 def test_w2_recipe_fails_its_gate_with_exit_1(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "compress", "run", str(ROOT / "recipes" / "quickstart.yaml"), "-o", str(out), "-q",
-        "--set", "stages.0.quantize.bits=2",
-        "--set", "data.evaluation.samples=4", "--set", "data.evaluation.seq_len=256",
+        sys.executable,
+        "-m",
+        "compress",
+        "run",
+        str(ROOT / "recipes" / "quickstart.yaml"),
+        "-o",
+        str(out),
+        "-q",
+        "--set",
+        "stages.0.quantize.bits=2",
+        "--set",
+        "data.evaluation.samples=4",
+        "--set",
+        "data.evaluation.seq_len=256",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -97,7 +97,10 @@ def test_invalid_yaml_names_line(tmp_path: Path) -> None:
         (("    max: 0.1", "    max_increase_pct: 10"), "not meaningful for kl_divergence"),
         (("  - metric: kl_divergence", "  - metric: kl_divergence\n    artifact: gguf"), "gates[0].artifact 'gguf' is not an artifact"),
         (("gates:", "exports:\n  - format: openvino\ngates:"), "export format 'openvino' is not available"),
-        (("gates:", "exports:\n  - format: gguf\n    type: q4_k_m\n    quantizer: records\ngates:"), "gguf type 'q4_k_m' with quantizer records"),
+        (
+            ("gates:", "exports:\n  - format: gguf\n    type: q4_k_m\n    quantizer: records\ngates:"),
+            "gguf type 'q4_k_m' with quantizer records",
+        ),
         (("version: 1", "version: 2"), "version: Input should be 1"),
         (("      group_size: 128", "      group_size: 0"), "group_size must be a positive integer"),
     ],
@@ -140,7 +143,9 @@ def test_cli_run_bad_recipe_exits_2_without_traceback(tmp_path: Path) -> None:
     bad = write_recipe(tmp_path, GOOD.replace("seq_len: 64", "seq_lenn: 64"))
     proc = subprocess.run(
         [sys.executable, "-m", "compress", "run", str(bad), "-o", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "data.evaluation.seq_lenn: unknown key" in proc.stderr and "recipe.yaml:8" in proc.stderr

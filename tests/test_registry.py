@@ -51,9 +51,29 @@ def _start_server(root: Path, *extra: str, env: dict[str, str] | None = None):
     port = _free_port()
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "2", *extra],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root, env={**os.environ, **(env or {})})
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=root,
+        env={**os.environ, **(env or {})},
+    )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -88,8 +108,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _make(root: Path, model: Path, texts: Path, name: str, bits: int, gates: str, extra: str = "") -> Path:
-    recipe = write_recipe(root, recipe_text(model, texts, bits=bits, gates=gates).replace("name: tiny-test", f"name: {name}") + extra,
-                          f"{name}.yaml")
+    recipe = write_recipe(
+        root, recipe_text(model, texts, bits=bits, gates=gates).replace("name: tiny-test", f"name: {name}") + extra, f"{name}.yaml"
+    )
     result = run_cli(["run", recipe, "-o", root / name, "-q"])
     assert result.exit_code == (0 if gates is PASSING else 1), result.output
     return root / name
@@ -193,8 +214,9 @@ START_TOGETHER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("registry", ["server", "embedded"])
-def test_four_processes_publishing_at_once_all_land_as_distinct_complete_versions(registry: str, request: pytest.FixtureRequest,
-                                                                                  artifacts, tmp_path: Path) -> None:
+def test_four_processes_publishing_at_once_all_land_as_distinct_complete_versions(
+    registry: str, request: pytest.FixtureRequest, artifacts, tmp_path: Path
+) -> None:
     """On a server, and on one embedded registry (there publishes take turns on a file lock: SQLite
     and MLflow's first-use schema migration do not take concurrent writers)."""
     if registry == "server":
@@ -205,8 +227,15 @@ def test_four_processes_publishing_at_once_all_land_as_distinct_complete_version
         where = ["--store", str(tmp_path / "registry")]
     names = ["w8", "w6", "w4", "w3"]
     start_at = str(time.time() + 10)
-    procs = [subprocess.Popen([sys.executable, "-c", START_TOGETHER, start_at, "publish", str(artifacts[n]), "--name", "concurrent",
-                               *where, "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in names]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", START_TOGETHER, start_at, "publish", str(artifacts[n]), "--name", "concurrent", *where, "-q"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in names
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     versions = _client(uri).search_model_versions("name='concurrent'")
@@ -243,8 +272,9 @@ KILL_MIDWAY = textwrap.dedent("""
 
 
 def test_a_publish_killed_midway_leaves_no_version_and_is_shown_failed(server, artifacts, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-c", KILL_MIDWAY, str(artifacts["w3"]), server["uri"]], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_MIDWAY, str(artifacts["w3"]), server["uri"]], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     client = _client(server["uri"])
     assert not client.search_model_versions("name='killed'")
@@ -283,8 +313,9 @@ def test_publishing_an_artifact_changed_after_its_run_is_refused(artifacts, tmp_
     assert "changed since the run: recipe.yaml" in result.output and "not in the manifest: notes.txt" in result.output
 
 
-def test_recipe_publish_block_uses_the_embedded_registry_and_skips_failed_runs(tiny_model_dir: Path, text_dir: Path,
-                                                                              tmp_path: Path) -> None:
+def test_recipe_publish_block_uses_the_embedded_registry_and_skips_failed_runs(
+    tiny_model_dir: Path, text_dir: Path, tmp_path: Path
+) -> None:
     block = "publish:\n  name: from-recipe\n  aliases: [candidate]\n  store: registry\n"
     passing = _make(tmp_path, tiny_model_dir, text_dir, "pub-pass", 4, PASSING, block)
     assert (tmp_path / "registry" / "mlflow.db").is_file()
@@ -292,8 +323,9 @@ def test_recipe_publish_block_uses_the_embedded_registry_and_skips_failed_runs(t
     assert pulled.exit_code == 0, pulled.output
     _same_tree(passing, tmp_path / "pulled")
 
-    recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, gates=FAILING) + block.replace("from-recipe", "from-failed"),
-                          "failing.yaml")
+    recipe = write_recipe(
+        tmp_path, recipe_text(tiny_model_dir, text_dir, gates=FAILING) + block.replace("from-recipe", "from-failed"), "failing.yaml"
+    )
     result = run_cli(["run", recipe, "-o", tmp_path / "failed", "-q"])
     assert result.exit_code == 1
     assert "not published" in result.output
@@ -335,8 +367,13 @@ def test_recipe_publish_block_is_validated_and_not_part_of_the_recipe_hash(tiny_
 def test_bad_references_and_unknown_versions_say_what_exists(artifacts, tmp_path: Path) -> None:
     store = tmp_path / "registry"
     assert run_cli(["publish", artifacts["w8"], "--name", "known", "--alias", "candidate", "--store", store, "-q"]).exit_code == 0
-    for ref, expected in (("known", "NAME@ALIAS"), ("known/x", "NAME/VERSION"), ("known@prod", "aliases: @candidate; versions: 1"),
-                          ("known/7", "versions: 1"), ("unknown@candidate", "no registered model named 'unknown'")):
+    for ref, expected in (
+        ("known", "NAME@ALIAS"),
+        ("known/x", "NAME/VERSION"),
+        ("known@prod", "aliases: @candidate; versions: 1"),
+        ("known/7", "versions: 1"),
+        ("unknown@candidate", "no registered model named 'unknown'"),
+    ):
         result = run_cli(["pull", ref, "-o", tmp_path / "out", "--store", store])
         assert result.exit_code == 2 and expected in result.output, (ref, result.output)
     nowhere = run_cli(["pull", "known@candidate", "-o", tmp_path / "out", "--store", tmp_path / "no-registry"])
@@ -366,8 +403,12 @@ def test_credentials_come_from_the_environment(artifacts, tmp_path: Path, monkey
     """A server with MLflow's basic-auth app: without credentials the publish fails with exit 2 and
     MLflow's refusal; with MLFLOW_TRACKING_USERNAME / _PASSWORD in the environment it lands."""
     pytest.importorskip("flask_wtf", reason="MLflow's basic-auth server needs Flask-WTF (in dev)")
-    proc, uri, log = _start_server(tmp_path, "--app-name", "basic-auth", env={"MLFLOW_AUTH_ADMIN_PASSWORD": "s3cret-for-tests",
-                                                                                   "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-only"})
+    proc, uri, log = _start_server(
+        tmp_path,
+        "--app-name",
+        "basic-auth",
+        env={"MLFLOW_AUTH_ADMIN_PASSWORD": "s3cret-for-tests", "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-only"},
+    )
     try:
         monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
         monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
@@ -389,16 +430,41 @@ def test_credentials_come_from_the_environment(artifacts, tmp_path: Path, monkey
 def test_quickstart_artifact_publishes_to_the_embedded_registry_and_pulls_back(tmp_path: Path) -> None:
     """The README's two commands on the real quickstart artifact (SmolLM2, shorter evaluation)."""
     env = {**os.environ, "COMPRESS_REGISTRY": str(tmp_path / "registry")}
-    run = subprocess.run([sys.executable, "-m", "compress", "run", str(ROOT / "recipes" / "quickstart.yaml"), "-o", str(tmp_path / "out"),
-                          "-q", "--set", "data.evaluation.samples=8"],
-                         capture_output=True, text=True, timeout=900, env=env)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            str(ROOT / "recipes" / "quickstart.yaml"),
+            "-o",
+            str(tmp_path / "out"),
+            "-q",
+            "--set",
+            "data.evaluation.samples=8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    published = subprocess.run([sys.executable, "-m", "compress", "publish", str(tmp_path / "out"), "--alias", "candidate", "-q"],
-                               capture_output=True, text=True, timeout=600, env=env)
+    published = subprocess.run(
+        [sys.executable, "-m", "compress", "publish", str(tmp_path / "out"), "--alias", "candidate", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert published.returncode == 0, published.stderr[-3000:]
     assert "published quickstart-smollm2-rtn-w4g128-asym/1" in " ".join(published.stdout.split())
-    pulled = subprocess.run([sys.executable, "-m", "compress", "pull", "quickstart-smollm2-rtn-w4g128-asym@candidate", "-o",
-                             str(tmp_path / "pulled"), "-q"], capture_output=True, text=True, timeout=600, env=env)
+    pulled = subprocess.run(
+        [sys.executable, "-m", "compress", "pull", "quickstart-smollm2-rtn-w4g128-asym@candidate", "-o", str(tmp_path / "pulled"), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert pulled.returncode == 0, pulled.stderr[-3000:]
     _same_tree(tmp_path / "out", tmp_path / "pulled")
     assert "Apache-2.0" in (tmp_path / "pulled" / "MODEL_CARD.md").read_text()
@@ -407,19 +473,62 @@ def test_quickstart_artifact_publishes_to_the_embedded_registry_and_pulls_back(t
 def test_model_card_says_where_each_gate_was_measured_and_what_each_export_is_for() -> None:
     from compress.model_card import model_card
 
-    manifest = {"recipe": {"sha256": "r" * 64, "expanded": {"name": "demo"}}, "seed": 3, "versions": {"compress": "0.1.0", "torch": "2.13"},
-                "model": {"source": "reference:smollm2-135m", "sha256": "b" * 64, "license": "Apache-2.0", "parameters": 134515008},
-                "stages": [{"label": "stages[0]", "kind": "quantize", "method": "gptq", "config": {"bits": 4, "group_size": 32},
-                            "summary": {"layers_quantized": 210, "bits_per_weight": 4.625}}],
-                "data": {"evaluation": {"source": "reference:shakespeare", "tokens_sha256": "e" * 64},
-                         "calibration": {"source": "my-texts/", "documents_sha256": "c" * 64}},
-                "exports": [{"name": "q4", "format": "gguf", "path": "exports/q4", "type": "q4_1", "verified": True}]}
-    report = {"gates": [{"name": "kl", "metric": "kl_divergence", "artifact": "q4", "value": 0.27, "threshold": {"kind": "max", "value": 0.35},
-                         "passed": True, "source": "measured", "runtime": "llama.cpp", "device": "cpu"},
-                        {"name": "pi5", "metric": "decode_tokens_per_s", "artifact": "q4", "value": 101.7, "threshold": {"kind": "min", "value": 200},
-                         "passed": False, "source": "estimated", "runtime": "llama.cpp", "device": "raspberry-pi-5-8gb"}],
-              "evaluations": [{"artifact": "q4", "kind": "latency", "runtime": "llama.cpp", "device": "cpu", "source": "measured",
-                               "metrics": {"decode_tokens_per_s": 80.7, "ttft_ms": 537.0}}]}
+    manifest = {
+        "recipe": {"sha256": "r" * 64, "expanded": {"name": "demo"}},
+        "seed": 3,
+        "versions": {"compress": "0.1.0", "torch": "2.13"},
+        "model": {"source": "reference:smollm2-135m", "sha256": "b" * 64, "license": "Apache-2.0", "parameters": 134515008},
+        "stages": [
+            {
+                "label": "stages[0]",
+                "kind": "quantize",
+                "method": "gptq",
+                "config": {"bits": 4, "group_size": 32},
+                "summary": {"layers_quantized": 210, "bits_per_weight": 4.625},
+            }
+        ],
+        "data": {
+            "evaluation": {"source": "reference:shakespeare", "tokens_sha256": "e" * 64},
+            "calibration": {"source": "my-texts/", "documents_sha256": "c" * 64},
+        },
+        "exports": [{"name": "q4", "format": "gguf", "path": "exports/q4", "type": "q4_1", "verified": True}],
+    }
+    report = {
+        "gates": [
+            {
+                "name": "kl",
+                "metric": "kl_divergence",
+                "artifact": "q4",
+                "value": 0.27,
+                "threshold": {"kind": "max", "value": 0.35},
+                "passed": True,
+                "source": "measured",
+                "runtime": "llama.cpp",
+                "device": "cpu",
+            },
+            {
+                "name": "pi5",
+                "metric": "decode_tokens_per_s",
+                "artifact": "q4",
+                "value": 101.7,
+                "threshold": {"kind": "min", "value": 200},
+                "passed": False,
+                "source": "estimated",
+                "runtime": "llama.cpp",
+                "device": "raspberry-pi-5-8gb",
+            },
+        ],
+        "evaluations": [
+            {
+                "artifact": "q4",
+                "kind": "latency",
+                "runtime": "llama.cpp",
+                "device": "cpu",
+                "source": "measured",
+                "metrics": {"decode_tokens_per_s": 80.7, "ttft_ms": 537.0},
+            }
+        ],
+    }
     sizes = {"model/weights.safetensors": 3 * 2**20, "exports/q4/model.gguf": 2**20, "report.json": 100}
     card = model_card(manifest, report, "demo", sizes, forced=True)
     assert "| kl | q4 | kl_divergence | 0.27 | max 0.35 | PASS | measured: llama.cpp on cpu |" in card

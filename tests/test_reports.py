@@ -30,27 +30,69 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICE = "jetson-orin-nano-8gb"
 
 
-def _gate(name: str, metric: str, artifact: str, value: float | None, kind: str, limit: float, passed: bool,
-          source: str, runtime: str | None = "torch", device: str | None = "cpu", **extra: Any) -> dict[str, Any]:
+def _gate(
+    name: str,
+    metric: str,
+    artifact: str,
+    value: float | None,
+    kind: str,
+    limit: float,
+    passed: bool,
+    source: str,
+    runtime: str | None = "torch",
+    device: str | None = "cpu",
+    **extra: Any,
+) -> dict[str, Any]:
     threshold = {"kind": kind, "value": extra.pop("threshold_value", limit), **({"limit": limit} if value is not None else {}), **extra}
-    message = (f"no measurement of {metric} for artifact '{artifact}'" if value is None
-               else f"{metric} = {value:.6g} {'meets' if passed else 'violates'} {'<=' if kind.startswith('max') else '>='} {limit:.6g}")
-    return {"name": name, "metric": metric, "artifact": artifact, "value": value, "threshold": threshold, "passed": passed,
-            "source": source, "runtime": runtime, "device": device, "message": message}
+    message = (
+        f"no measurement of {metric} for artifact '{artifact}'"
+        if value is None
+        else f"{metric} = {value:.6g} {'meets' if passed else 'violates'} {'<=' if kind.startswith('max') else '>='} {limit:.6g}"
+    )
+    return {
+        "name": name,
+        "metric": metric,
+        "artifact": artifact,
+        "value": value,
+        "threshold": threshold,
+        "passed": passed,
+        "source": source,
+        "runtime": runtime,
+        "device": device,
+        "message": message,
+    }
 
 
 def _accuracy(artifact: str, kl: float, size: float | None, runtime: str = "torch", source: str = "measured") -> dict[str, Any]:
-    metrics = {"perplexity": 12.3 * (1 + kl), "kl_divergence": kl, "kl_divergence_p99": 8 * kl, "top1_agreement": 1 - kl, "tokens_scored": 65536}
+    metrics = {
+        "perplexity": 12.3 * (1 + kl),
+        "kl_divergence": kl,
+        "kl_divergence_p99": 8 * kl,
+        "top1_agreement": 1 - kl,
+        "tokens_scored": 65536,
+    }
     if size is not None:
         metrics["size_mb"] = size
     return {"artifact": artifact, "runtime": runtime, "device": "cpu", "source": source, "kind": "accuracy", "metrics": metrics}
 
 
 def _latency(artifact: str, runtime: str, device: str, ttft: float, tpot: float, source: str, size: float) -> dict[str, Any]:
-    return {"artifact": artifact, "runtime": runtime, "device": device, "source": source, "kind": "latency",
-            "metrics": {"ttft_ms": ttft, "tpot_ms": tpot, "decode_tokens_per_s": 1000 / tpot, "peak_rss_mb": 412.5,
-                        "size_mb": size, "bandwidth_utilization": 0.62},
-            "details": {"prompt_tokens": 128, "new_tokens": 64, "repeats": 3}}
+    return {
+        "artifact": artifact,
+        "runtime": runtime,
+        "device": device,
+        "source": source,
+        "kind": "latency",
+        "metrics": {
+            "ttft_ms": ttft,
+            "tpot_ms": tpot,
+            "decode_tokens_per_s": 1000 / tpot,
+            "peak_rss_mb": 412.5,
+            "size_mb": size,
+            "bandwidth_utilization": 0.62,
+        },
+        "details": {"prompt_tokens": 128, "new_tokens": 64, "repeats": 3},
+    }
 
 
 def failing_report() -> dict[str, Any]:
@@ -68,32 +110,77 @@ def failing_report() -> dict[str, Any]:
         ],
         "gates": [
             _gate("kl", "kl_divergence", "compressed", 0.031, "max", 0.05, True, "measured"),
-            _gate("ppl", "perplexity", "gguf", 13.1, "max_increase_pct", 12.915, False, "measured", runtime="llama.cpp",
-                  threshold_value=5.0, baseline=12.3),
+            _gate(
+                "ppl",
+                "perplexity",
+                "gguf",
+                13.1,
+                "max_increase_pct",
+                12.915,
+                False,
+                "measured",
+                runtime="llama.cpp",
+                threshold_value=5.0,
+                baseline=12.3,
+            ),
             _gate("onnx-kl", "kl_divergence", "onnx", None, "max", 0.05, False, "missing", runtime=None, device=None),
             _gate("orin-tpot", "tpot_ms", "gguf", 31.0, "max", 40.0, True, "estimated", runtime="llama.cpp", device=DEVICE),
         ],
         "evaluation_data": {"source": "corpus/", "tokens_sha256": "ab" * 32, "samples": 64, "seq_len": 1024},
-        "exports": [{"name": "gguf", "format": "gguf", "path": "exports/gguf/model.gguf", "verified": True,
-                     "check": {"max_abs_logit_diff": 0.01}, "evaluated_as": "gguf"},
-                    {"name": "onnx", "format": "onnx", "path": "exports/onnx", "verified": None, "check": None, "evaluated_as": None}],
+        "exports": [
+            {
+                "name": "gguf",
+                "format": "gguf",
+                "path": "exports/gguf/model.gguf",
+                "verified": True,
+                "check": {"max_abs_logit_diff": 0.01},
+                "evaluated_as": "gguf",
+            },
+            {"name": "onnx", "format": "onnx", "path": "exports/onnx", "verified": None, "check": None, "evaluated_as": None},
+        ],
         "host": {"bandwidth_gbs": 38.4, "cpu": "x86_64"},
         "devices": {DEVICE: {"fit": {"fits": True, "memory_fraction": 0.12}}},
-        "search": {"candidates": [
-            {"name": "w4g128", "overrides": ["stages[0].config.group_size=128"], "size_mb": 70.1, "passed": True,
-             "metrics": {"kl_divergence": 0.04}, "status": "evaluated"},
-            {"name": "w3g64", "overrides": ["stages[0].config.bits=3"], "size_mb": 58.0, "passed": False,
-             "metrics": {"kl_divergence": 0.19}, "status": "evaluated"},
-            {"name": "w8", "overrides": ["stages[0].config.bits=8"], "size_mb": None, "passed": None, "metrics": {}, "status": "skipped"},
-        ], "chosen": "w4g128"},
+        "search": {
+            "candidates": [
+                {
+                    "name": "w4g128",
+                    "overrides": ["stages[0].config.group_size=128"],
+                    "size_mb": 70.1,
+                    "passed": True,
+                    "metrics": {"kl_divergence": 0.04},
+                    "status": "evaluated",
+                },
+                {
+                    "name": "w3g64",
+                    "overrides": ["stages[0].config.bits=3"],
+                    "size_mb": 58.0,
+                    "passed": False,
+                    "metrics": {"kl_divergence": 0.19},
+                    "status": "evaluated",
+                },
+                {
+                    "name": "w8",
+                    "overrides": ["stages[0].config.bits=8"],
+                    "size_mb": None,
+                    "passed": None,
+                    "metrics": {},
+                    "status": "skipped",
+                },
+            ],
+            "chosen": "w4g128",
+        },
     }
 
 
 def passing_report() -> dict[str, Any]:
-    return {"schema_version": 2, "recipe": "quickstart", "passed": True,
-            "evaluations": [_accuracy("baseline", 0.0, None), _accuracy("compressed", 0.02, None)],
-            "gates": [_gate("kl", "kl_divergence", "compressed", 0.02, "max", 0.05, True, "measured")],
-            "evaluation_data": None}
+    return {
+        "schema_version": 2,
+        "recipe": "quickstart",
+        "passed": True,
+        "evaluations": [_accuracy("baseline", 0.0, None), _accuracy("compressed", 0.02, None)],
+        "gates": [_gate("kl", "kl_divergence", "compressed", 0.02, "max", 0.05, True, "measured")],
+        "evaluation_data": None,
+    }
 
 
 def empty_report() -> dict[str, Any]:
@@ -124,13 +211,16 @@ def test_schema_accepts_non_finite_values_as_written_by_json_safe() -> None:
 
 
 @needs_jsonschema
-@pytest.mark.parametrize("path, bad, expected", [
-    (("gates", 0, "source"), "guessed", "$.gates[0].source"),
-    (("evaluations", 3, "source"), "guessed", "$.evaluations[3].source"),
-    (("evaluations", 0, "kind"), "throughput", "$.evaluations[0].kind"),
-    (("evaluations", 0, "metrics", "kl_divergence"), "small", "$.evaluations[0].metrics.kl_divergence"),
-    (("schema_version",), 1, "$.schema_version"),
-])
+@pytest.mark.parametrize(
+    "path, bad, expected",
+    [
+        (("gates", 0, "source"), "guessed", "$.gates[0].source"),
+        (("evaluations", 3, "source"), "guessed", "$.evaluations[3].source"),
+        (("evaluations", 0, "kind"), "throughput", "$.evaluations[0].kind"),
+        (("evaluations", 0, "metrics", "kl_divergence"), "small", "$.evaluations[0].metrics.kl_divergence"),
+        (("schema_version",), 1, "$.schema_version"),
+    ],
+)
 def test_schema_rejects_bad_values(path: tuple[Any, ...], bad: Any, expected: str) -> None:
     report = failing_report()
     node = report

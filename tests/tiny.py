@@ -24,9 +24,20 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_config(model_type: str = "llama", *, vocab: int = 300, hidden: int = 64, intermediate: int = 128, layers: int = 2,
-                heads: int = 4, kv_heads: int = 2, head_dim: int | None = None, positions: int = 128, tie: bool | None = None,
-                **extra: Any):
+def tiny_config(
+    model_type: str = "llama",
+    *,
+    vocab: int = 300,
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    positions: int = 128,
+    tie: bool | None = None,
+    **extra: Any,
+):
     """A transformers config of ``model_type`` with these sizes; ``extra`` are further config fields."""
     from transformers import AutoConfig
 
@@ -35,8 +46,17 @@ def tiny_config(model_type: str = "llama", *, vocab: int = 300, hidden: int = 64
         fields["head_dim"] = head_dim
     if tie is not None:
         fields["tie_word_embeddings"] = tie
-    return AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions, **fields)
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        **fields,
+    )
 
 
 def tiny_model(model_type: str = "llama", *, seed: int = 0, **shape: Any):
@@ -153,13 +173,22 @@ def tiny_bert_dir(directory: Path, texts: list[str]) -> Path:
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=300, special_tokens=special))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
-                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                        sep_token="[SEP]", mask_token="[MASK]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+    )
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=128, architectures=["BertModel"])
+    config = BertConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        architectures=["BertModel"],
+    )
     BertModel(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
