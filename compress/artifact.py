@@ -46,7 +46,9 @@ def write_model(directory: Path, model: nn.Module, tokenizer: Any, quantized: di
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": WEIGHTS_FORMAT})
 
 
-def write_config_and_tokenizer(directory: Path, model: nn.Module, tokenizer: Any, quantization_config: dict[str, Any] | None = None) -> None:
+def write_config_and_tokenizer(
+    directory: Path, model: nn.Module, tokenizer: Any, quantization_config: dict[str, Any] | None = None
+) -> None:
     """Save the model's config (tie flag as the model has it now; ``quantization_config`` when
     given, else none), its generation config and the tokenizer files into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,9 @@ def write_config_and_tokenizer(directory: Path, model: nn.Module, tokenizer: Any
     config.save_pretrained(directory)
     if quantization_config is not None:
         path = directory / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": quantization_config}, indent=2, sort_keys=True) + "\n")
+        path.write_text(
+            json.dumps({**json.loads(path.read_text()), "quantization_config": quantization_config}, indent=2, sort_keys=True) + "\n"
+        )
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -101,16 +105,23 @@ def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tu
         tensors = load_file(str(model_dir / WEIGHTS_FILE))
         records = {name: QuantizedWeight.from_tensors(tensors, name, QuantScheme(**info["scheme"])) for name, info in layers.items()}
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise ArtifactError(f"{directory}: its manifest and weights do not fit together ({type(exc).__name__}: {str(exc)[:200]}); "
-                            "run the recipe again") from None
+        raise ArtifactError(
+            f"{directory}: its manifest and weights do not fit together ({type(exc).__name__}: {str(exc)[:200]}); run the recipe again"
+        ) from None
     floats = {k: v for k, v in tensors.items() if not k.endswith((".weight_codes", ".weight_scale", ".weight_zero_point"))}
     model = assemble_model(config, floats, records, dtype, f"{directory}: {WEIGHTS_FILE}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tokenizer, records
 
 
-def assemble_model(config: Any, floats: dict[str, torch.Tensor], records: dict[str, QuantizedWeight], dtype: torch.dtype,
-                   where: str, trust_remote_code: bool = False) -> nn.Module:
+def assemble_model(
+    config: Any,
+    floats: dict[str, torch.Tensor],
+    records: dict[str, QuantizedWeight],
+    dtype: torch.dtype,
+    where: str,
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """Build a model from ``config`` with the ``floats`` tensors and every record's dequantized
     weight installed; ``where`` names the weight source in errors. Returned in eval mode, frozen."""
     from transformers import AutoModelForCausalLM
@@ -128,7 +139,9 @@ def assemble_model(config: Any, floats: dict[str, torch.Tensor], records: dict[s
         module.weight = nn.Parameter(record.dequantize(dtype), requires_grad=False)
     if config.tie_word_embeddings:
         model.tie_weights()
-    still_missing = [k for k in missing if k.removesuffix(".weight") not in records and not (config.tie_word_embeddings and k == "lm_head.weight")]
+    still_missing = [
+        k for k in missing if k.removesuffix(".weight") not in records and not (config.tie_word_embeddings and k == "lm_head.weight")
+    ]
     if still_missing:
         raise ArtifactError(f"{where}: weights missing: {still_missing[:5]}")
     return model.eval().requires_grad_(False)

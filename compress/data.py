@@ -16,9 +16,9 @@ import glob as globlib
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -179,7 +179,7 @@ def bos_prefix(tokenizer: Any) -> list[int]:
     """Tokens the tokenizer puts before text by default (e.g. BOS), found by comparison."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
-    if len(full) > len(plain) and full[len(full) - len(plain):] == plain:
+    if len(full) > len(plain) and full[len(full) - len(plain) :] == plain:
         return list(full[: len(full) - len(plain)])
     return []
 
@@ -224,8 +224,18 @@ class DataPlan:
         shared = {d.sha256 for d in cal.documents} & {d.sha256 for d in ev.documents} if cal and ev else set()
         return cls(spec, cal or None, ev or None, shared)
 
-    def tokens(self, role: str, tokenizer: Any, samples: int, seq_len: int, source: str | list[str] | None = None, seed: int | None = None,
-               text_field: str | None = None, base_dir: Path | None = None, reporter: Reporter | None = None) -> torch.Tensor:
+    def tokens(
+        self,
+        role: str,
+        tokenizer: Any,
+        samples: int,
+        seq_len: int,
+        source: str | list[str] | None = None,
+        seed: int | None = None,
+        text_field: str | None = None,
+        base_dir: Path | None = None,
+        reporter: Reporter | None = None,
+    ) -> torch.Tensor:
         """Token chunks [samples, seq_len] of ``role`` at a size a stage chooses. A calibration
         ``source`` other than the recipe's is loaded now and still kept apart from the evaluation
         text the same way (see the module docstring); a list of sources gives each an equal share
@@ -234,8 +244,11 @@ class DataPlan:
             if not source:
                 raise DataError("an empty list of text sources")
             shares = [samples // len(source) + (i < samples % len(source)) for i in range(len(source))]
-            parts = [self.tokens(role, tokenizer, n, seq_len, s, seed, text_field, base_dir, reporter)
-                     for s, n in zip(source, shares) if n]
+            parts = [
+                self.tokens(role, tokenizer, n, seq_len, s, seed, text_field, base_dir, reporter)
+                for s, n in zip(source, shares, strict=True)
+                if n
+            ]
             return torch.cat(parts)
         plan = self
         calibration = self.spec.calibration
@@ -249,8 +262,9 @@ class DataPlan:
     def text_for(self, tokenizer: Any, base_dir: Path, reporter: Reporter | None = None) -> Callable[..., torch.Tensor]:
         """:meth:`tokens` bound to a tokenizer and base directory: the ``RunContext.text`` stages call."""
 
-        def text(role: str, samples: int, seq_len: int, source: str | list[str] | None, seed: int | None,
-                 text_field: str | None) -> torch.Tensor:
+        def text(
+            role: str, samples: int, seq_len: int, source: str | list[str] | None, seed: int | None, text_field: str | None
+        ) -> torch.Tensor:
             return self.tokens(role, tokenizer, samples, seq_len, source, seed, text_field, base_dir, reporter)
 
         return text

@@ -62,7 +62,7 @@ def _leftovers(target: Path, kind: str) -> list[Path]:
         return []
     found = []
     for path in target.parent.glob(glob.escape(prefix) + "*"):
-        pid = path.name[len(prefix):].split("-", 1)[0]
+        pid = path.name[len(prefix) :].split("-", 1)[0]
         try:
             mine = path.is_dir() and not path.is_symlink() and path.stat().st_uid == os.getuid()
         except OSError:
@@ -124,8 +124,9 @@ def check_target(target: Path, overwrite: bool, owned: bool = True) -> Path:
     target = Path(target).expanduser().resolve()
     cwd = Path.cwd().resolve()
     if target == cwd or target in cwd.parents:
-        raise ArtifactError(f"{shown}: writing there would replace the current directory (or one holding it); "
-                            "choose a new directory, e.g. -o out")
+        raise ArtifactError(
+            f"{shown}: writing there would replace the current directory (or one holding it); choose a new directory, e.g. -o out"
+        )
     clean_stale_partials(target)
     if target.exists() or target.is_symlink():  # resolved: a link was followed, a dangling one stays a link
         if not target.is_dir():
@@ -133,8 +134,10 @@ def check_target(target: Path, overwrite: bool, owned: bool = True) -> Path:
         if not overwrite:
             raise ArtifactError(f"{shown} already exists; choose another directory or pass --overwrite")
         if owned and not written_by_us(target):
-            raise ArtifactError(f"{shown} holds files that are not a compress output (no readable {MANIFEST}); --overwrite "
-                                "replaces only an artifact, pulled version, gate report or search of ours, or an empty directory")
+            raise ArtifactError(
+                f"{shown} holds files that are not a compress output (no readable {MANIFEST}); --overwrite "
+                "replaces only an artifact, pulled version, gate report or search of ours, or an empty directory"
+            )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-probe-", dir=target.parent))

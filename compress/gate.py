@@ -27,19 +27,19 @@ from pydantic import Field, model_validator
 
 from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
-from compress.fsutil import MANIFEST, check_target, sha256_file
-from compress.inputs import check_gguf, check_json, check_model_directory, check_onnx
 from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.latency import LatencySettings, Target, load_torch_model, tree_size
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
+from compress.fsutil import MANIFEST, check_target, sha256_file
+from compress.inputs import check_gguf, check_json, check_model_directory, check_onnx
 from compress.progress import Reporter
+from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
 from compress.schema.manifest import GATE_LISTING_VERSION, GATE_REPORT, GateReportListing
 from compress.schema.report import REPORT_VERSION
 from compress.schema.yamlio import read_text
 from compress.verify import check_artifact
-from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
 
 DEFAULT_EVALUATION = {"source": "reference:shakespeare", "samples": 16, "seq_len": 512}
 
@@ -94,14 +94,14 @@ def inspect(path: Path) -> Subject:
     if (path / MANIFEST).is_file():
         manifest = check_artifact(path, advice="gates are checked only on the files the run wrote").manifest
         if manifest.get("kind") == GATE_REPORT:
-            raise CompressError(f"{path} is a gate report, not an artifact; gate the artifact it names: "
-                                f"{manifest.get('artifact', '?')}")
+            raise CompressError(f"{path} is a gate report, not an artifact; gate the artifact it names: {manifest.get('artifact', '?')}")
         try:
             expanded = manifest["recipe"]["expanded"]
             source, data, recipe_path = expanded["model"]["source"], expanded["data"], manifest["recipe"]["path"]
         except (KeyError, TypeError):
-            raise CompressError(f"{path / MANIFEST}: not a manifest of this release (no recipe.expanded.model.source); "
-                                "run the recipe again") from None
+            raise CompressError(
+                f"{path / MANIFEST}: not a manifest of this release (no recipe.expanded.model.source); run the recipe again"
+            ) from None
         timed = [Timed("compressed", Target("torch", str(path)))]
         stand_ins = []
         for export in manifest.get("exports", []):
@@ -124,10 +124,9 @@ def inspect(path: Path) -> Subject:
     if (path / "config.json").is_file():
         check_model_directory(path)
         return Subject("hf", [Timed("compressed", Target("torch", str(path)))], None, None, Path.cwd(), [])
-    raise CompressError(f"{path}: not a compress artifact (manifest.json), ONNX folder (genai_config.json) or Hugging Face "
-                        "model folder (config.json)")
-
-
+    raise CompressError(
+        f"{path}: not a compress artifact (manifest.json), ONNX folder (genai_config.json) or Hugging Face model folder (config.json)"
+    )
 
 
 def check_report_directory(artifact: Path, output: Path) -> Path:
@@ -136,11 +135,15 @@ def check_report_directory(artifact: Path, output: Path) -> Path:
     existing one only when it is an earlier report of ours, or empty)."""
     subject, target = artifact.expanduser().resolve(), output.expanduser().resolve()
     if target == subject or subject in target.parents:
-        raise CompressError(f"-o {output}: the gate report would be written into the artifact {artifact} and change its files; "
-                            "choose a directory outside it (the default is ./gate-report)")
+        raise CompressError(
+            f"-o {output}: the gate report would be written into the artifact {artifact} and change its files; "
+            "choose a directory outside it (the default is ./gate-report)"
+        )
     if target in subject.parents:
-        raise CompressError(f"-o {output}: the gate report would replace a directory holding the artifact {artifact}; "
-                            "choose a directory outside it (the default is ./gate-report)")
+        raise CompressError(
+            f"-o {output}: the gate report would replace a directory holding the artifact {artifact}; "
+            "choose a directory outside it (the default is ./gate-report)"
+        )
     return check_target(target, overwrite=True)
 
 
@@ -162,12 +165,21 @@ class GateRun:
         return EXIT_OK if all(g.passed for g in self.gates) else EXIT_GATE_FAILED
 
 
-def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str | None, devices_files: list[Path],
-             threads: int | None, reporter: Reporter) -> GateRun:
+def run_gate(
+    artifact: Path,
+    gates_file: Path,
+    baseline: str | None,
+    device: str | None,
+    devices_files: list[Path],
+    threads: int | None,
+    reporter: Reporter,
+) -> GateRun:
     spec = load_gates_file(gates_file)
     # --device: the device of the gates that take one (latency and memory metrics) and name none
-    gates = [g.model_copy(update={"device": device}) if device is not None and g.device is None and g.metric in DEVICE_METRICS else g
-             for g in spec.gates]
+    gates = [
+        g.model_copy(update={"device": device}) if device is not None and g.device is None and g.metric in DEVICE_METRICS else g
+        for g in spec.gates
+    ]
     subject = inspect(artifact)
     names = {t.name for t in subject.timed} | set(subject.stand_ins) | {"baseline"}
     for i, g in enumerate(gates):
@@ -227,16 +239,22 @@ def run_gate(artifact: Path, gates_file: Path, baseline: str | None, device: str
         "evaluations": [e.to_json() for e in evaluations],
         "gates": [g.to_json() for g in results],
         "evaluation_data": eval_facts,
-        "artifact": {"path": str(artifact), "kind": subject.kind, "baseline": baseline_source, "gates_file": str(gates_file),
-                     "seconds": round(time.perf_counter() - started, 3)},
+        "artifact": {
+            "path": str(artifact),
+            "kind": subject.kind,
+            "baseline": baseline_source,
+            "gates_file": str(gates_file),
+            "seconds": round(time.perf_counter() - started, 3),
+        },
     }
     if host is not None:
         report["host"] = host
     return GateRun(report, results)
 
 
-def _accuracy(subject: Subject, wanted: set[str], lm: Any, spec: GatesFile, threads: int,
-              reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any], Any]:
+def _accuracy(
+    subject: Subject, wanted: set[str], lm: Any, spec: GatesFile, threads: int, reporter: Reporter
+) -> tuple[list[Evaluation], dict[str, Any], Any]:
     """The baseline and every wanted artifact on the evaluation text, each on its runtime."""
     if spec.data is not None:
         data_spec = spec.data

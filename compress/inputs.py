@@ -23,11 +23,33 @@ from typing import Any
 
 from compress.errors import ModelLoadError
 
-SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                        "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-JSON_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-              "quantize_config.json", "genai_config.json")
+JSON_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "quantize_config.json",
+    "genai_config.json",
+)
 
 
 def check_safetensors(path: Path) -> dict[str, Any]:
@@ -62,21 +84,27 @@ def check_safetensors(path: Path) -> dict[str, Any]:
             raise ModelLoadError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise ModelLoadError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
             raise ModelLoadError(f"{path}: tensor {name!r}: data_offsets {offsets!r} are not [begin, end]")
         expected = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
         if offsets[1] - offsets[0] != expected:
-            raise ModelLoadError(f"{path}: tensor {name!r}: {offsets[1] - offsets[0]:,} bytes for a {dtype} tensor of shape "
-                                 f"{shape} ({expected:,} bytes)")
+            raise ModelLoadError(
+                f"{path}: tensor {name!r}: {offsets[1] - offsets[0]:,} bytes for a {dtype} tensor of shape {shape} ({expected:,} bytes)"
+            )
         if offsets[1] > data:
             raise ModelLoadError(f"{path}: truncated: tensor {name!r} ends at byte {offsets[1]:,} of a data section of {data:,}")
         spans.append((offsets[0], offsets[1], name))
     position = 0
     for begin, end, name in sorted(spans):  # the format's rule: tensors tile the data section, no gaps or overlaps
         if begin != position:
-            raise ModelLoadError(f"{path}: tensor {name!r} starts at byte {begin:,}, expected {position:,} (overlapping or "
-                                 "missing data: corrupt file)")
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} starts at byte {begin:,}, expected {position:,} (overlapping or missing data: corrupt file)"
+            )
         position = end
     if position != data:
         raise ModelLoadError(f"{path}: {data - position:,} bytes after the last tensor (corrupt file, or a different format)")

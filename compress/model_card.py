@@ -80,8 +80,17 @@ def _gates(report: dict[str, Any], forced: bool) -> list[str]:
         limit = f"{threshold.get('kind', '?')} {_cell(threshold.get('value'))}"
         if "limit" in threshold and threshold.get("kind", "").endswith("_pct"):
             limit += f" (limit {_cell(threshold['limit'])})"
-        rows.append([_cell(g["name"]), _cell(g.get("artifact")), _cell(g["metric"]), _cell(g.get("value")), limit,
-                     "PASS" if g.get("passed") else "FAIL", where_measured(g)])
+        rows.append(
+            [
+                _cell(g["name"]),
+                _cell(g.get("artifact")),
+                _cell(g["metric"]),
+                _cell(g.get("value")),
+                limit,
+                "PASS" if g.get("passed") else "FAIL",
+                where_measured(g),
+            ]
+        )
     return lines + table_lines(["gate", "artifact", "metric", "value", "threshold", "result", "where"], rows)
 
 
@@ -92,8 +101,16 @@ def _method(manifest: dict[str, Any]) -> list[str]:
         lines += ["No compression stage: the artifact holds the source model as loaded.", ""]
     for stage in stages:
         method = f" {stage['method']}" if stage.get("method") else ""
-        lines += [f"### {stage['label']}: {stage['kind']}{method}", "", "Expanded configuration:", "", "```json",
-                  json.dumps(stage.get("config", {}), indent=2, sort_keys=True), "```", ""]
+        lines += [
+            f"### {stage['label']}: {stage['kind']}{method}",
+            "",
+            "Expanded configuration:",
+            "",
+            "```json",
+            json.dumps(stage.get("config", {}), indent=2, sort_keys=True),
+            "```",
+            "",
+        ]
         summary = stage.get("summary") or {}
         facts = {k: summary[k] for k in ("layers_quantized", "params_quantized", "bits_per_weight", "sqnr_db_mean") if k in summary}
         if facts:
@@ -109,8 +126,15 @@ def _artifacts(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:
     rows = [["compressed", "compress artifact (model/)", COMPRESSED_RUNTIME, *folder("model/"), "–"]]
     for x in manifest.get("exports") or []:
         kind = " ".join(str(x[k]) for k in ("type", "precision") if x.get(k))
-        rows.append([x["name"], f"{x['format']} {kind}".strip(), INTENDED_RUNTIMES.get(x["format"], "–"), *folder(f"{x['path']}/"),
-                     _cell(x.get("verified"))])
+        rows.append(
+            [
+                x["name"],
+                f"{x['format']} {kind}".strip(),
+                INTENDED_RUNTIMES.get(x["format"], "–"),
+                *folder(f"{x['path']}/"),
+                _cell(x.get("verified")),
+            ]
+        )
     return ["## Artifacts", ""] + table_lines(["name", "format", "intended runtime", "size MiB", "files", "verified on its runtime"], rows)
 
 
@@ -124,15 +148,24 @@ def _results(report: dict[str, Any]) -> list[str]:
             rows.append([_cell(ev["artifact"]), _cell(ev.get("kind", "accuracy")), "; ".join(shown), where_measured(ev)])
     if not rows:
         return []
-    return ["## Accuracy and speed", "", "Accuracy is against the source model on held-out text (the evaluation data below).", ""] + table_lines(
-        ["artifact", "kind", "values", "where"], rows)
+    return [
+        "## Accuracy and speed",
+        "",
+        "Accuracy is against the source model on held-out text (the evaluation data below).",
+        "",
+    ] + table_lines(["artifact", "kind", "values", "where"], rows)
 
 
 def _source(manifest: dict[str, Any]) -> list[str]:
     model = manifest.get("model", {})
-    rows = [["source", _cell(model.get("source"))], ["SHA-256", f"`{model.get('sha256', 'not recorded')}`"],
-            ["architecture", _cell(model.get("architecture"))], ["parameters", _cell(model.get("parameters"), ",")],
-            ["dtype", _cell(model.get("dtype"))], ["license", _cell(model.get("license") or "not recorded")]]
+    rows = [
+        ["source", _cell(model.get("source"))],
+        ["SHA-256", f"`{model.get('sha256', 'not recorded')}`"],
+        ["architecture", _cell(model.get("architecture"))],
+        ["parameters", _cell(model.get("parameters"), ",")],
+        ["dtype", _cell(model.get("dtype"))],
+        ["license", _cell(model.get("license") or "not recorded")],
+    ]
     return ["## Source model", ""] + table_lines(["", ""], rows)
 
 
@@ -160,13 +193,25 @@ def model_card(manifest: dict[str, Any], report: dict[str, Any], name: str, size
         if spec:
             licenses.append(f"- {role.capitalize()} text: {_data_license(spec.get('source'))} (from {spec.get('source')})")
     lines = [
-        f"# {name}", "",
+        f"# {name}",
+        "",
         f"Made by compress {versions.get('compress', '?')} from the recipe `{(recipe.get('expanded') or {}).get('name') or recipe.get('path', '?')}` "
-        f"(recipe SHA-256 `{recipe.get('sha256', '?')}`, seed {manifest.get('seed', '?')}).", "",
-        *_source(manifest), *_method(manifest), *_gates(report, forced), *_artifacts(manifest, sizes), *_results(report), *_data(manifest),
-        "## Licenses", "", *licenses, "",
-        "## Reproduce", "",
-        "The manifest holds the expanded recipe, every hash and the library versions below; `recipe.yaml` is the file as given.", "",
+        f"(recipe SHA-256 `{recipe.get('sha256', '?')}`, seed {manifest.get('seed', '?')}).",
+        "",
+        *_source(manifest),
+        *_method(manifest),
+        *_gates(report, forced),
+        *_artifacts(manifest, sizes),
+        *_results(report),
+        *_data(manifest),
+        "## Licenses",
+        "",
+        *licenses,
+        "",
+        "## Reproduce",
+        "",
+        "The manifest holds the expanded recipe, every hash and the library versions below; `recipe.yaml` is the file as given.",
+        "",
         *table_lines(["library", "version"], [[k, _cell(v)] for k, v in sorted(versions.items())]),
     ]
     return "\n".join(lines).rstrip() + "\n"

@@ -72,8 +72,7 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
     if HUB_ID.match(source):
         return _from_hub_cache(source, spec, reporter)
     raise ModelLoadError(
-        f"model.source '{source}' is not a directory, a .gguf file, a reference:<name>, or a Hugging Face id "
-        f"(looked for {path})"
+        f"model.source '{source}' is not a directory, a .gguf file, a reference:<name>, or a Hugging Face id (looked for {path})"
     )
 
 

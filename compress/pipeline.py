@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-import importlib.metadata
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -29,30 +29,43 @@ from compress.data import Chunks, DataPlan
 from compress.distill.distill import DistillStage
 from compress.distill.train import process_rank
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
-from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.devices import LOCAL, get_profile, load_profiles
+from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.kv_eval import evaluate_kv
 from compress.eval.latency import LatencySettings, Target, tree_size
-from compress.eval.reports import write_reports
-from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.eval.metrics import compare, torch_forward
+from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
+from compress.eval.reports import write_reports
+from compress.export.gguf import GGUF_FILE
 from compress.export.parity import VerifyInputs
 from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
-from compress.export.gguf import GGUF_FILE
 from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
 from compress.progress import Reporter
 from compress.pruning.prune import PruneStage
 from compress.quantizers import QUANTIZE_METHODS
-from compress.schema.manifest import MANIFEST_VERSION, Manifest
-from compress.schema.report import REPORT_VERSION, Report
 from compress.quantizers.kv_cache import KVCacheStage
 from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, ModelSpec, Recipe
+from compress.schema.manifest import MANIFEST_VERSION, Manifest
+from compress.schema.report import REPORT_VERSION, Report
 
 RUNTIMES_OF = {"gguf": "llama.cpp", "onnx": "onnxruntime", "tensorrt": "tensorrt"}
-VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "gguf", "accelerate",
-                      "llama_cpp_python", "onnx", "onnxruntime", "onnxruntime_genai", "onnxscript")
+VERSIONED_PACKAGES = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "numpy",
+    "pydantic",
+    "gguf",
+    "accelerate",
+    "llama_cpp_python",
+    "onnx",
+    "onnxruntime",
+    "onnxruntime_genai",
+    "onnxscript",
+)
 
 
 @dataclass
@@ -125,8 +138,9 @@ def work_dir_for(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".work")
 
 
-def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, reporter: Reporter | None = None,
-               step_summary: bool = True) -> RunResult:
+def run_recipe(
+    loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, reporter: Reporter | None = None, step_summary: bool = True
+) -> RunResult:
     """Run a validated recipe end to end and write the artifact directory atomically.
 
     Under ``accelerate launch`` every process runs the stages up to the last distill stage
@@ -136,8 +150,10 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     rank, world = process_rank()
     last_distill = max((i for i, st in enumerate(recipe.stages) if st.kind == "distill"), default=None)
     if world > 1 and last_distill is None:
-        raise CompressError(f"this run has {world} processes, but only distill stages train in several processes; "
-                            "run it as a single process (compress run …)")
+        raise CompressError(
+            f"this run has {world} processes, but only distill stages train in several processes; "
+            "run it as a single process (compress run …)"
+        )
     reporter = Reporter(quiet=True) if rank > 0 else (reporter or Reporter())
     out_dir = Path(out_dir)
     check_target(out_dir, overwrite)  # before any heavy work; atomic_directory checks again at the end
@@ -179,9 +195,18 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     def load_teacher(source: str) -> torch.nn.Module:
         return load_model(ModelSpec(source=source, dtype=recipe.model.dtype), base_dir, reporter).model
 
-    ctx = RunContext(seed=recipe.seed, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=calibration_tokens,
-                     text=data.text_for(lm.tokenizer, base_dir, reporter), original=baseline, work_dir=work_dir_for(out_dir), load_teacher=load_teacher,
-                     run_id=hashlib.sha256(f"{recipe.sha256()}|{lm.facts.get('sha256')}".encode()).hexdigest())
+    ctx = RunContext(
+        seed=recipe.seed,
+        device=device,
+        tokenizer=lm.tokenizer,
+        reporter=reporter,
+        calibration=calibration_tokens,
+        text=data.text_for(lm.tokenizer, base_dir, reporter),
+        original=baseline,
+        work_dir=work_dir_for(out_dir),
+        load_teacher=load_teacher,
+        run_id=hashlib.sha256(f"{recipe.sha256()}|{lm.facts.get('sha256')}".encode()).hexdigest(),
+    )
     ctx.quantized.update(lm.quantized)  # layers of an imported quantized checkpoint are quantized already
     ctx.quantized_by.update(dict.fromkeys(lm.quantized, "model.source"))
     records: list[StageRecord] = []
@@ -214,10 +239,16 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
         t = time.perf_counter()
         baseline.to("cpu")
         model.to("cpu")
-        inputs = VerifyInputs(baseline, model, None if eval_chunks is None else eval_chunks.tokens,
-                              recipe.data.evaluation.min_context if recipe.data.evaluation else 1, threads)
-        exports, runtime_evaluations = write_exports(tmp / EXPORTS_DIR, recipe.exports, model, lm.tokenizer, ctx.quantized, reporter, inputs,
-                                                     ctx.kv_cache)
+        inputs = VerifyInputs(
+            baseline,
+            model,
+            None if eval_chunks is None else eval_chunks.tokens,
+            recipe.data.evaluation.min_context if recipe.data.evaluation else 1,
+            threads,
+        )
+        exports, runtime_evaluations = write_exports(
+            tmp / EXPORTS_DIR, recipe.exports, model, lm.tokenizer, ctx.quantized, reporter, inputs, ctx.kv_cache
+        )
         if recipe.exports:
             timings["exports_s"] = time.perf_counter() - t
         for ev in runtime_evaluations:  # the deployable's size next to its accuracy (the KL-against-size plot)
@@ -252,8 +283,9 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path, overwrite: bool = False, rep
     return RunResult(out_dir, manifest, report, evaluations, gates)
 
 
-def timed_artifacts(recipe: Recipe, root: Path, exports: list[dict[str, Any]], model_facts: dict[str, Any],
-                    torch_device: str = "cpu") -> list[Timed]:
+def timed_artifacts(
+    recipe: Recipe, root: Path, exports: list[dict[str, Any]], model_facts: dict[str, Any], torch_device: str = "cpu"
+) -> list[Timed]:
     """What the latency block times: compressed (torch, on the artifact being written), the
     runtime exports (llama.cpp on the GGUF file, ONNX Runtime GenAI on the ONNX folder, TensorRT on
     a built engine), and the baseline (torch, on the source model's float directory) when named or
@@ -284,13 +316,16 @@ def baseline_directory(model_facts: dict[str, Any]) -> str:
     path = model_facts.get("path")
     if path and (Path(path) / "config.json").is_file() and not model_facts.get("quantized_checkpoint"):
         return str(path)
-    raise CompressError(f"latency: the baseline ({model_facts.get('source')}) is not a float Hugging Face directory the torch "
-                        "worker can load; time the compressed model and the exports only (latency.artifacts), and use max/min "
-                        "thresholds rather than ones relative to the baseline")
+    raise CompressError(
+        f"latency: the baseline ({model_facts.get('source')}) is not a float Hugging Face directory the torch "
+        "worker can load; time the compressed model and the exports only (latency.artifacts), and use max/min "
+        "thresholds rather than ones relative to the baseline"
+    )
 
 
-def performance_evaluations(recipe: Recipe, timed: list[Timed], eval_chunks: Chunks | None, model: torch.nn.Module,
-                            threads: int, reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any] | None]:
+def performance_evaluations(
+    recipe: Recipe, timed: list[Timed], eval_chunks: Chunks | None, model: torch.nn.Module, threads: int, reporter: Reporter
+) -> tuple[list[Evaluation], dict[str, Any] | None]:
     """Latency measured here (the ``latency`` block) and the evaluations for named devices."""
     profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
     spec = recipe.latency
@@ -299,10 +334,13 @@ def performance_evaluations(recipe: Recipe, timed: list[Timed], eval_chunks: Chu
     settings = None
     if spec is not None:
         settings = LatencySettings(spec.prompt_tokens, spec.output_tokens, tuple(spec.batch_sizes), spec.warmup, spec.repeats, threads)
-        measured, host = measure_all(timed, settings, latency_prompts(eval_chunks, spec.prompt_tokens, max(spec.batch_sizes), recipe.seed),
-                                     reporter)
+        measured, host = measure_all(
+            timed, settings, latency_prompts(eval_chunks, spec.prompt_tokens, max(spec.batch_sizes), recipe.seed), reporter
+        )
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return measured + device_evaluations(profiles, wanted_devices(recipe.latency, recipe.targets, recipe.gates), timed, measured, settings, params), host
+    return measured + device_evaluations(
+        profiles, wanted_devices(recipe.latency, recipe.targets, recipe.gates), timed, measured, settings, params
+    ), host
 
 
 def latency_prompts(chunks: Chunks | None, length: int, rows: int, seed: int) -> np.ndarray:
@@ -347,7 +385,9 @@ def evaluate_in_memory(
     if compressed is not None:
         compressed.to(device)
     candidates = {"compressed": torch_forward(compressed, device)} if compressed is not None else {}
-    metrics = compare(torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
+    metrics = compare(
+        torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track
+    )
     metrics.setdefault("compressed", dict(metrics["baseline"]))  # no stages: the compressed model is the baseline
     details = {"chunks": int(chunks.tokens.shape[0]), "seq_len": spec.seq_len, "min_context": spec.min_context}
     return [
@@ -356,8 +396,10 @@ def evaluate_in_memory(
     ]
 
 
-LLM_INT8_EXPORT_NOTE = ("LLM.int8 int8 activations and outlier decomposition: the export holds the plain int8 weight records; "
-                        "its runtime computes with them and its own activations")
+LLM_INT8_EXPORT_NOTE = (
+    "LLM.int8 int8 activations and outlier decomposition: the export holds the plain int8 weight records; "
+    "its runtime computes with them and its own activations"
+)
 
 
 def note_llm_int8(exports: list[dict[str, Any]], records: list[StageRecord], ctx: RunContext) -> None:
@@ -369,15 +411,19 @@ def note_llm_int8(exports: list[dict[str, Any]], records: list[StageRecord], ctx
             entry["not_carried"] = [LLM_INT8_EXPORT_NOTE]
 
 
-def evaluate_kv_stage(model: torch.nn.Module, ctx: RunContext, data: DataPlan, tokenizer: Any, recipe: Recipe,
-                      device: torch.device, reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any]]:
+def evaluate_kv_stage(
+    model: torch.nn.Module, ctx: RunContext, data: DataPlan, tokenizer: Any, recipe: Recipe, device: torch.device, reporter: Reporter
+) -> tuple[list[Evaluation], dict[str, Any]]:
     """Score the compressed model decoding through its quantized KV cache at long context, against
     its own full-precision forward; returns the ``kv_cache`` evaluation and the report section."""
     scheme = ctx.kv_cache
     assert scheme is not None
     cfg = scheme.config
-    section: dict[str, Any] = {"scheme": cfg.model_dump(mode="json", exclude={"evaluate"}), "describe": cfg.describe(),
-                               "runtimes": cfg.runtime_support()}
+    section: dict[str, Any] = {
+        "scheme": cfg.model_dump(mode="json", exclude={"evaluate"}),
+        "describe": cfg.describe(),
+        "runtimes": cfg.runtime_support(),
+    }
     if cfg.evaluate is None:
         return [], section
     ev = cfg.evaluate
@@ -386,13 +432,22 @@ def evaluate_kv_stage(model: torch.nn.Module, ctx: RunContext, data: DataPlan, t
     with reporter.status(f"tokenizing {ev.samples} x {ev.context} tokens of evaluation text for the KV cache"):
         chunks = data.chunks("evaluation", tokenizer, samples=ev.samples, seq_len=ev.context)
     result = evaluate_kv(model, scheme, chunks.tokens, spec.min_context, device, progress=reporter.track)
-    details = {"chunks": ev.samples, "seq_len": ev.context, "min_context": spec.min_context, **result["decoding"],
-               "reference": "the compressed model's full-precision forward (a float cache)",
-               "reference_perplexity": result["reference_metrics"]["perplexity"], "memory": result["memory"],
-               "tokens_sha256": chunks.facts["tokens_sha256"]}
+    details = {
+        "chunks": ev.samples,
+        "seq_len": ev.context,
+        "min_context": spec.min_context,
+        **result["decoding"],
+        "reference": "the compressed model's full-precision forward (a float cache)",
+        "reference_perplexity": result["reference_metrics"]["perplexity"],
+        "memory": result["memory"],
+        "tokens_sha256": chunks.facts["tokens_sha256"],
+    }
     section["memory"] = result["memory"]
-    return [Evaluation(artifact=KV_CACHE_ARTIFACT, runtime="torch", device=device.type, metrics=result["metrics"], details=details,
-                       kind="kv_cache")], section
+    return [
+        Evaluation(
+            artifact=KV_CACHE_ARTIFACT, runtime="torch", device=device.type, metrics=result["metrics"], details=details, kind="kv_cache"
+        )
+    ], section
 
 
 def build_report(recipe: Recipe, evaluations: list[Evaluation], gates: list[GateResult], eval_chunks: Chunks | None) -> dict[str, Any]:
@@ -402,7 +457,9 @@ def build_report(recipe: Recipe, evaluations: list[Evaluation], gates: list[Gate
         "passed": all(g.passed for g in gates),
         "evaluations": [e.to_json() for e in evaluations],
         "gates": [g.to_json() for g in gates],
-        "evaluation_data": None if eval_chunks is None else {
+        "evaluation_data": None
+        if eval_chunks is None
+        else {
             "source": eval_chunks.facts["source"],
             "tokens_sha256": eval_chunks.facts["tokens_sha256"],
             "samples": eval_chunks.facts["samples"],

@@ -19,8 +19,15 @@ from rich.progress import (
 
 T = TypeVar("T")
 
-_COLUMNS = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn())
+_COLUMNS = (
+    SpinnerColumn(),
+    TextColumn("[bold]{task.description}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TimeElapsedColumn(),
+    TextColumn("eta"),
+    TimeRemainingColumn(),
+)
 
 
 class Reporter:

@@ -16,7 +16,6 @@ from compress.schema.recipe import *  # noqa: F403 - the recipe models (compress
 from compress.schema.recipe import PATH_FIELDS, Recipe
 from compress.schema.yamlio import format_path, load_yaml, read_text
 
-
 # --------------------------------------------------------------------------- loading
 
 
@@ -100,8 +99,9 @@ def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Re
         raise RecipeError(format_validation_error(exc, lines, filename)) from None
 
 
-def format_validation_error(exc: ValidationError, lines: dict[tuple, int], filename: str, root: type[BaseModel] | None = None,
-                            what: str = "recipe") -> str:
+def format_validation_error(
+    exc: ValidationError, lines: dict[tuple, int], filename: str, root: type[BaseModel] | None = None, what: str = "recipe"
+) -> str:
     messages = []
     for err in exc.errors():
         loc, parent = _resolve_loc(tuple(err["loc"]), root or Recipe)

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import EXIT_GATE_FAILED, ArtifactError, CompressError
-from compress.fsutil import MANIFEST, atomic_directory, combined_digest, sha256_file
-from compress.schema.recipe import alias_problem
-from compress.verify import MODEL_CARD, Contents, check_artifact
+from compress.fsutil import MANIFEST, atomic_directory, sha256_file
 from compress.model_card import gate_summary, model_card
 from compress.progress import Reporter
+from compress.schema.recipe import alias_problem
+from compress.verify import MODEL_CARD, Contents, check_artifact
 
 EXPERIMENT = "compress-publish"  # the MLflow experiment holding one run per publish
 ARTIFACT_PATH = "artifact"  # the run artifact folder a version's source points at
@@ -132,8 +132,10 @@ def _errors(location: Location) -> Iterator[None]:
     except MlflowException as exc:
         hint = ""
         if "401" in exc.message or "403" in exc.message:
-            hint = (" — the server wants credentials: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
-                    "MLFLOW_TRACKING_TOKEN, in the environment (for a user allowed to write)")
+            hint = (
+                " — the server wants credentials: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                "MLFLOW_TRACKING_TOKEN, in the environment (for a user allowed to write)"
+            )
         raise RegistryError(f"{location.describe()}: {exc.message}{hint}") from None
     except OSError as exc:  # connection refused, DNS, disk
         raise RegistryError(f"{location.describe()}: {exc}") from None
@@ -151,8 +153,10 @@ def connect(location: Location, create: bool = True) -> Any:
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # stdout is ours (`registry list --json`)
     if location.store is not None:
         if not create and not location.exists:
-            raise RegistryError(f"no registry at {location.store}: nothing was published there yet (`compress publish` creates it; "
-                                "--store or $COMPRESS_REGISTRY choose another)")
+            raise RegistryError(
+                f"no registry at {location.store}: nothing was published there yet (`compress publish` creates it; "
+                "--store or $COMPRESS_REGISTRY choose another)"
+            )
         location.store.mkdir(parents=True, exist_ok=True)
     return MlflowClient(tracking_uri=location.tracking_uri, registry_uri=location.registry_uri)
 
@@ -231,9 +235,16 @@ class Published:
 
 def _run_tags(contents: Contents, name: str) -> dict[str, str]:
     model = contents.manifest.get("model", {})
-    return {Tag.NAME: name, Tag.CONTENT: contents.content_sha256, Tag.BASE_MODEL: str(model.get("source", "")),
-            Tag.BASE_SHA: str(model.get("sha256", "")), Tag.RECIPE_SHA: str(contents.manifest.get("recipe", {}).get("sha256", "")),
-            Tag.HOST: socket.gethostname(), Tag.PID: str(os.getpid()), Tag.STARTED: f"{time.time():.3f}"}
+    return {
+        Tag.NAME: name,
+        Tag.CONTENT: contents.content_sha256,
+        Tag.BASE_MODEL: str(model.get("source", "")),
+        Tag.BASE_SHA: str(model.get("sha256", "")),
+        Tag.RECIPE_SHA: str(contents.manifest.get("recipe", {}).get("sha256", "")),
+        Tag.HOST: socket.gethostname(),
+        Tag.PID: str(os.getpid()),
+        Tag.STARTED: f"{time.time():.3f}",
+    }
 
 
 def _metrics(report: dict[str, Any]) -> dict[str, float]:
@@ -267,7 +278,7 @@ def _listing(client: Any, run_id: str, path: str = ARTIFACT_PATH) -> dict[str, i
         if entry.is_dir:
             found.update(_listing(client, run_id, entry.path))
         else:
-            found[entry.path[len(ARTIFACT_PATH) + 1:]] = entry.file_size
+            found[entry.path[len(ARTIFACT_PATH) + 1 :]] = entry.file_size
     return found
 
 
@@ -276,8 +287,10 @@ def _check_upload(client: Any, run_id: str, contents: Contents, card_size: int) 
     stored = _listing(client, run_id)
     wrong = sorted(rel for rel, size in expected.items() if rel not in stored or (stored[rel] is not None and stored[rel] != size))
     if wrong:
-        raise RegistryError(f"the upload to run {run_id} is incomplete ({len(wrong)} file(s) missing or short, e.g. {wrong[0]}); "
-                            "no version was created — publish again")
+        raise RegistryError(
+            f"the upload to run {run_id} is incomplete ({len(wrong)} file(s) missing or short, e.g. {wrong[0]}); "
+            "no version was created — publish again"
+        )
 
 
 def _ensure_registered_model(client: Any, name: str, contents: Contents) -> None:
@@ -308,8 +321,14 @@ def check_aliases(aliases: list[str]) -> None:
             raise RegistryError(problem)
 
 
-def publish(directory: str | Path, name: str | None = None, aliases: list[str] | None = None, force: bool = False,
-            location: Location | None = None, reporter: Reporter | None = None) -> Published:
+def publish(
+    directory: str | Path,
+    name: str | None = None,
+    aliases: list[str] | None = None,
+    force: bool = False,
+    location: Location | None = None,
+    reporter: Reporter | None = None,
+) -> Published:
     """Publish an artifact directory as a registry version (see the module docstring for the order)."""
     reporter = reporter or Reporter(quiet=True)
     location = location or resolve_location()
@@ -322,15 +341,26 @@ def publish(directory: str | Path, name: str | None = None, aliases: list[str] |
     status, passed, total = gate_summary(contents.report)
     if status == "failed" and not force:
         failed = [g["name"] for g in contents.report["gates"] if not g.get("passed")]
-        raise PublishRefused(f"{total - passed} of {total} gates failed in {contents.root / 'report.json'} "
-                             f"({', '.join(failed)}); fix the artifact, or pass --force to publish it marked as forced")
+        raise PublishRefused(
+            f"{total - passed} of {total} gates failed in {contents.root / 'report.json'} "
+            f"({', '.join(failed)}); fix the artifact, or pass --force to publish it marked as forced"
+        )
     forced = force and status == "failed"
     with _exclusive(location, reporter):
         return _publish(contents, name, aliases, status, passed, total, forced, location, reporter)
 
 
-def _publish(contents: Contents, name: str, aliases: list[str], status: str, passed: int, total: int, forced: bool,
-             location: Location, reporter: Reporter) -> Published:
+def _publish(
+    contents: Contents,
+    name: str,
+    aliases: list[str],
+    status: str,
+    passed: int,
+    total: int,
+    forced: bool,
+    location: Location,
+    reporter: Reporter,
+) -> Published:
     client = connect(location)
     with _errors(location):
         marked = mark_abandoned(client)
@@ -338,10 +368,20 @@ def _publish(contents: Contents, name: str, aliases: list[str], status: str, pas
         if existing:
             version = existing[0]
             _set_aliases(client, name, str(version.version), aliases)
-            return Published(name, str(version.version), True, aliases, contents.content_sha256, version.tags.get(Tag.GATES, status),
-                             version.tags.get(Tag.FORCED) == "true", location.describe(), marked)
-        run = client.create_run(_experiment_id(client, location), run_name=f"{name} {contents.content_sha256[:12]}",
-                                tags=_run_tags(contents, name))
+            return Published(
+                name,
+                str(version.version),
+                True,
+                aliases,
+                contents.content_sha256,
+                version.tags.get(Tag.GATES, status),
+                version.tags.get(Tag.FORCED) == "true",
+                location.describe(),
+                marked,
+            )
+        run = client.create_run(
+            _experiment_id(client, location), run_name=f"{name} {contents.content_sha256[:12]}", tags=_run_tags(contents, name)
+        )
         run_id = run.info.run_id
         try:
             version = _publish_run(client, run, name, contents, status, passed, total, forced, aliases, reporter)
@@ -352,8 +392,18 @@ def _publish(contents: Contents, name: str, aliases: list[str], status: str, pas
     return Published(name, version, False, aliases, contents.content_sha256, status, forced, location.describe(), marked)
 
 
-def _publish_run(client: Any, run: Any, name: str, contents: Contents, status: str, passed: int, total: int, forced: bool,
-                 aliases: list[str], reporter: Reporter) -> str:
+def _publish_run(
+    client: Any,
+    run: Any,
+    name: str,
+    contents: Contents,
+    status: str,
+    passed: int,
+    total: int,
+    forced: bool,
+    aliases: list[str],
+    reporter: Reporter,
+) -> str:
     run_id = run.info.run_id
     metrics = _metrics(contents.report)
     if metrics:
@@ -370,17 +420,29 @@ def _publish_run(client: Any, run: Any, name: str, contents: Contents, status: s
     _check_upload(client, run_id, contents, card_size)
     _ensure_registered_model(client, name, contents)
     model = contents.manifest.get("model", {})
-    tags = {Tag.CONTENT: contents.content_sha256, Tag.MANIFEST: contents.files[MANIFEST], Tag.CARD: card_sha,
-            Tag.FILES: str(len(contents.files)), Tag.SIZE: str(sum(contents.sizes.values())),
-            Tag.BASE_MODEL: str(model.get("source", "")), Tag.BASE_SHA: str(model.get("sha256", "")),
-            Tag.RECIPE_SHA: str(contents.manifest.get("recipe", {}).get("sha256", "")), Tag.GATES: status,
-            Tag.GATES_PASSED: f"{passed}/{total}", Tag.FORCED: "true" if forced else "false",
-            Tag.VERSION: str(contents.manifest.get("versions", {}).get("compress", ""))}
-    description = f"{status} gates ({passed}/{total})" + (", published with --force" if forced else "") + \
-        f"; compressed from {model.get('source', '?')}; content {contents.content_sha256[:16]}"
+    tags = {
+        Tag.CONTENT: contents.content_sha256,
+        Tag.MANIFEST: contents.files[MANIFEST],
+        Tag.CARD: card_sha,
+        Tag.FILES: str(len(contents.files)),
+        Tag.SIZE: str(sum(contents.sizes.values())),
+        Tag.BASE_MODEL: str(model.get("source", "")),
+        Tag.BASE_SHA: str(model.get("sha256", "")),
+        Tag.RECIPE_SHA: str(contents.manifest.get("recipe", {}).get("sha256", "")),
+        Tag.GATES: status,
+        Tag.GATES_PASSED: f"{passed}/{total}",
+        Tag.FORCED: "true" if forced else "false",
+        Tag.VERSION: str(contents.manifest.get("versions", {}).get("compress", "")),
+    }
+    description = (
+        f"{status} gates ({passed}/{total})"
+        + (", published with --force" if forced else "")
+        + f"; compressed from {model.get('source', '?')}; content {contents.content_sha256[:16]}"
+    )
     with reporter.status(f"registering a version of {name}"):
-        created = client.create_model_version(name, source=f"{run.info.artifact_uri}/{ARTIFACT_PATH}", run_id=run_id, tags=tags,
-                                              description=description)
+        created = client.create_model_version(
+            name, source=f"{run.info.artifact_uri}/{ARTIFACT_PATH}", run_id=run_id, tags=tags, description=description
+        )
         version = _settle_duplicates(client, name, contents.content_sha256, str(created.version))
         _set_aliases(client, name, version, aliases)
     return version
@@ -505,8 +567,9 @@ def verify_pulled(directory: Path, tags: dict[str, str]) -> Contents:
     return contents
 
 
-def pull(ref: str, out_dir: str | Path, location: Location | None = None, overwrite: bool = False,
-         reporter: Reporter | None = None) -> Pulled:
+def pull(
+    ref: str, out_dir: str | Path, location: Location | None = None, overwrite: bool = False, reporter: Reporter | None = None
+) -> Pulled:
     """Download a version into ``out_dir`` (atomically) and verify every file; nothing is left
     behind when a check fails."""
     reporter = reporter or Reporter(quiet=True)
@@ -523,8 +586,9 @@ def pull(ref: str, out_dir: str | Path, location: Location | None = None, overwr
             raise RegistryError(f"{where} was not published by compress (no {Tag.CONTENT} tag), so its files cannot be verified")
         with atomic_directory(Path(out_dir), overwrite=overwrite) as tmp:
             with reporter.status(f"downloading {where} ({int(version.tags.get(Tag.SIZE, 0)) / 2**20:,.1f} MiB)"):
-                incoming = Path(download_artifacts(artifact_uri=version.source, dst_path=str(tmp / ".incoming"),
-                                                   tracking_uri=location.tracking_uri))
+                incoming = Path(
+                    download_artifacts(artifact_uri=version.source, dst_path=str(tmp / ".incoming"), tracking_uri=location.tracking_uri)
+                )
             for child in incoming.iterdir():
                 child.rename(tmp / child.name)
             shutil.rmtree(tmp / ".incoming")
@@ -533,8 +597,15 @@ def pull(ref: str, out_dir: str | Path, location: Location | None = None, overwr
                     contents = verify_pulled(tmp, version.tags)
                 except RegistryError as exc:
                     raise RegistryError(f"{where} failed verification, nothing was written: {exc}") from None
-    return Pulled(version.name, str(version.version), Path(out_dir), len(contents.files) + 1, contents.content_sha256,
-                  version.tags.get(Tag.GATES, "?"), version.tags.get(Tag.FORCED) == "true")
+    return Pulled(
+        version.name,
+        str(version.version),
+        Path(out_dir),
+        len(contents.files) + 1,
+        contents.content_sha256,
+        version.tags.get(Tag.GATES, "?"),
+        version.tags.get(Tag.FORCED) == "true",
+    )
 
 
 # --- listing ----------------------------------------------------------------------------------
@@ -555,12 +626,22 @@ def list_registry(location: Location | None = None, name: str | None = None) -> 
             by_version: dict[str, list[str]] = {}
             for alias, number in (model.aliases or {}).items():
                 by_version.setdefault(str(number), []).append(alias)
-            versions = [{"version": str(v.version), "status": v.status, "ready": _ready(v), "aliases": sorted(by_version.get(str(v.version), [])),
-                         "gates": v.tags.get(Tag.GATES, "unknown"), "gates_passed": v.tags.get(Tag.GATES_PASSED),
-                         "forced": v.tags.get(Tag.FORCED) == "true", "content_sha256": v.tags.get(Tag.CONTENT),
-                         "size_bytes": int(v.tags[Tag.SIZE]) if Tag.SIZE in v.tags else None,
-                         "created": _iso(v.creation_timestamp), "run_id": v.run_id}
-                        for v in _versions(client, model.name)]
+            versions = [
+                {
+                    "version": str(v.version),
+                    "status": v.status,
+                    "ready": _ready(v),
+                    "aliases": sorted(by_version.get(str(v.version), [])),
+                    "gates": v.tags.get(Tag.GATES, "unknown"),
+                    "gates_passed": v.tags.get(Tag.GATES_PASSED),
+                    "forced": v.tags.get(Tag.FORCED) == "true",
+                    "content_sha256": v.tags.get(Tag.CONTENT),
+                    "size_bytes": int(v.tags[Tag.SIZE]) if Tag.SIZE in v.tags else None,
+                    "created": _iso(v.creation_timestamp),
+                    "run_id": v.run_id,
+                }
+                for v in _versions(client, model.name)
+            ]
             listed.append({"name": model.name, "aliases": {a: str(n) for a, n in (model.aliases or {}).items()}, "versions": versions})
         publishes = []
         found = client.get_experiment_by_name(EXPERIMENT)
@@ -569,8 +650,15 @@ def list_registry(location: Location | None = None, name: str | None = None) -> 
                 target = run.data.tags.get(Tag.NAME)
                 if name and target != name:
                     continue
-                publishes.append({"run_id": run.info.run_id, "name": target, "status": run.info.status,
-                                  "started": _iso(run.info.start_time), "reason": run.data.tags.get(Tag.FAILURE, "")})
+                publishes.append(
+                    {
+                        "run_id": run.info.run_id,
+                        "name": target,
+                        "status": run.info.status,
+                        "started": _iso(run.info.start_time),
+                        "reason": run.data.tags.get(Tag.FAILURE, ""),
+                    }
+                )
     return {"location": location.describe(), "models": listed, "unfinished_publishes": publishes}
 
 

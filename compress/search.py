@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError, RecipeError
 from compress.fsutil import check_target
 from compress.progress import Reporter
@@ -51,7 +50,7 @@ def expand(loaded: LoadedRecipe) -> list[Candidate]:
     keys = list(spec.variants)
     candidates = []
     for values in itertools.product(*(spec.variants[k] for k in keys)):
-        overrides = [f"{k}={json.dumps(v)}" for k, v in zip(keys, values)]
+        overrides = [f"{k}={json.dumps(v)}" for k, v in zip(keys, values, strict=True)]
         variant = copy.deepcopy(data)
         for item in overrides:
             apply_override(variant, item, dict(lines))
@@ -59,7 +58,7 @@ def expand(loaded: LoadedRecipe) -> list[Candidate]:
             recipe = validate(variant, lines, f"{loaded.path} with {' '.join(overrides)}")
         except RecipeError as exc:
             raise CompressError(f"search candidate {' '.join(overrides)} is not a valid recipe:\n{exc}") from None
-        name = "_".join(f"{k.split('.')[-1]}-{v}" for k, v in zip(keys, values))
+        name = "_".join(f"{k.split('.')[-1]}-{v}" for k, v in zip(keys, values, strict=True))
         candidates.append(Candidate(re.sub(r"[^A-Za-z0-9._-]+", "", name), overrides, recipe, bits_per_weight(recipe)))
     candidates.sort(key=lambda c: (c.bits_per_weight, _cost(c.recipe)))
     return candidates
@@ -92,11 +91,13 @@ def artifact_size(directory: Path, recipe: Recipe) -> int:
         return tree_size(directory / "exports" / recipe.exports[0].name)
 
     manifest = json.loads((directory / "manifest.json").read_text())
-    layers = {name: info for stage in manifest["stages"] for name, info in (stage.get("layers") or {}).items()
-              if "bits_per_weight" in info}
+    layers = {name: info for stage in manifest["stages"] for name, info in (stage.get("layers") or {}).items() if "bits_per_weight" in info}
     total = sum(info["shape"][0] * info["shape"][1] * info["bits_per_weight"] / 8 for info in layers.values())
-    total += sum(numel * SAFETENSORS_ITEMSIZE.get(dtype, 4) for key, numel, dtype in safetensors_entries(directory / "model")
-                 if not key.endswith((".weight_codes", *RECORD_SUFFIXES)))
+    total += sum(
+        numel * SAFETENSORS_ITEMSIZE.get(dtype, 4)
+        for key, numel, dtype in safetensors_entries(directory / "model")
+        if not key.endswith((".weight_codes", *RECORD_SUFFIXES))
+    )
     return int(total)
 
 
@@ -128,8 +129,13 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
     reports: dict[str, dict[str, Any]] = {}
     for i, cand in enumerate(candidates):
         directory = out_dir / "candidates" / f"{i:02d}-{cand.name}"
-        row: dict[str, Any] = {"name": cand.name, "overrides": cand.overrides, "path": str(directory.relative_to(out_dir)),
-                               "expected_bits_per_weight": round(cand.bits_per_weight, 4), "source": "measured"}
+        row: dict[str, Any] = {
+            "name": cand.name,
+            "overrides": cand.overrides,
+            "path": str(directory.relative_to(out_dir)),
+            "expected_bits_per_weight": round(cand.bits_per_weight, 4),
+            "source": "measured",
+        }
         if _same_run(directory, cand.recipe):
             report = json.loads((directory / "report.json").read_text())
             row["status"] = "reused"
@@ -148,24 +154,45 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
         accuracy = [e for e in report["evaluations"] if e.get("kind", "accuracy") == "accuracy" and e["artifact"] != "baseline"]
         first = recipe_primary(cand.recipe)
         chosen_ev = next((e for e in accuracy if e["artifact"] == first), None) or next((e for e in accuracy), None)
-        row.update(passed=report["passed"], size_mb=artifact_size(directory, cand.recipe) / 2**20,
-                   metrics={k: v for k, v in (chosen_ev or {}).get("metrics", {}).items() if k != "tokens_scored"},
-                   gates_failed=[g["name"] for g in report["gates"] if not g["passed"]])
+        row.update(
+            passed=report["passed"],
+            size_mb=artifact_size(directory, cand.recipe) / 2**20,
+            metrics={k: v for k, v in (chosen_ev or {}).get("metrics", {}).items() if k != "tokens_scored"},
+            gates_failed=[g["name"] for g in report["gates"] if not g["passed"]],
+        )
         rows.append(row)
         if spec.stop_at_first_pass and report["passed"]:
             break
-    for cand in candidates[len(rows):]:
-        rows.append({"name": cand.name, "overrides": cand.overrides, "status": "not run (stopped at the first passing candidate)",
-                     "passed": None, "size_mb": None, "expected_bits_per_weight": round(cand.bits_per_weight, 4)})
+    for cand in candidates[len(rows) :]:
+        rows.append(
+            {
+                "name": cand.name,
+                "overrides": cand.overrides,
+                "status": "not run (stopped at the first passing candidate)",
+                "passed": None,
+                "size_mb": None,
+                "expected_bits_per_weight": round(cand.bits_per_weight, 4),
+            }
+        )
     passing = [r for r in rows if r.get("passed")]
     chosen = min(passing, key=lambda r: r["size_mb"]) if passing else None
     base = reports[chosen["path"]] if chosen else {"evaluations": [], "gates": [], "evaluation_data": None}
-    report = {"schema_version": REPORT_VERSION, "recipe": loaded.recipe.name, "passed": chosen is not None,
-              "evaluations": base["evaluations"], "gates": base["gates"], "evaluation_data": base.get("evaluation_data"),
-              "search": {"candidates": rows, "chosen": chosen["name"] if chosen else None,
-                         "chosen_path": chosen["path"] if chosen else None, "stop_at_first_pass": spec.stop_at_first_pass,
-                         "order": "expected bits per weight, then method cost (rtn, llm_int8, awq, gptq)",
-                         "size": "the first export's files, else model/'s weights as a packed checkpoint stores them, MiB"}}
+    report = {
+        "schema_version": REPORT_VERSION,
+        "recipe": loaded.recipe.name,
+        "passed": chosen is not None,
+        "evaluations": base["evaluations"],
+        "gates": base["gates"],
+        "evaluation_data": base.get("evaluation_data"),
+        "search": {
+            "candidates": rows,
+            "chosen": chosen["name"] if chosen else None,
+            "chosen_path": chosen["path"] if chosen else None,
+            "stop_at_first_pass": spec.stop_at_first_pass,
+            "order": "expected bits per weight, then method cost (rtn, llm_int8, awq, gptq)",
+            "size": "the first export's files, else model/'s weights as a packed checkpoint stores them, MiB",
+        },
+    }
     write_document(out_dir / "report.json", report, Report)
     write_reports(out_dir, json_safe(report), suite=f"search {loaded.recipe.name or loaded.path.stem}")
     return SearchResult(out_dir, report)

@@ -53,8 +53,10 @@ def check_artifact(directory: str | Path, advice: str = RERUN) -> Contents:
     if not (root / MANIFEST).is_file() and (root / REPORT).is_file():
         chosen = (read_json_object(root / REPORT) or {}).get("search") or {}
         if isinstance(chosen, dict) and chosen.get("chosen_path"):
-            raise ArtifactError(f"{root} is a recipe search, not an artifact; publish its chosen candidate (or gate or verify it): "
-                                f"{root / str(chosen['chosen_path'])}")
+            raise ArtifactError(
+                f"{root} is a recipe search, not an artifact; publish its chosen candidate (or gate or verify it): "
+                f"{root / str(chosen['chosen_path'])}"
+            )
     if not (root / MANIFEST).is_file() or not (root / REPORT).is_file():
         raise ArtifactError(f"{root} is not a compress artifact (needs {MANIFEST} and {REPORT}, as `compress run` writes them)")
     manifest = _json(root / MANIFEST)
@@ -73,9 +75,16 @@ def check_artifact(directory: str | Path, advice: str = RERUN) -> Contents:
     present -= {MANIFEST, MODEL_CARD}
     missing, extra = sorted(set(listed) - present - set(links)), sorted(present - set(listed))
     changed = [rel for rel in sorted(set(listed) & present) if sha256_file(root / rel) != listed[rel]]
-    problems = [f"{label}: {', '.join(items[:5])}{' …' if len(items) > 5 else ''}"
-                for label, items in (("missing", missing), ("changed since the run", changed),
-                                     ("not in the manifest", extra), ("links, not files", sorted(links))) if items]
+    problems = [
+        f"{label}: {', '.join(items[:5])}{' …' if len(items) > 5 else ''}"
+        for label, items in (
+            ("missing", missing),
+            ("changed since the run", changed),
+            ("not in the manifest", extra),
+            ("links, not files", sorted(links)),
+        )
+        if items
+    ]
     if problems:
         raise ArtifactError(f"{root} does not match its manifest ({'; '.join(problems)})" + (f"; {advice}" if advice else ""))
     files = dict(sorted({**listed, MANIFEST: sha256_file(root / MANIFEST)}.items()))

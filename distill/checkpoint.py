@@ -48,8 +48,9 @@ def latest(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(directory: Path, student: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState,
-         fingerprint: str) -> Path:
+def save(
+    directory: Path, student: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, fingerprint: str
+) -> Path:
     """Write ``step-NNNNNN`` next to the old ones via a temporary name, then drop the older ones."""
     from safetensors.torch import save_file, save_model
 
@@ -61,11 +62,20 @@ def save(directory: Path, student: nn.Module, optimizer: torch.optim.Optimizer, 
     save_model(student, str(tmp / "student.safetensors"))
     if state.best_weights is not None:
         save_file({str(i): t.contiguous() for i, t in enumerate(state.best_weights)}, str(tmp / BEST_FILE))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
-               tmp / "optimizer.pt")
-    payload = {"fingerprint": fingerprint, "step": state.step, "tokens": state.tokens, "seconds": state.seconds, "history": state.history,
-               "planned_steps": state.planned_steps, "wall_seconds": state.wall_seconds, "eval_seconds": state.eval_seconds,
-               "best": state.best}
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt"
+    )
+    payload = {
+        "fingerprint": fingerprint,
+        "step": state.step,
+        "tokens": state.tokens,
+        "seconds": state.seconds,
+        "history": state.history,
+        "planned_steps": state.planned_steps,
+        "wall_seconds": state.wall_seconds,
+        "eval_seconds": state.eval_seconds,
+        "best": state.best,
+    }
     (tmp / STATE_FILE).write_text(json.dumps(payload, indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -94,7 +104,15 @@ def load(path: Path, student: nn.Module, optimizer: torch.optim.Optimizer, sched
     if (path / BEST_FILE).is_file():
         saved = load_file(str(path / BEST_FILE))
         best_weights = [saved[str(i)] for i in range(len(saved))]
-    return TrainState(step=payload["step"], tokens=payload["tokens"], seconds=payload["seconds"], history=payload["history"],
-                      resumed_from=payload["step"], planned_steps=payload.get("planned_steps"),
-                      wall_seconds=payload.get("wall_seconds", 0.0), eval_seconds=payload.get("eval_seconds", 0.0),
-                      best=payload.get("best"), best_weights=best_weights)
+    return TrainState(
+        step=payload["step"],
+        tokens=payload["tokens"],
+        seconds=payload["seconds"],
+        history=payload["history"],
+        resumed_from=payload["step"],
+        planned_steps=payload.get("planned_steps"),
+        wall_seconds=payload.get("wall_seconds", 0.0),
+        eval_seconds=payload.get("eval_seconds", 0.0),
+        best=payload.get("best"),
+        best_weights=best_weights,
+    )

@@ -32,10 +32,9 @@ from compress.context import RunContext, StageRecord
 from compress.distill import checkpoint
 from compress.distill.losses import CosineSchedule
 from compress.distill.refit import refit_down_proj, refit_targets
-from compress.distill.train import Processes, Trainer, sample_order, eval_min_context
+from compress.distill.train import Processes, Trainer, eval_min_context, sample_order
 from compress.errors import CompressError
 from compress.schema.distill import ORIGINAL, DistillConfig, DistillData, DistillEval, DistillRefit  # noqa: F401 - re-exported
-
 
 # --------------------------------------------------------------------------- the stage
 
@@ -59,14 +58,18 @@ class DistillStage:
         cfg = self.config
         started = time.perf_counter()
         if ctx.quantized:
-            raise CompressError(f"{self.label} (distill): the model has quantized layers ({next(iter(ctx.quantized))} …); "
-                                "distillation trains float weights, so put it before the quantize stage")
+            raise CompressError(
+                f"{self.label} (distill): the model has quantized layers ({next(iter(ctx.quantized))} …); "
+                "distillation trains float weights, so put it before the quantize stage"
+            )
         if ctx.text is None or (cfg.teacher != ORIGINAL and ctx.load_teacher is None):
             raise CompressError(f"{self.label} (distill): the run context gives no text (or no model loader) to train with")
         teacher, teacher_desc = self._teacher(model, ctx)
         if teacher.config.vocab_size != model.config.vocab_size:
-            raise CompressError(f"{self.label} (distill): teacher vocabulary ({teacher.config.vocab_size}) differs from the "
-                                f"student's ({model.config.vocab_size}); a KL loss needs the same tokenizer")
+            raise CompressError(
+                f"{self.label} (distill): teacher vocabulary ({teacher.config.vocab_size}) differs from the "
+                f"student's ({model.config.vocab_size}); a KL loss needs the same tokenizer"
+            )
         procs = Processes(ctx.device)
         pairs, channels = self._hidden_mapping(model, teacher, ctx)
         per_step = cfg.batch_size * cfg.grad_accum * procs.world
@@ -89,9 +92,28 @@ class DistillStage:
         if found is not None:
             state = checkpoint.load(found, model, optimizer, scheduler, fingerprint)
             ctx.reporter.info(f"{self.label} (distill): resuming from {found} (step {state.step} of {cfg.steps})")
-        trainer = Trainer(cfg, self.label, model, teacher, procs, optimizer, scheduler, schedule, trainable, state,
-                          train_tokens, eval_tokens, device, use_bf16, pairs, channels, ckpt_dir, fingerprint, ctx.reporter,
-                          self._refit(model, teacher, ctx, train_tokens, use_bf16) if found is None else None)
+        trainer = Trainer(
+            cfg,
+            self.label,
+            model,
+            teacher,
+            procs,
+            optimizer,
+            scheduler,
+            schedule,
+            trainable,
+            state,
+            train_tokens,
+            eval_tokens,
+            device,
+            use_bf16,
+            pairs,
+            channels,
+            ckpt_dir,
+            fingerprint,
+            ctx.reporter,
+            self._refit(model, teacher, ctx, train_tokens, use_bf16) if found is None else None,
+        )
         trainer.run()
         full = procs.full_state(trainer.wrapped)
         if full is not None:
@@ -116,23 +138,37 @@ class DistillStage:
             "resumed_from_step": state.resumed_from,
             "autocast": "bf16" if use_bf16 else "off",
             "hidden_loss_layers": len(pairs),
-            "training_data": {"source": cfg.data.source or "data.calibration", "chunks": int(train_tokens.shape[0]), "seq_len": cfg.seq_len,
-                              "epochs": round(state.step * per_step / train_tokens.shape[0], 3)},
-            "held_apart_eval": {"chunks": cfg.eval.samples, "seq_len": cfg.seq_len, "min_context": eval_min_context(cfg.seq_len),
-                                "against": "the teacher"},
+            "training_data": {
+                "source": cfg.data.source or "data.calibration",
+                "chunks": int(train_tokens.shape[0]),
+                "seq_len": cfg.seq_len,
+                "epochs": round(state.step * per_step / train_tokens.shape[0], 3),
+            },
+            "held_apart_eval": {
+                "chunks": cfg.eval.samples,
+                "seq_len": cfg.seq_len,
+                "min_context": eval_min_context(cfg.seq_len),
+                "against": "the teacher",
+            },
             "before": {k: first[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
-            "refit": None if refitted is None else {**refitted["refit"], **{k: refitted[k] for k in ("kl_divergence", "top1_agreement", "perplexity")}},
+            "refit": None
+            if refitted is None
+            else {**refitted["refit"], **{k: refitted[k] for k in ("kl_divergence", "top1_agreement", "perplexity")}},
             "after": {k: kept[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
             "kept_step": kept["step"],
             "history": state.history,
         }
-        ctx.reporter.info(f"{self.label} (distill): KL to the teacher {first['kl_divergence']:.4f} → {final['kl_divergence']:.4f} "
-                          f"in {state.step} steps, {state.tokens:,} tokens, {state.wall_seconds:.0f} s"
-                          + (f" (the {cfg.max_minutes:g}-minute budget ended it before step {cfg.steps})" if state.step < cfg.steps else ""))
+        ctx.reporter.info(
+            f"{self.label} (distill): KL to the teacher {first['kl_divergence']:.4f} → {final['kl_divergence']:.4f} "
+            f"in {state.step} steps, {state.tokens:,} tokens, {state.wall_seconds:.0f} s"
+            + (f" (the {cfg.max_minutes:g}-minute budget ended it before step {cfg.steps})" if state.step < cfg.steps else "")
+        )
         if kept is not final:
             when = "from before the first step" if kept["step"] == 0 else f"of step {kept['step']}"
-            ctx.reporter.warn(f"{self.label} (distill): training raised the held-apart KL from its best, {kept['kl_divergence']:.4f}; "
-                              f"the stage returns the weights {when} (keep_best)")
+            ctx.reporter.warn(
+                f"{self.label} (distill): training raised the held-apart KL from its best, {kept['kl_divergence']:.4f}; "
+                f"the stage returns the weights {when} (keep_best)"
+            )
         return StageRecord("distill", cfg.loss, cfg.model_dump(mode="json"), time.perf_counter() - started, summary)
 
     def _teacher(self, model: nn.Module, ctx: RunContext) -> tuple[nn.Module, str]:
@@ -157,14 +193,17 @@ class DistillStage:
             return [], None
         mapping = self._block_mapping(model, teacher, ctx)
         if mapping is None:
-            raise CompressError(f"{self.label} (distill): hidden_loss_weight needs to know which teacher layer and channel each "
-                                "student one matches; that is known for teacher: original after a prune stage, or when both "
-                                f"have the same shape (student {model.config.num_hidden_layers} x {model.config.hidden_size}, "
-                                f"teacher {teacher.config.num_hidden_layers} x {teacher.config.hidden_size})")
+            raise CompressError(
+                f"{self.label} (distill): hidden_loss_weight needs to know which teacher layer and channel each "
+                "student one matches; that is known for teacher: original after a prune stage, or when both "
+                f"have the same shape (student {model.config.num_hidden_layers} x {model.config.hidden_size}, "
+                f"teacher {teacher.config.num_hidden_layers} x {teacher.config.hidden_size})"
+            )
         return layer_map(mapping[0], teacher.config.num_hidden_layers), mapping[1]
 
-    def _refit(self, model: nn.Module, teacher: nn.Module, ctx: RunContext, train_tokens: torch.Tensor,
-               use_bf16: bool) -> Callable[[], dict[str, Any]] | None:
+    def _refit(
+        self, model: nn.Module, teacher: nn.Module, ctx: RunContext, train_tokens: torch.Tensor, use_bf16: bool
+    ) -> Callable[[], dict[str, Any]] | None:
         """The least-squares refit as the trainer runs it before step 1, or None when it has nothing to do."""
         cfg = self.config
         if cfg.refit is None:
@@ -172,15 +211,19 @@ class DistillStage:
         mapping = self._block_mapping(model, teacher, ctx)
         if mapping is None:
             if "refit" in cfg.model_fields_set:
-                raise CompressError(f"{self.label} (distill): refit needs to know which teacher block each student block matches; "
-                                    "that is known for teacher: original after a prune stage, or the same number of layers and "
-                                    "hidden size (or set refit: null)")
+                raise CompressError(
+                    f"{self.label} (distill): refit needs to know which teacher block each student block matches; "
+                    "that is known for teacher: original after a prune stage, or the same number of layers and "
+                    "hidden size (or set refit: null)"
+                )
             return None
         layers, channels = mapping
         if channels is not None:  # hidden channels pruned: measured worse on a tiny model (module docstring)
             if "refit" in cfg.model_fields_set:
-                raise CompressError(f"{self.label} (distill): refit fits MLPs on the teacher's hidden states, which the student no "
-                                    "longer has once hidden channels are pruned (it made the KL worse there); set refit: null")
+                raise CompressError(
+                    f"{self.label} (distill): refit fits MLPs on the teacher's hidden states, which the student no "
+                    "longer has once hidden channels are pruned (it made the KL worse there); set refit: null"
+                )
             return None
         if not refit_targets(model, teacher, layers):
             return None
@@ -190,9 +233,11 @@ class DistillStage:
         tokens = train_tokens[list(order)]
 
         def run() -> dict[str, Any]:
-            report = refit_down_proj(model, teacher, tokens, layers, cfg.refit.damp, cfg.batch_size, ctx.device,
-                                     use_bf16, ctx.reporter.track)
+            report = refit_down_proj(
+                model, teacher, tokens, layers, cfg.refit.damp, cfg.batch_size, ctx.device, use_bf16, ctx.reporter.track
+            )
             return {"blocks": report.blocks, "tokens": report.tokens, "seconds": round(report.seconds, 2), "damp": cfg.refit.damp}
+
         return run
 
     def _trainable(self, model: nn.Module) -> list[nn.Parameter]:

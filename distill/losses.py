@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 KL_ROWS = 64  # positions per block of the KL loss: a few float32 [rows, vocab] temporaries stay small
 
 
@@ -31,14 +30,14 @@ class _ForwardKL(torch.autograd.Function):
         grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float64, device=student.device)
         for start in range(0, rows, KL_ROWS):
-            s, t = student[start:start + KL_ROWS].float(), teacher[start:start + KL_ROWS].float()
+            s, t = student[start : start + KL_ROWS].float(), teacher[start : start + KL_ROWS].float()
             if temperature != 1.0:
                 s, t = s / temperature, t / temperature
             log_pt, log_ps = torch.log_softmax(t, dim=-1), torch.log_softmax(s, dim=-1)
             p_t = log_pt.exp()
             total += (p_t * (log_pt - log_ps)).sum(dtype=torch.float64)
             if grad is not None:  # d(T² KL)/ds = T (p_s - p_t), per row
-                grad[start:start + KL_ROWS] = log_ps.exp_().sub_(p_t).mul_(temperature / rows)
+                grad[start : start + KL_ROWS] = log_ps.exp_().sub_(p_t).mul_(temperature / rows)
         ctx.save_for_backward(grad)
         return (total * temperature**2 / rows).float()
 
@@ -55,8 +54,12 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     return _ForwardKL.apply(student_logits.reshape(-1, vocab), teacher_logits.detach().reshape(-1, vocab), temperature)
 
 
-def hidden_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor], layer_map: Sequence[tuple[int, int]],
-                channels: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_loss(
+    student: Sequence[torch.Tensor],
+    teacher: Sequence[torch.Tensor],
+    layer_map: Sequence[tuple[int, int]],
+    channels: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mean over ``layer_map`` pairs ``(student_index, teacher_index)`` of
     ``|h_s - h_t[..., channels]|² / |h_t[..., channels]|²`` (``channels`` maps student channels
     to teacher channels when the embedding was pruned)."""

@@ -48,9 +48,17 @@ def refit_targets(student: nn.Module, teacher: nn.Module, layers: list[int]) -> 
     return [j for j, t in enumerate(layers) if sp.down_proj(sp.blocks[j]).weight.shape != tp.down_proj(tp.blocks[t]).weight.shape]
 
 
-def refit_down_proj(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, layers: list[int],
-                    damp: float, batch_size: int, device: torch.device, bf16: bool,
-                    progress: Callable[..., Iterable] | None = None) -> RefitReport:
+def refit_down_proj(
+    student: nn.Module,
+    teacher: nn.Module,
+    tokens: torch.Tensor,
+    layers: list[int],
+    damp: float,
+    batch_size: int,
+    device: torch.device,
+    bf16: bool,
+    progress: Callable[..., Iterable] | None = None,
+) -> RefitReport:
     """Refit the down projections of :func:`refit_targets` in place (see the module docstring).
     ``layers[j]``: the teacher block of student block j (both with the same hidden channels);
     ``tokens``: [samples, seq] token ids."""
@@ -70,6 +78,7 @@ def refit_down_proj(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor
     def on_residual(j: int) -> Callable:
         def hook(_m: nn.Module, args: tuple) -> None:
             residual[j] = args[0]
+
         return hook
 
     def on_mlp(j: int) -> Callable:
@@ -90,6 +99,7 @@ def refit_down_proj(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor
                     y = y - down.bias.float()
                 gram[j] += (a.T @ a).double().cpu()
                 cross[j] += (a.T @ y).double().cpu()
+
         return hook
 
     for j in targets:
@@ -99,7 +109,7 @@ def refit_down_proj(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor
     batches = list(tokens.split(batch_size))
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            for ids in (progress(batches, "distill: least-squares refit", len(batches)) if progress else batches):
+            for ids in progress(batches, "distill: least-squares refit", len(batches)) if progress else batches:
                 tp.base(input_ids=ids.to(device), use_cache=False)
     finally:
         for h in handles:

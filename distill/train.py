@@ -133,12 +133,20 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         self.model.eval()
-        metrics = compare(torch_forward(self.teacher, self.device), {"student": torch_forward(self.model, self.device)},
-                          self.eval_tokens, min_context=eval_min_context(self.config.seq_len))["student"]
+        metrics = compare(
+            torch_forward(self.teacher, self.device),
+            {"student": torch_forward(self.model, self.device)},
+            self.eval_tokens,
+            min_context=eval_min_context(self.config.seq_len),
+        )["student"]
         self.model.train()
         s = self.state
-        return {"step": s.step, "tokens": s.tokens, "seconds": round(s.seconds, 2),
-                **{k: metrics[k] for k in ("kl_divergence", "top1_agreement", "perplexity")}}
+        return {
+            "step": s.step,
+            "tokens": s.tokens,
+            "seconds": round(s.seconds, 2),
+            **{k: metrics[k] for k in ("kl_divergence", "top1_agreement", "perplexity")},
+        }
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -181,9 +189,11 @@ class Trainer:
                 done = self.refit()
                 point = {**self.evaluate(), "loss": None, "refit": done}
                 state.history.append(point)
-                self.reporter.info(f"{self.label} least-squares refit of {len(done['blocks'])} down projections "
-                                   f"({done['tokens']:,} tokens, {done['seconds']:.0f} s): KL {point['kl_divergence']:.4f}  "
-                                   f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}")
+                self.reporter.info(
+                    f"{self.label} least-squares refit of {len(done['blocks'])} down projections "
+                    f"({done['tokens']:,} tokens, {done['seconds']:.0f} s): KL {point['kl_divergence']:.4f}  "
+                    f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}"
+                )
         self.wrapped = self.procs.wrap(self.model)  # after the refit: it writes the plain modules' weights
         if state.step == 0 and state.best is None:
             self.consider(last=False)  # the weights training starts from
@@ -205,8 +215,10 @@ class Trainer:
                 if (c.eval.every and state.step % c.eval.every == 0) or last:
                     point = {**self.evaluate(), "loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
                     state.history.append(point)
-                    self.reporter.info(f"{self.label} step {state.step}: KL {point['kl_divergence']:.4f}  "
-                                       f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}  loss {loss:.4f}")
+                    self.reporter.info(
+                        f"{self.label} step {state.step}: KL {point['kl_divergence']:.4f}  "
+                        f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}  loss {loss:.4f}"
+                    )
                     self.consider(last)
                 state.wall_seconds = time.perf_counter() - began
                 if self.checkpoint_dir is not None and c.checkpoint_every and state.step % c.checkpoint_every == 0 and not last:

@@ -140,8 +140,9 @@ class Walker:
         for name, node in model.get("properties", {}).items():
             path = f"{prefix}.{name}" if prefix else name
             own = node.get("description")
-            section.rows.append(Row(path, self.type_text(node), _default(node, name in required),
-                                    own or self._ref_description(node) or DASH, bool(own)))
+            section.rows.append(
+                Row(path, self.type_text(node), _default(node, name in required), own or self._ref_description(node) or DASH, bool(own))
+            )
             self.children(path, node, section, sections)
 
     def _ref_description(self, node: dict[str, Any]) -> str | None:
@@ -171,8 +172,9 @@ class Walker:
         required = set(self.root.get("required", []))
         for name, node in self.root["properties"].items():
             own = node.get("description")
-            top.rows.append(Row(name, self.type_text(node), _default(node, name in required),
-                                own or self._ref_description(node) or DASH, bool(own)))
+            top.rows.append(
+                Row(name, self.type_text(node), _default(node, name in required), own or self._ref_description(node) or DASH, bool(own))
+            )
             section = Section(f"`{name}`", self._ref_description(node) or "")
             nested: list[Section] = []
             self.children(name, node, section, nested)
@@ -255,8 +257,9 @@ def render(schema: dict[str, Any] | None = None) -> str:
 
 def undescribed(schema: dict[str, Any] | None = None) -> list[tuple[str, str]]:
     """Fields without a description of their own: (key path, what the page shows instead)."""
-    return [(row.path, row.description) for section in Walker(schema or recipe_schema()).sections()
-            for row in section.rows if not row.described]
+    return [
+        (row.path, row.description) for section in Walker(schema or recipe_schema()).sections() for row in section.rows if not row.described
+    ]
 
 
 def main(argv: list[str]) -> int:

@@ -70,9 +70,18 @@ def decode_speed(runtime: gguf_runtime.LlamaCppModel, prompt: list[int], tokens:
     return statistics.median(rates)
 
 
-def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate], out_dir: Path, threads: int,
-                   embedding_type: str, reporter: Reporter, decode_tokens: int = 64, repeats: int = 3,
-                   keep_files: bool = False) -> dict[str, Any]:
+def run_gguf_bench(
+    model_source: str,
+    data: DataSpec,
+    candidates: list[Candidate],
+    out_dir: Path,
+    threads: int,
+    embedding_type: str,
+    reporter: Reporter,
+    decode_tokens: int = 64,
+    repeats: int = 3,
+    keep_files: bool = False,
+) -> dict[str, Any]:
     gguf_runtime.llama_cpp()  # fail before any work when the binding is missing
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
     seq_len = int(evaluation.tokens.shape[1])
@@ -85,8 +94,11 @@ def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate
     prompt = evaluation.tokens[0, :64].tolist()
     result: dict[str, Any] = {
         "model": {"source": model_source, "sha256": lm.facts["sha256"]},
-        "reference": {"file": "f16.gguf", "size_bytes": f16.stat().st_size,
-                      "decode_tokens_per_s": round(decode_speed(reference, prompt, decode_tokens, repeats), 1)},
+        "reference": {
+            "file": "f16.gguf",
+            "size_bytes": f16.stat().st_size,
+            "decode_tokens_per_s": round(decode_speed(reference, prompt, decode_tokens, repeats), 1),
+        },
         "calibration": calibration.facts if calibration else None,
         "evaluation": evaluation.facts,
         "embedding_type": embedding_type,
@@ -116,16 +128,26 @@ def run_gguf_bench(model_source: str, data: DataSpec, candidates: list[Candidate
                 del model
             runtime = gguf_runtime.LlamaCppModel(path, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
             try:
-                metrics = compare(reference.forward, {cand.name: runtime.forward}, evaluation.tokens, spec.min_context,
-                                  progress=reporter.track)
+                metrics = compare(
+                    reference.forward, {cand.name: runtime.forward}, evaluation.tokens, spec.min_context, progress=reporter.track
+                )
                 speed = decode_speed(runtime, prompt, decode_tokens, repeats)
             finally:
                 runtime.close()
             result["reference"]["metrics"] = metrics["baseline"]
-            result["rows"].append({"name": cand.name, "source": cand.source, "setting": cand.setting.label if cand.setting else None,
-                                   "type": cand.type_name, "size_bytes": path.stat().st_size, "records_exact": exact,
-                                   "quantize_seconds": round(seconds, 1), "decode_tokens_per_s": round(speed, 1),
-                                   "metrics": metrics[cand.name]})
+            result["rows"].append(
+                {
+                    "name": cand.name,
+                    "source": cand.source,
+                    "setting": cand.setting.label if cand.setting else None,
+                    "type": cand.type_name,
+                    "size_bytes": path.stat().st_size,
+                    "records_exact": exact,
+                    "quantize_seconds": round(seconds, 1),
+                    "decode_tokens_per_s": round(speed, 1),
+                    "metrics": metrics[cand.name],
+                }
+            )
             if not keep_files:
                 path.unlink()
             write_results(out_dir, result, markdown_table(result))
@@ -150,10 +172,14 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 def candidate_rows(rows: list[dict[str, Any]], kl_label: str) -> list[str]:
     """Markdown header and one row per file-format candidate (size, KL, top-1, perplexity, decode speed, quantize time)."""
-    lines = [f"| candidate | file, MiB | {kl_label} | top-1 agreement | perplexity | decode tokens/s | quantize, s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| candidate | file, MiB | {kl_label} | top-1 agreement | perplexity | decode tokens/s | quantize, s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         m = r["metrics"]
-        lines.append(f"| {r['name']} | {r['size_bytes'] / 2**20:.2f} | {m['kl_divergence']:.4f} | {m['top1_agreement']:.2%} | "
-                     f"{m['perplexity']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['quantize_seconds'] or '—'} |")
+        lines.append(
+            f"| {r['name']} | {r['size_bytes'] / 2**20:.2f} | {m['kl_divergence']:.4f} | {m['top1_agreement']:.2%} | "
+            f"{m['perplexity']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['quantize_seconds'] or '—'} |"
+        )
     return lines

@@ -69,9 +69,20 @@ def decode_speed(model: torch.nn.Module, ids: torch.Tensor, new_cache: Any, toke
     return statistics.median(rates)
 
 
-def run_kv_bench(model_source: str, data: DataSpec, schemes: list[tuple[str, KVCacheConfig]], out_dir: Path, threads: int,
-                 reporter: Reporter, context: int, samples: int, decode_tokens: int, decode_prefill: int, repeats: int,
-                 budgets_gib: list[float]) -> dict[str, Any]:
+def run_kv_bench(
+    model_source: str,
+    data: DataSpec,
+    schemes: list[tuple[str, KVCacheConfig]],
+    out_dir: Path,
+    threads: int,
+    reporter: Reporter,
+    context: int,
+    samples: int,
+    decode_tokens: int,
+    decode_prefill: int,
+    repeats: int,
+    budgets_gib: list[float],
+) -> dict[str, Any]:
     from transformers import DynamicCache
 
     assert data.evaluation is not None
@@ -84,17 +95,27 @@ def run_kv_bench(model_source: str, data: DataSpec, schemes: list[tuple[str, KVC
     reference_speed = decode_speed(model, prefill_ids, lambda: DynamicCache(config=model.config), decode_tokens, repeats)
     weights_fp16 = sum(p.numel() for p in model.parameters()) * 2
     result: dict[str, Any] = {
-        "model": {"source": model_source, "sha256": lm.facts["sha256"], "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
-                  "max_position_embeddings": getattr(model.config, "max_position_embeddings", None)},
+        "model": {
+            "source": model_source,
+            "sha256": lm.facts["sha256"],
+            "layers": layers,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
+        },
         "evaluation": evaluation.facts,
         "context": context,
         "threads": threads,
         "host": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
-        "reference": {"name": "fp16 cache (bytes) / model-dtype DynamicCache (accuracy, speed)", "bytes_per_token": fp16_per_token,
-                      "cache_bytes": fp16_per_token * context, "decode_tokens_per_s": reference_speed,
-                      "decode": {"prefill": decode_prefill, "tokens": decode_tokens, "repeats": repeats}},
+        "reference": {
+            "name": "fp16 cache (bytes) / model-dtype DynamicCache (accuracy, speed)",
+            "bytes_per_token": fp16_per_token,
+            "cache_bytes": fp16_per_token * context,
+            "decode_tokens_per_s": reference_speed,
+            "decode": {"prefill": decode_prefill, "tokens": decode_tokens, "repeats": repeats},
+        },
         "rows": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,14 +135,26 @@ def run_kv_bench(model_source: str, data: DataSpec, schemes: list[tuple[str, KVC
         speed = decode_speed(model, prefill_ids, scheme.new_cache, decode_tokens, repeats)
         mem = found["memory"]
         per_token[name] = mem["bytes_per_token"]
-        result["rows"].append({"name": name, "describe": cfg.describe(), "config": cfg.model_dump(mode="json", exclude={"evaluate"}),
-                               "metrics": found["metrics"], "reference_metrics": found["reference_metrics"], "memory": mem, "evaluate_seconds": round(seconds, 1),
-                               "decode_tokens_per_s": speed, "decode_speed_vs_reference": speed / reference_speed,
-                               "runtimes": cfg.runtime_support()})
+        result["rows"].append(
+            {
+                "name": name,
+                "describe": cfg.describe(),
+                "config": cfg.model_dump(mode="json", exclude={"evaluate"}),
+                "metrics": found["metrics"],
+                "reference_metrics": found["reference_metrics"],
+                "memory": mem,
+                "evaluate_seconds": round(seconds, 1),
+                "decode_tokens_per_s": speed,
+                "decode_speed_vs_reference": speed / reference_speed,
+                "runtimes": cfg.runtime_support(),
+            }
+        )
         write_results(out_dir, result, markdown_table(result))
     result["memory_plan"] = {f"{b:g} GiB": memory_plan(weights_fp16, per_token, b, context) for b in budgets_gib}
-    result["memory_plan_note"] = (f"fp16 weights ({weights_fp16 / 2**20:.1f} MiB) plus the cache; activations and runtime overhead "
-                                  "not counted; contexts beyond the model's max_position_embeddings are capacity, not usable context")
+    result["memory_plan_note"] = (
+        f"fp16 weights ({weights_fp16 / 2**20:.1f} MiB) plus the cache; activations and runtime overhead "
+        "not counted; contexts beyond the model's max_position_embeddings are capacity, not usable context"
+    )
     write_results(out_dir, result, markdown_table(result))
     return result
 
@@ -137,13 +170,19 @@ def markdown_table(result: dict[str, Any]) -> str:
     ]
     for r in result["rows"]:
         m, mem = r["metrics"], r["memory"]
-        lines.append(f"| {r['name']} | {r['describe']} | {mem['bytes_per_token']:,.1f} | {mem['compression_vs_fp16']:.2f}x | "
-                     f"{m['kl_divergence']:.5f} | {m['top1_agreement']:.2%} | {m['perplexity']:.3f} ({r['reference_metrics']['perplexity']:.3f}) | "
-                     f"{m['tokens_scored']:,} | "
-                     f"{r['decode_tokens_per_s']:.1f} ({r['decode_speed_vs_reference']:.2f}x) |")
+        lines.append(
+            f"| {r['name']} | {r['describe']} | {mem['bytes_per_token']:,.1f} | {mem['compression_vs_fp16']:.2f}x | "
+            f"{m['kl_divergence']:.5f} | {m['top1_agreement']:.2%} | {m['perplexity']:.3f} ({r['reference_metrics']['perplexity']:.3f}) | "
+            f"{m['tokens_scored']:,} | "
+            f"{r['decode_tokens_per_s']:.1f} ({r['decode_speed_vs_reference']:.2f}x) |"
+        )
     plan = result.get("memory_plan")
     if plan:
-        lines += ["", f"Memory plan ({result['memory_plan_note']}): longest context at batch 1 / largest batch at {result['context']:,} tokens.", ""]
+        lines += [
+            "",
+            f"Memory plan ({result['memory_plan_note']}): longest context at batch 1 / largest batch at {result['context']:,} tokens.",
+            "",
+        ]
         names = list(next(iter(plan.values())))
         lines += ["| budget | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         batch_key = f"max_batch_at_{result['context']}"

@@ -60,8 +60,15 @@ class Candidate:
     def spec(self, accuracy_level: int) -> ONNXExport:
         s = self.setting
         if self.source == BUILDER:
-            return ONNXExport(name="candidate", precision="int4", quantizer=BUILDER, block_size=s.group_size, symmetric=s.symmetric,
-                              accuracy_level=accuracy_level, verify=False)
+            return ONNXExport(
+                name="candidate",
+                precision="int4",
+                quantizer=BUILDER,
+                block_size=s.group_size,
+                symmetric=s.symmetric,
+                accuracy_level=accuracy_level,
+                verify=False,
+            )
         return ONNXExport(name="candidate", precision="int4", quantizer="records", accuracy_level=accuracy_level, verify=False)
 
 
@@ -76,9 +83,18 @@ def decode_speed(directory: Path, prompt: list[int], tokens: int, repeats: int, 
     return statistics.median(rates[1:])
 
 
-def run_onnx_bench(model_source: str, data: DataSpec, candidates: list[Candidate], out_dir: Path, threads: int,
-                   reporter: Reporter, accuracy_level: int = 4, decode_tokens: int = 64, repeats: int = 3,
-                   keep_files: bool = False) -> dict[str, Any]:
+def run_onnx_bench(
+    model_source: str,
+    data: DataSpec,
+    candidates: list[Candidate],
+    out_dir: Path,
+    threads: int,
+    reporter: Reporter,
+    accuracy_level: int = 4,
+    decode_tokens: int = 64,
+    repeats: int = 3,
+    keep_files: bool = False,
+) -> dict[str, Any]:
     from compress.export.onnx_builder import require
 
     require()
@@ -92,14 +108,22 @@ def run_onnx_bench(model_source: str, data: DataSpec, candidates: list[Candidate
     prompt = evaluation.tokens[0, :64].tolist()
     result: dict[str, Any] = {
         "model": {"source": model_source, "sha256": lm.facts["sha256"]},
-        "reference": {"file": "fp32 ONNX (onnxruntime-genai builder)", "size_bytes": fp32["size_bytes"],
-                      "decode_tokens_per_s": round(decode_speed(fp32_dir, prompt, decode_tokens, repeats, threads), 1)},
+        "reference": {
+            "file": "fp32 ONNX (onnxruntime-genai builder)",
+            "size_bytes": fp32["size_bytes"],
+            "decode_tokens_per_s": round(decode_speed(fp32_dir, prompt, decode_tokens, repeats, threads), 1),
+        },
         "calibration": calibration.facts if calibration else None,
         "evaluation": evaluation.facts,
         "accuracy_level": accuracy_level,
         "threads": threads,
-        "decode": {"runtime": "onnxruntime-genai", "prompt_tokens": len(prompt), "tokens": decode_tokens, "repeats": repeats,
-                   "statistic": "median (after one warm-up run)"},
+        "decode": {
+            "runtime": "onnxruntime-genai",
+            "prompt_tokens": len(prompt),
+            "tokens": decode_tokens,
+            "repeats": repeats,
+            "statistic": "median (after one warm-up run)",
+        },
         "host": platform.platform(),
         "cpu_count": os.cpu_count(),
         "versions": {k: library_versions().get(k) for k in ("onnxruntime", "onnxruntime_genai", "torch")},
@@ -120,10 +144,19 @@ def run_onnx_bench(model_source: str, data: DataSpec, candidates: list[Candidate
         del session
         speed = decode_speed(directory, prompt, decode_tokens, repeats, threads)
         result["reference"]["metrics"] = metrics["baseline"]
-        result["rows"].append({"name": cand.name, "source": cand.source, "setting": cand.setting.label,
-                               "size_bytes": entry["size_bytes"], "records_exact": entry["records_exact"],
-                               "weights_written_by": entry["weights_written_by"], "quantize_seconds": round(seconds, 1),
-                               "decode_tokens_per_s": round(speed, 1), "metrics": metrics[cand.name]})
+        result["rows"].append(
+            {
+                "name": cand.name,
+                "source": cand.source,
+                "setting": cand.setting.label,
+                "size_bytes": entry["size_bytes"],
+                "records_exact": entry["records_exact"],
+                "weights_written_by": entry["weights_written_by"],
+                "quantize_seconds": round(seconds, 1),
+                "decode_tokens_per_s": round(speed, 1),
+                "metrics": metrics[cand.name],
+            }
+        )
         if not keep_files:
             shutil.rmtree(directory)
         write_results(out_dir, result, markdown_table(result))

@@ -34,8 +34,17 @@ from compress.recipe import DataSpec, EvaluationSpec
 DEFAULT_SETTINGS = ("{mlp: 0.25}", "{layers: {drop: 4}}")
 # recipes/prune-distill.yaml's repair (a 14.5-minute training budget, at most 400 steps of 2 x 512 tokens, bf16
 # autocast), trained on the calibration text; see docs/pruning.md.
-DEFAULT_DISTILL = {"steps": 400, "max_minutes": 14.5, "batch_size": 2, "seq_len": 512, "lr": 3e-4, "warmup_steps": 10,
-                   "autocast": "bf16", "eval": {"every": 0, "samples": 4}, "checkpoint_every": 0}
+DEFAULT_DISTILL = {
+    "steps": 400,
+    "max_minutes": 14.5,
+    "batch_size": 2,
+    "seq_len": 512,
+    "lr": 3e-4,
+    "warmup_steps": 10,
+    "autocast": "bf16",
+    "eval": {"every": 0, "samples": 4},
+    "checkpoint_every": 0,
+}
 
 
 def text_label(source: str, taken: set[str]) -> str:
@@ -47,8 +56,16 @@ def text_label(source: str, taken: set[str]) -> str:
     return label
 
 
-def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settings: list[PruneConfig], distill: DistillConfig,
-                    out_dir: Path, threads: int, reporter: Reporter) -> dict[str, Any]:
+def run_prune_bench(
+    model_source: str,
+    data: DataSpec,
+    unseen: list[str],
+    settings: list[PruneConfig],
+    distill: DistillConfig,
+    out_dir: Path,
+    threads: int,
+    reporter: Reporter,
+) -> dict[str, Any]:
     device = torch.device("cpu")
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
     plan = DataPlan.load(data, Path.cwd(), reporter)
@@ -64,7 +81,9 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
     def score(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
         out = {}
         for name, tokens in texts.items():
-            metrics = compare(baseline, {"m": torch_forward(model, device)}, tokens, spec.min_context, spec.batch_size, progress=reporter.track)
+            metrics = compare(
+                baseline, {"m": torch_forward(model, device)}, tokens, spec.min_context, spec.batch_size, progress=reporter.track
+            )
             out[name] = {**metrics["m"], "baseline_perplexity": metrics["baseline"]["perplexity"]}
         return out
 
@@ -73,14 +92,24 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
         "training_text": distill.data.source or (calibration.facts["source"] if calibration else None),
         "texts": {"held_out": evaluation.facts, "unseen": unseen_facts},
         "distill": distill.model_dump(mode="json"),
-        "threads": threads, "host": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "threads": threads,
+        "host": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
         "rows": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def context() -> RunContext:
-        return RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens,
-                          text=plan.text_for(lm.tokenizer, Path.cwd(), reporter), original=lm.model)
+        return RunContext(
+            seed=0,
+            device=device,
+            tokenizer=lm.tokenizer,
+            reporter=reporter,
+            calibration=lambda: calibration.tokens,
+            text=plan.text_for(lm.tokenizer, Path.cwd(), reporter),
+            original=lm.model,
+        )
 
     for config in settings:
         label = config.model_dump_json(exclude_defaults=True)
@@ -92,8 +121,13 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
         t0 = time.perf_counter()
         record = PruneStage(config, "prune").apply(model, ctx)
         ctx.applied.append("prune")
-        row.update(prune_seconds=round(time.perf_counter() - t0, 1), parameters=parameters(model), shape=record.summary["after"],
-                   dropped_layers=record.summary["dropped_layers"], pruned=score(model))
+        row.update(
+            prune_seconds=round(time.perf_counter() - t0, 1),
+            parameters=parameters(model),
+            shape=record.summary["after"],
+            dropped_layers=record.summary["dropped_layers"],
+            pruned=score(model),
+        )
         if config.mlp_method != "activation":  # the gap the activation (Minitron) choice on data.calibration opens, for comparison
             reference = copy.deepcopy(lm.model)
             PruneStage(config.model_copy(update={"mlp_method": "activation", "data": None}), "prune").apply(reference, context())
@@ -103,9 +137,16 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
         t0 = time.perf_counter()
         record = DistillStage(distill, "distill").apply(model, ctx)
         s = record.summary
-        row.update(repair_seconds=round(time.perf_counter() - t0, 1), train_seconds=s["train_seconds"], steps=s["steps"],
-                   stopped_by=s["stopped_by"], tokens=s["tokens"], tokens_per_second=s["tokens_per_second"], refit=s["refit"],
-                   repaired=score(model))
+        row.update(
+            repair_seconds=round(time.perf_counter() - t0, 1),
+            train_seconds=s["train_seconds"],
+            steps=s["steps"],
+            stopped_by=s["stopped_by"],
+            tokens=s["tokens"],
+            tokens_per_second=s["tokens_per_second"],
+            refit=s["refit"],
+            repaired=score(model),
+        )
         for key, pruned in (("kl_gap_recovered", "pruned"), ("kl_gap_recovered_of_activation", "pruned_by_activation")):
             for name in texts if pruned in row else ():
                 gap, left = row[pruned][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
@@ -116,16 +157,23 @@ def run_prune_bench(model_source: str, data: DataSpec, unseen: list[str], settin
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']['source']}: {result['model']['parameters']:,} parameters; {result['threads']} threads; "
-             f"repair: up to {result['distill']['steps']} steps"
-             + (f" within {result['distill']['max_minutes']:g} minutes" if result["distill"].get("max_minutes") else "")
-             + f" of {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "
-             f"of {result['training_text']}, lr {result['distill']['lr']:g}, autocast {result['distill']['autocast']}"
-             + (f", after a least-squares refit of the pruned down projections on {result['distill']['refit']['samples']} of its chunks"
-                if any(r.get("refit") for r in result["rows"]) else "") + ".", "",
-             "| setting | parameters | text | KL pruned | KL repaired | gap recovered | top-1 pruned → repaired | "
-             "perplexity base / pruned / repaired | repair time, s | tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['model']['source']}: {result['model']['parameters']:,} parameters; {result['threads']} threads; "
+        f"repair: up to {result['distill']['steps']} steps"
+        + (f" within {result['distill']['max_minutes']:g} minutes" if result["distill"].get("max_minutes") else "")
+        + f" of {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "
+        f"of {result['training_text']}, lr {result['distill']['lr']:g}, autocast {result['distill']['autocast']}"
+        + (
+            f", after a least-squares refit of the pruned down projections on {result['distill']['refit']['samples']} of its chunks"
+            if any(r.get("refit") for r in result["rows"])
+            else ""
+        )
+        + ".",
+        "",
+        "| setting | parameters | text | KL pruned | KL repaired | gap recovered | top-1 pruned → repaired | "
+        "perplexity base / pruned / repaired | repair time, s | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         for name in r.get("pruned", {}):
             p, q = r["pruned"][name], r.get("repaired", {}).get(name)
@@ -134,20 +182,29 @@ def markdown_table(result: dict[str, Any]) -> str:
                 f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | "
                 f"{q['kl_divergence']:.4f} | {rec:.1%} | {p['top1_agreement']:.2%} → {q['top1_agreement']:.2%} | "
                 f"{p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / {q['perplexity']:.2f} | {r['repair_seconds']:.0f} | {r['tokens']:,} |"
-                if q else
-                f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | … | … | "
-                f"{p['top1_agreement']:.2%} | {p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / … | … | … |")
+                if q
+                else f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | … | … | "
+                f"{p['top1_agreement']:.2%} | {p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / … | … | … |"
+            )
     for r in result["rows"]:
         if r.get("pruned_by_activation"):
             shares = r.get("kl_gap_recovered_of_activation", {})
-            lines.append(f"\n{_setting(r['setting'])}: the activation (Minitron) choice of as many neurons (from data.calibration, no "
-                         "update) opens a KL of " + ", ".join(f"{p['kl_divergence']:.4f} ({name}" + (f"; the repaired model is {shares[name]:.1%} below it)"
-                                                   if shares.get(name) is not None else ")")
-                                                   for name, p in r["pruned_by_activation"].items()) + ".")
+            lines.append(
+                f"\n{_setting(r['setting'])}: the activation (Minitron) choice of as many neurons (from data.calibration, no "
+                "update) opens a KL of "
+                + ", ".join(
+                    f"{p['kl_divergence']:.4f} ({name}"
+                    + (f"; the repaired model is {shares[name]:.1%} below it)" if shares.get(name) is not None else ")")
+                    for name, p in r["pruned_by_activation"].items()
+                )
+                + "."
+            )
         if r.get("refit"):
             f = r["refit"]
-            lines.append(f"\n{_setting(r['setting'])}: the refit took {f['seconds']:.0f} s of the repair ({f['tokens']:,} tokens, "
-                         f"{len(f['blocks'])} blocks); the distill stage's own held-apart KL after it: {f['kl_divergence']:.4f}.")
+            lines.append(
+                f"\n{_setting(r['setting'])}: the refit took {f['seconds']:.0f} s of the repair ({f['tokens']:,} tokens, "
+                f"{len(f['blocks'])} blocks); the distill stage's own held-apart KL after it: {f['kl_divergence']:.4f}."
+            )
     return "\n".join(lines)
 
 

@@ -170,20 +170,34 @@ def run_quant_bench(
             name = f"{method} {setting.label}"
             reporter.info(f"[bold]{name}[/]")
             model = copy.deepcopy(lm.model)
-            ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter,
-                             calibration=lambda: calibration.tokens)  # type: ignore[union-attr]
+            ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)  # type: ignore[union-attr]
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
                 record = stage_cls(config, "bench").apply(model, ctx)
                 seconds = time.perf_counter() - t0
             # Score right away (the baseline is re-run each time) and write, so a stopped run keeps its rows.
-            metrics = compare(baseline, {name: torch_forward(model, device)}, evaluation.tokens, spec.min_context,
-                              spec.batch_size, progress=reporter.track)
+            metrics = compare(
+                baseline,
+                {name: torch_forward(model, device)},
+                evaluation.tokens,
+                spec.min_context,
+                spec.batch_size,
+                progress=reporter.track,
+            )
             del model
             result["baseline"] = metrics["baseline"]
-            result["rows"].append({"name": name, "method": method, "setting": setting.label, "seconds": round(seconds, 2),
-                                   "peak_extra_mb": round(mem.extra_mb), "bits_per_weight": record.summary["bits_per_weight"],
-                                   "config": config.model_dump(mode="json"), "metrics": metrics[name]})
+            result["rows"].append(
+                {
+                    "name": name,
+                    "method": method,
+                    "setting": setting.label,
+                    "seconds": round(seconds, 2),
+                    "peak_extra_mb": round(mem.extra_mb),
+                    "bits_per_weight": record.summary["bits_per_weight"],
+                    "config": config.model_dump(mode="json"),
+                    "metrics": metrics[name],
+                }
+            )
             write_results(out_dir, result, markdown_table(result))
     return result
 

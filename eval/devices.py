@@ -64,8 +64,10 @@ def get_profile(profiles: dict[str, DeviceProfile], name: str) -> DeviceProfile:
         return profiles[name]
     close = [n for n in profiles if n.startswith(name)] or difflib.get_close_matches(name, list(profiles), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise CompressError(f"unknown device '{name}'{hint}; known: {', '.join(profiles)}. "
-                        "Add your own with --devices-file (a YAML file with a top-level `devices:` list).")
+    raise CompressError(
+        f"unknown device '{name}'{hint}; known: {', '.join(profiles)}. "
+        "Add your own with --devices-file (a YAML file with a top-level `devices:` list)."
+    )
 
 
 def _read_file(path: Path) -> dict[str, DeviceProfile]:
@@ -99,8 +101,9 @@ def _validate(item: Any, where: str, lines: dict[str, int], path: Path | None = 
             at = f"{path}:{lines[key]}: " if path is not None and key in lines else ""
             if e["type"] == "extra_forbidden":
                 close = difflib.get_close_matches(key, list(DeviceProfile.model_fields), n=1)
-                msg = f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else
-                                                 f" (allowed: {', '.join(DeviceProfile.model_fields)})")
+                msg = f"unknown key '{key}'" + (
+                    f" (did you mean '{close[0]}'?)" if close else f" (allowed: {', '.join(DeviceProfile.model_fields)})"
+                )
             elif e["type"] == "missing":
                 msg = f"required key '{key}' is missing"
             else:
@@ -134,9 +137,15 @@ def measure_bandwidth(device: str = "cpu", size_mb: int = 256, repeats: int = 7)
         dst.copy_(src)
         sync()
         rates.append(2 * n * 4 / (time.perf_counter() - start) / 1e9)
-    return {"bandwidth_gbs": statistics.median(rates), "best_gbs": max(rates), "repeats": repeats, "size_mb": size_mb,
-            "threads": 1 if cuda else torch.get_num_threads(), "device": device,
-            "method": f"torch copy_ of a {size_mb} MiB buffer, read+write counted"}
+    return {
+        "bandwidth_gbs": statistics.median(rates),
+        "best_gbs": max(rates),
+        "repeats": repeats,
+        "size_mb": size_mb,
+        "threads": 1 if cuda else torch.get_num_threads(),
+        "device": device,
+        "method": f"torch copy_ of a {size_mb} MiB buffer, read+write counted",
+    }
 
 
 def measure_matmul_tflops(device: str = "cpu", size: int | None = None, repeats: int = 5) -> dict[str, Any]:
@@ -158,8 +167,14 @@ def measure_matmul_tflops(device: str = "cpu", size: int | None = None, repeats:
         sync()
         rates.append(2 * size**3 / (time.perf_counter() - start) / 1e12)
     name = str(dtype).removeprefix("torch.")
-    return {"tflops": statistics.median(rates), "best_tflops": max(rates), "repeats": repeats, "size": size, "dtype": name,
-            "method": f"torch matmul of two {size}x{size} {name} matrices"}
+    return {
+        "tflops": statistics.median(rates),
+        "best_tflops": max(rates),
+        "repeats": repeats,
+        "size": size,
+        "dtype": name,
+        "method": f"torch matmul of two {size}x{size} {name} matrices",
+    }
 
 
 def _importable(module: str) -> bool:
@@ -195,9 +210,17 @@ def local_profile(bandwidth_gbs: float | None = None, cuda: bool = False, fp16_t
         description = f"this machine: {cpu_model()}, {os.cpu_count()} cores"
     runtimes = ["torch"] + [rt for rt, mod in RUNTIME_MODULES.items() if (cuda or rt != "tensorrt") and _importable(mod)]
     notes.append(f"memory {memory_gb:.1f} GB ({'GPU total' if cuda else 'RAM total'}); runtimes whose modules import here")
-    return DeviceProfile(name=LOCAL, description=description, kind="gpu" if cuda else "cpu", memory_gb=round(memory_gb, 2),
-                         bandwidth_gbs=round(bandwidth_gbs, 2), fp16_tflops=round(fp16_tflops, 4), runtimes=runtimes,
-                         formats=[RUNTIME_FORMAT[rt] for rt in runtimes], source="measured on this machine: " + "; ".join(notes))
+    return DeviceProfile(
+        name=LOCAL,
+        description=description,
+        kind="gpu" if cuda else "cpu",
+        memory_gb=round(memory_gb, 2),
+        bandwidth_gbs=round(bandwidth_gbs, 2),
+        fp16_tflops=round(fp16_tflops, 4),
+        runtimes=runtimes,
+        formats=[RUNTIME_FORMAT[rt] for rt in runtimes],
+        source="measured on this machine: " + "; ".join(notes),
+    )
 
 
 def cpu_model() -> str:
@@ -232,8 +255,9 @@ def kv_bytes_per_token(config: Any, bytes_per_element: float = 2.0) -> int:
     return int(round(2 * int(config.num_hidden_layers) * kv_heads * head_dim * bytes_per_element))
 
 
-def estimate_latency(profile: DeviceProfile, weight_bytes: int, kv_bytes_per_token: int, params: int, prompt_tokens: int,
-                     output_tokens: int, batch: int = 1) -> dict[str, Any]:
+def estimate_latency(
+    profile: DeviceProfile, weight_bytes: int, kv_bytes_per_token: int, params: int, prompt_tokens: int, output_tokens: int, batch: int = 1
+) -> dict[str, Any]:
     """Roofline time to first token and time per output token (formulas in the module docstring)."""
     if min(prompt_tokens, output_tokens, batch) < 1 or min(weight_bytes, params) <= 0 or kv_bytes_per_token < 0:
         raise CompressError("estimate_latency: prompt_tokens, output_tokens, batch, weight_bytes and params must be positive")
@@ -250,27 +274,44 @@ def estimate_latency(profile: DeviceProfile, weight_bytes: int, kv_bytes_per_tok
         "decode_tokens_per_s": 1 / tpot_s,
         "batch_decode_tokens_per_s": batch / tpot_s,
         "assumptions": {
-            "device": profile.name, "device_source": profile.source,
-            "bandwidth_gbs": profile.bandwidth_gbs, "decode_efficiency": profile.decode_efficiency,
-            "fp16_tflops": profile.fp16_tflops, "prefill_efficiency": profile.prefill_efficiency,
-            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token, "params": params,
-            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "batch": batch, "mean_context": mean_context,
+            "device": profile.name,
+            "device_source": profile.source,
+            "bandwidth_gbs": profile.bandwidth_gbs,
+            "decode_efficiency": profile.decode_efficiency,
+            "fp16_tflops": profile.fp16_tflops,
+            "prefill_efficiency": profile.prefill_efficiency,
+            "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "params": params,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "batch": batch,
+            "mean_context": mean_context,
             "decode_bound": "memory" if decode_memory_s >= decode_compute_s else "compute",
             "prefill_bound": "compute" if prefill_compute_s >= prefill_memory_s else "memory",
             "formula": "tpot = max((weight_bytes + batch*kv_bytes_per_token*mean_context) / (bandwidth*decode_efficiency), "
-                       "2*params*batch / (fp16_tflops*prefill_efficiency)); ttft = max(2*params*prompt_tokens*batch / "
-                       "(fp16_tflops*prefill_efficiency), weight_bytes / (bandwidth*decode_efficiency)); "
-                       "mean_context = prompt_tokens + output_tokens/2; attention FLOPs and runtime overheads left out",
+            "2*params*batch / (fp16_tflops*prefill_efficiency)); ttft = max(2*params*prompt_tokens*batch / "
+            "(fp16_tflops*prefill_efficiency), weight_bytes / (bandwidth*decode_efficiency)); "
+            "mean_context = prompt_tokens + output_tokens/2; attention FLOPs and runtime overheads left out",
         },
     }
 
 
-def fit_check(profile: DeviceProfile, weight_bytes: int, kv_bytes_per_token: int, context: int, batch: int,
-              overhead_bytes: int = 0) -> dict[str, Any]:
+def fit_check(
+    profile: DeviceProfile, weight_bytes: int, kv_bytes_per_token: int, context: int, batch: int, overhead_bytes: int = 0
+) -> dict[str, Any]:
     """Whether weights + a full KV cache (context × batch tokens) + overhead fit the usable memory."""
     kv = kv_bytes_per_token * context * batch
     required = weight_bytes + kv + overhead_bytes
     usable = profile.usable_bytes
-    return {"required_gb": required / 1e9, "usable_gb": usable / 1e9, "memory_fraction": required / usable,
-            "fits": required <= usable, "context": context, "batch": batch, "weights_gb": weight_bytes / 1e9,
-            "kv_cache_gb": kv / 1e9, "overhead_gb": overhead_bytes / 1e9}
+    return {
+        "required_gb": required / 1e9,
+        "usable_gb": usable / 1e9,
+        "memory_fraction": required / usable,
+        "fits": required <= usable,
+        "context": context,
+        "batch": batch,
+        "weights_gb": weight_bytes / 1e9,
+        "kv_cache_gb": kv / 1e9,
+        "overhead_gb": overhead_bytes / 1e9,
+    }

@@ -25,8 +25,14 @@ class Evaluation:
     profile: str | None = None  # the device profile it stands for (None: this machine)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"artifact": self.artifact, "runtime": self.runtime, "device": self.device, "source": self.source, "kind": self.kind,
-               "metrics": self.metrics}
+        out = {
+            "artifact": self.artifact,
+            "runtime": self.runtime,
+            "device": self.device,
+            "source": self.source,
+            "kind": self.kind,
+            "metrics": self.metrics,
+        }
         if self.profile is not None:
             out["profile"] = self.profile
         if self.details:
@@ -75,16 +81,32 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     base = dict(name=spec.display_name, metric=spec.metric, artifact=spec.artifact)
     if ev is None:
         where = f" on device '{spec.device}'" if spec.device not in (None, LOCAL) else ""
-        return GateResult(**base, value=None, threshold=threshold, passed=False, source="missing", runtime=None, device=spec.device,
-                          message=f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}")
+        return GateResult(
+            **base,
+            value=None,
+            threshold=threshold,
+            passed=False,
+            source="missing",
+            runtime=None,
+            device=spec.device,
+            message=f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}",
+        )
     value = float(ev.metrics[spec.metric])
     if kind in ("max", "min"):
         limit = value_t
     else:
         reference_ev = find_evaluation(evaluations, "baseline", spec.metric, spec.device)
         if reference_ev is None:
-            return GateResult(**base, value=value, threshold=threshold, passed=False, source="missing", runtime=ev.runtime,
-                              device=ev.device, message=f"{kind} needs the baseline's {spec.metric}, which was not measured")
+            return GateResult(
+                **base,
+                value=value,
+                threshold=threshold,
+                passed=False,
+                source="missing",
+                runtime=ev.runtime,
+                device=ev.device,
+                message=f"{kind} needs the baseline's {spec.metric}, which was not measured",
+            )
         reference = float(reference_ev.metrics[spec.metric])
         sign = 1 if kind == "max_increase_pct" else -1
         limit = reference * (1 + sign * value_t / 100)
@@ -96,5 +118,6 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     message = f"{spec.metric} = {value:.6g} {'meets' if passed else 'violates'} {relation} {limit:.6g}"
     if METRICS[spec.metric].better == "higher" and upper or METRICS[spec.metric].better == "lower" and not upper:
         message += " (note: this bound runs against the metric's better direction)"
-    return GateResult(**base, value=value, threshold=threshold, passed=passed, source=ev.source,
-                      runtime=ev.runtime, device=ev.device, message=message)
+    return GateResult(
+        **base, value=value, threshold=threshold, passed=passed, source=ev.source, runtime=ev.runtime, device=ev.device, message=message
+    )

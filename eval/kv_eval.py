@@ -64,8 +64,9 @@ def evaluate_kv(
     ev = scheme.config.evaluate
     step, prefill = (ev.step, ev.prefill) if ev else (1, 0)
     measured: list[dict[str, int]] = []
-    forward = cached_forward(model, device, scheme.new_cache, step, prefill,
-                             lambda c, n: measured.append({**cache_bytes(c), "tokens": n}), progress)
+    forward = cached_forward(
+        model, device, scheme.new_cache, step, prefill, lambda c, n: measured.append({**cache_bytes(c), "tokens": n}), progress
+    )
     model.to(device)
     found = compare(torch_forward(model, device), {"kv_cache": forward}, chunks, min_context, 1)
     metrics = found["kv_cache"]

@@ -27,9 +27,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -73,12 +73,21 @@ def measure(target: Target, settings: LatencySettings, prompts: np.ndarray, time
         raise CompressError(f"latency: prompts must be [rows, >= {settings.prompt_tokens}] token ids; got {tuple(prompts.shape)}")
     if prompts.shape[0] < rows:  # repeat rows to fill the largest batch
         prompts = np.concatenate([prompts] * (rows // prompts.shape[0] + 1))
-    job = {"target": asdict(target), "settings": asdict(settings),
-           "prompts": prompts[:rows, : settings.prompt_tokens].astype(np.int64).tolist()}
+    job = {
+        "target": asdict(target),
+        "settings": asdict(settings),
+        "prompts": prompts[:rows, : settings.prompt_tokens].astype(np.int64).tolist(),
+    }
     env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads)}
     try:
-        done = subprocess.run([sys.executable, "-m", "compress.eval.latency"], input=json.dumps(job), capture_output=True,
-                              text=True, timeout=timeout_s, env=env)
+        done = subprocess.run(
+            [sys.executable, "-m", "compress.eval.latency"],
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         raise CompressError(f"latency: the {target.runtime} worker on {target.path} ran past {timeout_s:.0f} s") from None
     if done.returncode != 0:
@@ -90,9 +99,15 @@ def measure(target: Target, settings: LatencySettings, prompts: np.ndarray, time
 def latency_metrics(result: dict[str, Any], bandwidth_gbs: float | None) -> dict[str, float]:
     """The gateable metrics of a worker result (batch 1, plus the largest batch measured)."""
     one = result["batches"]["1"]
-    metrics = {"ttft_ms": one["ttft_ms"], "ttft_ms_p90": one["ttft_ms_p90"], "tpot_ms": one["tpot_ms"],
-               "tpot_ms_p90": one["tpot_ms_p90"], "decode_tokens_per_s": one["decode_tokens_per_s"],
-               "peak_rss_mb": result["peak_rss_mb"], "size_mb": result["size_bytes"] / 2**20}
+    metrics = {
+        "ttft_ms": one["ttft_ms"],
+        "ttft_ms_p90": one["ttft_ms_p90"],
+        "tpot_ms": one["tpot_ms"],
+        "tpot_ms_p90": one["tpot_ms_p90"],
+        "decode_tokens_per_s": one["decode_tokens_per_s"],
+        "peak_rss_mb": result["peak_rss_mb"],
+        "size_mb": result["size_bytes"] / 2**20,
+    }
     larger = [int(b) for b in result["batches"] if int(b) > 1]
     if larger:
         metrics["batch_decode_tokens_per_s"] = result["batches"][str(max(larger))]["decode_tokens_per_s"]
@@ -196,8 +211,9 @@ class _GenAIRunner(_Runner):
         import onnxruntime_genai as og
 
         config = og.Config(str(path))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                                              "inter_op_num_threads": 1}}}}))
+        config.overlay(
+            json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}}})
+        )
         self.og, self.model = og, og.Model(config)
         self.size_bytes = tree_size(path)
         self.weight_bytes, self.kv_bytes_per_position = _onnx_bytes(path)
@@ -239,13 +255,19 @@ class _TensorRTRunner(_Runner):
         self.past = [n for n in self.runner.inputs if n.startswith("past_key_values.")]
         self.kv_bytes_per_position = sum(
             int(np.prod([d for i, d in enumerate(self.runner.engine.get_tensor_shape(n)) if i not in (0, 2)]))
-            * self.runner.dtypes[n].itemsize for n in self.past)
+            * self.runner.dtypes[n].itemsize
+            for n in self.past
+        )
 
     def _step(self, ids: Any, past: dict[str, Any], offset: int) -> tuple[Any, dict[str, Any]]:
         torch = self.torch
         batch, seq = ids.shape
-        feeds = {"input_ids": ids, "attention_mask": torch.ones((batch, offset + seq), dtype=torch.int64),
-                 "position_ids": torch.arange(offset, offset + seq).repeat(batch, 1), **past}
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": torch.ones((batch, offset + seq), dtype=torch.int64),
+            "position_ids": torch.arange(offset, offset + seq).repeat(batch, 1),
+            **past,
+        }
         out = self.runner(feeds)
         presents = {n: out[n.replace("past_key_values.", "present.")] for n in self.past}
         return out["logits"][:, -1].argmax(-1, keepdim=True).cpu(), presents
@@ -314,7 +336,9 @@ def _onnx_bytes(directory: Path) -> tuple[int, int]:
         total += length
     decoder = json.loads((directory / "genai_config.json").read_text())["model"]["decoder"]  # cache dims may be symbolic in the graph
     per_tensor = int(decoder["num_key_value_heads"]) * int(decoder["head_size"])
-    kv = sum(per_tensor * _ONNX_ITEMSIZE.get(inp.type.tensor_type.elem_type, 4) for inp in graph.input if inp.name.startswith("past_key_values."))
+    kv = sum(
+        per_tensor * _ONNX_ITEMSIZE.get(inp.type.tensor_type.elem_type, 4) for inp in graph.input if inp.name.startswith("past_key_values.")
+    )
     return total, kv
 
 
@@ -451,19 +475,31 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
                 tpots.append(float(np.mean(steps)) * 1e3)
             tpot = _percentile(tpots, 50)
             batches[str(batch)] = {
-                "ttft_ms": _percentile(ttfts, 50), "ttft_ms_p90": _percentile(ttfts, 90), "tpot_ms": tpot,
-                "tpot_ms_p90": _percentile(tpots, 90), "decode_tokens_per_s": batch * 1e3 / tpot,
+                "ttft_ms": _percentile(ttfts, 50),
+                "ttft_ms_p90": _percentile(ttfts, 90),
+                "tpot_ms": tpot,
+                "tpot_ms_p90": _percentile(tpots, 90),
+                "decode_tokens_per_s": batch * 1e3 / tpot,
                 "bytes_per_token": runner.weight_bytes + batch * runner.kv_bytes_per_position * context,
-                "ttft_runs_ms": ttfts, "tpot_runs_ms": tpots,
+                "ttft_runs_ms": ttfts,
+                "tpot_runs_ms": tpots,
             }
     gpu_peak = None
     if target.runtime in ("torch", "tensorrt") and target.device.startswith("cuda"):
         import torch
 
         gpu_peak = torch.cuda.max_memory_allocated() / 2**20
-    return {"batches": batches, "skipped_batches": skipped, "load_s": load_s, "peak_rss_mb": rss.peak_mb,
-            "rss_before_load_mb": rss.start_mb, "gpu_peak_mb": gpu_peak, "size_bytes": runner.size_bytes,
-            "weight_bytes_per_token": runner.weight_bytes, "kv_bytes_per_position": runner.kv_bytes_per_position}
+    return {
+        "batches": batches,
+        "skipped_batches": skipped,
+        "load_s": load_s,
+        "peak_rss_mb": rss.peak_mb,
+        "rss_before_load_mb": rss.start_mb,
+        "gpu_peak_mb": gpu_peak,
+        "size_bytes": runner.size_bytes,
+        "weight_bytes_per_token": runner.weight_bytes,
+        "kv_bytes_per_position": runner.kv_bytes_per_position,
+    }
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def cuda_device_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def measure_all(timed: list[Timed], settings: LatencySettings, prompts: np.ndarray,
-                reporter: Reporter) -> tuple[list[Evaluation], dict[str, Any]]:
+def measure_all(
+    timed: list[Timed], settings: LatencySettings, prompts: np.ndarray, reporter: Reporter
+) -> tuple[list[Evaluation], dict[str, Any]]:
     """Time every artifact on its runtime here; returns the latency evaluations and the host facts
     (memory bandwidth measured on each device the targets run on, threads, CPU/GPU names). Each
     artifact's bandwidth utilisation is against the memory its runtime reads: the GPU's for a
@@ -52,28 +53,60 @@ def measure_all(timed: list[Timed], settings: LatencySettings, prompts: np.ndarr
     with reporter.status("measuring this machine's memory bandwidth"):
         bandwidth = {d: dev.measure_bandwidth(d) for d in devices}
     gpu = cuda_device_name() if "cuda" in devices else None
-    host = {"bandwidth_gbs": bandwidth["cpu"]["bandwidth_gbs"], "bandwidth": bandwidth, "cpu": dev.cpu_model(), "gpu": gpu,
-            "threads": settings.threads, "platform": platform.platform()}
+    host = {
+        "bandwidth_gbs": bandwidth["cpu"]["bandwidth_gbs"],
+        "bandwidth": bandwidth,
+        "cpu": dev.cpu_model(),
+        "gpu": gpu,
+        "threads": settings.threads,
+        "platform": platform.platform(),
+    }
     evaluations = []
     for item in timed:
-        with reporter.status(f"timing {item.name} on {item.target.runtime} ({settings.repeats} runs x {settings.output_tokens} tokens, "
-                             f"prompt {settings.prompt_tokens})"):
+        with reporter.status(
+            f"timing {item.name} on {item.target.runtime} ({settings.repeats} runs x {settings.output_tokens} tokens, "
+            f"prompt {settings.prompt_tokens})"
+        ):
             result = measure(item.target, settings, prompts)
         gbs = bandwidth[item.target.device]["bandwidth_gbs"]
-        details = {"prompt_tokens": settings.prompt_tokens, "output_tokens": settings.output_tokens, "warmup": settings.warmup,
-                   "repeats": settings.repeats, "threads": settings.threads, "batches": result["batches"],
-                   "skipped_batches": result["skipped_batches"], "load_s": result["load_s"],
-                   "rss_before_load_mb": result["rss_before_load_mb"], "weight_bytes_per_token": result["weight_bytes_per_token"],
-                   "kv_bytes_per_position": result["kv_bytes_per_position"], "size_bytes": result["size_bytes"],
-                   "bandwidth_gbs": gbs, "worker": "one fresh process per artifact and runtime"}
+        details = {
+            "prompt_tokens": settings.prompt_tokens,
+            "output_tokens": settings.output_tokens,
+            "warmup": settings.warmup,
+            "repeats": settings.repeats,
+            "threads": settings.threads,
+            "batches": result["batches"],
+            "skipped_batches": result["skipped_batches"],
+            "load_s": result["load_s"],
+            "rss_before_load_mb": result["rss_before_load_mb"],
+            "weight_bytes_per_token": result["weight_bytes_per_token"],
+            "kv_bytes_per_position": result["kv_bytes_per_position"],
+            "size_bytes": result["size_bytes"],
+            "bandwidth_gbs": gbs,
+            "worker": "one fresh process per artifact and runtime",
+        }
         device = gpu if item.target.device == "cuda" and gpu else item.target.device
-        evaluations.append(Evaluation(artifact=item.name, runtime=item.target.runtime, device=device, kind="latency",
-                                      metrics=latency_metrics(result, gbs), details=details))
+        evaluations.append(
+            Evaluation(
+                artifact=item.name,
+                runtime=item.target.runtime,
+                device=device,
+                kind="latency",
+                metrics=latency_metrics(result, gbs),
+                details=details,
+            )
+        )
     return evaluations, host
 
 
-def device_evaluations(profiles: dict[str, dev.DeviceProfile], wanted: dict[str, tuple[int, int]], timed: list[Timed],
-                       measured: list[Evaluation], settings: LatencySettings | None, params: int) -> list[Evaluation]:
+def device_evaluations(
+    profiles: dict[str, dev.DeviceProfile],
+    wanted: dict[str, tuple[int, int]],
+    timed: list[Timed],
+    measured: list[Evaluation],
+    settings: LatencySettings | None,
+    params: int,
+) -> list[Evaluation]:
     """For each wanted device (name -> (context, batch) of its fit check) and each timed artifact
     whose format the device runs: a memory evaluation (fit check) and a latency evaluation —
     the measured one when this machine is that device, else a roofline estimate."""
@@ -91,24 +124,59 @@ def device_evaluations(profiles: dict[str, dev.DeviceProfile], wanted: dict[str,
             local = next((e for e in measured if e.artifact == item.name and e.runtime == runtime), None)
             weights, kv_per_pos, size = _bytes(item, local)
             fit = dev.fit_check(profile, weights, kv_per_pos, context, batch)
-            basis = {"weight_bytes": weights, "kv_bytes_per_position": kv_per_pos, "size_bytes": size, **fit,
-                     "formula": "(weights + KV cache at context x batch) / (memory_gb x usable_memory_fraction)"}
-            out.append(Evaluation(artifact=item.name, runtime=runtime, device=name, kind="memory", source="estimated", profile=name,
-                                  metrics={"memory_fraction": fit["memory_fraction"], "size_mb": size / 2**20}, details=basis))
+            basis = {
+                "weight_bytes": weights,
+                "kv_bytes_per_position": kv_per_pos,
+                "size_bytes": size,
+                **fit,
+                "formula": "(weights + KV cache at context x batch) / (memory_gb x usable_memory_fraction)",
+            }
+            out.append(
+                Evaluation(
+                    artifact=item.name,
+                    runtime=runtime,
+                    device=name,
+                    kind="memory",
+                    source="estimated",
+                    profile=name,
+                    metrics={"memory_fraction": fit["memory_fraction"], "size_mb": size / 2**20},
+                    details=basis,
+                )
+            )
             if settings is None:
                 continue
             if here and local is not None:
-                out.append(Evaluation(artifact=item.name, runtime=runtime, device=local.device, kind="latency", profile=name,
-                                      metrics=dict(local.metrics), details={**(local.details or {}), "profile_identified_as": name}))
+                out.append(
+                    Evaluation(
+                        artifact=item.name,
+                        runtime=runtime,
+                        device=local.device,
+                        kind="latency",
+                        profile=name,
+                        metrics=dict(local.metrics),
+                        details={**(local.details or {}), "profile_identified_as": name},
+                    )
+                )
                 continue
             est = dev.estimate_latency(profile, weights, kv_per_pos, params, settings.prompt_tokens, settings.output_tokens, 1)
             metrics = {k: est[k] for k in ("ttft_ms", "tpot_ms", "decode_tokens_per_s")}  # batch 1, as measured here
             batch = max(settings.batch_sizes)
             if batch > 1:
-                metrics["batch_decode_tokens_per_s"] = dev.estimate_latency(profile, weights, kv_per_pos, params, settings.prompt_tokens,
-                                                                            settings.output_tokens, batch)["batch_decode_tokens_per_s"]
-            out.append(Evaluation(artifact=item.name, runtime=runtime, device=name, kind="latency", source="estimated", profile=name,
-                                  metrics=metrics, details={"assumptions": est["assumptions"], "roofline": True}))
+                metrics["batch_decode_tokens_per_s"] = dev.estimate_latency(
+                    profile, weights, kv_per_pos, params, settings.prompt_tokens, settings.output_tokens, batch
+                )["batch_decode_tokens_per_s"]
+            out.append(
+                Evaluation(
+                    artifact=item.name,
+                    runtime=runtime,
+                    device=name,
+                    kind="latency",
+                    source="estimated",
+                    profile=name,
+                    metrics=metrics,
+                    details={"assumptions": est["assumptions"], "roofline": True},
+                )
+            )
     return out
 
 

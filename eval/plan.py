@@ -64,8 +64,9 @@ def _training_bytes(shape: ModelShape, batch: int, seq: int, bf16: bool) -> floa
     return t.num_hidden_layers * per_layer * (1 if bf16 else 2) + 4 * batch * seq * t.vocab_size * 4
 
 
-def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record],
-                    export_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def stage_estimates(
+    recipe: Recipe, shape: ModelShape, records: dict[str, Record], export_rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """One row per step of the run: load, each stage, evaluation, each export (``export_rows``:
     the artifacts rows, which end with the exports in recipe order)."""
     dtype = DTYPE_BYTES[recipe.model.dtype]
@@ -73,8 +74,14 @@ def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record
     cal = recipe.data.calibration
     cal_tokens = cal.samples * cal.seq_len if cal else 0
     copies = "baseline + working copy" if recipe.stages else "the model"
-    rows = [{"step": "load model", "peak_memory_gb": (2 if recipe.stages else 1) * base / GB, "time_s": base / LOAD_BYTES_PER_S,
-             "basis": f"{copies} at {recipe.model.dtype} ({shape.params:,} parameters); reading at ~{LOAD_BYTES_PER_S / GB:.1f} GB/s"}]
+    rows = [
+        {
+            "step": "load model",
+            "peak_memory_gb": (2 if recipe.stages else 1) * base / GB,
+            "time_s": base / LOAD_BYTES_PER_S,
+            "basis": f"{copies} at {recipe.model.dtype} ({shape.params:,} parameters); reading at ~{LOAD_BYTES_PER_S / GB:.1f} GB/s",
+        }
+    ]
     cur = shape
     for i, stage in enumerate(recipe.stages):
         cfg = stage.config
@@ -83,8 +90,10 @@ def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record
         if stage.kind == "prune":
             passes = 1 + (cur.text.num_hidden_layers if cfg.layers and cfg.layers.metric == "kl" else 0)
             mem, secs = held + _activation_bytes(cur, cfg.batch_size, cal.seq_len), passes * _forward_s(cur.params, cal_tokens)
-            basis = (f"baseline + working copy + one forward of {cfg.batch_size} x {cal.seq_len} tokens; "
-                     f"{passes} pass(es) over {cal_tokens:,} calibration tokens")
+            basis = (
+                f"baseline + working copy + one forward of {cfg.batch_size} x {cal.seq_len} tokens; "
+                f"{passes} pass(es) over {cal_tokens:,} calibration tokens"
+            )
             cur = pruned_shape(cur, cfg)
         elif stage.kind == "distill":
             bf16 = cfg.autocast == "bf16"
@@ -93,9 +102,11 @@ def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record
             rate = DISTILL_TOKENS_PER_S["bf16" if bf16 else "fp32"] * REF_PARAMS / cur.params
             mem = held + 12 * trainable + _training_bytes(cur, cfg.batch_size, cfg.seq_len, bf16)
             secs = tokens / rate
-            basis = (f"teacher (the baseline) + student + fp32 grads and AdamW moments of {trainable:,} trainable parameters + activations "
-                     f"of {cfg.batch_size} x {cfg.seq_len} tokens; {tokens:,} tokens at ~{rate:,.0f} tokens/s "
-                     f"({'bf16 autocast' if bf16 else 'float32'}, scaled from the 135M model)")
+            basis = (
+                f"teacher (the baseline) + student + fp32 grads and AdamW moments of {trainable:,} trainable parameters + activations "
+                f"of {cfg.batch_size} x {cfg.seq_len} tokens; {tokens:,} tokens at ~{rate:,.0f} tokens/s "
+                f"({'bf16 autocast' if bf16 else 'float32'}, scaled from the 135M model)"
+            )
         elif stage.kind == "quantize":
             selected = set(_selected(cur, cfg))
             mine = {n: r for n, r in records.items() if n in selected}
@@ -115,24 +126,32 @@ def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record
                     how = f"forward + Hessian accumulation (2 x in_features^2 per Linear per token) over {cal_tokens:,} calibration tokens"
                 elif cfg.method == "awq":
                     secs = _forward_s(weights, cal_tokens) + 1.25 * cfg.grid * _forward_s(weights, cfg.search_tokens)
-                    how = (f"forward over {cal_tokens:,} calibration tokens + {cfg.grid} scale candidates x "
-                           f"{cfg.search_tokens:,} search tokens (+25% clipping)")
+                    how = (
+                        f"forward over {cal_tokens:,} calibration tokens + {cfg.grid} scale candidates x "
+                        f"{cfg.search_tokens:,} search tokens (+25% clipping)"
+                    )
                 elif cfg.method == "llm_int8":  # one pass to find outlier columns, then rounding
                     secs = _forward_s(cur.params, cal_tokens) + weights / RTN_WEIGHTS_PER_S
                     how = f"one forward over {cal_tokens:,} calibration tokens, then rounding"
                 else:
                     raise CompressError(f"{label}: compress plan has no estimate for quantize method '{cfg.method}'")
-                basis = (f"baseline + working copy + codes + block inputs/outputs of {cal_tokens:,} tokens (float32) + one block's "
-                         f"Hessians; {how}")
+                basis = (
+                    f"baseline + working copy + codes + block inputs/outputs of {cal_tokens:,} tokens (float32) + one block's "
+                    f"Hessians; {how}"
+                )
         elif stage.kind == "kv_cache":
             per_token = kv_bytes_per_token(cur.config, dtype)
             ev = cfg.evaluate
             mem = held + (2 * per_token * ev.context * ev.samples if ev else 0)
             rate = TORCH_DECODE_TOKENS_PER_S * REF_PARAMS / cur.params
             secs = (2 * ev.samples * ev.context / rate if ev else 0) + (_forward_s(cur.params, cal_tokens) if cfg.static_scales else 0)
-            basis = (f"baseline + working copy + float and quantized caches at {ev.context if ev else 0} tokens; decoding "
-                     f"{ev.samples if ev else 0} x {ev.context if ev else 0} tokens token by token twice (float cache and quantized) "
-                     f"at ~{rate:.0f} tokens/s" if ev else "baseline + working copy; no evaluation through the cache")
+            basis = (
+                f"baseline + working copy + float and quantized caches at {ev.context if ev else 0} tokens; decoding "
+                f"{ev.samples if ev else 0} x {ev.context if ev else 0} tokens token by token twice (float cache and quantized) "
+                f"at ~{rate:.0f} tokens/s"
+                if ev
+                else "baseline + working copy; no evaluation through the cache"
+            )
         else:
             raise CompressError(f"{label}: compress plan has no estimate for stage kind '{stage.kind}'")
         rows.append({"step": label, "peak_memory_gb": mem / GB, "time_s": secs, "basis": basis})
@@ -140,20 +159,29 @@ def stage_estimates(recipe: Recipe, shape: ModelShape, records: dict[str, Record
     if ev is not None:
         tokens = ev.samples * ev.seq_len
         models = 2 if recipe.stages else 1
-        rows.append({"step": "evaluate", "peak_memory_gb": (base + cur.params * dtype + _activation_bytes(cur, ev.batch_size, ev.seq_len)) / GB,
-                     "time_s": _forward_s(shape.params, tokens) + (_forward_s(cur.params, tokens) if recipe.stages else 0),
-                     "basis": f"{models} model(s) x {ev.samples} x {ev.seq_len} tokens at 2 x params FLOPs/token, "
-                              f"~{CPU_FORWARD_FLOPS / GB:.0f} GFLOPS"})
-    for spec, art in zip(recipe.exports, export_rows[len(export_rows) - len(recipe.exports):]):  # exports come last
+        rows.append(
+            {
+                "step": "evaluate",
+                "peak_memory_gb": (base + cur.params * dtype + _activation_bytes(cur, ev.batch_size, ev.seq_len)) / GB,
+                "time_s": _forward_s(shape.params, tokens) + (_forward_s(cur.params, tokens) if recipe.stages else 0),
+                "basis": f"{models} model(s) x {ev.samples} x {ev.seq_len} tokens at 2 x params FLOPs/token, "
+                f"~{CPU_FORWARD_FLOPS / GB:.0f} GFLOPS",
+            }
+        )
+    for spec, art in zip(recipe.exports, export_rows[len(export_rows) - len(recipe.exports) :], strict=False):  # exports come last
         verify = getattr(spec, "verify", False) and ev is not None
         tokens = (getattr(spec, "verify_samples", None) or (ev.samples if ev else 0)) * (ev.seq_len if ev else 0) if verify else 0
         if spec.format == "tensorrt":
             tokens = spec.check_tokens
-        rows.append({"step": f"export {spec.name} ({spec.format})",
-                     "peak_memory_gb": (base + cur.params * dtype + 2 * art["size_bytes"]) / GB,
-                     "time_s": EXPORT_BUILD_S * cur.params / REF_PARAMS + _forward_s(cur.params, tokens),
-                     "basis": f"baseline + working copy + the file twice (written, then loaded by its runtime); ~{EXPORT_BUILD_S:.0f} s "
-                              f"per 135M parameters to write and prove it + scoring {tokens:,} tokens on its runtime"})
+        rows.append(
+            {
+                "step": f"export {spec.name} ({spec.format})",
+                "peak_memory_gb": (base + cur.params * dtype + 2 * art["size_bytes"]) / GB,
+                "time_s": EXPORT_BUILD_S * cur.params / REF_PARAMS + _forward_s(cur.params, tokens),
+                "basis": f"baseline + working copy + the file twice (written, then loaded by its runtime); ~{EXPORT_BUILD_S:.0f} s "
+                f"per 135M parameters to write and prove it + scoring {tokens:,} tokens on its runtime",
+            }
+        )
     return rows
 
 
@@ -166,8 +194,9 @@ def _selected(shape: ModelShape, cfg: Any) -> list[str]:
 # --------------------------------------------------------------------------- the plan
 
 
-def plan_recipe(loaded: LoadedRecipe, devices: dict[str, DeviceProfile], targets: list[str], context: int | None = None,
-                batch: int | None = None) -> dict[str, Any]:
+def plan_recipe(
+    loaded: LoadedRecipe, devices: dict[str, DeviceProfile], targets: list[str], context: int | None = None, batch: int | None = None
+) -> dict[str, Any]:
     """Estimates for one recipe: per-step memory and time, artifact sizes, and the fit of each
     artifact on each target device. ``targets`` empty: ``local`` (when in ``devices``) and the
     recipe's `targets:`, or every device when it has none. ``context``/``batch`` given: for every
@@ -188,39 +217,67 @@ def plan_recipe(loaded: LoadedRecipe, devices: dict[str, DeviceProfile], targets
     fits = []
     for dev in chosen:
         ctx, n = _serving(recipe, dev.name, context, batch)
-        prompt, output = (recipe.latency.prompt_tokens, recipe.latency.output_tokens) if recipe.latency else (max(ctx // 2, 1), max(ctx - ctx // 2, 1))
+        prompt, output = (
+            (recipe.latency.prompt_tokens, recipe.latency.output_tokens) if recipe.latency else (max(ctx // 2, 1), max(ctx - ctx // 2, 1))
+        )
         for art in arts:
             s = shape if art["artifact"] == "baseline" else final
             per_token = kv_bytes_per_token(s.config, art["kv_bytes_per_element"])
             fit = fit_check(dev, art["size_bytes"], per_token, ctx, n)
             lat = estimate_latency(dev, art["size_bytes"], per_token, s.params, prompt, output, n)
-            fits.append({"device": dev.name, "artifact": art["artifact"], "format": art["format"], "runtime": art["runtime"],
-                         "size_mb": art["size_bytes"] / 2**20, "kv_bytes_per_token": per_token, **fit,
-                         "supported": dev.supports(art["format"], art["runtime"]), "prompt_tokens": prompt, "output_tokens": output,
-                         "ttft_ms": lat["ttft_ms"], "decode_tokens_per_s": lat["decode_tokens_per_s"],
-                         "batch_decode_tokens_per_s": lat["batch_decode_tokens_per_s"], "decode_bound": lat["assumptions"]["decode_bound"]})
+            fits.append(
+                {
+                    "device": dev.name,
+                    "artifact": art["artifact"],
+                    "format": art["format"],
+                    "runtime": art["runtime"],
+                    "size_mb": art["size_bytes"] / 2**20,
+                    "kv_bytes_per_token": per_token,
+                    **fit,
+                    "supported": dev.supports(art["format"], art["runtime"]),
+                    "prompt_tokens": prompt,
+                    "output_tokens": output,
+                    "ttft_ms": lat["ttft_ms"],
+                    "decode_tokens_per_s": lat["decode_tokens_per_s"],
+                    "batch_decode_tokens_per_s": lat["batch_decode_tokens_per_s"],
+                    "decode_bound": lat["assumptions"]["decode_bound"],
+                }
+            )
     peak = max(r["peak_memory_gb"] for r in steps)
     local = devices.get(LOCAL)
     return {
         "source": "estimated",
         "recipe": {"name": recipe.name, "path": str(loaded.path)},
-        "model": {"source": recipe.model.source, "config": shape.origin, "architecture": type(shape.model).__name__,
-                  "parameters": shape.params, "parameters_after_stages": final.params, "dtype": recipe.model.dtype,
-                  "quantized_layers": len(records)},
+        "model": {
+            "source": recipe.model.source,
+            "config": shape.origin,
+            "architecture": type(shape.model).__name__,
+            "parameters": shape.params,
+            "parameters_after_stages": final.params,
+            "dtype": recipe.model.dtype,
+            "quantized_layers": len(records),
+        },
         "steps": steps,
-        "total": {"time_s": sum(r["time_s"] for r in steps), "peak_memory_gb": peak,
-                  "fits_this_machine": None if local is None else peak * GB <= local.usable_bytes},
+        "total": {
+            "time_s": sum(r["time_s"] for r in steps),
+            "peak_memory_gb": peak,
+            "fits_this_machine": None if local is None else peak * GB <= local.usable_bytes,
+        },
         "artifacts": arts,
         "fit": fits,
         "devices": {d.name: d.model_dump() for d in chosen},
         "assumptions": {
-            "times": REFERENCE, "cpu_forward_gflops": CPU_FORWARD_FLOPS / GB, "load_gb_per_s": LOAD_BYTES_PER_S / GB,
-            "rtn_weights_per_s": RTN_WEIGHTS_PER_S, "distill_tokens_per_s_135m": DISTILL_TOKENS_PER_S,
-            "torch_decode_tokens_per_s_135m": TORCH_DECODE_TOKENS_PER_S, "export_build_s_135m": EXPORT_BUILD_S,
+            "times": REFERENCE,
+            "cpu_forward_gflops": CPU_FORWARD_FLOPS / GB,
+            "load_gb_per_s": LOAD_BYTES_PER_S / GB,
+            "rtn_weights_per_s": RTN_WEIGHTS_PER_S,
+            "distill_tokens_per_s_135m": DISTILL_TOKENS_PER_S,
+            "torch_decode_tokens_per_s_135m": TORCH_DECODE_TOKENS_PER_S,
+            "export_build_s_135m": EXPORT_BUILD_S,
             "fit": "weights + KV cache (context x batch tokens) <= memory_gb x usable_memory_fraction; activations and runtime "
-                   "buffers are not counted (usable_memory_fraction leaves room for them)",
+            "buffers are not counted (usable_memory_fraction leaves room for them)",
             "latency": "roofline (eval/devices.py) at each row's prompt_tokens and output_tokens (the recipe's latency block, "
-                       "else half the context each)",
+            "else half the context each)",
         },
     }
 
@@ -231,8 +288,7 @@ def _serving(recipe: Recipe, device: str, context: int | None, batch: int | None
     default = recipe.data.evaluation.seq_len if recipe.data.evaluation else 2048
     if target is not None and target.context is None and recipe.latency is not None:
         default = recipe.latency.prompt_tokens + recipe.latency.output_tokens
-    return (context or (target.context if target and target.context else default),
-            batch or (target.batch if target else 1))
+    return (context or (target.context if target and target.context else default), batch or (target.batch if target else 1))
 
 
 # --------------------------------------------------------------------------- output
@@ -250,24 +306,49 @@ def tables(plan: dict[str, Any]) -> list[Any]:
         return t
 
     m = plan["model"]
-    steps = table(f"{plan['recipe']['name'] or 'recipe'}: {m['architecture']}, {m['parameters']:,} parameters ({m['dtype']})",
-                  [("step", "left"), ("peak memory", "right"), ("time", "right"), ("basis", "left")])
+    steps = table(
+        f"{plan['recipe']['name'] or 'recipe'}: {m['architecture']}, {m['parameters']:,} parameters ({m['dtype']})",
+        [("step", "left"), ("peak memory", "right"), ("time", "right"), ("basis", "left")],
+    )
     for r in plan["steps"]:
         steps.add_row(r["step"], f"{r['peak_memory_gb']:.2f} GB", _duration(r["time_s"]), r["basis"])
     total = plan["total"]
     here = {None: "", True: "; fits this machine", False: "; [red]more than this machine's usable memory[/]"}[total["fits_this_machine"]]
-    steps.add_row("[bold]total[/]", f"{total['peak_memory_gb']:.2f} GB", _duration(total["time_s"]), "peak of the steps, sum of the times" + here)
-    arts = table("artifacts", [("artifact", "left"), ("format/runtime", "left"), ("size", "right"), ("bits/param", "right"), ("basis", "left")])
+    steps.add_row(
+        "[bold]total[/]", f"{total['peak_memory_gb']:.2f} GB", _duration(total["time_s"]), "peak of the steps, sum of the times" + here
+    )
+    arts = table(
+        "artifacts", [("artifact", "left"), ("format/runtime", "left"), ("size", "right"), ("bits/param", "right"), ("basis", "left")]
+    )
     for a in plan["artifacts"]:
-        arts.add_row(a["artifact"], f"{a['format']}/{a['runtime']}", f"{a['size_bytes'] / 2**20:,.1f} MiB", f"{a['bits_per_param']:.2f}", a["basis"])
-    fit = table("fit: weights + KV cache at context x batch vs usable memory (GB); runs: the device runs the artifact's "
-                "format and runtime; tok/s: roofline decode speed per sequence",
-                [("device", "left"), ("artifact", "left"), ("MiB", "right"), ("ctx x b", "right"), ("GB need/usable", "right"),
-                 ("fits", "left"), ("runs", "left"), ("tok/s", "right")])
+        arts.add_row(
+            a["artifact"], f"{a['format']}/{a['runtime']}", f"{a['size_bytes'] / 2**20:,.1f} MiB", f"{a['bits_per_param']:.2f}", a["basis"]
+        )
+    fit = table(
+        "fit: weights + KV cache at context x batch vs usable memory (GB); runs: the device runs the artifact's "
+        "format and runtime; tok/s: roofline decode speed per sequence",
+        [
+            ("device", "left"),
+            ("artifact", "left"),
+            ("MiB", "right"),
+            ("ctx x b", "right"),
+            ("GB need/usable", "right"),
+            ("fits", "left"),
+            ("runs", "left"),
+            ("tok/s", "right"),
+        ],
+    )
     for r in plan["fit"]:
-        fit.add_row(r["device"], r["artifact"], f"{r['size_mb']:,.1f}", f"{r['context']:,}x{r['batch']}",
-                    f"{r['required_gb']:.3g}/{r['usable_gb']:.3g}", "[green]yes[/]" if r["fits"] else "[red]no[/]",
-                    "yes" if r["supported"] else "[yellow]no[/]", f"{r['decode_tokens_per_s']:,.0f}")
+        fit.add_row(
+            r["device"],
+            r["artifact"],
+            f"{r['size_mb']:,.1f}",
+            f"{r['context']:,}x{r['batch']}",
+            f"{r['required_gb']:.3g}/{r['usable_gb']:.3g}",
+            "[green]yes[/]" if r["fits"] else "[red]no[/]",
+            "yes" if r["supported"] else "[yellow]no[/]",
+            f"{r['decode_tokens_per_s']:,.0f}",
+        )
     return [steps, arts, fit]
 
 

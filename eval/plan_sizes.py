@@ -16,9 +16,27 @@ from compress.recipe import ModelSpec, Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # llama.cpp's bits per weight: exact block sizes, and its published averages for the K-quant mixes.
-GGUF_BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0,
-             "q2_k": 3.35, "q3_k_s": 3.5, "q3_k_m": 3.91, "q3_k_l": 4.27, "q4_k_s": 4.58, "q4_k_m": 4.89,
-             "q5_k_s": 5.54, "q5_k_m": 5.69, "q6_k": 6.56, "iq4_nl": 4.5, "iq4_xs": 4.25}
+GGUF_BITS = {
+    "f32": 32,
+    "f16": 16,
+    "bf16": 16,
+    "q8_0": 8.5,
+    "q4_0": 4.5,
+    "q4_1": 5.0,
+    "q5_0": 5.5,
+    "q5_1": 6.0,
+    "q2_k": 3.35,
+    "q3_k_s": 3.5,
+    "q3_k_m": 3.91,
+    "q3_k_l": 4.27,
+    "q4_k_s": 4.58,
+    "q4_k_m": 4.89,
+    "q5_k_s": 5.54,
+    "q5_k_m": 5.69,
+    "q6_k": 6.56,
+    "iq4_nl": 4.5,
+    "iq4_xs": 4.25,
+}
 GB = 1e9
 
 
@@ -64,8 +82,9 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
             raise ModelLoadError(f"'{source}' is not a reference model; known: {known}")
         asset = assets.locate(name)
         if asset is None:
-            raise ModelLoadError(f"model.source {source} is not in the cache; `compress plan` downloads nothing. "
-                                 f"Run `compress assets fetch {name}` first.")
+            raise ModelLoadError(
+                f"model.source {source} is not in the cache; `compress plan` downloads nothing. Run `compress assets fetch {name}` first."
+            )
         gguf = next(f for f in asset.files if f.suffix == ".gguf")
         converted = cache_root() / "models" / f"gguf-{asset.meta['files'][gguf.name][:16]}"
         if (converted / models.CONVERTED_MARKER).is_file():
@@ -83,8 +102,10 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
         except Exception as exc:  # huggingface_hub raises several types for "not cached"
             raise ModelLoadError(f"'{source}' is not in the local Hugging Face cache; compress never downloads models") from exc
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model.source {source}: no config.json at {path} (give a Hugging Face directory, a .gguf file, "
-                             "a cached Hugging Face id or reference:<name>)")
+        raise ModelLoadError(
+            f"model.source {source}: no config.json at {path} (give a Hugging Face directory, a .gguf file, "
+            "a cached Hugging Face id or reference:<name>)"
+        )
     check_json(path / "config.json")
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True), f"{path / 'config.json'}"
@@ -98,7 +119,9 @@ def _gguf_config(path: Path) -> tuple[Any, str]:
     try:  # transformers reads the metadata with gguf.GGUFReader (memory-mapped; tensors are not loaded)
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name), f"GGUF metadata of {path}"
     except Exception as exc:  # the GGUF reader raises many types for a damaged file
-        raise ModelLoadError(f"cannot read the model config from the GGUF metadata of {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
+        raise ModelLoadError(
+            f"cannot read the model config from the GGUF metadata of {path}: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from None
 
 
 def shape_of(config: Any, trust_remote_code: bool = False, origin: str = "") -> ModelShape:
@@ -129,9 +152,14 @@ def pruned_shape(shape: ModelShape, prune: Any) -> ModelShape:
     heads = sizes.get("heads", pm.num_heads)
     layers = sizes.get("layers", len(pm.blocks))
     data = shape.config.to_dict()
-    data.update(intermediate_size=sizes.get("mlp", pm.intermediate_size), hidden_size=sizes.get("hidden", pm.hidden_size),
-                num_attention_heads=heads, num_key_value_heads=heads // (pm.num_heads // pm.kv_heads), head_dim=pm.head_dim,
-                num_hidden_layers=layers)
+    data.update(
+        intermediate_size=sizes.get("mlp", pm.intermediate_size),
+        hidden_size=sizes.get("hidden", pm.hidden_size),
+        num_attention_heads=heads,
+        num_key_value_heads=heads // (pm.num_heads // pm.kv_heads),
+        head_dim=pm.head_dim,
+        num_hidden_layers=layers,
+    )
     if isinstance(data.get("layer_types"), list):
         data["layer_types"] = data["layer_types"][:layers]
     return shape_of(shape.config.__class__.from_dict(data), False, f"{shape.origin}, pruned to {sizes}")
@@ -170,8 +198,10 @@ def check_group_sizes(recipe: Recipe, shape: ModelShape) -> None:
         chosen, _ = select_linears(shape.model, stage.config.targets, stage.config.ignore)
         widest = max((m.in_features for _, m in chosen), default=None)
         if widest is not None and group > widest:
-            raise CompressError(f"stages[{i}].quantize.group_size: {group} is wider than every layer it quantizes (the widest "
-                                f"input is {widest}); use a group size up to {widest}, or null for one scale per output row")
+            raise CompressError(
+                f"stages[{i}].quantize.group_size: {group} is wider than every layer it quantizes (the widest "
+                f"input is {widest}); use a group size up to {widest}, or null for one scale per output row"
+            )
 
 
 def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
@@ -187,9 +217,17 @@ def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
     return records
 
 
-def packed_bytes(shape: ModelShape, records: dict[str, Record], float_bits: float, code_bits: float | None = None,
-                 scale_bits: float | None = None, zero_bits: float | None = None, group: int | None = None,
-                 zeros_always: bool = False, extra_bits_per_input: float = 0) -> int:
+def packed_bytes(
+    shape: ModelShape,
+    records: dict[str, Record],
+    float_bits: float,
+    code_bits: float | None = None,
+    scale_bits: float | None = None,
+    zero_bits: float | None = None,
+    group: int | None = None,
+    zeros_always: bool = False,
+    extra_bits_per_input: float = 0,
+) -> int:
     """Bytes of a file holding ``records`` as codes + per-group scales (+ zero points) and every
     other parameter at ``float_bits``. None: take the record's own bits / scale dtype / group;
     zero points cost the code bits for asymmetric records (all records with ``zeros_always``)."""
@@ -213,17 +251,32 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
 
     def add(name: str, fmt: str, runtime: str, size: int, kv_bytes: float, basis: str) -> None:
         params = source.params if name == "baseline" else shape.params
-        rows.append({"artifact": name, "format": fmt, "runtime": runtime, "size_bytes": size, "bits_per_param": round(8 * size / params, 3),
-                     "kv_bytes_per_element": kv_bytes, "basis": basis})
+        rows.append(
+            {
+                "artifact": name,
+                "format": fmt,
+                "runtime": runtime,
+                "size_bytes": size,
+                "bits_per_param": round(8 * size / params, 3),
+                "kv_bytes_per_element": kv_bytes,
+                "basis": basis,
+            }
+        )
 
     add("baseline", "hf", "torch", source.params * dtype_bits // 8, dtype_bits / 8, f"every parameter at {recipe.model.dtype}")
     if not recipe.stages:
         return rows
     packed = packed_bytes(shape, records, dtype_bits)
     scheme_note = ", ".join(sorted({r.scheme.describe() for r in records.values()})) or "no quantized layers"
-    add("compressed", "hf", "torch", packed, dtype_bits / 8,
+    add(
+        "compressed",
+        "hf",
+        "torch",
+        packed,
+        dtype_bits / 8,
         f"{len(records)} quantized layers ({scheme_note}) packed: bits + scale bits / group (+ zero-point bits when asymmetric); "
-        f"the rest at {recipe.model.dtype}")
+        f"the rest at {recipe.model.dtype}",
+    )
     kv = next((s.config for s in recipe.stages if s.kind == "kv_cache"), None)
     if kv is not None and kv.evaluate is not None:
         add("kv_cache", "hf", "torch", packed, _kv_element_bytes(kv, shape), f"compressed weights; KV cache {kv.describe()}")
@@ -245,8 +298,16 @@ def _export_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
         if spec.quantizer == "llama.cpp":
             kind, float_type = spec.type, spec.float_type or "q8_0"  # llama.cpp picks the embedding's type itself; q8_0 assumed
             size = _uniform_bytes(shape, GGUF_BITS[kind], GGUF_BITS[float_type])
-            return "gguf", "llama.cpp", size, 2.0, (f"llama.cpp {kind} at ~{GGUF_BITS[kind]} bits/weight (its published average; rows "
-                                                    f"that are not a multiple of 256 fall back to larger types), embedding {float_type}")
+            return (
+                "gguf",
+                "llama.cpp",
+                size,
+                2.0,
+                (
+                    f"llama.cpp {kind} at ~{GGUF_BITS[kind]} bits/weight (its published average; rows "
+                    f"that are not a multiple of 256 fall back to larger types), embedding {float_type}"
+                ),
+            )
         kind = _gguf_type(spec.type, records)
         float_type = spec.float_type or ("q8_0" if kind.startswith("q") else kind)
         size = packed_bytes(shape, records, GGUF_BITS[float_type], code_bits=GGUF_BITS[kind], scale_bits=0, zero_bits=0)
@@ -289,8 +350,11 @@ def _linear_weights(shape: ModelShape, with_lm_head: bool) -> int:
     from torch import nn
 
     emb = shape.model.get_input_embeddings().weight
-    return sum(m.weight.numel() for n, m in shape.model.named_modules()
-               if isinstance(m, nn.Linear) and m.weight is not emb and (with_lm_head or not n.endswith("lm_head")))
+    return sum(
+        m.weight.numel()
+        for n, m in shape.model.named_modules()
+        if isinstance(m, nn.Linear) and m.weight is not emb and (with_lm_head or not n.endswith("lm_head"))
+    )
 
 
 def _uniform_bytes(shape: ModelShape, linear_bits: float, other_bits: float) -> int:

@@ -33,8 +33,9 @@ NON_FINITE = list(_report.NON_FINITE)  # how compress.pipeline.json_safe writes 
 UPPER_BOUNDS = ("max", "max_increase_pct")  # threshold kinds that pass when value <= limit
 ACCURACY_KINDS = ("accuracy", "kv_cache")
 REPORT_FILES = {"junit": "junit.xml", "summary": "summary.md", "pareto": "plots/pareto.png", "latency": "plots/latency.png"}
-ESTIMATED_NOTE = ("Estimated: computed from the device profile (memory bandwidth, compute, memory size), "
-                  "not from running the artifact on that device.")
+ESTIMATED_NOTE = (
+    "Estimated: computed from the device profile (memory bandwidth, compute, memory size), not from running the artifact on that device."
+)
 
 
 REPORT_SCHEMA: dict[str, Any] = json_schema("report")
@@ -85,7 +86,7 @@ def _fmt(value: Any, digits: int = 4) -> str:
         return str(value)
     if isinstance(value, int):
         return str(value)
-    if not math.isfinite(value) or abs(value) < 10 ** digits:
+    if not math.isfinite(value) or abs(value) < 10**digits:
         return f"{value:.{digits}g}"
     return f"{value:.0f}"
 
@@ -118,7 +119,7 @@ def _limit_text(threshold: dict[str, Any], digits: int = 4) -> str:
 
 
 def runtime_on_device(item: dict[str, Any]) -> str:
-    """"runtime on device" for a gate or evaluation."""
+    """ "runtime on device" for a gate or evaluation."""
     runtime, device = item.get("runtime"), item.get("device")
     return " on ".join(str(p) for p in (runtime, device) if p) or "no runtime"
 
@@ -154,8 +155,13 @@ def _testcase(suite_el: ET.Element, gate: dict[str, Any]) -> None:
     case = ET.SubElement(suite_el, "testcase", {"classname": _x(gate["artifact"]), "name": _x(gate["name"]), "time": "0"})
     threshold, source = gate.get("threshold", {}), gate.get("source")
     fields = {
-        "metric": gate.get("metric"), "value": "none" if gate.get("value") is None else _fmt(gate.get("value"), 6), "limit": _limit_text(threshold, 6),
-        "threshold_kind": threshold.get("kind"), "runtime": gate.get("runtime"), "device": gate.get("device"), "source": source,
+        "metric": gate.get("metric"),
+        "value": "none" if gate.get("value") is None else _fmt(gate.get("value"), 6),
+        "limit": _limit_text(threshold, 6),
+        "threshold_kind": threshold.get("kind"),
+        "runtime": gate.get("runtime"),
+        "device": gate.get("device"),
+        "source": source,
     }
     props = ET.SubElement(case, "properties")
     fields = {k: "none" if v is None else v for k, v in fields.items()}
@@ -208,29 +214,68 @@ def markdown_summary(report: dict[str, Any]) -> str:
     lines.append("")
     if gates:
         lines += ["### Gates", ""]
-        lines += table_lines(["Gate", "Artifact", "Metric", "Value", "Limit", "Result", "Source", "Runtime / device"], [
-            [g["name"], g["artifact"], g["metric"], _fmt(g.get("value")), _limit_text(g.get("threshold", {})),
-             "pass" if g["passed"] else "**FAIL**", _source_cell(g.get("source")),
-             runtime_on_device(g) if g.get("source") != "missing" else "—"] for g in gates])
+        lines += table_lines(
+            ["Gate", "Artifact", "Metric", "Value", "Limit", "Result", "Source", "Runtime / device"],
+            [
+                [
+                    g["name"],
+                    g["artifact"],
+                    g["metric"],
+                    _fmt(g.get("value")),
+                    _limit_text(g.get("threshold", {})),
+                    "pass" if g["passed"] else "**FAIL**",
+                    _source_cell(g.get("source")),
+                    runtime_on_device(g) if g.get("source") != "missing" else "—",
+                ]
+                for g in gates
+            ],
+        )
     accuracy = [e for e in evaluations if _kind(e) in ACCURACY_KINDS]
     if accuracy:
         lines += ["### Accuracy", ""]
-        lines += table_lines(["Artifact", "Runtime", "Device", "Perplexity", "KL", "KL p99", "Top-1", "Tokens", "Size (MiB)", "Source"], [
-            [e["artifact"], e["runtime"], e["device"], *(_fmt(e["metrics"].get(m)) for m in ("perplexity", "kl_divergence", "kl_divergence_p99")),
-             _percent(e["metrics"].get("top1_agreement")), _fmt(e["metrics"].get("tokens_scored")), _fmt(e["metrics"].get("size_mb")),
-             _source_cell(e.get("source"))] for e in accuracy])
+        lines += table_lines(
+            ["Artifact", "Runtime", "Device", "Perplexity", "KL", "KL p99", "Top-1", "Tokens", "Size (MiB)", "Source"],
+            [
+                [
+                    e["artifact"],
+                    e["runtime"],
+                    e["device"],
+                    *(_fmt(e["metrics"].get(m)) for m in ("perplexity", "kl_divergence", "kl_divergence_p99")),
+                    _percent(e["metrics"].get("top1_agreement")),
+                    _fmt(e["metrics"].get("tokens_scored")),
+                    _fmt(e["metrics"].get("size_mb")),
+                    _source_cell(e.get("source")),
+                ]
+                for e in accuracy
+            ],
+        )
     latency = [e for e in evaluations if _kind(e) == "latency"]
     if latency:
         lines += ["### Latency", ""]
-        lines += table_lines(["Artifact", "Runtime / device", "TTFT (ms)", "TPOT (ms)", "Tokens/s", "Peak RSS (MiB)", "Bandwidth use", "Source"], [
-            [e["artifact"], runtime_on_device(e), *(_fmt(e["metrics"].get(m)) for m in ("ttft_ms", "tpot_ms", "decode_tokens_per_s", "peak_rss_mb")),
-             _percent(e["metrics"].get("bandwidth_utilization")), _source_cell(e.get("source"))] for e in latency])
+        lines += table_lines(
+            ["Artifact", "Runtime / device", "TTFT (ms)", "TPOT (ms)", "Tokens/s", "Peak RSS (MiB)", "Bandwidth use", "Source"],
+            [
+                [
+                    e["artifact"],
+                    runtime_on_device(e),
+                    *(_fmt(e["metrics"].get(m)) for m in ("ttft_ms", "tpot_ms", "decode_tokens_per_s", "peak_rss_mb")),
+                    _percent(e["metrics"].get("bandwidth_utilization")),
+                    _source_cell(e.get("source")),
+                ]
+                for e in latency
+            ],
+        )
     memory = [e for e in evaluations if _kind(e) == "memory"]
     if memory:
         names = sorted({m for e in memory for m in e["metrics"]})
         lines += ["### Memory", ""]
-        lines += table_lines(["Artifact", "Runtime / device", *names, "Source"], [
-            [e["artifact"], runtime_on_device(e), *(_fmt(e["metrics"].get(m)) for m in names), _source_cell(e.get("source"))] for e in memory])
+        lines += table_lines(
+            ["Artifact", "Runtime / device", *names, "Source"],
+            [
+                [e["artifact"], runtime_on_device(e), *(_fmt(e["metrics"].get(m)) for m in names), _source_cell(e.get("source"))]
+                for e in memory
+            ],
+        )
     lines += _search_lines(report.get("search"))
     lines += _export_lines(report.get("exports"))
     if estimated:
@@ -242,18 +287,33 @@ def _search_lines(search: dict[str, Any] | None) -> list[str]:
     if not search or not search.get("candidates"):
         return []
     chosen = search.get("chosen")
-    rows = [[c["name"] + (" ◀ chosen" if c["name"] == chosen else ""), ", ".join(c.get("overrides", [])) or "—",
-             _fmt(c.get("size_mb")), _fmt(c.get("metrics", {}).get("kl_divergence")),
-             {True: "pass", False: "**FAIL**"}.get(c.get("passed"), "—"), c.get("status", "—")] for c in search["candidates"]]
-    return ["### Search", "", *table_lines(["Candidate", "Overrides", "Size (MiB)", "KL", "Gates", "Status"], rows),
-            f"Chosen: **{chosen}**" if chosen else "No candidate passed every gate.", ""]
+    rows = [
+        [
+            c["name"] + (" ◀ chosen" if c["name"] == chosen else ""),
+            ", ".join(c.get("overrides", [])) or "—",
+            _fmt(c.get("size_mb")),
+            _fmt(c.get("metrics", {}).get("kl_divergence")),
+            {True: "pass", False: "**FAIL**"}.get(c.get("passed"), "—"),
+            c.get("status", "—"),
+        ]
+        for c in search["candidates"]
+    ]
+    return [
+        "### Search",
+        "",
+        *table_lines(["Candidate", "Overrides", "Size (MiB)", "KL", "Gates", "Status"], rows),
+        f"Chosen: **{chosen}**" if chosen else "No candidate passed every gate.",
+        "",
+    ]
 
 
 def _export_lines(exports: list[dict[str, Any]] | None) -> list[str]:
     if not exports:
         return []
-    rows = [[e["name"], e["format"], {True: "yes", False: "**no**"}.get(e.get("verified"), "not run"), e.get("evaluated_as") or "—"]
-            for e in exports]
+    rows = [
+        [e["name"], e["format"], {True: "yes", False: "**no**"}.get(e.get("verified"), "not run"), e.get("evaluated_as") or "—"]
+        for e in exports
+    ]
     return ["### Exports", "", *table_lines(["Export", "Format", "Verified", "Evaluated as"], rows)]
 
 
@@ -301,12 +361,25 @@ def pareto_points(report: dict[str, Any]) -> list[dict[str, Any]]:
     search = report.get("search")
     if search:  # a search plots its candidates; the evaluations are the chosen one's, already a candidate
         chosen = search.get("chosen")
-        raw = [(c["name"] + (" (chosen)" if c["name"] == chosen else ""), c.get("size_mb"), (c.get("metrics") or {}).get("kl_divergence"),
-                c.get("source") == "estimated") for c in search.get("candidates", [])]
+        raw = [
+            (
+                c["name"] + (" (chosen)" if c["name"] == chosen else ""),
+                c.get("size_mb"),
+                (c.get("metrics") or {}).get("kl_divergence"),
+                c.get("source") == "estimated",
+            )
+            for c in search.get("candidates", [])
+        ]
     else:
-        raw = [(e["artifact"] + (f" ({e['runtime']})" if runtimes[e["artifact"]] > 1 else ""),
-                e["metrics"].get("size_mb", sizes.get(e["artifact"])), e["metrics"]["kl_divergence"], e.get("source") == "estimated")
-               for e in accuracy]
+        raw = [
+            (
+                e["artifact"] + (f" ({e['runtime']})" if runtimes[e["artifact"]] > 1 else ""),
+                e["metrics"].get("size_mb", sizes.get(e["artifact"])),
+                e["metrics"]["kl_divergence"],
+                e.get("source") == "estimated",
+            )
+            for e in accuracy
+        ]
     points = []
     for label, size, kl, estimated in raw:
         size, kl = _num(size), _num(kl)
@@ -336,10 +409,22 @@ def plot_pareto(report: dict[str, Any], path: Path) -> Path | None:
         for p in points:
             on_front = any(p is q for q in front)
             color = "tab:red" if on_front else "tab:blue"
-            ax.scatter(p["size_mb"], p["kl"], s=70 if on_front else 40, zorder=2, linewidths=1.5, edgecolors=color,
-                       facecolors="none" if p["estimated"] else color)
-            ax.annotate(p["label"] + (" (estimated)" if p["estimated"] else ""), (p["size_mb"], p["kl"]),
-                        textcoords="offset points", xytext=(5, 5), fontsize=8)
+            ax.scatter(
+                p["size_mb"],
+                p["kl"],
+                s=70 if on_front else 40,
+                zorder=2,
+                linewidths=1.5,
+                edgecolors=color,
+                facecolors="none" if p["estimated"] else color,
+            )
+            ax.annotate(
+                p["label"] + (" (estimated)" if p["estimated"] else ""),
+                (p["size_mb"], p["kl"]),
+                textcoords="offset points",
+                xytext=(5, 5),
+                fontsize=8,
+            )
         positive = [p["kl"] for p in points if p["kl"] > 0]
         if positive and max(positive) > 100 * min(positive):
             ax.set_yscale("symlog", linthresh=min(positive))
@@ -356,8 +441,11 @@ def plot_pareto(report: dict[str, Any], path: Path) -> Path | None:
 
 
 def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
-    rows = [e for e in report.get("evaluations", []) if _kind(e) == "latency"
-            and any(_num(e["metrics"].get(m)) is not None for m in ("ttft_ms", "tpot_ms"))]
+    rows = [
+        e
+        for e in report.get("evaluations", [])
+        if _kind(e) == "latency" and any(_num(e["metrics"].get(m)) is not None for m in ("ttft_ms", "tpot_ms"))
+    ]
     if not rows:
         return None
     plt = _pyplot()
@@ -370,11 +458,21 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
                 if value is None or not math.isfinite(value):
                     continue
                 estimated = e.get("source") == "estimated"
-                bar = ax.bar(i + (j - 0.5) * width, value, width, color=color, hatch="//" if estimated else None,
-                             edgecolor="black" if estimated else color, label=metric if i == 0 else None)
+                bar = ax.bar(
+                    i + (j - 0.5) * width,
+                    value,
+                    width,
+                    color=color,
+                    hatch="//" if estimated else None,
+                    edgecolor="black" if estimated else color,
+                    label=metric if i == 0 else None,
+                )
                 ax.bar_label(bar, labels=[_fmt(value, 3) + ("\nest." if estimated else "")], fontsize=7)
-        ax.set_xticks(range(len(rows)), [f"{e['artifact']}\n{e['runtime']}\n{e['device']}" + ("\n(estimated)" if e.get("source") == "estimated" else "")
-                                          for e in rows], fontsize=8)
+        ax.set_xticks(
+            range(len(rows)),
+            [f"{e['artifact']}\n{e['runtime']}\n{e['device']}" + ("\n(estimated)" if e.get("source") == "estimated" else "") for e in rows],
+            fontsize=8,
+        )
         handles, labels = ax.get_legend_handles_labels()
         if any(e.get("source") == "estimated" for e in rows):
             from matplotlib.patches import Patch

@@ -61,8 +61,10 @@ def unpack_record(tensors: dict[str, torch.Tensor], group_size: int, where: str)
     scheme = QuantScheme(bits=BITS, group_size=group_size, symmetric=False, scale_dtype=scale_dtype_name(scales, where))
     expect = (scheme.n_groups(in_f), out_f)
     if tuple(scales.shape) != expect or tuple(qzeros.shape) != (expect[0], out_f // FIELDS_PER_WORD) or out_f % FIELDS_PER_WORD:
-        raise FormatError(f"{where}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)} "
-                          f"do not fit {in_f} inputs x {out_f} outputs in groups of {group_size}")
+        raise FormatError(
+            f"{where}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)} "
+            f"do not fit {in_f} inputs x {out_f} outputs in groups of {group_size}"
+        )
     codes = unpack_awq(qweight, out_f).t()
     zero = unpack_awq(qzeros, out_f).t()
     return build_record(codes, scales.t(), zero, scheme, where)

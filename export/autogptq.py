@@ -84,16 +84,19 @@ def pack_record(record: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def unpack_record(tensors: dict[str, torch.Tensor], bits: int, group_size: int | None, symmetric: bool,
-                  checkpoint_format: str, where: str) -> QuantizedWeight:
+def unpack_record(
+    tensors: dict[str, torch.Tensor], bits: int, group_size: int | None, symmetric: bool, checkpoint_format: str, where: str
+) -> QuantizedWeight:
     """A record from one layer's tensors (by suffix) and the checkpoint's scheme."""
     qweight, qzeros, scales = tensors[Key.QWEIGHT], tensors[Key.QZEROS], tensors[Key.SCALES]
     out_f = int(scales.shape[1])
     in_f = int(tensors[Key.G_IDX].numel()) if Key.G_IDX in tensors else int(qweight.shape[0]) * WORD_BITS // bits
     scheme = QuantScheme(bits=bits, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype_name(scales, where))
     if tuple(scales.shape) != (scheme.n_groups(in_f), out_f):
-        raise FormatError(f"{where}: scales have shape {tuple(scales.shape)}, expected {(scheme.n_groups(in_f), out_f)} "
-                          f"for {in_f} inputs in groups of {group_size or in_f}")
+        raise FormatError(
+            f"{where}: scales have shape {tuple(scales.shape)}, expected {(scheme.n_groups(in_f), out_f)} "
+            f"for {in_f} inputs in groups of {group_size or in_f}"
+        )
     if Key.G_IDX in tensors and not torch.equal(tensors[Key.G_IDX].to(torch.int32), group_index(in_f, scheme)):
         raise FormatError(
             f"{where}: g_idx is not the contiguous arange(in) // group_size: the checkpoint was quantized with act-order "
@@ -104,8 +107,10 @@ def unpack_record(tensors: dict[str, torch.Tensor], bits: int, group_size: int |
     codes = unpack_int32(qweight, bits, in_f, dim=0).t()
     zero = unpack_int32(qzeros, bits, out_f, dim=1).t() + ZERO_OFFSET[checkpoint_format]
     if int(zero.max()) > scheme.qmax:
-        raise FormatError(f"{where}: a stored zero point of {scheme.qmax} means {scheme.qmax + 1} in {checkpoint_format}, outside "
-                          f"the {bits}-bit range (a v1 writer wrapped a zero point of 0); it cannot be imported exactly")
+        raise FormatError(
+            f"{where}: a stored zero point of {scheme.qmax} means {scheme.qmax + 1} in {checkpoint_format}, outside "
+            f"the {bits}-bit range (a v1 writer wrapped a zero point of 0); it cannot be imported exactly"
+        )
     return build_record(codes, scales.t(), zero, scheme, where)
 
 
@@ -122,8 +127,10 @@ def check(model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
     schemes = {r.scheme for r in records.values()}
     if len(schemes) > 1:
         listed = "; ".join(sorted(s.describe() + f" ({s.scale_dtype})" for s in schemes))
-        raise FormatError(f"gptq export: a GPTQ checkpoint has one scheme, these records use {len(schemes)}: {listed}. "
-                          "Quantize every layer with one scheme, or export compressed-tensors (one config group per scheme).")
+        raise FormatError(
+            f"gptq export: a GPTQ checkpoint has one scheme, these records use {len(schemes)}: {listed}. "
+            "Quantize every layer with one scheme, or export compressed-tensors (one config group per scheme)."
+        )
     scheme = next(iter(schemes))
     if scheme.bits not in SUPPORTED_BITS:
         raise FormatError(f"gptq export: {scheme.bits}-bit codes; GPTQ checkpoints hold {', '.join(map(str, SUPPORTED_BITS))} bits")
@@ -132,17 +139,23 @@ def check(model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
     head = _output_head(model)
     floats = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in records and n != head]
     if floats:
-        raise FormatError(f"gptq export: GPTQ loaders quantize every Linear layer of the model, but {len(floats)} stay float "
-                          f"({', '.join(floats[:3])}); quantize them too, or export compressed-tensors, which lists float layers")
+        raise FormatError(
+            f"gptq export: GPTQ loaders quantize every Linear layer of the model, but {len(floats)} stay float "
+            f"({', '.join(floats[:3])}); quantize them too, or export compressed-tensors, which lists float layers"
+        )
     for name, rec in records.items():
         out_f, in_f = rec.shape
         for what, n in (("input", in_f), ("output", out_f)):
             if n * scheme.bits % WORD_BITS:
-                raise FormatError(f"gptq export: layer {name} has {n} {what} features; {n} x {scheme.bits} bits is not a whole "
-                                  f"number of 32-bit words, which GPTQ packing needs. Use another bit width or ignore the layer.")
+                raise FormatError(
+                    f"gptq export: layer {name} has {n} {what} features; {n} x {scheme.bits} bits is not a whole "
+                    f"number of 32-bit words, which GPTQ packing needs. Use another bit width or ignore the layer."
+                )
         if not scheme.symmetric and bool((rec.zero_point == 0).any()):
-            raise FormatError(f"gptq export: layer {name} has a zero point of 0, which GPTQ v1 (stores zero - 1) cannot hold; "
-                              "use symmetric: true, or export compressed-tensors")
+            raise FormatError(
+                f"gptq export: layer {name} has a zero point of 0, which GPTQ v1 (stores zero - 1) cannot hold; "
+                "use symmetric: true, or export compressed-tensors"
+            )
 
 
 def quantization_config(model: nn.Module, records: dict[str, QuantizedWeight]) -> dict[str, Any]:
@@ -161,8 +174,9 @@ def quantization_config(model: nn.Module, records: dict[str, QuantizedWeight]) -
     }
 
 
-def write(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-          kv: KVCacheScheme | None = None) -> dict[str, Any] | None:
+def write(
+    directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], kv: KVCacheScheme | None = None
+) -> dict[str, Any] | None:
     """Write a v1 GPTQ HF directory (config.json ``quantization_config`` plus ``quantize_config.json``).
     The format has no KV-cache field: with a KV scheme, returns why it is not carried."""
     check(model, records)
@@ -183,8 +197,10 @@ def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> 
         raise FormatError(f"{where}: gptq bits {qcfg.get(Key.BITS)}; compress reads {', '.join(map(str, SUPPORTED_BITS))}")
     fmt = qcfg.get(Key.CHECKPOINT_FORMAT) or FORMAT_V1
     if fmt not in ZERO_OFFSET:
-        raise FormatError(f"{where}: checkpoint_format '{fmt}' is a kernel-specific layout; compress reads "
-                          f"{' and '.join(ZERO_OFFSET)} (convert it back with GPTQModel first)")
+        raise FormatError(
+            f"{where}: checkpoint_format '{fmt}' is a kernel-specific layout; compress reads "
+            f"{' and '.join(ZERO_OFFSET)} (convert it back with GPTQModel first)"
+        )
     group = int(qcfg.get(Key.GROUP_SIZE, PER_CHANNEL))
     group_size = None if group == PER_CHANNEL else group
     symmetric = bool(qcfg.get(Key.SYM, True))

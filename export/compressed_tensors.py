@@ -206,8 +206,15 @@ def kv_cache_tensors(model: nn.Module, kv: KVCacheScheme) -> tuple[dict[str, Any
     strategy). Returns (scheme or None, tensors, what was carried for the manifest)."""
     cfg = kv.config
     if not cfg.static_scales or kv.scales is None:
-        return None, {}, {"carried": False, "why": "compressed-tensors carries static KV scales only (kv_cache.static_scales: true); "
-                                                   "with dynamic scales the runtime quantizes the cache itself"}
+        return (
+            None,
+            {},
+            {
+                "carried": False,
+                "why": "compressed-tensors carries static KV scales only (kv_cache.static_scales: true); "
+                "with dynamic scales the runtime quantizes the cache itself",
+            },
+        )
     attn = [n for n, m in model.named_modules() if n.endswith("self_attn")]
     if len(attn) != kv.num_layers:
         return None, {}, {"carried": False, "why": f"found {len(attn)} self_attn modules for {kv.num_layers} cache layers"}
@@ -215,14 +222,29 @@ def kv_cache_tensors(model: nn.Module, kv: KVCacheScheme) -> tuple[dict[str, Any
     for i, name in enumerate(attn):
         tensors[f"{name}.{KV_K_SCALE}"] = kv.scales["k_scale"][i].max().reshape(1).float()
         tensors[f"{name}.{KV_V_SCALE}"] = kv.scales["v_scale"][i].max().reshape(1).float()
-    scheme = {"num_bits": 8, "type": "float" if cfg.format == "fp8" else "int", "strategy": "tensor",
-              "dynamic": False, "symmetric": True, "group_size": None}
-    return scheme, tensors, {"carried": True, "kv_cache_scheme": scheme, "layers": len(attn),
-                             "note": "one k_scale and v_scale per layer (the maximum of its per-head scales)"}
+    scheme = {
+        "num_bits": 8,
+        "type": "float" if cfg.format == "fp8" else "int",
+        "strategy": "tensor",
+        "dynamic": False,
+        "symmetric": True,
+        "group_size": None,
+    }
+    return (
+        scheme,
+        tensors,
+        {
+            "carried": True,
+            "kv_cache_scheme": scheme,
+            "layers": len(attn),
+            "note": "one k_scale and v_scale per layer (the maximum of its per-head scales)",
+        },
+    )
 
 
-def write(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-          kv: KVCacheScheme | None = None) -> dict[str, Any] | None:
+def write(
+    directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], kv: KVCacheScheme | None = None
+) -> dict[str, Any] | None:
     """Write a pack-quantized HF directory that transformers (with compressed-tensors) and vLLM load;
     with a KV scheme, also its ``kv_cache_scheme`` and scales. Returns what was carried of the KV scheme."""
     check(model, records)
@@ -251,8 +273,10 @@ def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> 
             raise FormatError(f"{where}: config group {gname} has format '{fmt}'; compress reads '{PACK_FORMAT}' only")
         weights = group.get(Key.WEIGHTS) or {}
         if weights.get("type", "int") != "int" or int(weights.get("num_bits", 0)) not in SUPPORTED_BITS:
-            raise FormatError(f"{where}: config group {gname} stores {weights.get('type')} {weights.get('num_bits')}-bit weights; "
-                              f"compress reads int weights of {', '.join(map(str, SUPPORTED_BITS))} bits")
+            raise FormatError(
+                f"{where}: config group {gname} stores {weights.get('type')} {weights.get('num_bits')}-bit weights; "
+                f"compress reads int weights of {', '.join(map(str, SUPPORTED_BITS))} bits"
+            )
         if group.get("input_activations") or group.get("output_activations"):
             raise FormatError(f"{where}: config group {gname} also quantizes activations, which weight records cannot carry")
     found = ImportedRecords(records={})
@@ -266,8 +290,13 @@ def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> 
         found.consumed.update(f"{name}.{s}" for s in layer)
     kv_scales = [k for k in tensors if k.endswith((f".{KV_K_SCALE}", f".{KV_V_SCALE}"))]
     found.consumed.update(kv_scales)  # KV-cache scales are runtime metadata, not model parameters
-    found.facts = {"format": METHOD, "pack_format": PACK_FORMAT, "config_groups": sorted(groups),
-                   "kv_cache_scheme": qcfg.get("kv_cache_scheme"), "kv_cache_scales": len(kv_scales)}
+    found.facts = {
+        "format": METHOD,
+        "pack_format": PACK_FORMAT,
+        "config_groups": sorted(groups),
+        "kv_cache_scheme": qcfg.get("kv_cache_scheme"),
+        "kv_cache_scales": len(kv_scales),
+    }
     return found
 
 
@@ -278,7 +307,7 @@ def _group_of(name: str, groups: dict[str, Any], where: str) -> str:
         for target in group.get(Key.TARGETS, []):
             if target == name:
                 ranked.append((0, gname))
-            elif target.startswith(REGEX_PREFIX) and re.match(target[len(REGEX_PREFIX):], name):
+            elif target.startswith(REGEX_PREFIX) and re.match(target[len(REGEX_PREFIX) :], name):
                 ranked.append((1, gname))
             elif target == LINEAR_TARGET:  # layers with weight_packed are Linear layers
                 ranked.append((2, gname))

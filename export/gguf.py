@@ -181,7 +181,8 @@ def architecture_of(model: nn.Module) -> GGUFArch:
     if model_type not in ARCHITECTURES:
         raise FormatError(
             f"GGUF export does not know the architecture '{model_type}'; known: {', '.join(sorted(ARCHITECTURES))}. "
-            "Add an entry to ARCHITECTURES in export/gguf.py (llama.cpp's architecture name and whether Q/K rows are permuted) with a test")
+            "Add an entry to ARCHITECTURES in export/gguf.py (llama.cpp's architecture name and whether Q/K rows are permuted) with a test"
+        )
     return ARCHITECTURES[model_type]
 
 
@@ -201,8 +202,9 @@ def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
     raise FormatError(f"type: auto cannot pick one GGUF block type for the schemes {sorted(schemes)}; set type (and fallback)")
 
 
-def plan_tensors(model: nn.Module, records: dict[str, QuantizedWeight], type_name: str, float_type: str | None,
-                 fallback: str | None) -> GGUFPlan:
+def plan_tensors(
+    model: nn.Module, records: dict[str, QuantizedWeight], type_name: str, float_type: str | None, fallback: str | None
+) -> GGUFPlan:
     """Which GGUF tensor each state-dict tensor becomes, in which type, and why."""
     import gguf
 
@@ -238,8 +240,10 @@ def plan_tensors(model: nn.Module, records: dict[str, QuantizedWeight], type_nam
                 plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads))
                 continue
             if fallback is None:
-                raise FormatError(f"{module} ({record.scheme.describe()}) cannot become {type_name.upper()} exactly: {problem}. "
-                                  "Quantize it to a scheme that maps, or declare `fallback:` on the export (f16, bf16, f32 or q8_0)")
+                raise FormatError(
+                    f"{module} ({record.scheme.describe()}) cannot become {type_name.upper()} exactly: {problem}. "
+                    "Quantize it to a scheme that maps, or declare `fallback:` on the export (f16, bf16, f32 or q8_0)"
+                )
             exact_fallback = fallback in GGUF_EXACT_TYPES and record_problem(record, fallback) is None
             plan.fallbacks[module] = problem
             plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads))
@@ -263,8 +267,9 @@ def permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
 def permuted_record(record: QuantizedWeight, heads: int | None) -> QuantizedWeight:
     if heads is None:
         return record
-    return QuantizedWeight(permute_rows(record.codes, heads), permute_rows(record.scale, heads),
-                           permute_rows(record.zero_point, heads), record.scheme)
+    return QuantizedWeight(
+        permute_rows(record.codes, heads), permute_rows(record.scale, heads), permute_rows(record.zero_point, heads), record.scheme
+    )
 
 
 # --------------------------------------------------------------------------- metadata
@@ -340,8 +345,10 @@ def _pre_signature(node: dict[str, Any] | None) -> tuple:
 def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
     signature = _pre_signature(tokenizer_json.get("pre_tokenizer"))
     if signature not in PRE_TOKENIZERS:
-        raise FormatError(f"GGUF export does not recognize this tokenizer's pre-tokenizer {signature}; set `pre_tokenizer:` on the "
-                          f"export to llama.cpp's name for it (known here: {', '.join(sorted(set(PRE_TOKENIZERS.values())))})")
+        raise FormatError(
+            f"GGUF export does not recognize this tokenizer's pre-tokenizer {signature}; set `pre_tokenizer:` on the "
+            f"export to llama.cpp's name for it (known here: {', '.join(sorted(set(PRE_TOKENIZERS.values())))})"
+        )
     return PRE_TOKENIZERS[signature]
 
 
@@ -360,8 +367,10 @@ def add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, pre_tokenizer: str)
     byte_level = any(step[0] == "bytelevel" for step in _pre_signature(tj.get("pre_tokenizer")))
     spm = not byte_level and bool(model.get("byte_fallback"))
     if not byte_level and not spm:
-        raise FormatError("GGUF export writes byte-level BPE (gpt2) and byte-fallback BPE (SentencePiece-style llama) tokenizers; "
-                          "this tokenizer is neither")
+        raise FormatError(
+            "GGUF export writes byte-level BPE (gpt2) and byte-fallback BPE (SentencePiece-style llama) tokenizers; "
+            "this tokenizer is neither"
+        )
     vocab: dict[str, int] = dict(model["vocab"])
     added = {t["id"]: t for t in tj.get("added_tokens", [])}
     for tid, tok in added.items():
@@ -400,17 +409,31 @@ def add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, pre_tokenizer: str)
     special.add_special_token["bos"] = tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id]
     special.add_special_token["eos"] = tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id]
     special.add_to_gguf(writer, quiet=True)
-    return {"model": "llama" if spm else "gpt2", "pre": pre, "tokens": len(tokens), "merges": len(special.merges),
-            "special_ids": dict(special.special_token_ids), "add_special": dict(special.add_special_token),
-            "chat_template": special.chat_template is not None}
+    return {
+        "model": "llama" if spm else "gpt2",
+        "pre": pre,
+        "tokens": len(tokens),
+        "merges": len(special.merges),
+        "special_ids": dict(special.special_token_ids),
+        "add_special": dict(special.add_special_token),
+        "chat_template": special.chat_template is not None,
+    }
 
 
 # --------------------------------------------------------------------------- writing
 
 
-def write_gguf(path: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], type_name: str,
-               float_type: str | None = None, fallback: str | None = None, pre_tokenizer: str = "auto",
-               extra_metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_gguf(
+    path: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    type_name: str,
+    float_type: str | None = None,
+    fallback: str | None = None,
+    pre_tokenizer: str = "auto",
+    extra_metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write ``model`` (records packed exactly where ``type_name`` allows) to ``path``; return facts."""
     import gguf
 
@@ -418,8 +441,14 @@ def write_gguf(path: Path, model: nn.Module, tokenizer: Any, records: dict[str, 
     writer = gguf.GGUFWriter(path, plan.arch.name)
     writer.add_name(str(getattr(model.config, "_name_or_path", "") or plan.arch.name))
     add_hyperparameters(writer, model, plan.arch)
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
+    ftype = {
+        "f32": gguf.LlamaFileType.ALL_F32,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    }
     writer.add_file_type(ftype[type_name])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tok_facts = add_tokenizer(writer, tokenizer, int(model.config.vocab_size), pre_tokenizer)
@@ -440,8 +469,14 @@ def write_gguf(path: Path, model: nn.Module, tokenizer: Any, records: dict[str, 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
-    return {"architecture": plan.arch.name, "type": type_name, "tensor_types": plan.counts(), "fallbacks": plan.fallbacks,
-            "tokenizer": tok_facts, "plan": plan}
+    return {
+        "architecture": plan.arch.name,
+        "type": type_name,
+        "tensor_types": plan.counts(),
+        "fallbacks": plan.fallbacks,
+        "tokenizer": tok_facts,
+        "plan": plan,
+    }
 
 
 def stored_type_counts(path: Path) -> dict[str, int]:

@@ -37,12 +37,23 @@ def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight
     if spec.verify:
         gguf_runtime.llama_cpp()
         if not has_eval:
-            raise FormatError("verify: true scores the GGUF on the evaluation chunks, and the recipe has no data.evaluation; "
-                              "add it, or set verify: false on the export")
+            raise FormatError(
+                "verify: true scores the GGUF on the evaluation chunks, and the recipe has no data.evaluation; "
+                "add it, or set verify: false on the export"
+            )
 
 
-def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-           inputs: VerifyInputs, reporter: Reporter, label: str, kv: KVCacheScheme | None = None) -> tuple[dict[str, Any], list[Evaluation]]:
+def export(
+    directory: Path,
+    spec: GGUFExport,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    inputs: VerifyInputs,
+    reporter: Reporter,
+    label: str,
+    kv: KVCacheScheme | None = None,
+) -> tuple[dict[str, Any], list[Evaluation]]:
     """Write, read back and verify one GGUF export; return its manifest entry and evaluations.
     With a KV-cache scheme, the matching llama.cpp cache types go into ``compress.kv_cache.*`` metadata."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -52,8 +63,9 @@ def export(directory: Path, spec: GGUFExport, model: nn.Module, tokenizer: Any, 
     with reporter.status(f"{label} writing GGUF ({spec.type}, quantizer {spec.quantizer})"):
         if spec.quantizer == "records":
             type_name = gguf_writer.resolve_type(spec.type, records)
-            facts = gguf_writer.write_gguf(path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer,
-                                           metadata)
+            facts = gguf_writer.write_gguf(
+                path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer, metadata
+            )
             problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
             if problems:
                 raise FormatError(f"{label}: reading the GGUF back does not give the records: {'; '.join(problems[:5])}")
@@ -132,12 +144,20 @@ def verify_kv_cache(path: Path, cache_type: str, inputs: VerifyInputs, reporter:
     finally:
         reference.close()
         quantized.close()
-    return {"type_k": cache_type, "type_v": cache_type, "measured": True, "reference": "the same GGUF with an f16 cache",
-            "chunks": int(chunks.shape[0]), "seq_len": n_ctx, **metrics}
+    return {
+        "type_k": cache_type,
+        "type_v": cache_type,
+        "measured": True,
+        "reference": "the same GGUF with an f16 cache",
+        "chunks": int(chunks.shape[0]),
+        "seq_len": n_ctx,
+        **metrics,
+    }
 
 
-def verify(path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str,
-           same_weights: bool) -> Evaluation:
+def verify(
+    path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str, same_weights: bool
+) -> Evaluation:
     assert inputs.chunks is not None
     chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
     runtime = gguf_runtime.LlamaCppModel(path, n_ctx=int(chunks.shape[1]), threads=inputs.threads)
@@ -145,12 +165,19 @@ def verify(path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, r
         texts = [*PARITY_TEXTS, *(tokenizer.decode(row[:128]) for row in chunks[:4])]
         mismatches = tokenization_mismatches(runtime.tokenize, tokenizer, texts)
         if mismatches:
-            raise FormatError(f"{label}: llama.cpp tokenizes {len(mismatches)} of {len(texts)} sample texts differently from the "
-                              f"Hugging Face tokenizer (first: {mismatches[0]}); set pre_tokenizer: on the export if the "
-                              "recognized one is wrong")
-        details: dict[str, Any] = {"file": path.name, "size_bytes": path.stat().st_size, "chunks": int(chunks.shape[0]),
-                                   "seq_len": int(chunks.shape[1]), "min_context": inputs.min_context,
-                                   "tokenizer_parity_texts": len(texts)}
+            raise FormatError(
+                f"{label}: llama.cpp tokenizes {len(mismatches)} of {len(texts)} sample texts differently from the "
+                f"Hugging Face tokenizer (first: {mismatches[0]}); set pre_tokenizer: on the export if the "
+                "recognized one is wrong"
+            )
+        details: dict[str, Any] = {
+            "file": path.name,
+            "size_bytes": path.stat().st_size,
+            "chunks": int(chunks.shape[0]),
+            "seq_len": int(chunks.shape[1]),
+            "min_context": inputs.min_context,
+            "tokenizer_parity_texts": len(texts),
+        }
         if same_weights:
             sub = chunks[:SAME_WEIGHTS_CHUNKS]
             with reporter.status(f"{label} same-weights check in llama.cpp ({sub.shape[0]} chunks)"):
@@ -159,10 +186,17 @@ def verify(path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, r
             details["same_weights_kl"] = kl
             details["same_weights_top1"] = float(got["gguf"]["top1_agreement"])
             if kl > spec.same_weights_max_kl:
-                raise FormatError(f"{label}: llama.cpp on the GGUF differs from our model with the same weights by KL {kl:.4f} "
-                                  f"> same_weights_max_kl {spec.same_weights_max_kl}: a layout bug, or set the tolerance higher")
-        metrics = compare(torch_forward(inputs.baseline, torch.device("cpu")), {"gguf": runtime.forward}, chunks, inputs.min_context,
-                          progress=reporter.track)["gguf"]
+                raise FormatError(
+                    f"{label}: llama.cpp on the GGUF differs from our model with the same weights by KL {kl:.4f} "
+                    f"> same_weights_max_kl {spec.same_weights_max_kl}: a layout bug, or set the tolerance higher"
+                )
+        metrics = compare(
+            torch_forward(inputs.baseline, torch.device("cpu")),
+            {"gguf": runtime.forward},
+            chunks,
+            inputs.min_context,
+            progress=reporter.track,
+        )["gguf"]
         details["sample"] = {"prompt": GENERATION_PROMPT, "greedy": runtime.generate(GENERATION_PROMPT)}
     finally:
         runtime.close()

@@ -61,8 +61,9 @@ def ggml_type_id(name: str) -> int:
     return int(gguf.GGMLQuantizationType[name.upper()])
 
 
-def quantize(source: Path, target: Path, type_name: str, threads: int, token_embedding_type: str | None = None,
-             output_type: str | None = None) -> None:
+def quantize(
+    source: Path, target: Path, type_name: str, threads: int, token_embedding_type: str | None = None, output_type: str | None = None
+) -> None:
     """llama.cpp's own quantizer: ``source`` (our F16/F32 GGUF) -> ``target`` in ``type_name``."""
     import gguf
 
@@ -130,8 +131,17 @@ class LlamaCppModel:
         n_ctx = max(n_ctx, 256)
         with _quiet_stderr(), _model_params(extra_buffer_types()):
             try:
-                self.llm = lib.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                                     n_threads=threads, n_threads_batch=threads, verbose=False, **cache)
+                self.llm = lib.Llama(
+                    model_path=str(path),
+                    n_ctx=n_ctx,
+                    n_batch=n_ctx,
+                    n_ubatch=n_ctx,
+                    logits_all=True,
+                    n_threads=threads,
+                    n_threads_batch=threads,
+                    verbose=False,
+                    **cache,
+                )
             except (ValueError, RuntimeError) as exc:
                 raise FormatError(f"llama.cpp could not load {path}: {exc}") from exc
         self.n_ctx = n_ctx

@@ -36,8 +36,14 @@ class ImportedRecords:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def write_checkpoint(directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-                     layer_tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any]) -> None:
+def write_checkpoint(
+    directory: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    layer_tensors: dict[str, torch.Tensor],
+    quantization_config: dict[str, Any],
+) -> None:
     """A loadable HF directory: config (with ``quantization_config``), tokenizer, one safetensors file."""
     from safetensors.torch import save_file
 
@@ -86,14 +92,16 @@ def scale_dtype_name(scale: torch.Tensor, where: str) -> str:
 def build_record(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme, where: str) -> QuantizedWeight:
     """A record from decoded tensors; a convention violation becomes a FormatError naming the layer."""
     try:
-        return QuantizedWeight(codes=codes.to(torch.uint8).contiguous(), scale=scale.contiguous(),
-                               zero_point=zero.to(torch.uint8).contiguous(), scheme=scheme)
+        return QuantizedWeight(
+            codes=codes.to(torch.uint8).contiguous(), scale=scale.contiguous(), zero_point=zero.to(torch.uint8).contiguous(), scheme=scheme
+        )
     except ValueError as exc:
         raise FormatError(f"{where}: {exc}") from None
 
 
-def import_float_model(directory: Path, tensors: dict[str, torch.Tensor], found: ImportedRecords, dtype: torch.dtype,
-                       trust_remote_code: bool = False) -> nn.Module:
+def import_float_model(
+    directory: Path, tensors: dict[str, torch.Tensor], found: ImportedRecords, dtype: torch.dtype, trust_remote_code: bool = False
+) -> nn.Module:
     """The float model of a quantized checkpoint: non-quantized tensors as stored, quantized
     layers dequantized from their records (never re-quantized)."""
     from transformers import AutoConfig
@@ -114,7 +122,9 @@ def records_identical(expected: dict[str, QuantizedWeight], actual: dict[str, Qu
     for name in sorted(set(expected) & set(actual)):
         a, b = expected[name], actual[name]
         if a.scheme != b.scheme:
-            problems.append(f"{name}: scheme {a.scheme.describe()} ({a.scheme.scale_dtype}) became {b.scheme.describe()} ({b.scheme.scale_dtype})")
+            problems.append(
+                f"{name}: scheme {a.scheme.describe()} ({a.scheme.scale_dtype}) became {b.scheme.describe()} ({b.scheme.scale_dtype})"
+            )
         elif not torch.equal(a.codes.cpu(), b.codes.cpu()):
             problems.append(f"{name}: codes differ")
         elif not torch.equal(a.scale.cpu(), b.scale.cpu()):

@@ -60,7 +60,9 @@ def common_block_size(records: dict[str, QuantizedWeight]) -> int:
         if all((r.scheme.group_size is None or r.scheme.group_size % size == 0) and r.shape[1] % size == 0 for r in records.values()):
             return size
     widths = sorted({(r.scheme.group_size, r.shape[1]) for r in records.values()}, key=str)
-    raise FormatError(f"no MatMulNBits block size ({', '.join(map(str, BLOCK_SIZES))}) divides every (group size, input width): {widths[:4]}")
+    raise FormatError(
+        f"no MatMulNBits block size ({', '.join(map(str, BLOCK_SIZES))}) divides every (group size, input width): {widths[:4]}"
+    )
 
 
 def record_blocks(record: QuantizedWeight, block_size: int) -> Blocks:
@@ -83,10 +85,17 @@ def concat_rows(parts: list[Blocks]) -> Blocks:
     """Blocks of several weights stacked along N (the builder fuses q/k/v into one MatMulNBits)."""
     first = parts[0]
     if any(p.bits != first.bits or p.block_size != first.block_size or p.shape[1] != first.shape[1] for p in parts):
-        raise FormatError("fused weights need the same bits, block size and input width: "
-                          + ", ".join(f"{p.bits}-bit block {p.block_size} K={p.shape[1]}" for p in parts))
-    return Blocks(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                  np.concatenate([p.zero_points for p in parts]), first.bits, first.block_size)
+        raise FormatError(
+            "fused weights need the same bits, block size and input width: "
+            + ", ".join(f"{p.bits}-bit block {p.block_size} K={p.shape[1]}" for p in parts)
+        )
+    return Blocks(
+        np.concatenate([p.codes for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        np.concatenate([p.zero_points for p in parts]),
+        first.bits,
+        first.block_size,
+    )
 
 
 def _pack_fields(values: np.ndarray, bits: int, width: int) -> np.ndarray:
@@ -128,8 +137,7 @@ def pack(blocks: Blocks, with_zero_points: bool = True) -> dict[str, np.ndarray]
     return out
 
 
-def unpack(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, bits: int,
-           block_size: int) -> Blocks:
+def unpack(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, bits: int, block_size: int) -> Blocks:
     """Inverse of :func:`pack`, reading a node's initializers as ONNX Runtime does."""
     k_blocks = math.ceil(k / block_size)
     blob = block_size * bits // 8

@@ -32,7 +32,9 @@ FLOAT_NODES = ("/lm_head/MatMul", "/model/embed_tokens/Gather")
 EXTRA = 'the onnx extra: pip install -e ".[onnx]" (onnx, onnxruntime, onnxruntime-genai, onnxscript)'
 
 # Builder node names → the Hugging Face Linear names they compute (fused q/k/v and gate/up included).
-_NODE = re.compile(r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/(?:MatMulNBits|MatMul_Q\d+)$")  # from a GPTQ checkpoint / from its own quantizer
+_NODE = re.compile(
+    r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/(?:MatMulNBits|MatMul_Q\d+)$"
+)  # from a GPTQ checkpoint / from its own quantizer
 _PARTS = {
     ("attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("attn", "q_proj"): ("self_attn.q_proj",),
@@ -59,8 +61,7 @@ def run_builder(source: Path, out: Path, precision: str, device: str, options: d
     """Run the builder on the Hugging Face directory ``source``; its output goes to ``out``, its
     console to ``log``. Raises FormatError with the log's tail when it fails."""
     cache = out.parent / f".{out.name}.builder-cache"
-    cmd = [sys.executable, "-m", BUILDER_MODULE, "-i", str(source), "-o", str(out), "-p", precision, "-e", device,
-           "-c", str(cache)]
+    cmd = [sys.executable, "-m", BUILDER_MODULE, "-i", str(source), "-o", str(out), "-p", precision, "-e", device, "-c", str(cache)]
     if options:
         cmd += ["--extra_options", *(f"{k}={_option(v)}" for k, v in options.items())]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
@@ -105,8 +106,9 @@ def save(model: Any, directory: Path) -> None:
     tmp = directory / ".rewrite"
     _remove_tree(tmp)
     tmp.mkdir()
-    onnx.save_model(model, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=DATA_FILE, size_threshold=1024)
+    onnx.save_model(
+        model, str(tmp / ONNX_FILE), save_as_external_data=True, all_tensors_to_one_file=True, location=DATA_FILE, size_threshold=1024
+    )
     for name in (DATA_FILE, ONNX_FILE):
         (tmp / name).chmod(0o644)  # onnx creates the data file private to its owner
         os.replace(tmp / name, directory / name)
@@ -297,8 +299,12 @@ def normalize_tokenizer(directory: Path) -> list[str]:
         changed.append("model.byte_fallback → false")
     decoder = data.get("decoder") or {}
     if decoder.get("type") != "ByteLevel":
-        data["decoder"] = {"type": "ByteLevel", "add_prefix_space": byte_level.get("add_prefix_space", False),
-                           "trim_offsets": True, "use_regex": True}
+        data["decoder"] = {
+            "type": "ByteLevel",
+            "add_prefix_space": byte_level.get("add_prefix_space", False),
+            "trim_offsets": True,
+            "use_regex": True,
+        }
         changed.append(f"decoder {decoder.get('type')} → ByteLevel")
     if changed:
         path.write_text(json.dumps(data, ensure_ascii=False))

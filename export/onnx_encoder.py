@@ -62,16 +62,27 @@ def load_encoder(source: str | Path) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     config = AutoConfig.from_pretrained(source)
-    if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False) or config.architectures and any(
-            a.endswith("ForCausalLM") for a in config.architectures):
+    if (
+        getattr(config, "is_decoder", False)
+        or getattr(config, "is_encoder_decoder", False)
+        or config.architectures
+        and any(a.endswith("ForCausalLM") for a in config.architectures)
+    ):
         raise FormatError(f"{source}: a decoder ({config.architectures}); export decoders with a recipe's `format: onnx`")
     # eager attention: the SDPA path builds its mask with Python-side checks that a trace freezes
     model = AutoModel.from_pretrained(source, dtype=torch.float32, attn_implementation="eager").eval()
     return model, AutoTokenizer.from_pretrained(source)
 
 
-def export_encoder(source: str | Path, out_dir: Path, texts: list[str] | None = None, int8: bool = True,
-                   min_cosine_fp32: float = 0.9999, min_cosine_int8: float = 0.99, threads: int | None = None) -> dict[str, Any]:
+def export_encoder(
+    source: str | Path,
+    out_dir: Path,
+    texts: list[str] | None = None,
+    int8: bool = True,
+    min_cosine_fp32: float = 0.9999,
+    min_cosine_int8: float = 0.99,
+    threads: int | None = None,
+) -> dict[str, Any]:
     """Export, quantize and check; writes ``out_dir`` atomically (model.onnx, model.int8.onnx, tokenizer,
     config, encoder_report.json) and returns the report. Raises FormatError when a check fails."""
     import onnxruntime as ort
@@ -90,8 +101,16 @@ def export_encoder(source: str | Path, out_dir: Path, texts: list[str] | None = 
     args = tuple(batch[n] for n in names)
     axes = {n: {0: "batch", 1: "sequence"} for n in names} | {"last_hidden_state": {0: "batch", 1: "sequence"}}
     with torch.no_grad():
-        torch.onnx.export(wrapper, args, str(tmp / FLOAT_FILE), input_names=names, output_names=["last_hidden_state"],
-                          dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+        torch.onnx.export(
+            wrapper,
+            args,
+            str(tmp / FLOAT_FILE),
+            input_names=names,
+            output_names=["last_hidden_state"],
+            dynamic_axes=axes,
+            opset_version=OPSET,
+            dynamo=False,
+        )
     files = [FLOAT_FILE]
     if int8:
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -111,19 +130,35 @@ def export_encoder(source: str | Path, out_dir: Path, texts: list[str] | None = 
         session = ort.InferenceSession(str(tmp / name), options, providers=["CPUExecutionProvider"])
         got = mean_pool(session.run(None, feeds)[0], batch["attention_mask"].numpy())
         sims = cosine(reference, got)
-        checks[name] = {"min_cosine": float(sims.min()), "mean_cosine": float(sims.mean()), "required": minimum,
-                        "size_bytes": (tmp / name).stat().st_size}
+        checks[name] = {
+            "min_cosine": float(sims.min()),
+            "mean_cosine": float(sims.mean()),
+            "required": minimum,
+            "size_bytes": (tmp / name).stat().st_size,
+        }
         if sims.min() < minimum:
             shutil.rmtree(tmp)
-            raise FormatError(f"{name}: sentence-embedding cosine similarity to the torch model is {sims.min():.5f} on one of "
-                              f"{len(texts)} texts, below the required {minimum}")
+            raise FormatError(
+                f"{name}: sentence-embedding cosine similarity to the torch model is {sims.min():.5f} on one of "
+                f"{len(texts)} texts, below the required {minimum}"
+            )
     tokenizer.save_pretrained(tmp)
     model.config.save_pretrained(tmp)
-    report = {"source": str(source), "architecture": (model.config.architectures or [type(model).__name__])[0],
-              "opset": OPSET, "exporter": f"torch.onnx (TorchScript, torch {torch.__version__})", "inputs": names,
-              "int8": "onnxruntime.quantization.quantize_dynamic: int8 MatMul weights (per tensor), activations quantized at run time"
-              if int8 else None, "texts": len(texts), "pooling": "mean over the attention mask", "checks": checks,
-              "export_seconds": round(export_seconds, 1), "onnxruntime": ort.__version__}
+    report = {
+        "source": str(source),
+        "architecture": (model.config.architectures or [type(model).__name__])[0],
+        "opset": OPSET,
+        "exporter": f"torch.onnx (TorchScript, torch {torch.__version__})",
+        "inputs": names,
+        "int8": "onnxruntime.quantization.quantize_dynamic: int8 MatMul weights (per tensor), activations quantized at run time"
+        if int8
+        else None,
+        "texts": len(texts),
+        "pooling": "mean over the attention mask",
+        "checks": checks,
+        "export_seconds": round(export_seconds, 1),
+        "onnxruntime": ort.__version__,
+    }
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -52,8 +52,10 @@ def resolve(spec: ONNXExport, records: dict[str, QuantizedWeight]) -> tuple[str,
         elif bits in ({4}, {8}):
             precision = f"int{bits.pop()}"
         else:
-            raise FormatError(f"precision auto: the records have {sorted(bits)} bits; MatMulNBits holds 4 or 8 bits, one per "
-                              "export (set precision: fp32 for a float export of the dequantized weights)")
+            raise FormatError(
+                f"precision auto: the records have {sorted(bits)} bits; MatMulNBits holds 4 or 8 bits, one per "
+                "export (set precision: fp32 for a float export of the dequantized weights)"
+            )
     if precision not in INT_BITS:
         return precision, None
     return precision, spec.quantizer or ("records" if records else "builder")
@@ -64,8 +66,10 @@ def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight
     ob.require()
     head_dim = kv_geometry(model.config)[2]
     if spec.device == "cpu" and head_dim % GQA_HEAD_MULTIPLE:
-        raise FormatError(f"ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of {GQA_HEAD_MULTIPLE}; "
-                          f"this model's is {head_dim}")
+        raise FormatError(
+            f"ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of {GQA_HEAD_MULTIPLE}; "
+            f"this model's is {head_dim}"
+        )
     precision, quantizer = resolve(spec, records)
     if quantizer == "records":
         if not records:
@@ -75,12 +79,15 @@ def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight
             raise FormatError(f"precision {precision} holds {INT_BITS[precision]}-bit records; these have {sorted(bits)} bits")
         ob.mnb.common_block_size(records)
     if spec.verify and not has_eval:
-        raise FormatError("verify: true scores the ONNX model on the evaluation chunks, and the recipe has no data.evaluation; "
-                          "add it, or set verify: false on the export")
+        raise FormatError(
+            "verify: true scores the ONNX model on the evaluation chunks, and the recipe has no data.evaluation; "
+            "add it, or set verify: false on the export"
+        )
 
 
-def builder_options(spec: ONNXExport, precision: str, quantizer: str | None, records: dict[str, QuantizedWeight],
-                    kv_options: dict[str, str]) -> dict[str, Any]:
+def builder_options(
+    spec: ONNXExport, precision: str, quantizer: str | None, records: dict[str, QuantizedWeight], kv_options: dict[str, str]
+) -> dict[str, Any]:
     options: dict[str, Any] = dict(kv_options)
     if precision in INT_BITS:
         options["nodes_to_exclude"] = list(ob.FLOAT_NODES)  # embeddings and the output head stay float, as in our records
@@ -104,8 +111,9 @@ def _fresh(directory: Path) -> None:
     directory.mkdir(parents=True)
 
 
-def build(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-          kv_options: dict[str, str]) -> tuple[dict[str, Any], Any]:
+def build(
+    directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], kv_options: dict[str, str]
+) -> tuple[dict[str, Any], Any]:
     """Run the builder into ``directory`` and put our records into the graph. Returns how the weights got
     there and the graph, loaded with its weights for an int precision (the caller proves and saves it)."""
     precision, quantizer = resolve(spec, records)
@@ -134,7 +142,9 @@ def build(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, r
                 ob.run_builder(float_dir, directory, precision, spec.device, options, log)
                 graph = ob.load(directory)
                 facts["nodes_written"] = ob.write_records(graph, records)
-                facts["weights_written_by"] = "compress: the builder's graph from the float model, our records packed into its MatMulNBits nodes"
+                facts["weights_written_by"] = (
+                    "compress: the builder's graph from the float model, our records packed into its MatMulNBits nodes"
+                )
         else:
             _save_float(float_dir, model, tokenizer)
             _fresh(directory)
@@ -146,8 +156,17 @@ def build(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, r
     return facts, graph
 
 
-def export(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-           inputs: VerifyInputs | None, reporter: Reporter, label: str, kv: KVCacheScheme | None = None) -> tuple[dict[str, Any], list[Evaluation]]:
+def export(
+    directory: Path,
+    spec: ONNXExport,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    inputs: VerifyInputs | None,
+    reporter: Reporter,
+    label: str,
+    kv: KVCacheScheme | None = None,
+) -> tuple[dict[str, Any], list[Evaluation]]:
     """Write, prove and verify one ONNX export; return its manifest entry and evaluations."""
     with reporter.status(f"{label} building ONNX with onnxruntime-genai's builder"):
         entry = write(directory, spec, model, tokenizer, records, kv, label)
@@ -173,8 +192,15 @@ def unverifiable(spec: ONNXExport) -> str | None:
     return None
 
 
-def write(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-          kv: KVCacheScheme | None = None, label: str = "onnx") -> dict[str, Any]:
+def write(
+    directory: Path,
+    spec: ONNXExport,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    kv: KVCacheScheme | None = None,
+    label: str = "onnx",
+) -> dict[str, Any]:
     """Build the export into ``directory``, prove it holds the records, set the shipped accuracy level and
     make its tokenizer.json readable by onnxruntime-extensions; returns the manifest entry."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -211,8 +237,11 @@ def write(directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, r
         "size_bytes": sum(f.stat().st_size for f in files if f.exists()),
         "builder_version": _version("onnxruntime-genai"),
         "verified": False,
-        "check": ("every MatMulNBits node unpacked and compared with the records: codes, scales and zero points identical"
-                  if proof else "written by onnxruntime-genai's builder"),
+        "check": (
+            "every MatMulNBits node unpacked and compared with the records: codes, scales and zero points identical"
+            if proof
+            else "written by onnxruntime-genai's builder"
+        ),
     }
     if kv_entry is not None:
         entry["kv_cache"] = kv_entry
@@ -235,7 +264,9 @@ KV_SCHEMES = {("int", 8): "int8", ("int", 4): "int4", ("fp8", 8): "fp8"}
 KV_SCALE_FILE = "kv_cache_scales.json"
 
 
-def kv_cache_options(kv: KVCacheScheme | None, config: Any, scale_file: Path, device: str = "cpu") -> tuple[dict[str, Any] | None, dict[str, str]]:
+def kv_cache_options(
+    kv: KVCacheScheme | None, config: Any, scale_file: Path, device: str = "cpu"
+) -> tuple[dict[str, Any] | None, dict[str, str]]:
     """The builder's kv_cache_quant_scheme / kv_cache_scale_file for a KV scheme, or why it is not carried.
     ONNX Runtime's CPU GroupQueryAttention quantizes the cache with static scales per tensor or per
     channel; our static per-(layer, KV head) scales become per-channel scales (each head's scale over its
@@ -252,8 +283,10 @@ def kv_cache_options(kv: KVCacheScheme | None, config: Any, scale_file: Path, de
     elif prefix == "fp8" and device == "cpu":
         why = "ONNX Runtime's CPU GroupQueryAttention has no fp8 KV cache (onnxruntime 1.31 runs it on CUDA only)"
     elif not cfg.static_scales or kv.scales is None:
-        why = ("dynamic scales (per token or per group, computed as tokens arrive) have no ONNX Runtime GenAI equivalent on CPU: "
-               "its GroupQueryAttention needs static per-tensor or per-channel scales (set static_scales: true)")
+        why = (
+            "dynamic scales (per token or per group, computed as tokens arrive) have no ONNX Runtime GenAI equivalent on CPU: "
+            "its GroupQueryAttention needs static per-tensor or per-channel scales (set static_scales: true)"
+        )
     if why:
         return {**entry, "carried": False, "why": why}, {}
     head_dim = kv_geometry(config)[2]
@@ -261,22 +294,32 @@ def kv_cache_options(kv: KVCacheScheme | None, config: Any, scale_file: Path, de
     per_channel = {"k_scales": k.repeat_interleave(head_dim, dim=1).tolist(), "v_scales": v.repeat_interleave(head_dim, dim=1).tolist()}
     scale_file.write_text(json.dumps({"scales": per_channel}))
     scheme = f"{prefix}_per_channel"
-    entry.update(carried=True, kv_cache_quant_scheme=scheme, scale_file=KV_SCALE_FILE,
-                 note="our static per-(layer, KV head) scales, repeated over each head's channels")
+    entry.update(
+        carried=True,
+        kv_cache_quant_scheme=scheme,
+        scale_file=KV_SCALE_FILE,
+        note="our static per-(layer, KV head) scales, repeated over each head's channels",
+    )
     return entry, {"kv_cache_quant_scheme": scheme, "kv_cache_scale_file": str(scale_file)}
 
 
 # --------------------------------------------------------------------------- verifier
 
 
-def verify(directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str,
-           quantized: bool) -> Evaluation:
+def verify(
+    directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str, quantized: bool
+) -> Evaluation:
     from compress.export import onnx_runtime as rt
 
     assert inputs.chunks is not None
     chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
-    details: dict[str, Any] = {"file": ob.ONNX_FILE, "chunks": int(chunks.shape[0]), "seq_len": int(chunks.shape[1]),
-                               "min_context": inputs.min_context, "accuracy_level": spec.accuracy_level if quantized else None}
+    details: dict[str, Any] = {
+        "file": ob.ONNX_FILE,
+        "chunks": int(chunks.shape[0]),
+        "seq_len": int(chunks.shape[1]),
+        "min_context": inputs.min_context,
+        "accuracy_level": spec.accuracy_level if quantized else None,
+    }
     texts = [*PARITY_TEXTS, *(tokenizer.decode(row[:128]) for row in chunks[:4])]
     with rt.GenAIModel(directory, inputs.threads) as genai:
         mismatches = tokenization_mismatches(genai.encode, tokenizer, texts, "onnxruntime-genai", add_special_tokens=True)
@@ -285,8 +328,10 @@ def verify(directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInpu
             new, timing = genai.greedy(prompt, GENERATED_TOKENS)
             details["sample"] = {"prompt": GENERATION_PROMPT, "greedy": genai.decode(new), **timing}
     if mismatches:
-        raise FormatError(f"{label}: ONNX Runtime GenAI tokenizes {len(mismatches)} of {len(texts)} sample texts differently "
-                          f"from the Hugging Face tokenizer (first: {mismatches[0]})")
+        raise FormatError(
+            f"{label}: ONNX Runtime GenAI tokenizes {len(mismatches)} of {len(texts)} sample texts differently "
+            f"from the Hugging Face tokenizer (first: {mismatches[0]})"
+        )
     details["tokenizer_parity_texts"] = len(texts)
     reference = torch_forward(inputs.compressed, torch.device("cpu"))
     sub = chunks[:SAME_WEIGHTS_CHUNKS]
@@ -301,8 +346,10 @@ def verify(directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInpu
             ob.set_accuracy_level(graph, 0)
             onnx.save_model(graph, str(level0))
             candidates["level0"] = rt.OrtDecoder(level0, inputs.threads, spec.device).forward
-        with reporter.status(f"{label} same-weights check in ONNX Runtime ({sub.shape[0]} chunks"
-                             + (", as shipped and at accuracy level 0)" if level0 else ")")):
+        with reporter.status(
+            f"{label} same-weights check in ONNX Runtime ({sub.shape[0]} chunks"
+            + (", as shipped and at accuracy level 0)" if level0 else ")")
+        ):
             got = compare(reference, candidates, sub, inputs.min_context)  # one torch pass serves both sessions
     finally:
         if level0 is not None:
@@ -315,11 +362,16 @@ def verify(directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInpu
     else:  # the shipped file already computes in float
         details["level0_same_weights_kl"] = details["same_weights_kl"]
     if details["level0_same_weights_kl"] > EXACT_MAX_KL:
-        raise FormatError(f"{label}: ONNX Runtime at accuracy level 0 differs from our model with the same weights by KL "
-                          f"{details['level0_same_weights_kl']:.2e} > {EXACT_MAX_KL}: the graph does not compute our model")
+        raise FormatError(
+            f"{label}: ONNX Runtime at accuracy level 0 differs from our model with the same weights by KL "
+            f"{details['level0_same_weights_kl']:.2e} > {EXACT_MAX_KL}: the graph does not compute our model"
+        )
     if details["same_weights_kl"] > spec.same_weights_max_kl:
-        raise FormatError(f"{label}: ONNX Runtime (accuracy level {spec.accuracy_level}) differs from our model with the same "
-                          f"weights by KL {details['same_weights_kl']:.4f} > same_weights_max_kl {spec.same_weights_max_kl}")
-    metrics = compare(torch_forward(inputs.baseline, torch.device("cpu")), {"onnx": session.forward}, chunks, inputs.min_context,
-                      progress=reporter.track)["onnx"]
+        raise FormatError(
+            f"{label}: ONNX Runtime (accuracy level {spec.accuracy_level}) differs from our model with the same "
+            f"weights by KL {details['same_weights_kl']:.4f} > same_weights_max_kl {spec.same_weights_max_kl}"
+        )
+    metrics = compare(
+        torch_forward(inputs.baseline, torch.device("cpu")), {"onnx": session.forward}, chunks, inputs.min_context, progress=reporter.track
+    )["onnx"]
     return Evaluation(artifact=spec.name, runtime="onnxruntime", device=spec.device, metrics=metrics, details=details)

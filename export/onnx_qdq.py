@@ -88,8 +88,9 @@ def exact_precision(scheme: QuantScheme) -> Precision | None:
     return None
 
 
-def plan_layer(name: str, record: QuantizedWeight, fallback: str | None, fp8: bool = False,
-               dtype: torch.dtype = torch.float32) -> LayerPlan:
+def plan_layer(
+    name: str, record: QuantizedWeight, fallback: str | None, fp8: bool = False, dtype: torch.dtype = torch.float32
+) -> LayerPlan:
     """Decide how ``record`` is written; re-quantizes (and measures the change) for fallbacks and fp8.
     ``dtype`` is the graph's float type, which fp8 scales are stored in."""
     from compress.quantizers.rtn import rtn_quantize
@@ -97,8 +98,13 @@ def plan_layer(name: str, record: QuantizedWeight, fallback: str | None, fp8: bo
     scheme = record.scheme
     if fp8:
         weight = record.dequantize()
-        return LayerPlan(name, "fp8", record, converted="fp8 requested",
-                         max_abs_weight_error=float((fp8_dequantize(*fp8_quantize(weight, dtype)) - weight).abs().max()))
+        return LayerPlan(
+            name,
+            "fp8",
+            record,
+            converted="fp8 requested",
+            max_abs_weight_error=float((fp8_dequantize(*fp8_quantize(weight, dtype)) - weight).abs().max()),
+        )
     precision = exact_precision(scheme)
     if precision is not None:
         return LayerPlan(name, precision, record, block=scheme.group_size if precision == "int4" else None)
@@ -117,8 +123,14 @@ def plan_layer(name: str, record: QuantizedWeight, fallback: str | None, fp8: bo
     else:
         block = None
         new = rtn_quantize(weight, QuantScheme(bits=8, group_size=None, symmetric=True, scale_dtype=scheme.scale_dtype))
-    return LayerPlan(name, "int4" if block else "int8", new, block=block, converted=f"fallback {fallback}",
-                     max_abs_weight_error=float((new.dequantize() - weight).abs().max()))
+    return LayerPlan(
+        name,
+        "int4" if block else "int8",
+        new,
+        block=block,
+        converted=f"fallback {fallback}",
+        max_abs_weight_error=float((new.dequantize() - weight).abs().max()),
+    )
 
 
 def fp8_quantize(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +154,10 @@ def qdq_initializers(plan: LayerPlan, dtype: torch.dtype) -> tuple[np.ndarray, n
         values, scale = fp8_quantize(record.dequantize(), dtype)
         q = values.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).T
         return np.ascontiguousarray(q), scale.numpy().astype(np_dtype), {"axis": 1}
-    signed = record.codes.to(torch.int16) - record.zero_point.to(torch.int16).repeat_interleave(
-        record.scheme.group_width(record.shape[1]), dim=1)[:, : record.shape[1]]
+    signed = (
+        record.codes.to(torch.int16)
+        - record.zero_point.to(torch.int16).repeat_interleave(record.scheme.group_width(record.shape[1]), dim=1)[:, : record.shape[1]]
+    )
     scale = record.scale.to(torch.float32).numpy().astype(np_dtype)
     if plan.precision == "int4":
         q = signed.to(torch.int8).numpy().astype(ml_dtypes.int4).T
@@ -175,16 +189,16 @@ class PastPresentLM(nn.Module):
         setattr(self, _WRAPPER, model)
         self.n_layers = int(text_config(model).num_hidden_layers)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, past: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
         from transformers import DynamicCache
 
         model = getattr(self, _WRAPPER)
         cache = DynamicCache(config=model.config)
         for i in range(self.n_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
         present = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
         return (out.logits, *present)
 
@@ -203,8 +217,10 @@ def kv_shape(model: nn.Module) -> tuple[int, int]:
 
 def io_names(n_layers: int) -> tuple[list[str], list[str]]:
     kv = [(i, k) for i in range(n_layers) for k in ("key", "value")]
-    return (["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{i}.{k}" for i, k in kv)],
-            ["logits", *(f"present.{i}.{k}" for i, k in kv)])
+    return (
+        ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{i}.{k}" for i, k in kv)],
+        ["logits", *(f"present.{i}.{k}" for i, k in kv)],
+    )
 
 
 @contextlib.contextmanager
@@ -241,18 +257,29 @@ def export_program(model: nn.Module, quantized: list[str]) -> Any:
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = int(text_config(model).vocab_size)
-    args = (torch.randint(0, vocab, (batch, seq), device=device),
-            torch.ones(batch, past + seq, dtype=torch.int64, device=device),
-            torch.arange(past, past + seq, device=device).expand(batch, seq),
-            [torch.zeros(batch, kv_heads, past, head_dim, dtype=dtype, device=device) for _ in range(2 * wrapper.n_layers)])
+    args = (
+        torch.randint(0, vocab, (batch, seq), device=device),
+        torch.ones(batch, past + seq, dtype=torch.int64, device=device),
+        torch.arange(past, past + seq, device=device).expand(batch, seq),
+        [torch.zeros(batch, kv_heads, past, head_dim, dtype=dtype, device=device) for _ in range(2 * wrapper.n_layers)],
+    )
     dim = torch.export.Dim
     b, s, p, t = dim(BATCH), dim(SEQUENCE), dim(PAST), dim(TOTAL)
     shapes = ({0: b, 1: s}, {0: b, 1: t}, {0: b, 1: s}, [{0: b, 2: p}] * (2 * wrapper.n_layers))
     inputs, outputs = io_names(wrapper.n_layers)
     with _stand_ins(model, quantized), warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # axis-renaming notes and transformers deprecations
-        return torch.onnx.export(wrapper, args, None, dynamo=True, dynamic_shapes=shapes, input_names=inputs,
-                                 output_names=outputs, opset_version=OPSET, verbose=False)
+        return torch.onnx.export(
+            wrapper,
+            args,
+            None,
+            dynamo=True,
+            dynamic_shapes=shapes,
+            input_names=inputs,
+            output_names=outputs,
+            opset_version=OPSET,
+            verbose=False,
+        )
 
 
 # --------------------------------------------------------------------------- graph surgery
@@ -293,8 +320,8 @@ def tidy_graph(model: Any) -> None:
         node.metadata_props.clear()
     prefix = f"{_WRAPPER}."
     for name in [n for n in model.graph.initializers if n.startswith(prefix)]:
-        if name[len(prefix):] not in model.graph.initializers:
-            model.graph.initializers[name].name = name[len(prefix):]
+        if name[len(prefix) :] not in model.graph.initializers:
+            model.graph.initializers[name].name = name[len(prefix) :]
     total = {f"{PAST} + {SEQUENCE}", f"{SEQUENCE} + {PAST}"}
     for value in model.graph.outputs:
         if value.shape is not None:
@@ -305,14 +332,23 @@ def axes_of(values: Any) -> dict[str, list[int | str]]:
     return {v.name: [d if isinstance(d, int) else str(d) for d in v.shape] for v in values}
 
 
-def plan_layers(records: dict[str, QuantizedWeight], fallback: str | None, fp8: bool = False,
-                dtype: torch.dtype = torch.float32) -> list[LayerPlan]:
+def plan_layers(
+    records: dict[str, QuantizedWeight], fallback: str | None, fp8: bool = False, dtype: torch.dtype = torch.float32
+) -> list[LayerPlan]:
     """Every record's plan, in name order (re-quantizing for fallbacks and fp8 happens here, once)."""
     return [plan_layer(name, r.cpu(), fallback, fp8, dtype) for name, r in sorted(records.items())]
 
 
-def write_qdq_onnx(directory: Path, model: nn.Module, records: dict[str, QuantizedWeight], *, fallback: str | None,
-                   dtype: str = "float32", fp8: bool = False, plans: list[LayerPlan] | None = None) -> dict[str, Any]:
+def write_qdq_onnx(
+    directory: Path,
+    model: nn.Module,
+    records: dict[str, QuantizedWeight],
+    *,
+    fallback: str | None,
+    dtype: str = "float32",
+    fp8: bool = False,
+    plans: list[LayerPlan] | None = None,
+) -> dict[str, Any]:
     """Write ``directory/model.onnx`` (+ ``model.onnx.data``): the model with Q/DQ weights; return manifest facts.
 
     ``model`` is the in-memory model (its quantized layers may hold the dequantized records; their
@@ -353,12 +389,24 @@ def write_qdq_onnx(directory: Path, model: nn.Module, records: dict[str, Quantiz
         "domains": sorted({n.domain or "" for n in graph}),
         "layers_by_precision": dict(by_precision),
         "layers": {p.name: p.describe() for p in plans},
-        "fallbacks": [{"layer": p.name, "scheme": records[p.name].scheme.describe(),
-                       "became": p.describe(), "why": p.converted, "max_abs_weight_error": p.max_abs_weight_error}
-                      for p in plans if p.converted],
+        "fallbacks": [
+            {
+                "layer": p.name,
+                "scheme": records[p.name].scheme.describe(),
+                "became": p.describe(),
+                "why": p.converted,
+                "max_abs_weight_error": p.max_abs_weight_error,
+            }
+            for p in plans
+            if p.converted
+        ],
         "partial_blocks": [p.name for p in plans if p.block and p.record.shape[1] % p.block],
-        "scales_rounded": [p.name for p in plans if p.precision != "fp8"  # record scales the graph's dtype cannot hold exactly
-                           and not torch.equal(p.record.scale.to(torch_dtype).float(), p.record.scale.float())],
+        "scales_rounded": [
+            p.name
+            for p in plans
+            if p.precision != "fp8"  # record scales the graph's dtype cannot hold exactly
+            and not torch.equal(p.record.scale.to(torch_dtype).float(), p.record.scale.float())
+        ],
         "files": {name: (directory / name).stat().st_size for name in (MODEL_FILE, DATA_FILE) if (directory / name).exists()},
     }
 
@@ -399,28 +447,38 @@ def check_qdq_onnx(directory: Path, model: nn.Module, input_ids: torch.Tensor) -
     float_np = np.float16 if kinds["past_key_values.0.key"].type == "tensor(float16)" else np.float32
     ids = input_ids.cpu().to(torch.int64).numpy()
     batch, seq = ids.shape
-    feeds = {"input_ids": ids, "attention_mask": np.ones((batch, seq), np.int64),
-             "position_ids": np.tile(np.arange(seq, dtype=np.int64), (batch, 1))}
+    feeds = {
+        "input_ids": ids,
+        "attention_mask": np.ones((batch, seq), np.int64),
+        "position_ids": np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
+    }
     for name, value in kinds.items():
         if name.startswith("past_key_values."):
             feeds[name] = np.zeros((batch, value.shape[1], 0, value.shape[3]), float_np)
     out_names = [o.name for o in session.get_outputs()]
-    prefill = dict(zip(out_names, session.run(None, feeds)))
+    prefill = dict(zip(out_names, session.run(None, feeds), strict=True))
     next_ids = prefill["logits"][:, -1].argmax(-1).astype(np.int64)[:, None]
-    step = {"input_ids": next_ids, "attention_mask": np.ones((batch, seq + 1), np.int64),
-            "position_ids": np.full((batch, 1), seq, np.int64)}
+    step = {
+        "input_ids": next_ids,
+        "attention_mask": np.ones((batch, seq + 1), np.int64),
+        "position_ids": np.full((batch, 1), seq, np.int64),
+    }
     for name in kinds:
         if name.startswith("past_key_values."):
             step[name] = prefill[name.replace("past_key_values.", "present.")]
-    decode = dict(zip(out_names, session.run(None, step)))
+    decode = dict(zip(out_names, session.run(None, step), strict=True))
     with torch.no_grad():
         full = torch.cat([input_ids.cpu(), torch.from_numpy(next_ids)], dim=1).to(next(model.parameters()).device)
         ref = model(input_ids=full, use_cache=False).logits.float().cpu()
     got = torch.cat([torch.from_numpy(prefill["logits"]), torch.from_numpy(decode["logits"])], dim=1).float()
-    return {**logit_parity(ref, got), "prefill_max_abs_diff": float((ref[:, :seq] - got[:, :seq]).abs().max()),
-            "decode_max_abs_diff": float((ref[:, seq:] - got[:, seq:]).abs().max()),
-            "present_length": int(decode["present.0.key"].shape[2]), "runtime": f"onnxruntime {ort.__version__} CPU",
-            "non_standard_ops": foreign}
+    return {
+        **logit_parity(ref, got),
+        "prefill_max_abs_diff": float((ref[:, :seq] - got[:, :seq]).abs().max()),
+        "decode_max_abs_diff": float((ref[:, seq:] - got[:, seq:]).abs().max()),
+        "present_length": int(decode["present.0.key"].shape[2]),
+        "runtime": f"onnxruntime {ort.__version__} CPU",
+        "non_standard_ops": foreign,
+    }
 
 
 def logit_parity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float | int]:
@@ -429,5 +487,9 @@ def logit_parity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, 
     ref = torch.log_softmax(reference.reshape(-1, vocab).double(), dim=-1)
     cand = torch.log_softmax(candidate.reshape(-1, vocab).double(), dim=-1)
     kl = (ref.exp() * (ref - cand)).sum(-1).clamp(min=0)
-    return {"max_abs_diff": float((reference - candidate).abs().max()), "kl_divergence": float(kl.mean()),
-            "top1_agreement": float((ref.argmax(-1) == cand.argmax(-1)).double().mean()), "tokens": int(ref.shape[0])}
+    return {
+        "max_abs_diff": float((reference - candidate).abs().max()),
+        "kl_divergence": float(kl.mean()),
+        "top1_agreement": float((ref.argmax(-1) == cand.argmax(-1)).double().mean()),
+        "tokens": int(ref.shape[0]),
+    }

@@ -13,8 +13,14 @@ import torch
 
 from compress.export.onnx_builder import GENAI_CONFIG
 
-_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
-          "tensor(int8)": np.int8, "tensor(uint8)": np.uint8}  # a quantized KV cache's past tensors are int8 / uint8 / fp8
+_NUMPY = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+}  # a quantized KV cache's past tensors are int8 / uint8 / fp8
 
 
 def _numpy_dtype(onnx_type: str) -> Any:
@@ -70,8 +76,9 @@ class GenAIModel:
         import onnxruntime_genai as og
 
         config = og.Config(str(directory))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                                              "inter_op_num_threads": 1}}}}))
+        config.overlay(
+            json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}}})
+        )
         self._og = og
         self.model = og.Model(config)
         self.tokenizer = og.Tokenizer(self.model)
@@ -110,8 +117,11 @@ class GenAIModel:
         end = time.perf_counter()
         del generator, params  # before the model they were made from
         decode_s = end - first
-        return out, {"time_to_first_token_s": first - start, "decode_tokens": len(out) - 1,
-                     "decode_tokens_per_s": (len(out) - 1) / decode_s if decode_s > 0 and len(out) > 1 else 0.0}
+        return out, {
+            "time_to_first_token_s": first - start,
+            "decode_tokens": len(out) - 1,
+            "decode_tokens_per_s": (len(out) - 1) / decode_s if decode_s > 0 and len(out) > 1 else 0.0,
+        }
 
 
 def genai_config(directory: Path) -> dict[str, Any]:

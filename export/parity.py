@@ -29,14 +29,15 @@ class VerifyInputs:
     threads: int
 
 
-def tokenization_mismatches(encode: Callable[[str], list[int]], tokenizer: Any, texts: list[str], runtime: str = "llama.cpp",
-                            add_special_tokens: bool = False) -> list[dict[str, Any]]:
+def tokenization_mismatches(
+    encode: Callable[[str], list[int]], tokenizer: Any, texts: list[str], runtime: str = "llama.cpp", add_special_tokens: bool = False
+) -> list[dict[str, Any]]:
     """Texts on which a runtime's tokenizer (``encode``) and the Hugging Face tokenizer disagree (with the first difference)."""
     bad = []
     for i, text in enumerate(texts):
         ours = encode(text)
         theirs = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         if ours != theirs:
-            at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            at = next((k for k, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
             bad.append({"text": i, "position": at, runtime: ours[at : at + 5], "transformers": theirs[at : at + 5]})
     return bad

@@ -23,7 +23,7 @@ from torch import nn
 from compress.artifact import checksums
 from compress.errors import FormatError
 from compress.eval.gates import Evaluation
-from compress.export import autoawq, autogptq, compressed_tensors
+from compress.export import autoawq, autogptq, compressed_tensors, gguf_export, onnx_export, tensorrt_export
 from compress.export.hf_checkpoint import (
     CONFIG_FILE,
     QUANT_METHOD,
@@ -34,7 +34,6 @@ from compress.export.hf_checkpoint import (
     read_tensors,
     records_identical,
 )
-from compress.export import gguf_export, onnx_export, tensorrt_export
 from compress.export.parity import VerifyInputs
 from compress.export.specs import EXPORTS_DIR, GGUF, ONNX, TENSORRT
 from compress.progress import Reporter
@@ -58,8 +57,9 @@ class CheckpointFormat:
 
 
 FORMATS: dict[str, CheckpointFormat] = {
-    "compressed-tensors": CheckpointFormat("compressed-tensors", compressed_tensors.METHOD, compressed_tensors.read,
-                                           compressed_tensors.write, compressed_tensors.check),
+    "compressed-tensors": CheckpointFormat(
+        "compressed-tensors", compressed_tensors.METHOD, compressed_tensors.read, compressed_tensors.write, compressed_tensors.check
+    ),
     "gptq": CheckpointFormat("gptq", autogptq.METHOD, autogptq.read, autogptq.write, autogptq.check),
     "awq": CheckpointFormat("awq", autoawq.METHOD, autoawq.read),
 }
@@ -118,8 +118,12 @@ def import_checkpoint(directory: Path, dtype: torch.dtype, trust_remote_code: bo
     found = _read(directory, fmt, tensors)
     model = import_float_model(directory, tensors, found, dtype, trust_remote_code)
     schemes = Counter(r.scheme.describe() + f" ({r.scheme.scale_dtype} scales)" for r in found.records.values())
-    facts = {**found.facts, "layers": len(found.records), "schemes": dict(schemes),
-             "quantization_config": quantization_config_of(directory)}
+    facts = {
+        **found.facts,
+        "layers": len(found.records),
+        "schemes": dict(schemes),
+        "quantization_config": quantization_config_of(directory),
+    }
     return ImportedCheckpoint(model, found.records, facts)
 
 
@@ -136,8 +140,10 @@ def check_exports(specs: list[Any], model: nn.Module, records: dict[str, Quantiz
                 raise FormatError(f"exports[{i}] ({spec.name}): {exc}") from None
             continue
         if not records:
-            raise FormatError(f"exports[{i}] ({spec.name}): a {spec.format} checkpoint packs quantized layers, and no layer is "
-                              "quantized; add a quantize stage, or load a quantized checkpoint as model.source")
+            raise FormatError(
+                f"exports[{i}] ({spec.name}): a {spec.format} checkpoint packs quantized layers, and no layer is "
+                "quantized; add a quantize stage, or load a quantized checkpoint as model.source"
+            )
         fmt = FORMATS[spec.format]
         if fmt.check is not None:
             try:
@@ -146,9 +152,16 @@ def check_exports(specs: list[Any], model: nn.Module, records: dict[str, Quantiz
                 raise FormatError(f"exports[{i}] ({spec.name}): {exc}") from None
 
 
-def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-                  reporter: Reporter, inputs: VerifyInputs | None = None,
-                  kv: KVCacheScheme | None = None) -> tuple[list[dict[str, Any]], list[Evaluation]]:
+def write_exports(
+    root: Path,
+    specs: list[Any],
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    reporter: Reporter,
+    inputs: VerifyInputs | None = None,
+    kv: KVCacheScheme | None = None,
+) -> tuple[list[dict[str, Any]], list[Evaluation]]:
     """Write each export to ``root/<name>/`` and verify it (reloading its records; runtime exports
     also run on their runtime with ``inputs``). With a KV-cache scheme, each entry says under
     ``kv_cache`` what its format carries of it. Returns manifest entries and runtime evaluations."""
@@ -159,8 +172,9 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
         if spec.format in RUNTIME_EXPORTS:
             if inputs is None and spec.verify:
                 raise FormatError(f"exports[{i}] ({spec.name}): verify: true needs the evaluation inputs")
-            entry, found = RUNTIME_EXPORTS[spec.format].export(directory, spec, model, tokenizer, records, inputs, reporter,
-                                                               f"exports[{i}]", kv)
+            entry, found = RUNTIME_EXPORTS[spec.format].export(
+                directory, spec, model, tokenizer, records, inputs, reporter, f"exports[{i}]", kv
+            )
             entry.update(path=f"{EXPORTS_DIR}/{spec.name}", files=checksums(directory))
             entries.append(entry)
             evaluations.extend(found)
@@ -171,19 +185,23 @@ def write_exports(root: Path, specs: list[Any], model: nn.Module, tokenizer: Any
             kv_carried = fmt.write(directory, model, tokenizer, records, kv)
             problems = records_identical(records, read_records(directory, fmt).records)
         if problems:  # a packing bug: the whole artifact is abandoned rather than shipping a wrong checkpoint
-            raise FormatError(f"exports[{i}] ({spec.name}): reloading the {spec.format} checkpoint does not give the "
-                              f"records back: {'; '.join(problems[:5])}")
-        entries.append({
-            "name": spec.name,
-            "format": spec.format,
-            "path": f"{EXPORTS_DIR}/{spec.name}",
-            "layers": len(records),
-            "verified": True,
-            "check": EXACTNESS_CHECK,
-            "quantization_config": read_config(directory)[QUANTIZATION_CONFIG],
-            "files": checksums(directory),
-            **({"kv_cache": kv_carried} if kv is not None else {}),
-        })
+            raise FormatError(
+                f"exports[{i}] ({spec.name}): reloading the {spec.format} checkpoint does not give the "
+                f"records back: {'; '.join(problems[:5])}"
+            )
+        entries.append(
+            {
+                "name": spec.name,
+                "format": spec.format,
+                "path": f"{EXPORTS_DIR}/{spec.name}",
+                "layers": len(records),
+                "verified": True,
+                "check": EXACTNESS_CHECK,
+                "quantization_config": read_config(directory)[QUANTIZATION_CONFIG],
+                "files": checksums(directory),
+                **({"kv_cache": kv_carried} if kv is not None else {}),
+            }
+        )
     return entries, evaluations
 
 

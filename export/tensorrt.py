@@ -162,8 +162,9 @@ def build_engine(onnx_dir: Path, directory: Path, config: TensorRTConfig) -> dic
         "build_seconds": round(seconds, 3),
         "workspace_mib": config.workspace_mib,
         "timing_cache": {"path": str(cache_path), "loaded": cache_loaded},
-        "profiles": [{name: {"min": list(s[0]), "opt": list(s[1]), "max": list(s[2])} for name, s in shapes.items()
-                      if name in network_inputs}],
+        "profiles": [
+            {name: {"min": list(s[0]), "opt": list(s[1]), "max": list(s[2])} for name, s in shapes.items() if name in network_inputs}
+        ],
     }
     _write_atomic(directory / ENGINE_INFO_FILE, (json.dumps(facts, indent=2) + "\n").encode())
     return facts
@@ -172,8 +173,17 @@ def build_engine(onnx_dir: Path, directory: Path, config: TensorRTConfig) -> dic
 # --------------------------------------------------------------------------- running
 
 
-_TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
-                 "INT64": torch.int64, "INT8": torch.int8, "UINT8": torch.uint8, "BOOL": torch.bool, "FP8": torch.float8_e4m3fn}
+_TORCH_DTYPES = {
+    "FLOAT": torch.float32,
+    "HALF": torch.float16,
+    "BF16": torch.bfloat16,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "INT8": torch.int8,
+    "UINT8": torch.uint8,
+    "BOOL": torch.bool,
+    "FP8": torch.float8_e4m3fn,
+}
 
 
 def torch_dtype(trt: Any, dtype: Any) -> torch.dtype:

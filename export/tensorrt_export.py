@@ -23,6 +23,7 @@ from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 
+
 def check(spec: TensorRTExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation): onnx/onnxruntime/onnxscript present, every record has a Q/DQ form."""
     onnx_builder.require(("onnx", "onnxruntime", "onnxscript"), "the TensorRT-ready ONNX")
@@ -52,8 +53,17 @@ def converted_model(model: nn.Module, plans: list[onnx_qdq.LayerPlan], dtype: to
     return copy_
 
 
-def export(directory: Path, spec: TensorRTExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight],
-           inputs: VerifyInputs | None, reporter: Reporter, label: str, kv: KVCacheScheme | None = None) -> tuple[dict[str, Any], list[Evaluation]]:
+def export(
+    directory: Path,
+    spec: TensorRTExport,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    inputs: VerifyInputs | None,
+    reporter: Reporter,
+    label: str,
+    kv: KVCacheScheme | None = None,
+) -> tuple[dict[str, Any], list[Evaluation]]:
     assert inputs is not None and inputs.chunks is not None
     directory.mkdir(parents=True, exist_ok=True)
     dtype = onnx_qdq.GRAPH_DTYPES[spec.dtype]
@@ -69,8 +79,10 @@ def export(directory: Path, spec: TensorRTExport, model: nn.Module, tokenizer: A
             facts["conversion_cost"] = onnx_qdq.check_qdq_onnx(directory, inputs.compressed, ids)
             del graph_model
     if check_result["kl_divergence"] > spec.check_max_kl:
-        raise FormatError(f"{label}: ONNX Runtime CPU on the Q/DQ ONNX differs from the model it should compute by KL "
-                          f"{check_result['kl_divergence']:.2e} > check_max_kl {spec.check_max_kl}")
+        raise FormatError(
+            f"{label}: ONNX Runtime CPU on the Q/DQ ONNX differs from the model it should compute by KL "
+            f"{check_result['kl_divergence']:.2e} > check_max_kl {spec.check_max_kl}"
+        )
     entry: dict[str, Any] = {
         "name": spec.name,
         "format": "tensorrt",
@@ -79,12 +91,17 @@ def export(directory: Path, spec: TensorRTExport, model: nn.Module, tokenizer: A
         "layers": len(records),
         "onnx_check": check_result,
         "verified": True,
-        "check": (f"Q/DQ ONNX (standard ops only) run on ONNX Runtime CPU: KL {check_result['kl_divergence']:.2e} against "
-                  "the model it holds" + (" (fallback-converted layers)" if "conversion_cost" in facts else "")),
+        "check": (
+            f"Q/DQ ONNX (standard ops only) run on ONNX Runtime CPU: KL {check_result['kl_divergence']:.2e} against "
+            "the model it holds" + (" (fallback-converted layers)" if "conversion_cost" in facts else "")
+        ),
     }
     if kv is not None:
-        entry["kv_cache"] = {"scheme": kv.config.describe(), "carried": False,
-                             "why": "the TensorRT-ready graph keeps its explicit past/present KV tensors in the graph's float type"}
+        entry["kv_cache"] = {
+            "scheme": kv.config.describe(),
+            "carried": False,
+            "why": "the TensorRT-ready graph keeps its explicit past/present KV tensors in the graph's float type",
+        }
     reason = tensorrt.tensorrt_unavailable_reason()
     if reason is not None:
         entry["engine"] = {"built": False, "skipped": reason}
@@ -94,10 +111,18 @@ def export(directory: Path, spec: TensorRTExport, model: nn.Module, tokenizer: A
     runner = tensorrt.EngineRunner(directory / tensorrt.ENGINE_FILE)
     chunks = inputs.chunks[: min(len(inputs.chunks), spec.engine.batch.max)]
     with reporter.status(f"{label} scoring the evaluation chunks with the TensorRT engine"):
-        metrics = compare(torch_forward(inputs.baseline, torch.device("cpu")), {"engine": engine_forward(runner)}, chunks,
-                          inputs.min_context)["engine"]
-    return entry, [Evaluation(artifact=spec.name, runtime="tensorrt", device=torch.cuda.get_device_name(0), metrics=metrics,
-                              details={"chunks": int(chunks.shape[0]), "seq_len": int(chunks.shape[1])})]
+        metrics = compare(
+            torch_forward(inputs.baseline, torch.device("cpu")), {"engine": engine_forward(runner)}, chunks, inputs.min_context
+        )["engine"]
+    return entry, [
+        Evaluation(
+            artifact=spec.name,
+            runtime="tensorrt",
+            device=torch.cuda.get_device_name(0),
+            metrics=metrics,
+            details={"chunks": int(chunks.shape[0]), "seq_len": int(chunks.shape[1])},
+        )
+    ]
 
 
 def engine_forward(runner: Any) -> Any:
@@ -106,8 +131,11 @@ def engine_forward(runner: Any) -> Any:
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         batch, seq = ids.shape
-        feeds: dict[str, Any] = {"input_ids": ids.numpy().astype(np.int64), "attention_mask": np.ones((batch, seq), np.int64),
-                                 "position_ids": np.tile(np.arange(seq, dtype=np.int64), (batch, 1))}
+        feeds: dict[str, Any] = {
+            "input_ids": ids.numpy().astype(np.int64),
+            "attention_mask": np.ones((batch, seq), np.int64),
+            "position_ids": np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
+        }
         for name in runner.inputs:
             if name.startswith("past_key_values."):
                 shape = runner.engine.get_tensor_shape(name)  # [-1, kv_heads, -1, head_dim]

@@ -85,5 +85,11 @@ class PrunableModel:
         return [block.input_layernorm, block.post_attention_layernorm]
 
     def shape(self) -> dict[str, int]:
-        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "num_hidden_layers": len(self.blocks)}
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": len(self.blocks),
+        }

@@ -72,8 +72,15 @@ def head_norms(o_proj_input: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.double().norm(dim=-1)
 
 
-def collect(pm: PrunableModel, batches: Iterable[torch.Tensor], device: torch.device, want_hidden: bool,
-            layer_metric: str | None, progress: Callable[..., Iterable] | None = None, want_gram: bool = False) -> Importance:
+def collect(
+    pm: PrunableModel,
+    batches: Iterable[torch.Tensor],
+    device: torch.device,
+    want_hidden: bool,
+    layer_metric: str | None,
+    progress: Callable[..., Iterable] | None = None,
+    want_gram: bool = False,
+) -> Importance:
     """One pass over ``batches`` (token ids [b, seq]) with hooks; returns summed-then-averaged scores.
 
     ``layer_metric`` is None (no block scores), ``"cosine"`` (from the same pass) or ``"kl"``
@@ -95,11 +102,13 @@ def collect(pm: PrunableModel, batches: Iterable[torch.Tensor], device: torch.de
             if want_gram:
                 a = a.float()
                 gram[i] += (a.T @ a).double().cpu()  # float32 per batch, summed in float64
+
         return hook
 
     def on_o(i: int) -> Callable:
         def hook(_m: nn.Module, args: tuple) -> None:
             head_sum[i] += head_norms(args[0].detach(), pm.head_dim).sum(0).cpu()
+
         return hook
 
     def on_norm(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
@@ -110,6 +119,7 @@ def collect(pm: PrunableModel, batches: Iterable[torch.Tensor], device: torch.de
             x = args[0] if args else kwargs["hidden_states"]
             y = out[0] if isinstance(out, tuple) else out
             cos_sum[i] += cosine_distance(x.detach(), y.detach()).sum().cpu()
+
         return hook
 
     for i, block in enumerate(blocks):
@@ -126,7 +136,7 @@ def collect(pm: PrunableModel, batches: Iterable[torch.Tensor], device: torch.de
     batches = list(batches)
     try:
         with torch.inference_mode():
-            for ids in (progress(batches, "pruning: importance", len(batches)) if progress else batches):
+            for ids in progress(batches, "pruning: importance", len(batches)) if progress else batches:
                 model(input_ids=ids.to(device), use_cache=False)
                 tokens += ids.numel()
     finally:
@@ -142,20 +152,21 @@ def collect(pm: PrunableModel, batches: Iterable[torch.Tensor], device: torch.de
     return imp
 
 
-def skip_kl(pm: PrunableModel, batches: list[torch.Tensor], device: torch.device,
-            progress: Callable[..., Iterable] | None = None) -> torch.Tensor:
+def skip_kl(
+    pm: PrunableModel, batches: list[torch.Tensor], device: torch.device, progress: Callable[..., Iterable] | None = None
+) -> torch.Tensor:
     """[num_layers]: mean KL(full || model with block i skipped) over every token of ``batches``."""
     model = pm.model
     with torch.inference_mode():
         reference = [torch.log_softmax(model(input_ids=ids.to(device), use_cache=False).logits.float(), -1).cpu() for ids in batches]
     scores = torch.zeros(len(pm.blocks), dtype=torch.float64)
     layers = range(len(pm.blocks))
-    for i in (progress(layers, "pruning: block skip KL", len(layers)) if progress else layers):
+    for i in progress(layers, "pruning: block skip KL", len(layers)) if progress else layers:
         handle = pm.blocks[i].register_forward_hook(_identity_hook, with_kwargs=True)
         try:
             total, count = 0.0, 0
             with torch.inference_mode():
-                for ids, ref in zip(batches, reference):
+                for ids, ref in zip(batches, reference, strict=True):
                     logp = torch.log_softmax(model(input_ids=ids.to(device), use_cache=False).logits.float(), -1).cpu()
                     total += float((ref.exp() * (ref - logp)).sum(-1).clamp(min=0).sum())
                     count += ids.numel()

@@ -40,16 +40,24 @@ def resolve_sizes(config: PruneConfig, pm: PrunableModel) -> dict[str, int]:
     """Sizes to keep, by config key (only the axes the config names). Errors say what is possible."""
     sizes: dict[str, int] = {}
     per_group = pm.num_heads // pm.kv_heads
-    for name, full, multiple in (("mlp", pm.intermediate_size, config.multiple_of), ("hidden", pm.hidden_size, config.multiple_of),
-                                 ("heads", pm.num_heads, per_group)):
+    for name, full, multiple in (
+        ("mlp", pm.intermediate_size, config.multiple_of),
+        ("hidden", pm.hidden_size, config.multiple_of),
+        ("heads", pm.num_heads, per_group),
+    ):
         target = getattr(config, name)
         if target is None:
             continue
         keep = target.size if isinstance(target, SizeTarget) else full * (1 - target)
         if isinstance(target, SizeTarget) and target.size % multiple:
-            raise CompressError(f"prune.{name}: size {target.size} is not a multiple of {multiple}"
-                                + (f" (query heads per KV group: {pm.num_heads} heads share {pm.kv_heads} KV heads)" if name == "heads" else
-                                   " (prune.multiple_of)"))
+            raise CompressError(
+                f"prune.{name}: size {target.size} is not a multiple of {multiple}"
+                + (
+                    f" (query heads per KV group: {pm.num_heads} heads share {pm.kv_heads} KV heads)"
+                    if name == "heads"
+                    else " (prune.multiple_of)"
+                )
+            )
         kept = _round_down(keep, multiple) if name != "heads" else int(round(keep / multiple)) * multiple
         if not 0 < kept <= full:
             raise CompressError(f"prune.{name}: keeps {kept} of {full}; the target must leave between {multiple} and {full}")
@@ -70,8 +78,12 @@ def _hidden_the_config_accepts(pm: PrunableModel, sizes: dict[str, int], multipl
     class accepts with the new head count: some (Llama's) insist that hidden_size is a multiple
     of num_attention_heads even with an explicit head_dim."""
     heads = sizes.get("heads", pm.num_heads)
-    base = {**pm.config.to_dict(), "num_attention_heads": heads, "num_key_value_heads": heads // (pm.num_heads // pm.kv_heads),
-            "head_dim": pm.head_dim}
+    base = {
+        **pm.config.to_dict(),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // (pm.num_heads // pm.kv_heads),
+        "head_dim": pm.head_dim,
+    }
     size = sizes["hidden"]
     while size > 0:
         try:
@@ -81,8 +93,10 @@ def _hidden_the_config_accepts(pm: PrunableModel, sizes: dict[str, int], multipl
             if exact:
                 raise CompressError(f"prune.hidden: size {size} is refused by {type(pm.config).__name__}: {exc}") from None
         size -= multiple
-    raise CompressError(f"prune.hidden: no multiple of {multiple} up to {sizes['hidden']} is accepted by {type(pm.config).__name__} "
-                        f"with {heads} attention heads; choose another size or multiple_of")
+    raise CompressError(
+        f"prune.hidden: no multiple of {multiple} up to {sizes['hidden']} is accepted by {type(pm.config).__name__} "
+        f"with {heads} attention heads; choose another size or multiple_of"
+    )
 
 
 def parameters(model: torch.nn.Module) -> int:
@@ -103,8 +117,10 @@ class PruneStage:
         started = time.perf_counter()
         pm = PrunableModel.of(model)
         if ctx.quantized:
-            raise CompressError(f"{self.label} (prune): the model already has quantized layers ({next(iter(ctx.quantized))} …); "
-                                "prune before quantizing (put the prune stage first)")
+            raise CompressError(
+                f"{self.label} (prune): the model already has quantized layers ({next(iter(ctx.quantized))} …); "
+                "prune before quantizing (put the prune stage first)"
+            )
         before_shape, before_params = pm.shape(), parameters(model)
         sizes = resolve_sizes(self.config, pm)
         ctx.keep_teacher(model)  # the model before pruning teaches a later distill stage
@@ -113,39 +129,56 @@ class PruneStage:
         device = ctx.device
         model.to(device)
         obs = self.config.mlp_method == "obs"
-        imp = collect(pm, batches, device, want_hidden="hidden" in sizes,
-                      layer_metric=self.config.layers.metric if self.config.layers else None, progress=ctx.reporter.track,
-                      want_gram=obs)
+        imp = collect(
+            pm,
+            batches,
+            device,
+            want_hidden="hidden" in sizes,
+            layer_metric=self.config.layers.metric if self.config.layers else None,
+            progress=ctx.reporter.track,
+            want_gram=obs,
+        )
         if obs and imp.tokens < 8 * pm.intermediate_size:
-            ctx.reporter.warn(f"{self.label} (prune): mlp_method obs fits {pm.intermediate_size} neurons a block from {imp.tokens:,} "
-                              "tokens; with fewer than 8 tokens a neuron the fit follows this text and can hurt other text "
-                              "(give data: more samples)")
+            ctx.reporter.warn(
+                f"{self.label} (prune): mlp_method obs fits {pm.intermediate_size} neurons a block from {imp.tokens:,} "
+                "tokens; with fewer than 8 tokens a neuron the fit follows this text and can hurt other text "
+                "(give data: more samples)"
+            )
         cut_started = time.perf_counter()
         kept, obs_removed = self._cut(pm, imp, sizes, self.config.obs_damp if obs else None, ctx.reporter.track)
         cut_seconds = time.perf_counter() - cut_started
         imp.mlp_gram = []  # 30 x 1536² float64 for SmolLM2: not kept past the cut
         model.to("cpu")
         ctx.mapping = kept  # student -> teacher indices, for a hidden-state distillation loss
-        ctx.files[f"pruning/{self.label}.safetensors"] = {**imp.tensors(), **{f"kept.{k}": v for k, v in kept.tensor_items()},
-                                                        **{f"obs_removed.mlp.layers.{i}": r for i, r in enumerate(obs_removed)}}
+        ctx.files[f"pruning/{self.label}.safetensors"] = {
+            **imp.tensors(),
+            **{f"kept.{k}": v for k, v in kept.tensor_items()},
+            **{f"obs_removed.mlp.layers.{i}": r for i, r in enumerate(obs_removed)},
+        }
         after_params = parameters(model)
         summary: dict[str, Any] = {
             "before": {**before_shape, "parameters": before_params},
             "after": {**pm.shape(), "parameters": after_params},
             "removed_parameters_pct": round(100 * (1 - after_params / before_params), 2),
             "dropped_layers": [i for i in range(before_shape["num_hidden_layers"]) if i not in kept.layers],
-            "importance": {"calibration_tokens": imp.tokens, "file": f"pruning/{self.label}.safetensors",
-                           "text": "data.calibration" if self.config.data is None else self.config.data.source,
-                           "tokens_sha256": Chunks("calibration", tokens).sha256,
-                           "layer_metric": self.config.layers.metric if self.config.layers else None,
-                           "mlp_method": self.config.mlp_method if "mlp" in sizes else None},
+            "importance": {
+                "calibration_tokens": imp.tokens,
+                "file": f"pruning/{self.label}.safetensors",
+                "text": "data.calibration" if self.config.data is None else self.config.data.source,
+                "tokens_sha256": Chunks("calibration", tokens).sha256,
+                "layer_metric": self.config.layers.metric if self.config.layers else None,
+                "mlp_method": self.config.mlp_method if "mlp" in sizes else None,
+            },
         }
         if obs:
             summary["obs"] = {"damp": self.config.obs_damp, "seconds": round(cut_seconds, 1)}
-        ctx.reporter.info(f"{self.label} (prune): {before_params:,} → {after_params:,} parameters "
-                          f"({summary['removed_parameters_pct']}% removed); shape {pm.shape()}")
-        return StageRecord("prune", "minitron+obs" if obs else "minitron", self.config.model_dump(mode="json"),
-                           time.perf_counter() - started, summary)
+        ctx.reporter.info(
+            f"{self.label} (prune): {before_params:,} → {after_params:,} parameters "
+            f"({summary['removed_parameters_pct']}% removed); shape {pm.shape()}"
+        )
+        return StageRecord(
+            "prune", "minitron+obs" if obs else "minitron", self.config.model_dump(mode="json"), time.perf_counter() - started, summary
+        )
 
     def _tokens(self, ctx: RunContext) -> torch.Tensor:
         """The importance pass's chunks: data.calibration's, or ``data``'s (in the calibration role)."""
@@ -161,8 +194,13 @@ class PruneStage:
         return ctx.text("calibration", samples, seq_len, data.source, data.seed, data.text_field)
 
     @staticmethod
-    def _cut(pm: PrunableModel, imp: Importance, sizes: dict[str, int], obs_damp: float | None = None,
-             progress: Callable[..., Iterable] | None = None) -> tuple[KeptIndices, list[torch.Tensor]]:
+    def _cut(
+        pm: PrunableModel,
+        imp: Importance,
+        sizes: dict[str, int],
+        obs_damp: float | None = None,
+        progress: Callable[..., Iterable] | None = None,
+    ) -> tuple[KeptIndices, list[torch.Tensor]]:
         """Cut every axis; returns what was kept and, with ``obs_damp`` (mlp_method obs), each kept
         block's MLP neurons in the order the search removed them."""
         n = len(pm.blocks)
@@ -175,12 +213,16 @@ class PruneStage:
         kept = KeptIndices(layers=layers)
         removed: list[torch.Tensor] = []
         if "mlp" in sizes and obs_damp is not None:
-            cuts = [obs_cut(imp.mlp_gram[i], pm.down_proj(block).weight, sizes["mlp"], obs_damp)
-                    for i, block in zip(layers, progress(pm.blocks, "pruning: OBS selection", len(layers)) if progress else pm.blocks)]
+            cuts = [
+                obs_cut(imp.mlp_gram[i], pm.down_proj(block).weight, sizes["mlp"], obs_damp)
+                for i, block in zip(
+                    layers, progress(pm.blocks, "pruning: OBS selection", len(layers)) if progress else pm.blocks, strict=False
+                )
+            ]
             kept.mlp, removed, kept.mlp_refitted = [c.kept for c in cuts], [c.removed for c in cuts], True
             prune_mlp(pm, kept.mlp)
             with torch.no_grad():
-                for block, c in zip(pm.blocks, cuts):
+                for block, c in zip(pm.blocks, cuts, strict=False):
                     weight = pm.down_proj(block).weight
                     weight.copy_(c.weight.to(weight.dtype))
         elif "mlp" in sizes:

@@ -41,7 +41,7 @@ def prune_mlp(pm: PrunableModel, keep: Sequence[torch.Tensor]) -> None:
     """Keep neurons ``keep[i]`` (same count in every block) of block ``i``'s MLP."""
     sizes = {int(k.numel()) for k in keep}
     assert len(sizes) == 1 and len(keep) == len(pm.blocks), "one index set of one size per block"
-    for block, idx in zip(pm.blocks, keep):
+    for block, idx in zip(pm.blocks, keep, strict=True):
         mlp = block.mlp
         mlp.gate_proj = slice_linear(mlp.gate_proj, rows=idx)
         mlp.up_proj = slice_linear(mlp.up_proj, rows=idx)
@@ -61,7 +61,7 @@ def prune_kv_groups(pm: PrunableModel, keep: Sequence[torch.Tensor]) -> None:
     head with all the query heads that share it, so grouped-query attention stays consistent."""
     hd, per_group = pm.head_dim, pm.num_heads // pm.kv_heads
     pm.config.head_dim = hd  # explicit: hidden_size / num_attention_heads no longer gives it
-    for block, groups in zip(pm.blocks, keep):
+    for block, groups in zip(pm.blocks, keep, strict=True):
         attn = block.self_attn
         q_heads = (groups.unsqueeze(1) * per_group + torch.arange(per_group)).reshape(-1)
         q_rows, kv_rows = head_rows(q_heads, hd), head_rows(groups, hd)
@@ -81,10 +81,12 @@ def prune_hidden(pm: PrunableModel, keep: torch.Tensor) -> None:
     model = pm.model
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is model.get_input_embeddings().weight
     emb = model.get_input_embeddings()
-    new_emb = nn.Embedding(emb.num_embeddings, int(keep.numel()), padding_idx=emb.padding_idx,
-                           device=emb.weight.device, dtype=emb.weight.dtype)
-    new_emb.weight = nn.Parameter(emb.weight.detach().index_select(1, keep.to(emb.weight.device)).clone(),
-                                  requires_grad=emb.weight.requires_grad)
+    new_emb = nn.Embedding(
+        emb.num_embeddings, int(keep.numel()), padding_idx=emb.padding_idx, device=emb.weight.device, dtype=emb.weight.dtype
+    )
+    new_emb.weight = nn.Parameter(
+        emb.weight.detach().index_select(1, keep.to(emb.weight.device)).clone(), requires_grad=emb.weight.requires_grad
+    )
     model.set_input_embeddings(new_emb)
     for block in pm.blocks:
         attn, mlp = block.self_attn, block.mlp

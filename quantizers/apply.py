@@ -27,8 +27,10 @@ def select_or_fail(model: nn.Module, cfg: WeightQuantConfig, label: str) -> tupl
         )
     widest = max(m.in_features for _, m in chosen)
     if cfg.group_size is not None and cfg.group_size > widest:
-        raise CompressError(f"{label}: group_size {cfg.group_size} is wider than every layer it quantizes (the widest input is "
-                            f"{widest}); use a group size up to {widest}, or null for one scale per output row")
+        raise CompressError(
+            f"{label}: group_size {cfg.group_size} is wider than every layer it quantizes (the widest input is "
+            f"{widest}); use a group size up to {widest}, or null for one scale per output row"
+        )
     return chosen, unused_ignore
 
 
@@ -83,9 +85,9 @@ def quantize_each_layer(
 
 
 def summarize(layers: dict[str, dict], unused_ignore: list[str], scheme: QuantScheme) -> dict:
-    params = sum(l["shape"][0] * l["shape"][1] for l in layers.values())
-    bits = sum(l["shape"][0] * l["shape"][1] * l["bits_per_weight"] for l in layers.values())
-    sqnrs = [l["sqnr_db"] for l in layers.values()]
+    params = sum(layer["shape"][0] * layer["shape"][1] for layer in layers.values())
+    bits = sum(layer["shape"][0] * layer["shape"][1] * layer["bits_per_weight"] for layer in layers.values())
+    sqnrs = [layer["sqnr_db"] for layer in layers.values()]
     return {
         "scheme": scheme.model_dump(mode="json"),
         "layers_quantized": len(layers),

@@ -77,7 +77,9 @@ def search_scales(
     return best_s, {"alpha": -1.0 if best_alpha is None else best_alpha, "duo": best_duo, "loss": best_loss, "loss_unscaled": base_loss}
 
 
-def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, rows_per_step: int = 64) -> torch.Tensor:
+def search_clip(
+    x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, rows_per_step: int = 64
+) -> torch.Tensor:
     """Per-group clipping bound [out, n_groups] minimizing each group's partial output error.
 
     The error of a group is the mean over the tokens ``x`` [t, in] of ``(Δw · x_t)²`` over that
@@ -243,23 +245,31 @@ class AWQStage:
                 originals = [lin.weight.detach().clone() for lin in linears]
                 parent = job.block.get_submodule(mapping.parent)
 
-                def loss_of(s: torch.Tensor) -> float:
-                    for name, lin, w0 in zip(mapping.linears, linears, originals):
+                def loss_of(s: torch.Tensor, mapping=mapping, linears=linears, originals=originals, parent=parent) -> float:
+                    for name, lin, w0 in zip(mapping.linears, linears, originals, strict=True):
                         scaled_w = w0.float() * s
                         if cfg.clip_in_search and _clipped(name, cfg):
-                            scaled_w = apply_clip(scaled_w, search_clip(xs[name] / s, scaled_w, scheme, cfg.clip_grid, cfg.max_shrink), scheme)
+                            scaled_w = apply_clip(
+                                scaled_w, search_clip(xs[name] / s, scaled_w, scheme, cfg.clip_grid, cfg.max_shrink), scheme
+                            )
                         lin.weight.data = (fake_quantize(scaled_w, scheme) / s).to(w0.dtype)
                     return parents[mapping.parent].loss(parent)
 
                 try:
-                    s, info = search_scales(samplers[mapping.linears[0]].mean, torch.cat(originals), scheme, cfg.grid, cfg.duo_scaling, loss_of)
+                    s, info = search_scales(
+                        samplers[mapping.linears[0]].mean, torch.cat(originals), scheme, cfg.grid, cfg.duo_scaling, loss_of
+                    )
                 finally:
-                    for lin, w0 in zip(linears, originals):
+                    for lin, w0 in zip(linears, originals, strict=True):
                         lin.weight.data = w0
                 fold_scales(job.block.get_submodule(mapping.prev), linears, s, arch.norm_offset)
                 for n in mapping.linears:
                     xs[n] = xs[n] / s  # the linears now see inputs divided by s
-                    scaled[n] = {"awq_alpha": info["alpha"], "awq_duo": info["duo"], "awq_loss_ratio": round(info["loss"] / max(info["loss_unscaled"], 1e-30), 4)}
+                    scaled[n] = {
+                        "awq_alpha": info["alpha"],
+                        "awq_duo": info["duo"],
+                        "awq_loss_ratio": round(info["loss"] / max(info["loss_unscaled"], 1e-30), 4),
+                    }
             for name, module in job.linears.items():
                 weight = module.weight.detach().to(torch.float32)
                 info = dict(scaled.get(name, {"awq_alpha": None}))

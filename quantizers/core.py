@@ -25,8 +25,19 @@ import torch
 
 from compress.schema.quantize import QuantScheme, ScaleDType, WeightQuantConfig
 
-__all__ = ["QuantScheme", "QuantizedWeight", "ScaleDType", "WeightQuantConfig", "compute_qparams", "group_rows",
-           "pack_record", "quantize_codes", "round_scale", "scale_torch_dtype", "sqnr_db"]
+__all__ = [
+    "QuantScheme",
+    "QuantizedWeight",
+    "ScaleDType",
+    "WeightQuantConfig",
+    "compute_qparams",
+    "group_rows",
+    "pack_record",
+    "quantize_codes",
+    "round_scale",
+    "scale_torch_dtype",
+    "sqnr_db",
+]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -172,7 +183,9 @@ def quantize_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return q.clamp_(0, scheme.qmax)
 
 
-def pack_record(codes_grouped: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int, scheme: QuantScheme) -> QuantizedWeight:
+def pack_record(
+    codes_grouped: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int, scheme: QuantScheme
+) -> QuantizedWeight:
     """Build a QuantizedWeight from grouped float codes [out, n_groups, group] and per-group params."""
     out_f = codes_grouped.shape[0]
     codes = codes_grouped.reshape(out_f, -1)[:, :in_features].to(torch.uint8)

@@ -157,6 +157,7 @@ class GPTQStage:
             def hook(name: str):
                 def fn(_module, args, _output):
                     counts[name] = accumulate_hessian(hessians[name], counts[name], args[0].detach())
+
                 return fn
 
             handles = [m.register_forward_hook(hook(n)) for n, m in job.linears.items()]
@@ -168,6 +169,9 @@ class GPTQStage:
             for name, module in job.linears.items():
                 record, info = gptq_quantize(module.weight, hessians.pop(name), scheme, cfg.dampening, cfg.block_size, cfg.act_order)
                 full = job.prefix + name
-                job.layer_info[full] = {**install_record(model, full, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
+                job.layer_info[full] = {
+                    **install_record(model, full, module, record, ctx, self.label),
+                    **{k: round(v, 6) for k, v in info.items()},
+                }
 
         return run_layerwise(model, ctx, cfg, self.label, "gptq", process, cfg.batch_size)

@@ -55,7 +55,9 @@ def float_cache_bytes_per_token(config: Any, bytes_per_element: int = 2) -> int:
     return 2 * layers * kv_heads * head_dim * bytes_per_element
 
 
-def memory_plan(weights_bytes: int, per_token: dict[str, float], budget_gib: float, batch_context: int, overhead_gib: float = 0.0) -> dict[str, dict[str, int]]:
+def memory_plan(
+    weights_bytes: int, per_token: dict[str, float], budget_gib: float, batch_context: int, overhead_gib: float = 0.0
+) -> dict[str, dict[str, int]]:
     """For each cache kind (bytes per token), the longest context at batch 1 and the largest batch
     at ``batch_context`` tokens that fit in ``budget_gib`` next to the weights (activations and
     runtime overhead are left to ``overhead_gib``)."""
@@ -101,8 +103,10 @@ class KVCacheStage:
         layers, kv_heads, head_dim = kv_geometry(model.config)
         other = sorted({t for t in getattr(text_config(model.config), "layer_types", None) or [] if t != "full_attention"})
         if other:
-            raise CompressError(f"{self.label}: this model has {', '.join(other)} layers; the quantized KV cache holds "
-                                "full-attention layers only (sliding-window and linear-attention caches are not supported yet)")
+            raise CompressError(
+                f"{self.label}: this model has {', '.join(other)} layers; the quantized KV cache holds "
+                "full-attention layers only (sliding-window and linear-attention caches are not supported yet)"
+            )
         if cfg.group_size and head_dim % cfg.group_size:
             raise CompressError(f"{self.label}: group_size {cfg.group_size} does not divide this model's head_dim {head_dim}")
         scales = None
@@ -121,8 +125,13 @@ class KVCacheStage:
         summary["fp16_bytes_per_token"] = float_cache_bytes_per_token(model.config)
         summary["runtimes"] = cfg.runtime_support()
         ctx.kv_cache = KVCacheScheme(cfg, scales, layers)
-        return StageRecord(kind="kv_cache", method=f"{cfg.format}{cfg.bits}", config=cfg.model_dump(mode="json"),
-                           duration_s=time.perf_counter() - start, summary=summary)
+        return StageRecord(
+            kind="kv_cache",
+            method=f"{cfg.format}{cfg.bits}",
+            config=cfg.model_dump(mode="json"),
+            duration_s=time.perf_counter() - start,
+            summary=summary,
+        )
 
 
 def estimate_bytes_per_token(cfg: KVCacheConfig, layers: int, kv_heads: int, head_dim: int) -> float:

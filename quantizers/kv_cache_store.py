@@ -247,7 +247,9 @@ def cache_bytes(cache: Cache) -> dict[str, int]:
 
 
 @torch.no_grad()
-def calibrate_scales(model: torch.nn.Module, tokens: torch.Tensor, cfg: KVCacheConfig, device: torch.device, reporter: Any = None) -> dict[str, torch.Tensor]:
+def calibrate_scales(
+    model: torch.nn.Module, tokens: torch.Tensor, cfg: KVCacheConfig, device: torch.device, reporter: Any = None
+) -> dict[str, torch.Tensor]:
     """Per layer and KV head absmax of the cached keys (after RoPE) and values over ``tokens``
     [samples, seq_len], divided by the format's largest value: ``{"k_scale": [layers, heads], ...}``."""
     from transformers import DynamicCache
@@ -265,5 +267,3 @@ def calibrate_scales(model: torch.nn.Module, tokens: torch.Tensor, cfg: KVCacheC
         k_max = k if k_max is None else torch.maximum(k_max, k)
         v_max = v if v_max is None else torch.maximum(v_max, v)
     return {"k_scale": (k_max / qmax).clamp(min=1e-8), "v_scale": (v_max / qmax).clamp(min=1e-8)}
-
-

@@ -115,8 +115,10 @@ def resolve_kernel(kernel: Kernel, device: torch.device) -> ResolvedKernel:
     """The int8 GEMM ``kernel`` means for tensors on ``device`` (see ``LLMInt8Config.kernel``)."""
     if kernel == "bitsandbytes":
         if bitsandbytes_functional() is None:
-            raise CompressError("llm_int8 kernel: bitsandbytes needs the bitsandbytes package: pip install 'bitsandbytes>=0.46' "
-                                "(or use kernel: auto or torch)")
+            raise CompressError(
+                "llm_int8 kernel: bitsandbytes needs the bitsandbytes package: pip install 'bitsandbytes>=0.46' "
+                "(or use kernel: auto or torch)"
+            )
         return "bitsandbytes"
     if kernel == "auto" and device.type == "cuda" and bitsandbytes_functional() is not None:
         return "bitsandbytes"
@@ -172,8 +174,14 @@ def find_outliers(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.nonzero(x.abs().amax(dim=0) >= threshold).flatten()
 
 
-def decomposed_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, outliers: torch.Tensor,
-                      outlier_weight: torch.Tensor, kernel: ResolvedKernel = "torch") -> torch.Tensor:
+def decomposed_matmul(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    outliers: torch.Tensor,
+    outlier_weight: torch.Tensor,
+    kernel: ResolvedKernel = "torch",
+) -> torch.Tensor:
     """``x Wᵀ`` in float32 for ``x`` [tokens, in]: the ``outliers`` columns in float against
     ``outlier_weight`` [out, len(outliers)], every other column as per-token int8 ``x`` times the
     row-wise int8 codes ``w_q`` [out, in] with scales ``w_scale`` [out]. No outliers: plain W8A8,
@@ -201,8 +209,15 @@ class LLMInt8Linear(nn.Linear):
     non-persistent buffers used by ``forward``. Computes in float32 and returns the input dtype.
     """
 
-    def __init__(self, linear: nn.Linear, record: QuantizedWeight, threshold: float,
-                 outlier_index: torch.Tensor, outlier_weight: torch.Tensor, kernel: Kernel = "auto") -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        record: QuantizedWeight,
+        threshold: float,
+        outlier_index: torch.Tensor,
+        outlier_weight: torch.Tensor,
+        kernel: Kernel = "auto",
+    ) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight  # shared Parameter: install_record has already put the dequantized values in it
         self.bias = linear.bias
@@ -228,22 +243,29 @@ class LLMInt8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32)
         outliers = find_outliers(flat, self.threshold)
-        y = decomposed_matmul(flat, self.weight_int8, self.weight_scale, outliers, self.outlier_columns(outliers),
-                              resolve_kernel(self.kernel, flat.device))
+        y = decomposed_matmul(
+            flat, self.weight_int8, self.weight_scale, outliers, self.outlier_columns(outliers), resolve_kernel(self.kernel, flat.device)
+        )
         if self.bias is not None:
             y = y + self.bias.to(torch.float32)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, threshold={self.threshold}, calibrated_outliers={self.outlier_index.numel()}, "
-                f"kernel={self.kernel}")
+        return f"{super().extra_repr()}, threshold={self.threshold}, calibrated_outliers={self.outlier_index.numel()}, kernel={self.kernel}"
 
 
 # --------------------------------------------------------------------------- calibration and the stage
 
 
-def collect_input_absmax(model: nn.Module, linears: dict[str, nn.Linear], tokens: torch.Tensor, batch_size: int,
-                         device: torch.device, reporter: Reporter, description: str) -> dict[str, torch.Tensor]:
+def collect_input_absmax(
+    model: nn.Module,
+    linears: dict[str, nn.Linear],
+    tokens: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    reporter: Reporter,
+    description: str,
+) -> dict[str, torch.Tensor]:
     """Per input feature, the max |x| each of ``linears`` receives over ``tokens`` [samples, seq_len]
     (float32 [in_features] per layer, on the CPU). The model runs on ``device`` in batches of
     ``batch_size`` and goes back where it was; an unselected output head is never run."""
@@ -253,6 +275,7 @@ def collect_input_absmax(model: nn.Module, linears: dict[str, nn.Linear], tokens
         def record(module: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0].detach()
             stats[name] = torch.maximum(stats[name], x.reshape(-1, x.shape[-1]).abs().amax(dim=0).to(torch.float32))
+
         return record
 
     def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -294,14 +317,22 @@ class LLMInt8Stage:
         chosen, unused_ignore = select_or_fail(model, cfg, label)
         already = [n for n, _ in chosen if n in ctx.quantized]
         if already:
-            raise CompressError(f"{label}: layer {already[0]} was already quantized by {ctx.quantized_by[already[0]]}; "
-                                "quantize each layer once.")
+            raise CompressError(
+                f"{label}: layer {already[0]} was already quantized by {ctx.quantized_by[already[0]]}; quantize each layer once."
+            )
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
         if cfg.needs_calibration:
             tokens = ctx.calibration()
-            absmax = collect_input_absmax(model, dict(chosen), tokens, cfg.batch_size, ctx.device, ctx.reporter,
-                                          f"{label} llm_int8 calibrating ({tokens.shape[0]} x {tokens.shape[1]} tokens)")
+            absmax = collect_input_absmax(
+                model,
+                dict(chosen),
+                tokens,
+                cfg.batch_size,
+                ctx.device,
+                ctx.reporter,
+                f"{label} llm_int8 calibrating ({tokens.shape[0]} x {tokens.shape[1]} tokens)",
+            )
         else:  # no feature can reach an infinite threshold: skip the pass
             tokens = torch.zeros(0, 0, dtype=torch.long)
             absmax = {name: torch.zeros(m.in_features) for name, m in chosen}
@@ -321,7 +352,7 @@ class LLMInt8Stage:
             if 0 < outlier_index.numel() <= SHORT_INDEX_LIST:
                 indices[name] = outlier_index.tolist()
         summary = summarize(layers, unused_ignore, scheme)
-        per_layer = {n: l["outlier_features"] for n, l in layers.items()}
+        per_layer = {n: layer["outlier_features"] for n, layer in layers.items()}
         summary.update(
             threshold=cfg.threshold,
             activations="int8 per-token absmax" + ("; outlier features in float" if cfg.needs_calibration else ""),
@@ -333,8 +364,14 @@ class LLMInt8Stage:
             outlier_indices=indices,  # only layers with 1..SHORT_INDEX_LIST calibrated outliers
             outlier_fp16_bytes=extra_bytes,
         )
-        return StageRecord(kind="quantize", method=cfg.method, config=cfg.model_dump(mode="json"),
-                           duration_s=time.perf_counter() - start, summary=summary, layers=layers)
+        return StageRecord(
+            kind="quantize",
+            method=cfg.method,
+            config=cfg.model_dump(mode="json"),
+            duration_s=time.perf_counter() - start,
+            summary=summary,
+            layers=layers,
+        )
 
 
 def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -58,8 +58,13 @@ NAME = "llmcompressor"
 def not_mapped(cfg: GPTQConfig | AWQConfig) -> dict[str, str]:
     """Options of ``cfg`` that llmcompressor does not do the same way (for the stage summary)."""
     if cfg.method == "gptq":
-        return {} if cfg.act_order else {
-            "act_order=false": "llmcompressor computes all group scales from the original weights up front (ours: when a group starts)"}
+        return (
+            {}
+            if cfg.act_order
+            else {
+                "act_order=false": "llmcompressor computes all group scales from the original weights up front (ours: when a group starts)"
+            }
+        )
     differences = {
         "clip, clip_grid, max_shrink, clip_tokens, clip_in_search": "llmcompressor's AWQ has no clipping search (min/max per group)",
         "search_tokens": "llmcompressor searches scales on all calibration tokens",
@@ -89,8 +94,15 @@ def _weight_args(scheme: QuantScheme) -> dict[str, Any]:
 def _gptq_modifiers(cfg: GPTQConfig, groups: dict[str, Any], ignore: list[str]) -> list[Any]:
     from llmcompressor.modifiers.gptq import GPTQModifier
 
-    return [GPTQModifier(config_groups=groups, ignore=ignore, dampening_frac=cfg.dampening, block_size=cfg.block_size,
-                         actorder="static" if cfg.act_order else None)]
+    return [
+        GPTQModifier(
+            config_groups=groups,
+            ignore=ignore,
+            dampening_frac=cfg.dampening,
+            block_size=cfg.block_size,
+            actorder="static" if cfg.act_order else None,
+        )
+    ]
 
 
 def _awq_modifiers(cfg: AWQConfig, groups: dict[str, Any], ignore: list[str]) -> list[Any]:
@@ -179,8 +191,9 @@ class _PreTokenized:
     processor llmcompressor would try to load one by the model's name (possibly from the hub)."""
 
 
-def run_oneshot(model: nn.Module, tokens: torch.Tensor, ctx: RunContext, modifiers: list[Any], batch_size: int,
-                one_thread: bool = False) -> nn.Module:
+def run_oneshot(
+    model: nn.Module, tokens: torch.Tensor, ctx: RunContext, modifiers: list[Any], batch_size: int, one_thread: bool = False
+) -> nn.Module:
     """``llmcompressor.oneshot`` on a deep copy of ``model`` with calibration chunks ``tokens`` [samples, seq_len]
     (on one CPU thread when ``one_thread`` and the device is the CPU)."""
     from llmcompressor import oneshot
@@ -188,18 +201,28 @@ def run_oneshot(model: nn.Module, tokens: torch.Tensor, ctx: RunContext, modifie
     work = copy.deepcopy(model).eval()
     if hasattr(work.config, QUANTIZATION_CONFIG):  # e.g. gguf: the model in memory is float, and oneshot refuses quantized ones
         delattr(work.config, QUANTIZATION_CONFIG)
-    with (tempfile.TemporaryDirectory(prefix="compress-llmc-") as config_dir, _quiet_llmcompressor(ctx.reporter.quiet),
-          _no_pinning_without_accelerator(), one_cpu_thread() if one_thread and ctx.device.type == "cpu" else nullcontext()):
+    with (
+        tempfile.TemporaryDirectory(prefix="compress-llmc-") as config_dir,
+        _quiet_llmcompressor(ctx.reporter.quiet),
+        _no_pinning_without_accelerator(),
+        one_cpu_thread() if one_thread and ctx.device.type == "cpu" else nullcontext(),
+    ):
         # oneshot re-reads the config from config.name_or_path; point it at a local copy so it
         # never looks a name up on the hub.
         name_or_path = work.config._name_or_path
         work.config.save_pretrained(config_dir)
         work.config._name_or_path = config_dir
         try:
-            oneshot(model=work, recipe=modifiers, dataset=_calibration_loader(tokens, batch_size),
-                    processor=ctx.tokenizer if ctx.tokenizer is not None else _PreTokenized(),
-                    num_calibration_samples=int(tokens.shape[0]), max_seq_length=int(tokens.shape[1]),
-                    shuffle_calibration_samples=False, batch_size=batch_size)
+            oneshot(
+                model=work,
+                recipe=modifiers,
+                dataset=_calibration_loader(tokens, batch_size),
+                processor=ctx.tokenizer if ctx.tokenizer is not None else _PreTokenized(),
+                num_calibration_samples=int(tokens.shape[0]),
+                max_seq_length=int(tokens.shape[1]),
+                shuffle_calibration_samples=False,
+                batch_size=batch_size,
+            )
         finally:
             work.config._name_or_path = name_or_path
     return work
@@ -255,7 +278,19 @@ def apply_llmcompressor(model: nn.Module, ctx: RunContext, cfg: GPTQConfig | AWQ
     del work
     layer_info = {name: install_record(model, name, selected[name], records[name], ctx, label) for name in selected}
     summary = summarize(layer_info, unused_ignore, scheme)
-    summary.update(backend=NAME, llmcompressor_version=version, calibration_tokens=int(tokens.numel()),
-                   peak_memory_mb=round(peak_memory_mb(ctx.device), 1), float_tensors_taken=taken, not_mapped=not_mapped(cfg))
-    return StageRecord(kind="quantize", method=cfg.method, config=cfg.model_dump(mode="json"),
-                       duration_s=time.perf_counter() - start, summary=summary, layers=layer_info)
+    summary.update(
+        backend=NAME,
+        llmcompressor_version=version,
+        calibration_tokens=int(tokens.numel()),
+        peak_memory_mb=round(peak_memory_mb(ctx.device), 1),
+        float_tensors_taken=taken,
+        not_mapped=not_mapped(cfg),
+    )
+    return StageRecord(
+        kind="quantize",
+        method=cfg.method,
+        config=cfg.model_dump(mode="json"),
+        duration_s=time.perf_counter() - start,
+        summary=summary,
+        layers=layer_info,
+    )

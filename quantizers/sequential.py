@@ -43,8 +43,9 @@ class _Recorder(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args:
-            raise CompressError("a decoder block received positional arguments besides hidden_states; "
-                                "layer-wise calibration replays keyword arguments only")
+            raise CompressError(
+                "a decoder block received positional arguments besides hidden_states; layer-wise calibration replays keyword arguments only"
+            )
         if self.index == 0:
             self.hidden.append(hidden_states.detach())
         self.kwargs[self.index].append(kwargs)
@@ -63,7 +64,7 @@ class BlockInputs:
     def run(self, block: nn.Module) -> list[torch.Tensor]:
         outs = []
         with torch.no_grad():
-            for h, kw in zip(self.hidden, self.kwargs):
+            for h, kw in zip(self.hidden, self.kwargs, strict=True):
                 out = block(h, **kw)
                 outs.append((out[0] if isinstance(out, tuple) else out).detach())
         return outs
@@ -73,7 +74,9 @@ class BlockInputs:
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
 
 
-def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, tokens: torch.Tensor, batch_size: int, device: torch.device) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
+def capture_block_inputs(
+    model: nn.Module, blocks: nn.ModuleList, tokens: torch.Tensor, batch_size: int, device: torch.device
+) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
     """Inputs of block 0 (per batch) and the keyword arguments of every block (per batch)."""
     hidden: list[torch.Tensor] = []
     kwargs: list[list[dict[str, Any]]] = [[] for _ in blocks]
@@ -100,7 +103,7 @@ def move_outside_blocks(model: nn.Module, blocks_path: str, device: torch.device
     for name, module in model.named_modules():
         if name == blocks_path or name.startswith(prefix):
             continue
-        for key, param in module.named_parameters(recurse=False):
+        for _, param in module.named_parameters(recurse=False):
             param.data = param.data.to(device)
         for key, buf in module.named_buffers(recurse=False):
             module._buffers[key] = buf.to(device)
@@ -176,7 +179,7 @@ def run_layerwise(
         block = blocks[i]
         block.to(device)
         prefix = f"{arch.blocks}.{i}."
-        linears = {n[len(prefix):]: m for n, m in selected.items() if n.startswith(prefix)}
+        linears = {n[len(prefix) :]: m for n, m in selected.items() if n.startswith(prefix)}
         job = BlockJob(i, block, linears, prefix, BlockInputs(hidden, kwargs[i]))
         if linears:
             process_block(job, arch)
@@ -194,5 +197,11 @@ def run_layerwise(
         blocks=per_block,
         **(extra_summary or {}),
     )
-    return StageRecord(kind="quantize", method=method, config=cfg.model_dump(mode="json"),
-                       duration_s=time.perf_counter() - start, summary=summary, layers=layer_info)
+    return StageRecord(
+        kind="quantize",
+        method=method,
+        config=cfg.model_dump(mode="json"),
+        duration_s=time.perf_counter() - start,
+        summary=summary,
+        layers=layer_info,
+    )

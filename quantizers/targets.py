@@ -26,10 +26,6 @@ def select_linears(model: nn.Module, targets: list[str], ignore: list[str]) -> t
     the default ``lm_head`` may not exist in every model).
     """
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    chosen = [
-        (n, m)
-        for n, m in linears
-        if any(matches(n, p) for p in targets) and not any(matches(n, p) for p in ignore)
-    ]
+    chosen = [(n, m) for n, m in linears if any(matches(n, p) for p in targets) and not any(matches(n, p) for p in ignore)]
     unused_ignore = [p for p in ignore if not any(matches(n, p) for n, _ in linears)]
     return chosen, unused_ignore

@@ -132,10 +132,13 @@ def test_every_page_in_nav_exists_and_every_page_is_in_nav() -> None:
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
-        pytest.skip("mkdocs-material is not installed (pip install -e \".[docs]\"; the dev extra includes it)")
+        pytest.skip('mkdocs-material is not installed (pip install -e ".[docs]"; the dev extra includes it)')
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
     assert (tmp_path / "site" / "reference" / "recipe-fields" / "index.html").is_file()

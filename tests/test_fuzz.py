@@ -32,13 +32,33 @@ BASES = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "recipes").glob("
 FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
 
 junk_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40),
-    st.sampled_from(["", "reference:nope", "../../etc/passwd", "\u202e\u0000", "🤖" * 20, "9" * 400, "gptq", "q4_k_m",
-                     "compressed", "kl_divergence", "*", "re:(", "~/x", "/dev/zero"]),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.sampled_from(
+        [
+            "",
+            "reference:nope",
+            "../../etc/passwd",
+            "\u202e\u0000",
+            "🤖" * 20,
+            "9" * 400,
+            "gptq",
+            "q4_k_m",
+            "compressed",
+            "kl_divergence",
+            "*",
+            "re:(",
+            "~/x",
+            "/dev/zero",
+        ]
+    ),
 )
-junk_values = st.recursive(junk_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                           max_leaves=8)
+junk_values = st.recursive(
+    junk_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8
+)
 
 
 def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
@@ -94,8 +114,33 @@ def mutated_recipe(draw: st.DrawFn) -> str:
     mangle = draw(st.sampled_from(["none", "none", "none", "insert", "truncate", "alias"]))
     if mangle == "insert":
         at = draw(st.integers(0, len(text)))
-        text = text[:at] + draw(st.sampled_from(["\x00", ":", "- ", "{", "]", "&a", "*a", "\t", "!!binary x", "'", '"', "\n  x: 1\n",
-                                                   "? ", "|-\n", "%YAML 1.1\n---\n", "\x85", "\ufeff"])) + text[at:]
+        text = (
+            text[:at]
+            + draw(
+                st.sampled_from(
+                    [
+                        "\x00",
+                        ":",
+                        "- ",
+                        "{",
+                        "]",
+                        "&a",
+                        "*a",
+                        "\t",
+                        "!!binary x",
+                        "'",
+                        '"',
+                        "\n  x: 1\n",
+                        "? ",
+                        "|-\n",
+                        "%YAML 1.1\n---\n",
+                        "\x85",
+                        "\ufeff",
+                    ]
+                )
+            )
+            + text[at:]
+        )
     elif mangle == "truncate":
         text = text[: draw(st.integers(0, len(text)))]
     elif mangle == "alias":
@@ -121,10 +166,28 @@ def test_validate_never_crashes(tmp_path_factory: pytest.TempPathFactory, text: 
     _check_cli(run_cli(["validate", path]), path)
 
 
-@given(override=st.tuples(st.sampled_from(["seed", "stages.0.quantize.bits", "stages.0.quantize.group_size", "data.holdout",
-                                          "data.evaluation.samples", "gates.0.max", "stages.9.x", "model", "a..b", "stages.0",
-                                          "exports.0.format", "compute.threads", "stages.0.quantize.scale_dtype"]),
-                          st.text(max_size=30)))
+@given(
+    override=st.tuples(
+        st.sampled_from(
+            [
+                "seed",
+                "stages.0.quantize.bits",
+                "stages.0.quantize.group_size",
+                "data.holdout",
+                "data.evaluation.samples",
+                "gates.0.max",
+                "stages.9.x",
+                "model",
+                "a..b",
+                "stages.0",
+                "exports.0.format",
+                "compute.threads",
+                "stages.0.quantize.scale_dtype",
+            ]
+        ),
+        st.text(max_size=30),
+    )
+)
 @settings(FUZZ, max_examples=150 * SCALE)
 def test_set_overrides_never_crash(tmp_path_factory: pytest.TempPathFactory, override: tuple[str, str]) -> None:
     path = tmp_path_factory.mktemp("fuzz") / "recipe.yaml"
@@ -138,9 +201,28 @@ def plan_base(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, te
     return yaml.safe_load(recipe_text(tiny_model_dir, text_dir, gates=gates))
 
 
-@given(edits=st.lists(st.tuples(st.sampled_from(["stages.0.quantize.bits", "stages.0.quantize.group_size", "stages.0.quantize.method",
-                                                "stages.0.quantize.targets", "stages.0.quantize.ignore", "data.evaluation.seq_len",
-                                                "data.evaluation.samples", "model.dtype", "seed"]), junk_values), min_size=1, max_size=2))
+@given(
+    edits=st.lists(
+        st.tuples(
+            st.sampled_from(
+                [
+                    "stages.0.quantize.bits",
+                    "stages.0.quantize.group_size",
+                    "stages.0.quantize.method",
+                    "stages.0.quantize.targets",
+                    "stages.0.quantize.ignore",
+                    "data.evaluation.seq_len",
+                    "data.evaluation.samples",
+                    "model.dtype",
+                    "seed",
+                ]
+            ),
+            junk_values,
+        ),
+        min_size=1,
+        max_size=2,
+    )
+)
 @settings(FUZZ, max_examples=40 * SCALE)
 def test_plan_never_crashes(tmp_path_factory: pytest.TempPathFactory, plan_base: dict, edits: list) -> None:
     data = copy.deepcopy(plan_base)
@@ -157,11 +239,13 @@ def weights_bytes(tiny_model_dir: Path) -> bytes:
     return next(tiny_model_dir.glob("*.safetensors")).read_bytes()
 
 
-@given(cut=st.integers(0, 10**9), flips=st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 255)), max_size=4),
-       header_only=st.booleans())
+@given(
+    cut=st.integers(0, 10**9), flips=st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 255)), max_size=4), header_only=st.booleans()
+)
 @settings(FUZZ, max_examples=150 * SCALE)
-def test_damaged_safetensors_are_named_or_load(tmp_path_factory: pytest.TempPathFactory, weights_bytes: bytes, cut: int,
-                                                flips: list, header_only: bool) -> None:
+def test_damaged_safetensors_are_named_or_load(
+    tmp_path_factory: pytest.TempPathFactory, weights_bytes: bytes, cut: int, flips: list, header_only: bool
+) -> None:
     """check_safetensors either names the file and the problem, or the library loads every tensor."""
     from safetensors.torch import load_file
 
@@ -180,8 +264,13 @@ def test_damaged_safetensors_are_named_or_load(tmp_path_factory: pytest.TempPath
     load_file(str(path))
 
 
-@given(text=st.one_of(st.text(max_size=200), st.builds(lambda d: json.dumps(d)[: 10**6], junk_values),
-                      st.binary(max_size=100).map(lambda b: b.decode("latin-1"))))
+@given(
+    text=st.one_of(
+        st.text(max_size=200),
+        st.builds(lambda d: json.dumps(d)[: 10**6], junk_values),
+        st.binary(max_size=100).map(lambda b: b.decode("latin-1")),
+    )
+)
 @settings(FUZZ, max_examples=100 * SCALE)
 def test_damaged_json_is_named(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     path = tmp_path_factory.mktemp("fuzz") / "config.json"

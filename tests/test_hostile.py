@@ -57,21 +57,26 @@ def test_a_few_anchors_still_work(tmp_path: Path) -> None:
     assert recipe.data.evaluation.samples == 2 and recipe.data.calibration.source == "a.txt"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("version: 1\x00\nmodel: {source: x}\n", r"recipe.yaml:1: control character '\\x00'"),
-    ("version: 1\nmodel: {source: \"a\\x01b\"}\n", r"recipe.yaml:2: model.source holds the control character '\\x01'"),
-    ("version: 1\nname: \"\\0\"\nmodel: {source: x}\n", r"name holds the control character '\\x00'"),
-    ("version: 1\x1b[31m\n", "control character"),
-    ("version: 1\nmodel: {source: x}\nx: " + "[" * 200 + "]" * 200 + "\n", "nested deeper than 64 levels"),
-    ("version: 1\nmodel: {source: x}\nx:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 201)) + "  " * 201 + "v: 1\n",
-     "nested deeper than 64 levels"),
-    ("version: 1\nmodel: {source: x}\nwhen: 2024-02-30\n", "a value cannot be read"),
-    ("version: 1\nmodel: {source: x}\n? [a, b]\n: c\n", "not valid YAML"),
-    ("version: 1\nmodel: {source: x}\nx: !!python/object:os.system {}\n", "not valid YAML"),
-    ("- just\n- a list\n", "a recipe is a YAML mapping"),
-    ("", "a recipe is a YAML mapping"),
-    ("version: 1\n  bad: indent\n", "recipe.yaml:2: not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("version: 1\x00\nmodel: {source: x}\n", r"recipe.yaml:1: control character '\\x00'"),
+        ('version: 1\nmodel: {source: "a\\x01b"}\n', r"recipe.yaml:2: model.source holds the control character '\\x01'"),
+        ('version: 1\nname: "\\0"\nmodel: {source: x}\n', r"name holds the control character '\\x00'"),
+        ("version: 1\x1b[31m\n", "control character"),
+        ("version: 1\nmodel: {source: x}\nx: " + "[" * 200 + "]" * 200 + "\n", "nested deeper than 64 levels"),
+        (
+            "version: 1\nmodel: {source: x}\nx:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 201)) + "  " * 201 + "v: 1\n",
+            "nested deeper than 64 levels",
+        ),
+        ("version: 1\nmodel: {source: x}\nwhen: 2024-02-30\n", "a value cannot be read"),
+        ("version: 1\nmodel: {source: x}\n? [a, b]\n: c\n", "not valid YAML"),
+        ("version: 1\nmodel: {source: x}\nx: !!python/object:os.system {}\n", "not valid YAML"),
+        ("- just\n- a list\n", "a recipe is a YAML mapping"),
+        ("", "a recipe is a YAML mapping"),
+        ("version: 1\n  bad: indent\n", "recipe.yaml:2: not valid YAML"),
+    ],
+)
 def test_malformed_yaml_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
     path = write_recipe(tmp_path, text)
     with pytest.raises(RecipeError, match=message):
@@ -93,18 +98,21 @@ def test_huge_and_binary_recipe_files_are_refused(tmp_path: Path) -> None:
         load_recipe(tmp_path)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("seed=99999999999999999999999", "seed: Input should be less than or equal to 4294967295"),
-    ("seed=-1", "seed: Input should be greater than or equal to 0"),
-    ("data.evaluation.samples=10000000000", "data.evaluation.samples: 10000000000 is out of range"),
-    ("stages.0.quantize.group_size=100000000000000", "group_size: 100000000000000 is out of range"),
-    ("gates.0.max=.nan", "gates[0].max: Input should be a finite number"),
-    ("gates.0.max=.inf", "gates[0].max: Input should be a finite number"),
-    ("data.holdout=.nan", "data.holdout: Input should be a finite number"),
-    ("stages.0.quantize.bits=1e400", "stages[0].quantize.bits"),
-    ("stages.²=1", "stages"),
-    ("stages..bits=1", "empty part"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("seed=99999999999999999999999", "seed: Input should be less than or equal to 4294967295"),
+        ("seed=-1", "seed: Input should be greater than or equal to 0"),
+        ("data.evaluation.samples=10000000000", "data.evaluation.samples: 10000000000 is out of range"),
+        ("stages.0.quantize.group_size=100000000000000", "group_size: 100000000000000 is out of range"),
+        ("gates.0.max=.nan", "gates[0].max: Input should be a finite number"),
+        ("gates.0.max=.inf", "gates[0].max: Input should be a finite number"),
+        ("data.holdout=.nan", "data.holdout: Input should be a finite number"),
+        ("stages.0.quantize.bits=1e400", "stages[0].quantize.bits"),
+        ("stages.²=1", "stages"),
+        ("stages..bits=1", "empty part"),
+    ],
+)
 def test_numbers_out_of_range_fail_validation(tmp_path: Path, override: str, message: str) -> None:
     gates = "  - metric: kl_divergence\n    max: 1\n"
     path = write_recipe(tmp_path, recipe_text("some/dir", "texts", gates=gates))
@@ -128,8 +136,9 @@ def _never_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compress.pipeline, "load_model", fail)
 
 
-def test_group_wider_than_every_layer_fails_before_loading(tmp_path: Path, tiny_model_dir: Path, text_dir: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_group_wider_than_every_layer_fails_before_loading(
+    tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, group_size=100_000_000))
     planned = run_cli(["plan", path, "--device", "h100-sxm"])
     assert planned.exit_code == 2 and "stages[0].quantize.group_size: 100000000 is wider than every layer" in planned.output
@@ -139,8 +148,7 @@ def test_group_wider_than_every_layer_fails_before_loading(tmp_path: Path, tiny_
     assert not (tmp_path / "out").exists()
 
 
-def test_output_problems_fail_before_loading(tmp_path: Path, tiny_model_dir: Path, text_dir: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_output_problems_fail_before_loading(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
     _never_load(monkeypatch)
     (tmp_path / "a-file").write_text("mine")
@@ -211,7 +219,9 @@ def artifact(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> Path:
     result = run_cli(["run", recipe, "-o", tmp_path / "art"])
     assert result.exit_code == 0, result.output
     gates_file = tmp_path / "gates.yaml"
-    gates_file.write_text("gates:\n" + gates + "data:\n  evaluation: {source: " + str(text_dir) + ", samples: 2, seq_len: 64, min_context: 8}\n")
+    gates_file.write_text(
+        "gates:\n" + gates + "data:\n  evaluation: {source: " + str(text_dir) + ", samples: 2, seq_len: 64, min_context: 8}\n"
+    )
     return tmp_path / "art"
 
 
@@ -227,8 +237,11 @@ def test_verify_gate_and_publish_refuse_an_altered_artifact(artifact: Path, tmp_
     weights = artifact / "model" / "weights.safetensors"
     original = weights.read_bytes()
     weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit of one weight
-    for command in (["verify", artifact], ["gate", artifact, "--gates", gates, "-o", tmp_path / "report2"],
-                    ["publish", artifact, "--store", tmp_path / "registry"]):
+    for command in (
+        ["verify", artifact],
+        ["gate", artifact, "--gates", gates, "-o", tmp_path / "report2"],
+        ["publish", artifact, "--store", tmp_path / "registry"],
+    ):
         result = run_cli(command)
         assert result.exit_code == 2, (command, result.output)
         assert "changed since the run: model/weights.safetensors" in result.output, (command, result.output)
@@ -259,8 +272,10 @@ def _one_line_error(result) -> str:
     return result.output
 
 
-@pytest.mark.parametrize("damage", ["truncate-weights", "header-garbage", "bad-dtype", "config-garbage", "config-not-object",
-                                    "tokenizer-garbage", "empty-weights"])
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate-weights", "header-garbage", "bad-dtype", "config-garbage", "config-not-object", "tokenizer-garbage", "empty-weights"],
+)
 def test_corrupt_model_directory_is_named(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, damage: str) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
@@ -272,11 +287,11 @@ def test_corrupt_model_directory_is_named(tmp_path: Path, tiny_model_dir: Path, 
         weights.write_bytes(data[:8] + b"{not json" + data[17:])
     elif damage == "bad-dtype":
         length = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + length])
+        header = json.loads(data[8 : 8 + length])
         key = next(k for k in header if k != "__metadata__")
         header[key]["dtype"] = "Q9"
         raw = json.dumps(header).encode().ljust(length)
-        weights.write_bytes(data[:8] + raw + data[8 + length:])
+        weights.write_bytes(data[:8] + raw + data[8 + length :])
     elif damage == "config-garbage":
         (model / "config.json").write_text('{"model_type": "llama", ')
     elif damage == "config-not-object":

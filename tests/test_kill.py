@@ -26,8 +26,14 @@ POINTS = {"run": 10, "gate": 7, "publish": 7}
 
 
 def _compress(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compress", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "COMPRESS_REGISTRY": str(cwd / "default-registry")}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "compress", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COMPRESS_REGISTRY": str(cwd / "default-registry")},
+        timeout=600,
+    )
 
 
 def _timed(*args: object, cwd: Path) -> float:
@@ -38,8 +44,13 @@ def _timed(*args: object, cwd: Path) -> float:
 
 
 def _kill_at(delay: float, *args: object, cwd: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "compress", *map(str, args)], cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "COMPRESS_REGISTRY": str(cwd / "default-registry")})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "compress", *map(str, args)],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "COMPRESS_REGISTRY": str(cwd / "default-registry")},
+    )
     try:
         proc.wait(timeout=delay)
     except subprocess.TimeoutExpired:
@@ -65,7 +76,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, text_d
     gates = "  - metric: kl_divergence\n    max: 100\n"
     text = recipe_text(tiny_model_dir, text_dir, gates=gates, samples=2).replace("exports: []", "exports:\n  - format: gptq")
     recipe = write_recipe(root, text)
-    (root / "gates.yaml").write_text("gates:\n" + gates + f"data:\n  evaluation: {{source: {text_dir}, samples: 2, seq_len: 64, min_context: 8}}\n")
+    (root / "gates.yaml").write_text(
+        "gates:\n" + gates + f"data:\n  evaluation: {{source: {text_dir}, samples: 2, seq_len: 64, min_context: 8}}\n"
+    )
     return {"root": root, "recipe": recipe, "rng": random.Random(25)}
 
 
@@ -74,7 +87,7 @@ def test_kill_during_run(setup: dict) -> None:
     full = _timed("run", recipe, "-o", root / "reference", cwd=root)
     out = root / "out"
     seen = []
-    for i in range(POINTS["run"]):
+    for _ in range(POINTS["run"]):
         overwrite = ["--overwrite"] if out.exists() else []
         _kill_at(full * rng.uniform(0.05, 1.1), "run", recipe, "-o", out, *overwrite, cwd=root)
         seen.append(_absent_or_verified(out, cwd=root))

@@ -39,16 +39,20 @@ def test_schema_modules_load_no_torch() -> None:
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
 def test_validate_loads_no_torch(recipe: Path) -> None:
     """The `compress validate` command, run in-process, on every shipped recipe."""
-    code = ("from compress.cli import app\n"
-            f"try:\n    app(['validate', {str(recipe)!r}])\n"
-            "except SystemExit as exc:\n    assert exc.code in (0, None), exc.code\n")
+    code = (
+        "from compress.cli import app\n"
+        f"try:\n    app(['validate', {str(recipe)!r}])\n"
+        "except SystemExit as exc:\n    assert exc.code in (0, None), exc.code\n"
+    )
     assert _heavy_modules_after(code) == []
 
 
 def test_schema_command_loads_no_torch() -> None:
-    code = ("import contextlib, io\nfrom compress.cli import app\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try:\n        app(['schema'])\n    except SystemExit as exc:\n        assert exc.code in (0, None), exc.code\n")
+    code = (
+        "import contextlib, io\nfrom compress.cli import app\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n        app(['schema'])\n    except SystemExit as exc:\n        assert exc.code in (0, None), exc.code\n"
+    )
     assert _heavy_modules_after(code) == []
 
 
@@ -101,7 +105,8 @@ def test_committed_schema_is_generated(name: str) -> None:
     committed = ROOT / SCHEMA_DIR / file_name(name)
     assert committed.is_file(), f"{committed} is missing; regenerate with: {REGENERATE}"
     assert committed.read_text(encoding="utf-8") == render(name), (
-        f"{committed.relative_to(ROOT)} differs from the schema generated from compress.schema; regenerate with: {REGENERATE}")
+        f"{committed.relative_to(ROOT)} differs from the schema generated from compress.schema; regenerate with: {REGENERATE}"
+    )
 
 
 def test_legacy_report_schema_path_is_the_generated_schema() -> None:
@@ -110,7 +115,8 @@ def test_legacy_report_schema_path_is_the_generated_schema() -> None:
 
     assert (ROOT / "docs" / "report.schema.json").read_text(encoding="utf-8") == render("report"), (
         f"docs/report.schema.json differs from the generated report schema; regenerate with: {REGENERATE} "
-        "&& cp docs/schemas/report.schema.json docs/report.schema.json")
+        "&& cp docs/schemas/report.schema.json docs/report.schema.json"
+    )
 
 
 @pytest.mark.parametrize("name", ["recipe", "manifest", "report"])
@@ -156,8 +162,13 @@ def test_writers_use_the_schema_version_constants() -> None:
     import re
 
     pattern = re.compile(r"[\"']schema_version[\"']\s*:\s*\d")
-    found = [f"{p.relative_to(ROOT)}:{i}" for d in ("compress", "eval", "export", "quantizers", "pruning", "distill")
-             for p in sorted((ROOT / d).rglob("*.py")) for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for d in ("compress", "eval", "export", "quantizers", "pruning", "distill")
+        for p in sorted((ROOT / d).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert found == []
 
 
@@ -169,13 +180,37 @@ def test_manifest_and_report_models_accept_what_the_writers_build() -> None:
     from compress.schema.manifest import GateReportListing
     from compress.schema.report import REPORT_VERSION, Report
 
-    report = {"schema_version": REPORT_VERSION, "recipe": None, "passed": False,
-              "evaluations": [{"artifact": "compressed", "runtime": "torch", "device": "cpu", "source": "measured",
-                               "kind": "accuracy", "metrics": {"perplexity": "inf", "tokens_scored": 10}}],
-              "gates": [{"name": "g", "metric": "perplexity", "artifact": "compressed", "value": "nan",
-                         "threshold": {"kind": "max", "value": 20.0, "limit": 20.0}, "passed": False, "source": "measured",
-                         "runtime": "torch", "device": "cpu", "message": "m"}],
-              "evaluation_data": None, "exports": [{"name": "gguf", "format": "gguf", "evaluated_as": None, "engine": {}}]}
+    report = {
+        "schema_version": REPORT_VERSION,
+        "recipe": None,
+        "passed": False,
+        "evaluations": [
+            {
+                "artifact": "compressed",
+                "runtime": "torch",
+                "device": "cpu",
+                "source": "measured",
+                "kind": "accuracy",
+                "metrics": {"perplexity": "inf", "tokens_scored": 10},
+            }
+        ],
+        "gates": [
+            {
+                "name": "g",
+                "metric": "perplexity",
+                "artifact": "compressed",
+                "value": "nan",
+                "threshold": {"kind": "max", "value": 20.0, "limit": 20.0},
+                "passed": False,
+                "source": "measured",
+                "runtime": "torch",
+                "device": "cpu",
+                "message": "m",
+            }
+        ],
+        "evaluation_data": None,
+        "exports": [{"name": "gguf", "format": "gguf", "evaluated_as": None, "engine": {}}],
+    }
     Report.model_validate(report)
     for bad in ({**report, "surprise": 1}, {**report, "schema_version": REPORT_VERSION + 1}):
         with pytest.raises(ValidationError):

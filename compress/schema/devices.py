@@ -33,8 +33,11 @@ class DeviceProfile(Strict):
     prefill_efficiency: float = Field(0.35, gt=0, le=1, description="Share of peak compute prefill reaches.")
     usable_memory_fraction: float = Field(0.9, gt=0, le=1, description="Share of memory_gb left for weights and KV cache.")
     source: str = Field(description="Where the numbers come from: 'vendor datasheet: ...' or 'measured on this machine: ...'.")
-    identify: list[str] = Field(default_factory=list, description="Substrings of the GPU name (gpu profiles) or CPU model "
-                                "(others) that mean this machine is this device, so measurements here can stand for it.")
+    identify: list[str] = Field(
+        default_factory=list,
+        description="Substrings of the GPU name (gpu profiles) or CPU model "
+        "(others) that mean this machine is this device, so measurements here can stand for it.",
+    )
 
     @property
     def usable_bytes(self) -> float:

@@ -17,35 +17,53 @@ ORIGINAL = "original"
 
 class DistillData(_Strict):
     source: str | list[str] | None = Field(
-        None, description="Training text (file, directory, glob or reference:<name>), or a list of them sharing the chunks "
-        "equally; default: data.calibration.source. Kept apart from data.evaluation like calibration text.")
-    samples: int | None = Field(None, ge=1, description="Training chunks; default: exactly what the steps consume "
-                                "(steps x batch_size x grad_accum x processes). Fewer chunks are repeated in new orders (epochs).")
+        None,
+        description="Training text (file, directory, glob or reference:<name>), or a list of them sharing the chunks "
+        "equally; default: data.calibration.source. Kept apart from data.evaluation like calibration text.",
+    )
+    samples: int | None = Field(
+        None,
+        ge=1,
+        description="Training chunks; default: exactly what the steps consume "
+        "(steps x batch_size x grad_accum x processes). Fewer chunks are repeated in new orders (epochs).",
+    )
     seed: Seed = Field(0, description="Seed for choosing and ordering the chunks.")
     text_field: str = Field("text", description="Field holding the text in .jsonl records.")
 
 
 class DistillEval(_Strict):
-    every: int = Field(50, ge=0, description="Score the student against the teacher every this many steps (and at the end); 0: only at the end.")
+    every: int = Field(
+        50, ge=0, description="Score the student against the teacher every this many steps (and at the end); 0: only at the end."
+    )
     samples: int = Field(4, ge=1, description="Chunks of data.evaluation text (seq_len tokens each) to score on.")
 
 
 class DistillRefit(_Strict):
-    samples: int = Field(64, ge=1, description="Chunks of the training text (seq_len tokens each) the fit reads: the first "
-                         "steps' chunks, in the order training takes them (at most the data.samples there are).")
+    samples: int = Field(
+        64,
+        ge=1,
+        description="Chunks of the training text (seq_len tokens each) the fit reads: the first "
+        "steps' chunks, in the order training takes them (at most the data.samples there are).",
+    )
     damp: float = Field(0.1, gt=0, description="Ridge towards the pruned weights, as a share of the mean squared activation.")
 
 
 class DistillConfig(_Strict):
     """`distill: {teacher, steps, batch_size, seq_len, lr, temperature, loss, hidden_loss_weight, data, ...}`."""
 
-    teacher: str = Field(ORIGINAL, description="original: the model before the prune stage (or as loaded when no stage "
-                         "changed it); otherwise a model source like model.source (same tokenizer).")
+    teacher: str = Field(
+        ORIGINAL,
+        description="original: the model before the prune stage (or as loaded when no stage "
+        "changed it); otherwise a model source like model.source (same tokenizer).",
+    )
     steps: int = Field(ge=1, description="Optimizer steps (at most this many under max_minutes).")
     max_minutes: float | None = Field(
-        None, gt=0, description="Wall-clock budget of the training loop (steps, evaluations, checkpoints; a resumed run "
+        None,
+        gt=0,
+        description="Wall-clock budget of the training loop (steps, evaluations, checkpoints; a resumed run "
         "counts the time up to its checkpoint): after the first 3 steps the stage plans how many of `steps` fit, the cosine "
-        "decay ends there, and no step starts that would end past the budget. null: exactly `steps`.")
+        "decay ends there, and no step starts that would end past the budget. null: exactly `steps`.",
+    )
     batch_size: int = Field(4, ge=1, description="Chunks per forward pass, per process.")
     grad_accum: int = Field(1, ge=1, description="Forward passes per optimizer step.")
     seq_len: int = Field(256, ge=8, description="Tokens per training chunk.")
@@ -58,25 +76,33 @@ class DistillConfig(_Strict):
     loss: Literal["kl"] = Field("kl", description="kl: forward KL(teacher || student) on the logits.")
     hidden_loss_weight: float = Field(0.0, ge=0, description="Weight of the hidden-state loss on mapped layers (0: off).")
     refit: DistillRefit | None = Field(
-        default_factory=DistillRefit, description="Before training, fit each pruned MLP's down projection by least squares "
+        default_factory=DistillRefit,
+        description="Before training, fit each pruned MLP's down projection by least squares "
         "so that, fed the teacher's hidden states, it gives the teacher block's MLP output (distill/refit.py). Only blocks "
         "whose MLP is narrower than their teacher block's change, and only when the hidden channels were not pruned; it "
         "needs to know which teacher block each student one matches (teacher: original after a prune stage, or the same "
         "number of layers and hidden size). Skipped unless set explicitly after a prune stage with mlp_method obs, which "
-        "fits the same columns to the same target. null: off.")
+        "fits the same columns to the same target. null: off.",
+    )
     train: Literal["blocks", "all"] = Field(
-        "blocks", description="blocks: the decoder blocks and norms learn, the embedding and output head stay frozen "
-        "(faster; they are the largest matrices of a small model); all: every parameter learns.")
+        "blocks",
+        description="blocks: the decoder blocks and norms learn, the embedding and output head stay frozen "
+        "(faster; they are the largest matrices of a small model); all: every parameter learns.",
+    )
     autocast: Literal["auto", "bf16", "off"] = Field(
-        "auto", description="auto: bf16 autocast on CUDA, float32 on CPU; bf16: also on CPU (fast on CPUs with AMX / "
-        "AVX512-BF16); off: float32 everywhere.")
+        "auto",
+        description="auto: bf16 autocast on CUDA, float32 on CPU; bf16: also on CPU (fast on CPUs with AMX / "
+        "AVX512-BF16); off: float32 everywhere.",
+    )
     data: DistillData = Field(default_factory=DistillData)
     eval: DistillEval = Field(default_factory=DistillEval)
     checkpoint_every: int = Field(50, ge=0, description="Write a resumable checkpoint every this many steps (0: never).")
     keep_best: bool = Field(
-        True, description="Return the weights that scored the lowest held-apart KL: those before the first step (after the "
+        True,
+        description="Return the weights that scored the lowest held-apart KL: those before the first step (after the "
         "refit), at a periodic evaluation, or at the end. Training can make a student that starts close to its teacher "
-        "worse; false: always the weights of the last step.")
+        "worse; false: always the weights of the last step.",
+    )
 
     @field_validator("autocast", mode="before")
     @classmethod

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
@@ -27,7 +27,6 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class _Export(Strict):
-
     name: str | None = Field(
         None,
         description="Names the export in reports and gates and its folder exports/<name>/ in the artifact; "
@@ -37,7 +36,7 @@ class _Export(Strict):
     @model_validator(mode="after")
     def _default_name(self) -> _Export:
         if self.name is None:
-            self.name = getattr(self, "format")
+            self.name = self.format
         if not NAME_PATTERN.match(self.name):
             raise ValueError(f"export name '{self.name}' must be letters, digits, '.', '_' or '-' (it names a folder)")
         if self.name in RESERVED_NAMES:
@@ -61,8 +60,26 @@ GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
 GGUF_EXACT_TYPES = ("q8_0", "q4_0", "q4_1")  # blocks our records map into exactly
 GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)
 # llama.cpp's file types made by its quantizer, by our lower-case names (gguf.LlamaFileType members).
-GGUF_LLAMA_CPP_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
-                        "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs", "f16", "bf16")
+GGUF_LLAMA_CPP_TYPES = (
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q8_0",
+    "q2_k",
+    "q3_k_s",
+    "q3_k_m",
+    "q3_k_l",
+    "q4_k_s",
+    "q4_k_m",
+    "q5_k_s",
+    "q5_k_m",
+    "q6_k",
+    "iq4_nl",
+    "iq4_xs",
+    "f16",
+    "bf16",
+)
 GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
 
 
@@ -77,22 +94,34 @@ class GGUFExport(_Export):
         "llama.cpp: " + ", ".join(GGUF_LLAMA_CPP_TYPES) + " (llama.cpp re-quantizes our F16 file).",
     )
     quantizer: Literal["records", "llama.cpp"] | None = Field(
-        None, description="records: pack our records exactly; llama.cpp: llama.cpp's own quantizer from our F16 file. "
-        "Default: records for the types it writes, llama.cpp for the others (K-quants …).")
+        None,
+        description="records: pack our records exactly; llama.cpp: llama.cpp's own quantizer from our F16 file. "
+        "Default: records for the types it writes, llama.cpp for the others (K-quants …).",
+    )
     float_type: GGUFFloat | None = Field(
-        None, description="Type of weight matrices without a record (embeddings, output head, layers left unquantized); "
+        None,
+        description="Type of weight matrices without a record (embeddings, output head, layers left unquantized); "
         "default q8_0 for quantized types (as llama.cpp stores SmolLM-sized embeddings), else the type itself. "
-        "With quantizer llama.cpp: the token-embedding type passed to its quantizer (default: its own choice).")
+        "With quantizer llama.cpp: the token-embedding type passed to its quantizer (default: its own choice).",
+    )
     fallback: GGUFFloat | None = Field(
-        None, description="Type for records that cannot become the block type exactly (3-bit, group size not a multiple of "
-        "32, …); recorded per layer in the manifest. Default none: such records are an error.")
+        None,
+        description="Type for records that cannot become the block type exactly (3-bit, group size not a multiple of "
+        "32, …); recorded per layer in the manifest. Default none: such records are an error.",
+    )
     pre_tokenizer: str = Field("auto", description="llama.cpp pre-tokenizer name; auto recognizes it from tokenizer.json.")
-    verify: bool = Field(True, description="Run the file in llama.cpp after writing it: tokenizer parity, metrics against the "
-                         "baseline on the evaluation chunks, and the same-weights check (needs the gguf extra).")
+    verify: bool = Field(
+        True,
+        description="Run the file in llama.cpp after writing it: tokenizer parity, metrics against the "
+        "baseline on the evaluation chunks, and the same-weights check (needs the gguf extra).",
+    )
     verify_samples: int | None = Field(None, ge=1, description="Evaluation chunks scored in llama.cpp; default all of them.")
     same_weights_max_kl: float = Field(
-        0.02, gt=0, description="Largest KL (nats/token) allowed between llama.cpp on this file and our in-memory model with "
-        "the same weights; llama.cpp quantizes activations internally, so it is small but not zero. A larger value is a layout bug.")
+        0.02,
+        gt=0,
+        description="Largest KL (nats/token) allowed between llama.cpp on this file and our in-memory model with "
+        "the same weights; llama.cpp quantizes activations internally, so it is small but not zero. A larger value is a layout bug.",
+    )
 
     @model_validator(mode="after")
     def _check_type(self) -> GGUFExport:
@@ -117,31 +146,47 @@ class ONNXExport(_Export):
 
     format: Literal["onnx"] = Field("onnx", description=FORMATS_DOC)
     precision: Literal["auto", "fp32", "fp16", "int8", "int4"] = Field(
-        "auto", description="Weight precision: int4 / int8 (MatMulNBits), fp32, fp16 (cuda). auto: int4 or int8 from the "
-        "records' bits, fp32 without records.")
+        "auto",
+        description="Weight precision: int4 / int8 (MatMulNBits), fp32, fp16 (cuda). auto: int4 or int8 from the "
+        "records' bits, fp32 without records.",
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider the builder targets: cpu | cuda.")
     quantizer: Literal["records", "builder"] | None = Field(
-        None, description="records: our codes and scales, proven equal in the file (the builder gets our GPTQ checkpoint; "
+        None,
+        description="records: our codes and scales, proven equal in the file (the builder gets our GPTQ checkpoint; "
         "when it cannot read it exactly we write the MatMulNBits initializers ourselves). builder: the builder's own "
-        "round-to-nearest quantizer on the float model (for comparison). Default: records when the model has records.")
+        "round-to-nearest quantizer on the float model (for comparison). Default: records when the model has records.",
+    )
     block_size: Literal[16, 32, 64, 128, 256] | None = Field(
-        None, description="MatMulNBits block size for quantizer builder (default 32, the builder's); with records it follows their group size.")
+        None,
+        description="MatMulNBits block size for quantizer builder (default 32, the builder's); with records it follows their group size.",
+    )
     symmetric: bool = Field(True, description="Quantizer builder only: symmetric blocks (no zero points).")
     accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
-        4, description="MatMulNBits accuracy_level shipped in the file: 4 (int8 activations, fastest on CPU, ~1e-2 logit "
-        "error), 0 (float activations, exact). The exactness check always runs a level-0 copy.")
-    verify: bool = Field(True, description="Run the model in ONNX Runtime after writing it: tokenizer parity with ONNX Runtime "
-                         "GenAI, same-weights check, metrics against the baseline, a greedy sample (needs the onnx extra).")
+        4,
+        description="MatMulNBits accuracy_level shipped in the file: 4 (int8 activations, fastest on CPU, ~1e-2 logit "
+        "error), 0 (float activations, exact). The exactness check always runs a level-0 copy.",
+    )
+    verify: bool = Field(
+        True,
+        description="Run the model in ONNX Runtime after writing it: tokenizer parity with ONNX Runtime "
+        "GenAI, same-weights check, metrics against the baseline, a greedy sample (needs the onnx extra).",
+    )
     verify_samples: int | None = Field(None, ge=1, description="Evaluation chunks scored in ONNX Runtime; default all of them.")
     same_weights_max_kl: float = Field(
-        0.02, gt=0, description="Largest KL (nats/token) allowed between the shipped file in ONNX Runtime and our in-memory "
-        "model with the same weights; accuracy_level 4 quantizes activations, so it is small but not zero.")
+        0.02,
+        gt=0,
+        description="Largest KL (nats/token) allowed between the shipped file in ONNX Runtime and our in-memory "
+        "model with the same weights; accuracy_level 4 quantizes activations, so it is small but not zero.",
+    )
 
     @model_validator(mode="after")
     def _check_precision(self) -> ONNXExport:
         if self.precision != "auto" and self.precision not in ONNX_DEVICE_PRECISIONS[self.device]:
-            raise ValueError(f"onnx precision {self.precision} on {self.device}: the builder makes "
-                             f"{', '.join(ONNX_DEVICE_PRECISIONS[self.device])} there")
+            raise ValueError(
+                f"onnx precision {self.precision} on {self.device}: the builder makes "
+                f"{', '.join(ONNX_DEVICE_PRECISIONS[self.device])} there"
+            )
         if self.quantizer == "builder" and self.precision not in ("int4", "int8"):
             raise ValueError("quantizer builder needs precision int4 or int8")
         if self.block_size is not None and self.quantizer != "builder":
@@ -178,14 +223,16 @@ class TensorRTConfig(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     batch: DimRange = Field(DimRange(min=1, opt=1, max=4), description="Sequences per call.")
-    sequence: DimRange = Field(DimRange(min=1, opt=128, max=1024),
-                               description="New tokens per call (prompt length in prefill, 1 when decoding).")
-    past: DimRange = Field(DimRange(min=0, opt=256, max=1024),
-                           description="Cached tokens before the call (0 in prefill).")
+    sequence: DimRange = Field(
+        DimRange(min=1, opt=128, max=1024), description="New tokens per call (prompt length in prefill, 1 when decoding)."
+    )
+    past: DimRange = Field(DimRange(min=0, opt=256, max=1024), description="Cached tokens before the call (0 in prefill).")
     workspace_mib: int = Field(4096, ge=64, description="Scratch memory TensorRT may use while building and running.")
     timing_cache: Path | None = Field(
-        None, description="Kernel timing cache: loaded when the file exists, saved after the build (speeds up rebuilds). "
-        "Default: timing.cache next to the engine.")
+        None,
+        description="Kernel timing cache: loaded when the file exists, saved after the build (speeds up rebuilds). "
+        "Default: timing.cache next to the engine.",
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> TensorRTConfig:
@@ -206,19 +253,32 @@ class TensorRTExport(_Export):
 
     format: Literal["tensorrt"] = Field("tensorrt", description=FORMATS_DOC)
     dtype: Literal["float16", "float32"] = Field(
-        "float16", description="Float type of the graph (activations, KV cache, logits, scales); TensorRT's int4 weight-only "
-        "path runs with float16 activations.")
+        "float16",
+        description="Float type of the graph (activations, KV cache, logits, scales); TensorRT's int4 weight-only "
+        "path runs with float16 activations.",
+    )
     fallback: Literal["symmetric", "int8"] | None = Field(
-        None, description="For records with no exact Q/DQ form (asymmetric, groups other than 64/128, other bits): symmetric "
+        None,
+        description="For records with no exact Q/DQ form (asymmetric, groups other than 64/128, other bits): symmetric "
         "(re-quantize to int4 blocks of 64/128) or int8 (per-channel); each converted layer is listed in the manifest with "
-        "its largest weight change. Default none: such records are an error.")
+        "its largest weight change. Default none: such records are an error.",
+    )
     fp8: bool = Field(False, description="Write every quantized layer as float8 e4m3fn with per-channel scales.")
-    engine: TensorRTConfig = Field(default_factory=TensorRTConfig, description="Optimization profile, workspace and timing "
-                                   "cache of the engine build.")
-    check_tokens: int = Field(32, ge=2, description="Tokens of evaluation text the ONNX Runtime CPU check runs (prefill plus "
-                              "one decode step fed back through the explicit KV tensors).")
-    check_max_kl: float = Field(1e-3, gt=0, description="Largest KL (nats/token) allowed between ONNX Runtime CPU on the Q/DQ ONNX "
-                                "and our in-memory model (float16 graphs round activations).")
+    engine: TensorRTConfig = Field(
+        default_factory=TensorRTConfig, description="Optimization profile, workspace and timing cache of the engine build."
+    )
+    check_tokens: int = Field(
+        32,
+        ge=2,
+        description="Tokens of evaluation text the ONNX Runtime CPU check runs (prefill plus "
+        "one decode step fed back through the explicit KV tensors).",
+    )
+    check_max_kl: float = Field(
+        1e-3,
+        gt=0,
+        description="Largest KL (nats/token) allowed between ONNX Runtime CPU on the Q/DQ ONNX "
+        "and our in-memory model (float16 graphs round activations).",
+    )
 
 
 def _known_format(value: Any) -> Any:
@@ -230,7 +290,7 @@ def _known_format(value: Any) -> Any:
 
 
 ExportSpec = Annotated[
-    Union[CompressedTensorsExport, GPTQExport, GGUFExport, ONNXExport, TensorRTExport],
+    CompressedTensorsExport | GPTQExport | GGUFExport | ONNXExport | TensorRTExport,
     Field(discriminator="format"),
     BeforeValidator(_known_format),
 ]

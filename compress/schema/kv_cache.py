@@ -38,12 +38,16 @@ class KVCacheConfig(Strict):
     key_axis: Literal["channel", "token"] = Field(
         "channel", description="channel: one scale per head channel over a block of `residual` tokens (KIVI); token: per token."
     )
-    value_axis: Literal["token", "channel"] = Field("token", description="token: per-token groups of `group_size` channels (KIVI); channel: like keys.")
+    value_axis: Literal["token", "channel"] = Field(
+        "token", description="token: per-token groups of `group_size` channels (KIVI); channel: like keys."
+    )
     group_size: int | None = Field(None, ge=1, description="Channels per per-token group; null = the whole head.")
     residual: int = Field(128, ge=0, description="Most recent tokens kept in full precision; also the token block of per-channel groups.")
     residual_dtype: Literal["float16", "bfloat16", "model"] = Field("float16", description="Storage dtype of the full-precision window.")
     symmetric: bool | None = Field(None, description="Symmetric codes (absmax) or asymmetric (min/max); null: symmetric at 8 bits only.")
-    static_scales: bool = Field(False, description="Calibrate one scale per layer and KV head on the calibration text instead of storing scales.")
+    static_scales: bool = Field(
+        False, description="Calibrate one scale per layer and KV head on the calibration text instead of storing scales."
+    )
     calibration_samples: int | None = Field(None, ge=1, description="Calibration chunks for static scales (default: all).")
     evaluate: KVEvalConfig | None = Field(
         default_factory=KVEvalConfig, description="Long-context evaluation through the cache; null to skip."
@@ -80,23 +84,40 @@ class KVCacheConfig(Strict):
         out: dict[str, dict[str, Any]] = {}
         cache_type = LLAMA_CPP_CACHE_TYPES.get(key)
         if cache_type:
-            out["llama.cpp"] = {"supported": True, "type_k": cache_type, "type_v": cache_type,
-                                "note": f"llama.cpp quantizes the cache itself in {cache_type} blocks of 32 per token; its numbers differ from this scheme's"}
+            out["llama.cpp"] = {
+                "supported": True,
+                "type_k": cache_type,
+                "type_v": cache_type,
+                "note": f"llama.cpp quantizes the cache itself in {cache_type} blocks of 32 per token; its numbers differ from this scheme's",
+            }
         else:
-            out["llama.cpp"] = {"supported": False, "why": f"llama.cpp has no {self.format}{self.bits} cache type (it has f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"}
+            out["llama.cpp"] = {
+                "supported": False,
+                "why": f"llama.cpp has no {self.format}{self.bits} cache type (it has f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)",
+            }
         vllm = VLLM_CACHE_DTYPES.get(key)
         if vllm and self.static_scales:
-            out["vllm"] = {"supported": True, "kv_cache_dtype": vllm, "scales": "per-layer k_scale/v_scale in the compressed-tensors checkpoint"}
+            out["vllm"] = {
+                "supported": True,
+                "kv_cache_dtype": vllm,
+                "scales": "per-layer k_scale/v_scale in the compressed-tensors checkpoint",
+            }
         elif vllm:
             out["vllm"] = {"supported": True, "kv_cache_dtype": vllm, "note": "dynamic scales: vLLM computes its own per-tensor scales"}
         else:
             out["vllm"] = {"supported": False, "why": "vLLM quantizes the KV cache to fp8 only"}
         if self.static_scales and key in (("int", 8), ("fp8", 8)):
             scheme = f"{'int8' if self.format == 'int' else 'fp8'}_per_channel"
-            out["onnxruntime-genai"] = {"supported": True, "kv_cache_quant_scheme": scheme,
-                                        "scales": "per-layer, per-KV-head scales repeated over each head's channels (kv_cache_scales.json)",
-                                        **({"note": "fp8: CUDA only in onnxruntime 1.31"} if self.format == "fp8" else {})}
+            out["onnxruntime-genai"] = {
+                "supported": True,
+                "kv_cache_quant_scheme": scheme,
+                "scales": "per-layer, per-KV-head scales repeated over each head's channels (kv_cache_scales.json)",
+                **({"note": "fp8: CUDA only in onnxruntime 1.31"} if self.format == "fp8" else {}),
+            }
         else:
-            out["onnxruntime-genai"] = {"supported": False, "why": "ONNX Runtime GenAI's CPU/CUDA attention takes static per-tensor or "
-                                        "per-channel scales (static_scales: true, int8 or fp8); per-token scales need CUDA paged attention"}
+            out["onnxruntime-genai"] = {
+                "supported": False,
+                "why": "ONNX Runtime GenAI's CPU/CUDA attention takes static per-tensor or "
+                "per-channel scales (static_scales: true, int8 or fp8); per-token scales need CUDA paged attention",
+            }
         return out

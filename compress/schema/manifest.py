@@ -96,12 +96,14 @@ class Manifest(Closed):
 
     model_config = Closed.model_config | {
         "title": "compress manifest.json",
-        "json_schema_extra": {"description": "What an artifact is and how it was made. Non-finite numbers are written as the "
-                                             "strings \"nan\", \"inf\", \"-inf\"."},
+        "json_schema_extra": {
+            "description": 'What an artifact is and how it was made. Non-finite numbers are written as the strings "nan", "inf", "-inf".'
+        },
     }
 
     schema_version: Literal[MANIFEST_VERSION] = Field(
-        description=f"Version of this document's layout (MANIFEST_VERSION = {MANIFEST_VERSION}).")
+        description=f"Version of this document's layout (MANIFEST_VERSION = {MANIFEST_VERSION})."
+    )
     created_at: str = Field(description="UTC time, ISO 8601.")
     command: list[str] = Field(description="The command line.")
     recipe: RecipeRecord
@@ -116,7 +118,8 @@ class Manifest(Closed):
     exports: list[ManifestExport] | SkipJsonSchema[None] = None
     timings: dict[str, float] | SkipJsonSchema[None] = Field(None, description="Seconds per phase.")
     files: dict[str, Sha256] | SkipJsonSchema[None] = Field(
-        None, description="Every file of the artifact but manifest.json -> SHA-256 (`compress verify` checks them).")
+        None, description="Every file of the artifact but manifest.json -> SHA-256 (`compress verify` checks them)."
+    )
 
 
 class GateReportListing(Closed):

@@ -35,6 +35,15 @@ METRICS: dict[str, MetricInfo] = {
     "memory_fraction": MetricInfo("weights + KV cache at the target context and batch / the device's usable memory", "lower", False),
 }
 ACCURACY_METRICS = ("perplexity", "kl_divergence", "kl_divergence_p99", "top1_agreement")
-LATENCY_METRICS = ("ttft_ms", "ttft_ms_p90", "tpot_ms", "tpot_ms_p90", "decode_tokens_per_s", "batch_decode_tokens_per_s",
-                   "peak_rss_mb", "gpu_peak_mb", "bandwidth_utilization")
+LATENCY_METRICS = (
+    "ttft_ms",
+    "ttft_ms_p90",
+    "tpot_ms",
+    "tpot_ms_p90",
+    "decode_tokens_per_s",
+    "batch_decode_tokens_per_s",
+    "peak_rss_mb",
+    "gpu_peak_mb",
+    "bandwidth_utilization",
+)
 DEVICE_METRICS = (*LATENCY_METRICS, "memory_fraction", "size_mb")  # the metrics a gate may ask of a named device

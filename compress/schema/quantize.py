@@ -8,7 +8,7 @@ the implementation table (name -> stage class) is ``compress.quantizers.QUANTIZE
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
@@ -31,9 +31,7 @@ class QuantScheme(Strict):
         default=True,
         description="Symmetric: fixed zero point 2**(bits-1). Asymmetric: one integer zero point per group.",
     )
-    scale_dtype: ScaleDType = Field(
-        default="float16", description="Precision the scales are rounded to and stored in."
-    )
+    scale_dtype: ScaleDType = Field(default="float16", description="Precision the scales are rounded to and stored in.")
 
     @field_validator("group_size")
     @classmethod
@@ -94,8 +92,10 @@ class CalibratedConfig(WeightQuantConfig):
 
     batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
     backend: Literal["compress", "llmcompressor"] = Field(
-        "compress", description="compress (ours) or llmcompressor (its GPTQModifier, or AWQModifier + QuantizationModifier; "
-        "extra `llmcompressor`, see quantizers/llmcompressor_backend.py).")
+        "compress",
+        description="compress (ours) or llmcompressor (its GPTQModifier, or AWQModifier + QuantizationModifier; "
+        "extra `llmcompressor`, see quantizers/llmcompressor_backend.py).",
+    )
 
     @property
     def needs_calibration(self) -> bool:
@@ -108,7 +108,10 @@ class GPTQConfig(CalibratedConfig):
     method: Literal["gptq"] = "gptq"
     dampening: float = Field(0.01, gt=0, lt=1, description="Added to the Hessian diagonal, as a share of its mean.")
     block_size: int = Field(128, ge=1, description="Columns updated together (lazy batch updates).")
-    act_order: bool = Field(True, description="Visit columns by decreasing Hessian diagonal; group scales come from the original weights (static groups), so groups stay contiguous. false: columns in order, each group's scale from the updated weights when the group starts.")
+    act_order: bool = Field(
+        True,
+        description="Visit columns by decreasing Hessian diagonal; group scales come from the original weights (static groups), so groups stay contiguous. false: columns in order, each group's scale from the updated weights when the group starts.",
+    )
 
 
 class AWQConfig(CalibratedConfig):
@@ -118,15 +121,19 @@ class AWQConfig(CalibratedConfig):
     symmetric: bool = Field(False, description="AWQ defaults to asymmetric (integer zero point per group).")
     grid: int = Field(20, ge=2, description="Points of the scale-exponent grid in [0, 1).")
     duo_scaling: bool | Literal["both"] = Field(
-        True, description="s = x_mean^α / w_mean^(1-α) (true), x_mean^α (false, the AWQ paper's form), or both families searched (twice the grid).")
+        True,
+        description="s = x_mean^α / w_mean^(1-α) (true), x_mean^α (false, the AWQ paper's form), or both families searched (twice the grid).",
+    )
     clip: bool = Field(True, description="Search a clipping range per group after scaling.")
     clip_grid: int = Field(20, ge=2, description="Clipping steps: max |w| · (1 - i/clip_grid).")
     max_shrink: float = Field(0.5, gt=0, lt=1, description="Largest share of max |w| the clipping search removes.")
     search_tokens: int = Field(4096, ge=64, description="Calibration tokens (whole sequences, the first ones) the scale search replays.")
     clip_tokens: int = Field(512, ge=16, description="Calibration tokens (sampled) used by the clipping search.")
     clip_in_search: bool = Field(
-        True, description="Score each scale candidate with its clipping search applied (false: scales searched on unclipped "
-        "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits: docs/benchmarks.md).")
+        True,
+        description="Score each scale candidate with its clipping search applied (false: scales searched on unclipped "
+        "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits: docs/benchmarks.md).",
+    )
 
 
 Kernel = Literal["auto", "torch", "bitsandbytes"]
@@ -141,7 +148,9 @@ class LLMInt8Config(WeightQuantConfig):
     group_size: int | None = Field(None, description="Fixed at null for llm_int8 (one scale per output row).")
     symmetric: bool = Field(True, description="Fixed at true for llm_int8 (absmax scaling, codes in [-127, 127]).")
     threshold: float = Field(
-        6.0, gt=0, allow_inf_nan=True,
+        6.0,
+        gt=0,
+        allow_inf_nan=True,
         description="llm_int8: input features where any |x| reaches this value are computed in float; "
         "the rest in int8. .inf disables the decomposition (plain int8 weights and activations).",
     )
@@ -156,16 +165,17 @@ class LLMInt8Config(WeightQuantConfig):
     @classmethod
     def _bits_8(cls, v: int) -> int:
         if v != 8:
-            raise ValueError(f"llm_int8 stores weights as int8, so bits must be 8 (got {v}); "
-                             "for fewer bits use method rtn, gptq or awq")
+            raise ValueError(f"llm_int8 stores weights as int8, so bits must be 8 (got {v}); for fewer bits use method rtn, gptq or awq")
         return v
 
     @field_validator("group_size")
     @classmethod
     def _per_row(cls, v: int | None) -> int | None:
         if v is not None:
-            raise ValueError(f"llm_int8 uses one scale per output row, so group_size must be null (got {v}); "
-                             "for grouped int8 use method rtn with bits: 8")
+            raise ValueError(
+                f"llm_int8 uses one scale per output row, so group_size must be null (got {v}); "
+                "for grouped int8 use method rtn with bits: 8"
+            )
         return v
 
     @field_validator("symmetric")
@@ -191,4 +201,4 @@ QUANTIZE_CONFIGS: dict[str, type[WeightQuantConfig]] = {
 """Method name -> config model (the stage classes are in compress.quantizers.QUANTIZE_METHODS)."""
 
 # The recipe's `quantize:` value, chosen by its `method`.
-QuantizeConfig = Annotated[Union[RTNConfig, GPTQConfig, AWQConfig, LLMInt8Config], Field(discriminator="method")]
+QuantizeConfig = Annotated[RTNConfig | GPTQConfig | AWQConfig | LLMInt8Config, Field(discriminator="method")]

@@ -48,15 +48,11 @@ class ModelSpec(Strict):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the loaded model.")
     trust_remote_code: bool = Field(False, description="Allow a model's own Python code to run (off by default).")
-    allow_pickle: bool = Field(
-        False, description="Allow pickle checkpoints (pytorch_model.bin): they can run arbitrary code when loaded."
-    )
+    allow_pickle: bool = Field(False, description="Allow pickle checkpoints (pytorch_model.bin): they can run arbitrary code when loaded.")
 
 
 class TextSpec(Strict):
-    source: str = Field(
-        description="A .txt/.md/.rst/.jsonl file, a directory of them, a glob, or reference:<name>."
-    )
+    source: str = Field(description="A .txt/.md/.rst/.jsonl file, a directory of them, a glob, or reference:<name>.")
     samples: int = Field(ge=1, description="Number of token chunks.")
     seq_len: int = Field(ge=8, description="Tokens per chunk.")
     seed: Seed = Field(0, description="Seed for choosing which text becomes chunks.")
@@ -70,9 +66,7 @@ class CalibrationSpec(TextSpec):
 class EvaluationSpec(TextSpec):
     """Text every artifact is scored on; kept apart from calibration text."""
 
-    min_context: int = Field(
-        32, ge=1, description="Score only positions with at least this many tokens of context before them."
-    )
+    min_context: int = Field(32, ge=1, description="Score only positions with at least this many tokens of context before them.")
     batch_size: int = Field(1, ge=1, description="Chunks per forward pass.")
 
     @model_validator(mode="after")
@@ -121,14 +115,19 @@ class StageSpec(Strict):
 class GateSpec(Strict):
     name: str | None = Field(None, description="Shown in reports; defaults to artifact.metric.threshold.")
     metric: str = Field(description="One of: " + ", ".join(METRICS) + ".")
-    artifact: str = Field("compressed", description="Which artifact: baseline, compressed, kv_cache (with a kv_cache stage), or an export's name.")
+    artifact: str = Field(
+        "compressed", description="Which artifact: baseline, compressed, kv_cache (with a kv_cache stage), or an export's name."
+    )
     max: float | None = Field(None, description="Pass when value <= max.")
     min: float | None = Field(None, description="Pass when value >= min.")
     max_increase_pct: float | None = Field(None, ge=0, description="Pass when value <= baseline * (1 + pct/100).")
     max_decrease_pct: float | None = Field(None, ge=0, description="Pass when value >= baseline * (1 - pct/100).")
-    device: str | None = Field(None, description="Device profile the gate is for. Unset or `local`: measured on this machine. "
-                               "Another device: measured when this machine is that device, else estimated from its roofline "
-                               "and reported as `source: estimated`.")
+    device: str | None = Field(
+        None,
+        description="Device profile the gate is for. Unset or `local`: measured on this machine. "
+        "Another device: measured when this machine is that device, else estimated from its roofline "
+        "and reported as `source: estimated`.",
+    )
 
     @field_validator("metric")
     @classmethod
@@ -140,8 +139,10 @@ class GateSpec(Strict):
     @model_validator(mode="after")
     def _device_metrics(self) -> GateSpec:
         if self.device not in (None, "local") and self.metric not in DEVICE_METRICS:
-            raise ValueError(f"{self.metric} is measured on the artifact's runtime here and does not depend on the device; "
-                             "device applies to latency and memory metrics")
+            raise ValueError(
+                f"{self.metric} is measured on the artifact's runtime here and does not depend on the device; "
+                "device applies to latency and memory metrics"
+            )
         return self
 
     @model_validator(mode="after")
@@ -173,13 +174,20 @@ class GateSpec(Strict):
 class LatencySpec(Strict):
     prompt_tokens: int = Field(128, ge=1, description="Prompt length for the time to first token (real evaluation-text tokens).")
     output_tokens: int = Field(64, ge=2, description="Greedy tokens decoded per run (no stop at end-of-text).")
-    batch_sizes: list[int] = Field([1, 4], min_length=1, description="Batch sizes to measure; 1 is required (the gated medians). "
-                                   "A runtime that decodes one sequence (llama-cpp-python) skips the others and says so.")
+    batch_sizes: list[int] = Field(
+        [1, 4],
+        min_length=1,
+        description="Batch sizes to measure; 1 is required (the gated medians). "
+        "A runtime that decodes one sequence (llama-cpp-python) skips the others and says so.",
+    )
     warmup: int = Field(1, ge=0, description="Unmeasured runs before the measured ones.")
     repeats: int = Field(5, ge=1, description="Measured runs; medians and p90 are over these.")
-    artifacts: list[str] | None = Field(None, description="Artifacts to time: baseline and compressed (torch) and export names. "
-                                        "Default: compressed and every GGUF, ONNX and TensorRT export, and the baseline "
-                                        "when a gate compares a latency metric with it.")
+    artifacts: list[str] | None = Field(
+        None,
+        description="Artifacts to time: baseline and compressed (torch) and export names. "
+        "Default: compressed and every GGUF, ONNX and TensorRT export, and the baseline "
+        "when a gate compares a latency metric with it.",
+    )
 
     @field_validator("batch_sizes")
     @classmethod
@@ -196,10 +204,13 @@ class TargetSpec(Strict):
 
 
 class SearchSpec(Strict):
-    variants: dict[str, list[Any]] = Field(min_length=1, description="Recipe key path (as for --set, e.g. stages.0.quantize.bits) -> "
-                                           "values to try; every combination is a candidate.")
-    stop_at_first_pass: bool = Field(False, description="Stop at the first candidate that passes every gate (candidates run "
-                                     "smallest expected size first).")
+    variants: dict[str, list[Any]] = Field(
+        min_length=1,
+        description="Recipe key path (as for --set, e.g. stages.0.quantize.bits) -> values to try; every combination is a candidate.",
+    )
+    stop_at_first_pass: bool = Field(
+        False, description="Stop at the first candidate that passes every gate (candidates run smallest expected size first)."
+    )
 
     @field_validator("variants")
     @classmethod
@@ -212,10 +223,15 @@ class SearchSpec(Strict):
 
 class PublishSpec(Strict):
     name: str | None = Field(None, description="Registered model name (default: the recipe's name).")
-    aliases: list[str] = Field(default_factory=list, description="Aliases set on the version once every file is uploaded, e.g. [candidate].")
+    aliases: list[str] = Field(
+        default_factory=list, description="Aliases set on the version once every file is uploaded, e.g. [candidate]."
+    )
     uri: str | None = Field(None, description="MLflow tracking server URI (default: MLFLOW_TRACKING_URI, else the embedded registry).")
-    store: str | None = Field(None, description="Embedded registry directory (SQLite + local files, no server), relative to the "
-                              "recipe's directory (default: $COMPRESS_REGISTRY, else ~/.local/share/compress/registry).")
+    store: str | None = Field(
+        None,
+        description="Embedded registry directory (SQLite + local files, no server), relative to the "
+        "recipe's directory (default: $COMPRESS_REGISTRY, else ~/.local/share/compress/registry).",
+    )
     force: bool = Field(False, description="Publish even when a gate failed (recorded on the version and in its model card).")
 
     @model_validator(mode="after")
@@ -247,15 +263,24 @@ class Recipe(Strict):
         "each is written to exports/<name>/ in the artifact and verified by reloading it.",
     )
     latency: LatencySpec | None = Field(None, description="Time the artifacts on their runtimes (each in a fresh process).")
-    devices: list[DeviceProfile] = Field(default_factory=list, description="Device profiles of your own (added to, or replacing, the shipped ones).")
-    targets: list[TargetSpec] = Field(default_factory=list, description="Devices to check fit and estimate latency for, "
-                                      "with the context and batch they must serve.")
+    devices: list[DeviceProfile] = Field(
+        default_factory=list, description="Device profiles of your own (added to, or replacing, the shipped ones)."
+    )
+    targets: list[TargetSpec] = Field(
+        default_factory=list, description="Devices to check fit and estimate latency for, with the context and batch they must serve."
+    )
     gates: list[GateSpec] = Field(default_factory=list)
-    search: SearchSpec | None = Field(None, description="Try every combination of these values and keep the smallest artifact "
-                                      "passing every gate (see the manual, docs/search-and-plan.md).")
-    publish: PublishSpec | None = Field(None, description="Publish the artifact to a model registry (MLflow) when every gate "
-                                        "passed (see the manual, docs/registry.md). Not part of the recipe's hash: where an artifact is "
-                                        "published does not change it.")
+    search: SearchSpec | None = Field(
+        None,
+        description="Try every combination of these values and keep the smallest artifact "
+        "passing every gate (see the manual, docs/search-and-plan.md).",
+    )
+    publish: PublishSpec | None = Field(
+        None,
+        description="Publish the artifact to a model registry (MLflow) when every gate "
+        "passed (see the manual, docs/registry.md). Not part of the recipe's hash: where an artifact is "
+        "published does not change it.",
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
@@ -277,16 +302,22 @@ class Recipe(Strict):
                 raise ValueError(f"stages[{kv_stages[0]}] (kv_cache) calibrates static scales and needs data.calibration")
             if kv.evaluate is not None:
                 if self.data.evaluation is None:
-                    raise ValueError(f"stages[{kv_stages[0]}] (kv_cache) evaluates through the cache and needs data.evaluation "
-                                     "(or set kv_cache.evaluate: null)")
+                    raise ValueError(
+                        f"stages[{kv_stages[0]}] (kv_cache) evaluates through the cache and needs data.evaluation "
+                        "(or set kv_cache.evaluate: null)"
+                    )
                 known.add(KV_CACHE_ARTIFACT)
                 for i, gate in enumerate(self.gates):
                     if gate.artifact == KV_CACHE_ARTIFACT and gate.threshold_kind.endswith("_pct"):
-                        raise ValueError(f"gates[{i}]: kv_cache metrics are measured at the kv_cache stage's context against the "
-                                         f"compressed model's float cache, not against the baseline; use max or min, not {gate.threshold_kind}")
+                        raise ValueError(
+                            f"gates[{i}]: kv_cache metrics are measured at the kv_cache stage's context against the "
+                            f"compressed model's float cache, not against the baseline; use max or min, not {gate.threshold_kind}"
+                        )
         for i, gate in enumerate(self.gates):
             if gate.artifact not in known:
-                raise ValueError(f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")
+                raise ValueError(
+                    f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}"
+                )
         if self.search is not None and not self.gates:
             raise ValueError("search picks the smallest artifact passing every gate, and this recipe has no gates")
         latency_metrics = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
@@ -316,8 +347,10 @@ class Recipe(Strict):
             if stage.kind in ("prune", "distill"):
                 quantize = [j for j, st in enumerate(self.stages[:i]) if st.kind == "quantize"]
                 if quantize:
-                    raise ValueError(f"stages[{i}] ({stage.kind}) comes after stages[{quantize[0]}] (quantize); "
-                                     f"{stage.kind} changes float weights, so put it before quantization")
+                    raise ValueError(
+                        f"stages[{i}] ({stage.kind}) comes after stages[{quantize[0]}] (quantize); "
+                        f"{stage.kind} changes float weights, so put it before quantization"
+                    )
         return self
 
     def canonical_json(self) -> str:

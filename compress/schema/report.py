@@ -9,7 +9,7 @@ Open-ended parts (metrics, details, host facts, device fits, the KV cache sectio
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 from pydantic.json_schema import SkipJsonSchema
@@ -24,7 +24,7 @@ EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache")
 THRESHOLD_KINDS = ("max", "min", "max_increase_pct", "max_decrease_pct")  # compress.schema.recipe.THRESHOLD_KEYS
 NON_FINITE = ("nan", "inf", "-inf")  # how compress.pipeline.json_safe writes non-finite floats
 
-Number = TypeAliasType("Number", Union[StrictFloat, Literal["nan", "inf", "-inf"]])
+Number = TypeAliasType("Number", StrictFloat | Literal["nan", "inf", "-inf"])
 """A JSON number, or one of the strings "nan", "inf", "-inf" for a value that is not finite."""
 
 Metrics = TypeAliasType("Metrics", dict[str, Number])
@@ -58,7 +58,8 @@ class Evaluation(Closed):
     kind: EvaluationKind
     metrics: Metrics
     profile: str | None | SkipJsonSchema[None] = Field(
-        None, description="the device profile the evaluation stands for (absent: this machine)")
+        None, description="the device profile the evaluation stands for (absent: this machine)"
+    )
     details: dict[str, Any] | SkipJsonSchema[None] = Field(None, description="How it was measured (open-ended).")
 
 
@@ -139,12 +140,14 @@ class Report(Closed):
     model_config = ConfigDict(
         extra="forbid",
         title="compress report.json",
-        json_schema_extra={"description": "Evaluations, gate results and exports of one `compress run` or `compress gate`. "
-                                          "Non-finite numbers are written as the strings \"nan\", \"inf\", \"-inf\"."},
+        json_schema_extra={
+            "description": "Evaluations, gate results and exports of one `compress run` or `compress gate`. "
+            'Non-finite numbers are written as the strings "nan", "inf", "-inf".'
+        },
     )
 
     schema_version: Literal[REPORT_VERSION] = Field(description=f"Version of this document's layout (REPORT_VERSION = {REPORT_VERSION}).")
-    recipe: str | None = Field(description="recipe name (null when unnamed), or \"compress gate\"")
+    recipe: str | None = Field(description='recipe name (null when unnamed), or "compress gate"')
     passed: bool = Field(description="every gate passed")
     evaluations: list[Evaluation]
     gates: list[GateResult]
@@ -155,4 +158,5 @@ class Report(Closed):
     search: Search | SkipJsonSchema[None] = None
     kv_cache: dict[str, Any] | SkipJsonSchema[None] = None
     artifact: dict[str, Any] | SkipJsonSchema[None] = Field(
-        None, description="compress gate: the artifact under test, its kind, baseline and gates file")
+        None, description="compress gate: the artifact under test, its kind, baseline and gates file"
+    )

@@ -81,8 +81,10 @@ def _walk(root: yaml.Node, lines: dict[tuple, int], filename: str, error: type[C
         node, path = stack.pop()
         visited += 1
         if visited > MAX_NODES:
-            raise error(f"{filename}: the document expands to more than {MAX_NODES:,} values "
-                        "(nested YAML aliases?); write the values out or reuse fewer anchors")
+            raise error(
+                f"{filename}: the document expands to more than {MAX_NODES:,} values "
+                "(nested YAML aliases?); write the values out or reuse fewer anchors"
+            )
         if len(path) > MAX_DEPTH:
             raise error(f"{filename}:{node.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
         if isinstance(node, yaml.MappingNode):
@@ -100,8 +102,9 @@ def _walk(root: yaml.Node, lines: dict[tuple, int], filename: str, error: type[C
                 lines.setdefault((*path, i), item.start_mark.line + 1)
                 stack.append((item, (*path, i)))
         elif isinstance(node.value, str) and (bad := _CONTROL.search(node.value)) is not None:  # an escape such as "\0"
-            raise error(f"{filename}:{node.start_mark.line + 1}: {format_path(path) or 'the document'} holds the control "
-                        f"character {bad.group()!r}")
+            raise error(
+                f"{filename}:{node.start_mark.line + 1}: {format_path(path) or 'the document'} holds the control character {bad.group()!r}"
+            )
 
 
 def format_path(loc: tuple) -> str:
