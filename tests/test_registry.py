@@ -26,6 +26,7 @@ pytest.importorskip("mlflow", reason="the registry tests need MLflow: pip instal
 pytestmark = pytest.mark.runtime  # MLflow: a server or the embedded store
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPECTED_QUICKSTART = ROOT / "tests" / "data" / "quickstart-eval8.metrics.json"
 # RTN on the tiny model: KL 1e-6 (W8), 1.9e-5 (W6), 0.00039 (W4), 0.0017 (W3); top-1 agreement 100%.
 PASSING = """\
   - metric: kl_divergence
@@ -449,6 +450,15 @@ def test_quickstart_artifact_publishes_to_the_embedded_registry_and_pulls_back(t
         env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    # The numbers do not change: the quickstart's metrics (8 x 512 evaluation tokens) against those measured
+    # before the issue-26 refactor, recorded with `python scripts/compare_metrics.py OUT --save ...`. The
+    # tolerance (relative 1e-4) allows float rounding that differs between CPU instruction sets, nothing more.
+    compared = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare_metrics.py"), str(EXPECTED_QUICKSTART), str(tmp_path / "out"), "--rel", "1e-4"],
+        capture_output=True,
+        text=True,
+    )
+    assert compared.returncode == 0, compared.stdout + compared.stderr
     published = subprocess.run(
         [sys.executable, "-m", "compress", "publish", str(tmp_path / "out"), "--alias", "candidate", "-q"],
         capture_output=True,
