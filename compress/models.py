@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from compress import assets
 from compress.errors import ModelLoadError
 from compress.fsutil import atomic_directory, sha256_file, sha256_files
 from compress.inputs import check_gguf, check_model_directory
-from compress.paths import cache_root
+from compress.paths import CONVERTED_MARKER, HUB_ID, cache_root
 from compress.progress import Reporter
 from compress.recipe import ModelSpec
 
@@ -28,8 +27,6 @@ from compress.recipe import ModelSpec
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-CONVERTED_MARKER = "compress-source.json"
 
 
 @dataclass

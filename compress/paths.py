@@ -1,9 +1,13 @@
-"""Where compress keeps its caches (reference assets, converted models)."""
+"""Where compress keeps its caches (reference assets, converted models), and how a model source is named."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a model source that names a hub repository (refused offline)
+CONVERTED_MARKER = "compress-source.json"  # written last into a converted GGUF's cache directory
 
 
 def cache_root() -> Path:

@@ -7,37 +7,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from compress.eval.devices import LOCAL
-from compress.eval.metrics import METRICS
+from compress.eval.metrics import METRICS, Evaluation  # noqa: F401 - Evaluation re-exported (it lived here)
 from compress.recipe import GateSpec
-
-
-@dataclass
-class Evaluation:
-    """Metrics of one artifact, measured on one runtime and device."""
-
-    artifact: str
-    runtime: str
-    device: str
-    metrics: dict[str, float | int]
-    source: str = "measured"  # or "estimated"
-    details: dict[str, Any] | None = None
-    kind: str = "accuracy"  # accuracy | latency | memory | kv_cache
-    profile: str | None = None  # the device profile it stands for (None: this machine)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "artifact": self.artifact,
-            "runtime": self.runtime,
-            "device": self.device,
-            "source": self.source,
-            "kind": self.kind,
-            "metrics": self.metrics,
-        }
-        if self.profile is not None:
-            out["profile"] = self.profile
-        if self.details:
-            out["details"] = self.details
-        return out
 
 
 @dataclass

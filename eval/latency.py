@@ -450,7 +450,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
-    from compress.eval.bench_quant import PeakRSS
+    from compress.eval.memory import PeakRSS
 
     target, settings = Target(**job["target"]), LatencySettings(**{**job["settings"], "batch_sizes": tuple(job["settings"]["batch_sizes"])})
     prompts = np.asarray(job["prompts"], dtype=np.int64)

@@ -1,4 +1,8 @@
-"""Accuracy metrics of a model against the unmodified (baseline) model, over evaluation chunks.
+"""Accuracy metrics of a model against the unmodified (baseline) model, over evaluation chunks, and the
+``Evaluation`` record every measurement is reported as.
+
+The metric math is below the exports and the repair loop in the layers (their verifiers score on it),
+so this module imports only torch, numpy and the schema.
 
 For every chunk, position ``t`` predicts token ``t+1``. Only targets with at least
 ``min_context`` tokens before them are scored, so every scored prediction has a real
@@ -15,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,3 +107,32 @@ def torch_forward(model: torch.nn.Module, device: torch.device) -> Forward:
         return model(input_ids=ids.to(device), use_cache=False).logits.cpu()
 
     return forward
+
+
+@dataclass
+class Evaluation:
+    """Metrics of one artifact, measured on one runtime and device."""
+
+    artifact: str
+    runtime: str
+    device: str
+    metrics: dict[str, float | int]
+    source: str = "measured"  # or "estimated"
+    details: dict[str, Any] | None = None
+    kind: str = "accuracy"  # accuracy | latency | memory | kv_cache
+    profile: str | None = None  # the device profile it stands for (None: this machine)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "artifact": self.artifact,
+            "runtime": self.runtime,
+            "device": self.device,
+            "source": self.source,
+            "kind": self.kind,
+            "metrics": self.metrics,
+        }
+        if self.profile is not None:
+            out["profile"] = self.profile
+        if self.details:
+            out["details"] = self.details
+        return out

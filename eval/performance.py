@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 
 from compress.eval import devices as dev
-from compress.eval.gates import Evaluation
 from compress.eval.latency import LatencySettings, Target, latency_metrics, measure, static_bytes
-from compress.eval.metrics import LATENCY_METRICS
+from compress.eval.metrics import LATENCY_METRICS, Evaluation
 from compress.progress import Reporter
 
 

@@ -71,8 +71,8 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
     """The model's transformers config, read without loading (or downloading) any weights."""
     from transformers import AutoConfig
 
-    from compress import assets, models
-    from compress.paths import cache_root
+    from compress import assets
+    from compress.paths import CONVERTED_MARKER, HUB_ID, cache_root
 
     source = spec.source
     name = assets.parse_reference(source)
@@ -87,14 +87,14 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
             )
         gguf = next(f for f in asset.files if f.suffix == ".gguf")
         converted = cache_root() / "models" / f"gguf-{asset.meta['files'][gguf.name][:16]}"
-        if (converted / models.CONVERTED_MARKER).is_file():
+        if (converted / CONVERTED_MARKER).is_file():
             return AutoConfig.from_pretrained(converted, local_files_only=True), f"config.json of the converted {source} ({converted})"
         return _gguf_config(gguf)
     path = Path(source).expanduser()
     path = path if path.is_absolute() else base_dir / path
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_config(path)
-    if not path.exists() and models.HUB_ID.match(source):
+    if not path.exists() and HUB_ID.match(source):
         from huggingface_hub import snapshot_download
 
         try:

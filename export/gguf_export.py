@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.eval.gates import Evaluation
-from compress.eval.metrics import compare, torch_forward
+from compress.eval.metrics import Evaluation, compare, torch_forward
 from compress.export import gguf as gguf_writer
 from compress.export import gguf_runtime
 from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches

@@ -21,8 +21,7 @@ from torch import nn
 
 from compress.artifact import float_tensors, write_config_and_tokenizer
 from compress.errors import FormatError
-from compress.eval.gates import Evaluation
-from compress.eval.metrics import compare, torch_forward
+from compress.eval.metrics import Evaluation, compare, torch_forward
 from compress.export import autogptq
 from compress.export import onnx_builder as ob
 from compress.export.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE

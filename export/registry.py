@@ -22,7 +22,7 @@ from torch import nn
 
 from compress.artifact import checksums
 from compress.errors import FormatError
-from compress.eval.gates import Evaluation
+from compress.eval.metrics import Evaluation
 from compress.export import autoawq, autogptq, compressed_tensors, gguf_export, onnx_export, tensorrt_export
 from compress.export.hf_checkpoint import (
     CONFIG_FILE,

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.eval.gates import Evaluation
-from compress.eval.metrics import compare, torch_forward
+from compress.eval.metrics import Evaluation, compare, torch_forward
 from compress.export import onnx_builder, onnx_qdq, tensorrt
 from compress.export.parity import VerifyInputs
 from compress.export.specs import TensorRTExport

@@ -19,6 +19,8 @@ re-quantizing. The convention:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -204,3 +206,18 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if noise == 0:
         return math.inf
     return float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+@contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """The column loop is thousands of tiny ops: extra CPU threads only add synchronization
+    (measured: 1536x576 layer, 0.13 s on 1 thread vs 7.1 s on 2 with the machine's other core busy)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn (torch.finfo(torch.float8_e4m3fn).max)

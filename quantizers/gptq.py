@@ -10,15 +10,12 @@ blocks and MatMulNBits without any reordering.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
-from compress.quantizers.core import QuantizedWeight, QuantScheme, compute_qparams, pack_record
+from compress.quantizers.core import QuantizedWeight, QuantScheme, compute_qparams, one_cpu_thread, pack_record
 from compress.quantizers.sequential import BlockJob, run_layerwise
 from compress.schema.quantize import GPTQConfig
 
@@ -46,18 +43,6 @@ def _inverse_cholesky(hessian: torch.Tensor, dampening: float) -> tuple[torch.Te
         except torch.linalg.LinAlgError:
             damp *= 10
     raise torch.linalg.LinAlgError(f"Hessian is not positive definite even with dampening {damp / 10:g}")
-
-
-@contextmanager
-def one_cpu_thread() -> Iterator[None]:
-    """The column loop is thousands of tiny ops: extra CPU threads only add synchronization
-    (measured: 1536x576 layer, 0.13 s on 1 thread vs 7.1 s on 2 with the machine's other core busy)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def gptq_quantize(

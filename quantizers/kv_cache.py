@@ -29,9 +29,6 @@ from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.schema.kv_cache import LLAMA_CPP_CACHE_TYPES, VLLM_CACHE_DTYPES, KVCacheConfig, KVEvalConfig  # noqa: F401 - re-exported
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
 # --------------------------------------------------------------------------- geometry and planning
 
 

@@ -13,7 +13,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from compress.errors import CompressError
-from compress.quantizers.kv_cache import FP8_MAX, KVCacheConfig
+from compress.quantizers.core import FP8_MAX
+from compress.schema.kv_cache import KVCacheConfig
 
 SCALE_DTYPE = torch.float16
 

@@ -43,13 +43,12 @@ from compress.errors import CompressError, FormatError
 from compress.export import compressed_tensors as ct_format
 from compress.export.hf_checkpoint import QUANTIZATION_CONFIG
 from compress.quantizers.apply import install_record, summarize
-from compress.quantizers.core import QuantizedWeight, QuantScheme, scale_torch_dtype
-from compress.quantizers.gptq import one_cpu_thread
+from compress.quantizers.core import QuantizedWeight, QuantScheme, one_cpu_thread, scale_torch_dtype
 from compress.quantizers.sequential import peak_memory_mb, select_block_linears
 
 if TYPE_CHECKING:
     from compress.quantizers.awq import AWQConfig
-    from compress.quantizers.gptq import GPTQConfig
+    from compress.schema.quantize import GPTQConfig
 
 EXTRA = "llmcompressor"
 NAME = "llmcompressor"

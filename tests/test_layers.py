@@ -1,0 +1,140 @@
+"""Imports flow one way: schema <- core <- methods/exports <- eval <- app (docs/architecture.md, "Layers").
+
+Every `import` and `from ... import` of a compress module in the source tree is read (at module level
+and inside functions alike, since a function-level import is still a dependency); only imports under
+`if TYPE_CHECKING:` are left out, since they never run. A module may import its own layer or a lower
+one, never a higher one, and no two modules may import each other, directly or through a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# pyproject's [tool.setuptools.package-dir]: one import namespace over sibling folders.
+FOLDERS = {"compress": "compress", "quantizers": "compress.quantizers", "pruning": "compress.pruning",
+           "distill": "compress.distill", "export": "compress.export", "eval": "compress.eval"}  # fmt: skip
+
+SCHEMA, CORE, METHODS, EVAL, APP = range(5)
+LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
+# Modules whose layer is not their folder's: the errors every layer raises sit with the schema; the
+# record types (QuantScheme, QuantizedWeight) are core types that live beside the quantizers; the
+# metric math and the Evaluation record are core, since every export's verifier and the repair loop
+# score on them; loading a model source (which reads quantized checkpoints through the export
+# formats), the run's steps, the gate, the registry, search and the benchmarks drive whole runs and
+# sit on top with the CLI.
+OVERRIDES = {
+    "compress.errors": SCHEMA,
+    "compress.quantizers.core": CORE,
+    "compress.eval.metrics": CORE,
+    "compress.pipeline": APP,
+    "compress.gate": APP,
+    "compress.registry": APP,
+    "compress.search": APP,
+    "compress.model_card": APP,
+    "compress.models": APP,
+    "compress.cli": APP,
+    "compress.__main__": APP,
+}
+FOLDER_LAYERS = {"compress.schema": SCHEMA, "compress.quantizers": METHODS, "compress.pruning": METHODS,
+                 "compress.distill": METHODS, "compress.export": METHODS, "compress.eval": EVAL}  # fmt: skip
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+def layer_of(module: str) -> int:
+    if module in OVERRIDES:
+        return OVERRIDES[module]
+    if module.startswith("compress.eval.bench"):
+        return APP  # benchmarks run whole pipelines
+    for prefix, layer in FOLDER_LAYERS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return CORE
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[tuple[str, int]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = _type_checking_lines(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target not in known and "." in target:  # `from pkg import name`: the module pkg
+                target = target.rpartition(".")[0]
+            if target in known and target not in (name, "compress"):
+                found.add((target, node.lineno))
+    return found
+
+
+def test_imports_go_down_the_layers_only() -> None:
+    known = modules()
+    upward = [
+        f"{name} ({LAYER_NAMES[layer_of(name)]}) imports {target} ({LAYER_NAMES[layer_of(target)]}) at line {line}"
+        for name, path in known.items()
+        for target, line in sorted(imports_of(name, path, known))
+        if layer_of(target) > layer_of(name)
+    ]
+    assert not upward, "imports against the layers (schema <- core <- methods/exports <- eval <- app):\n" + "\n".join(upward)
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    known = modules()
+    graph = {name: {target for target, _ in imports_of(name, path, known)} for name, path in known.items()}
+    cycles = []
+    for start in graph:  # a depth-first search for a path back to the start
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    cycles.append(" -> ".join([*trail, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
+    """The two checks above can fail: an upward import and a cycle in a made-up tree are found."""
+    (tmp_path / "a.py").write_text("import compress.b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from compress import a\n")
+    known = {"compress.a": tmp_path / "a.py", "compress.b": tmp_path / "b.py", "compress.eval.x": tmp_path / "a.py"}
+    assert imports_of("compress.b", tmp_path / "b.py", known) == {("compress.a", 2)}
+    assert (
+        layer_of("compress.schema.recipe")
+        < layer_of("compress.recipe")
+        < layer_of("compress.export.gguf")
+        < layer_of("compress.eval.latency")
+    )
+    assert layer_of("compress.eval.latency") < layer_of("compress.cli")
