@@ -12,7 +12,17 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from compress.schema.base import Seed, Strict
 from compress.schema.devices import DeviceProfile
@@ -21,7 +31,7 @@ from compress.schema.exports import ExportSpec
 from compress.schema.kv_cache import KVCacheConfig
 from compress.schema.metrics import DEVICE_METRICS, LATENCY_METRICS, METRICS
 from compress.schema.prune import PruneConfig
-from compress.schema.quantize import QuantizeConfig
+from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig
 
 SCHEMA_VERSION = 1
 """The recipe `version` this release reads (the one place it is defined)."""
@@ -32,6 +42,9 @@ THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
 # Fields that hold filesystem paths; relative values resolve against the recipe's directory
 # (or, for --set overrides, against the current directory).
 PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
+QUANT_METHODS_CONTEXT = "quant_methods"
+"""Validation-context key: method name -> config model of every registered quantization method
+(compress.recipe passes compress.plugins' table; without it, the built-in methods are known)."""
 
 
 def alias_problem(alias: str) -> str | None:
@@ -95,6 +108,28 @@ class StageSpec(Strict):
     distill: DistillConfig | None = None
     quantize: QuantizeConfig | None = None
     kv_cache: KVCacheConfig | None = None
+
+    @field_validator("quantize", mode="wrap")
+    @classmethod
+    def _registered_method(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        """``method`` picks the config model from the registered methods (the validation context),
+        so a method registered only in compress.plugins validates too; the built-in configs go
+        through the discriminated union as before (the JSON Schema lists those)."""
+        methods = (info.context or {}).get(QUANT_METHODS_CONTEXT)
+        if methods is None or not isinstance(value, dict) or not isinstance(value.get("method"), str):
+            return handler(value)
+        config = methods.get(value["method"])
+        if config is None:
+            raise ValueError(f"unknown quantization method '{value['method']}'; known: {', '.join(methods)}")
+        if QUANTIZE_CONFIGS.get(value["method"]) is config:
+            return handler(value)
+        return config.model_validate(value, context=info.context)
+
+    @field_serializer("quantize", mode="wrap")
+    def _dump_method(self, value: Any, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        if value is None or QUANTIZE_CONFIGS.get(getattr(value, "method", None)) is type(value):
+            return handler(value)
+        return value.model_dump(mode="json" if info.mode_is_json() else "python")  # a method registered in compress.plugins
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StageSpec:
