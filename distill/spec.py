@@ -53,7 +53,7 @@ DISTILL = StageKindSpec(
     build=_build,
     estimate=_estimate,
     summary=_summary,
-    description="distillation repair: train the student toward a teacher's logits (and hidden states) on calibration text",
+    description="distillation repair: the student trained toward a teacher's logits (and hidden states) on calibration text",
     trains=True,
     keeps_checkpoints=True,
 )

@@ -69,7 +69,7 @@ RTN = MethodSpec(
     load_stage=_rtn_stage,
     estimate=_rtn_estimate,
     cost=0,
-    description="round-to-nearest on each group's min/max grid; no calibration data",
+    description="round-to-nearest on each group's min/max grid, no calibration data",
 )
 
 
@@ -95,7 +95,7 @@ GPTQ = MethodSpec(
     load_stage=_gptq_stage,
     estimate=_gptq_estimate,
     cost=3,
-    description="GPTQ: column by column, each rounding error pushed onto later columns through the inverse Hessian of the inputs",
+    description="GPTQ, column by column, each rounding error pushed onto the columns not yet quantized through the inverse Hessian of the inputs",
 )
 
 
@@ -124,7 +124,7 @@ AWQ = MethodSpec(
     load_stage=_awq_stage,
     estimate=_awq_estimate,
     cost=2,
-    description="AWQ: activation-aware per-channel scales folded into the previous layer, clipping searched per group",
+    description="AWQ, activation-aware per-input-channel scales folded into the previous layer, then a clipping search per group",
 )
 
 
@@ -149,7 +149,7 @@ LLM_INT8 = MethodSpec(
     load_stage=_llm_int8_stage,
     estimate=_llm_int8_estimate,
     cost=1,
-    description="LLM.int8(): int8 weights and activations, outlier input features computed in float",
+    description="LLM.int8(), int8 weights and activations with the outlier input features computed in float",
     not_carried=(
         "LLM.int8 int8 activations and outlier decomposition: the export holds the plain int8 weight records; "
         "its runtime computes with them and its own activations"
@@ -194,7 +194,7 @@ QUANTIZE = StageKindSpec(
     build=_build_quantize,
     estimate=_quantize_estimate,
     summary=_quantize_summary,
-    description="quantize the weights of the selected Linear layers with one method of QUANT_METHODS",
+    description="weight quantization of the selected Linear layers",
     quantizes_weights=True,
 )
 
@@ -243,6 +243,6 @@ KV_CACHE = StageKindSpec(
     build=_build_kv_cache,
     estimate=_kv_cache_estimate,
     summary=_kv_cache_summary,
-    description="store the KV cache quantized while decoding (evaluated through it; its scheme goes to the exports)",
+    description="KV-cache quantization while decoding (evaluated through the cache; the scheme is recorded for the exports)",
     quantizes_kv_cache=True,
 )
