@@ -468,11 +468,11 @@ def bench_quant(
     except ValueError as exc:
         raise CompressError(str(exc)) from None
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
-    from compress.quantizers import QUANTIZE_METHODS
+    from compress.plugins import QUANT_METHODS
 
-    unknown = [m for m in chosen if m not in QUANTIZE_METHODS]
+    unknown = [m for m in chosen if m not in QUANT_METHODS]
     if unknown:
-        raise CompressError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(QUANTIZE_METHODS)}")
+        raise CompressError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(QUANT_METHODS)}")
     import yaml
     from pydantic import ValidationError
 
@@ -480,14 +480,14 @@ def bench_quant(
     for text in option or []:
         key, eq, value = text.partition("=")
         method, dot, name = key.strip().partition(".")
-        if not eq or not dot or not name or method not in QUANTIZE_METHODS:
-            raise CompressError(f"--option '{text}': expected METHOD.KEY=VALUE with METHOD one of {', '.join(QUANTIZE_METHODS)}")
+        if not eq or not dot or not name or method not in QUANT_METHODS:
+            raise CompressError(f"--option '{text}': expected METHOD.KEY=VALUE with METHOD one of {', '.join(QUANT_METHODS)}")
         if name in ("method", "bits", "group_size", "symmetric"):
             raise CompressError(f"--option '{text}': {name} comes from --settings")
         method_options.setdefault(method, {})[name] = yaml.safe_load(value)
     for method, opts in method_options.items():
         try:
-            QUANTIZE_METHODS[method].config(method=method, bits=4, **opts)
+            QUANT_METHODS[method].config(method=method, bits=4, **opts)
         except ValidationError as exc:
             raise CompressError(f"--option for {method}: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)

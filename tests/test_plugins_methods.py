@@ -12,7 +12,7 @@ import pytest
 from compress.errors import CompressError
 from compress.plugins import QUANT_METHODS, STAGE_KINDS
 from compress.recipe import StageSpec, load_recipe
-from compress.schema.quantize import QUANTIZE_CONFIGS
+from compress.schema.quantize import QUANTIZE_CONFIGS, WeightQuantConfig
 from tests.halfround import HALFROUND, HalfRoundConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 
@@ -41,6 +41,7 @@ def test_tables_match_the_schema() -> None:
     for name, config in QUANTIZE_CONFIGS.items():
         assert QUANT_METHODS[name].config is config and config.model_fields["method"].default == name
     assert sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost) == ["rtn", "llm_int8", "awq", "gptq"]
+    assert all(issubclass(spec.config, WeightQuantConfig) for spec in [*QUANT_METHODS.values(), HALFROUND])
 
 
 def test_a_method_registered_in_one_entry_runs_end_to_end(
@@ -124,3 +125,52 @@ def test_stage_kind_missing_from_the_table_is_an_error(
         build_stages(loaded.recipe)
     result = run_cli(["plan", recipe, "--device", "local"])
     assert result.exit_code == 2 and "stage kind 'quantize' is not registered" in result.output and "Traceback" not in result.output
+
+
+CAL = {"source": "t", "samples": 2, "seq_len": 16}
+EVAL = {"source": "t", "samples": 2, "seq_len": 64, "min_context": 8}
+RTN_STAGE = {"quantize": {"method": "rtn", "bits": 4}}
+
+
+@pytest.mark.parametrize(
+    ("data", "stages", "message"),
+    [
+        ({}, [{"prune": {"mlp": 0.25}}], "stages[0] (prune) needs data.calibration"),
+        ({}, [{"distill": {"steps": 100}}], "stages[0] (distill) needs data.calibration (or its own distill.data.source)"),
+        (
+            {"calibration": CAL},
+            [{"distill": {"steps": 100}}],
+            "stages[0] (distill) scores the student on held-apart text and needs data.evaluation",
+        ),
+        (
+            {"calibration": CAL, "evaluation": EVAL},
+            [RTN_STAGE, {"distill": {"steps": 100}}],
+            "stages[1] (distill) comes after stages[0] (quantize); distill changes float weights, so put it before quantization",
+        ),
+        (
+            {"calibration": CAL, "evaluation": EVAL},
+            [RTN_STAGE, {"prune": {"mlp": 0.25}}],
+            "stages[1] (prune) comes after stages[0] (quantize); prune changes float weights, so put it before quantization",
+        ),
+        (
+            {},
+            [{"kv_cache": {"static_scales": True, "evaluate": None}}],
+            "stages[0] (kv_cache) calibrates static scales and needs data.calibration",
+        ),
+        (
+            {"calibration": CAL, "evaluation": EVAL},
+            [{"kv_cache": {}}, {"kv_cache": {}}],
+            "stages [0, 1] are all kv_cache stages; a recipe has at most one",
+        ),
+    ],
+)
+def test_stage_kind_rules_come_from_their_configs(data: dict, stages: list, message: str) -> None:
+    """Recipe-level rules of each kind (data it needs, order, at most one) are asked of the stage's
+    config (compress.schema.base.StageConfig), with the messages they always had."""
+    from pydantic import ValidationError
+
+    from compress.recipe import Recipe
+
+    with pytest.raises(ValidationError) as info:
+        Recipe.model_validate({"version": 1, "model": {"source": "m"}, "data": data, "stages": stages})
+    assert info.value.errors()[0]["msg"] == f"Value error, {message}"

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from compress.schema.base import Strict
+from compress.schema.base import StageConfig, Strict
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 
@@ -60,7 +60,7 @@ class QuantScheme(Strict):
         return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
 
 
-class WeightQuantConfig(QuantScheme):
+class WeightQuantConfig(QuantScheme, StageConfig):
     """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
 
     Patterns are matched against module names (``model.layers.0.mlp.down_proj``): a glob that
