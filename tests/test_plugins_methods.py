@@ -43,6 +43,10 @@ def test_tables_match_the_schema() -> None:
     assert sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost) == ["rtn", "llm_int8", "awq", "gptq"]
     assert all(issubclass(spec.config, WeightQuantConfig) for spec in [*QUANT_METHODS.values(), HALFROUND])
 
+    from compress.quantizers import QUANTIZE_METHODS
+
+    assert QUANTIZE_METHODS is QUANT_METHODS  # the older name, for callers that still use it
+
 
 def test_a_method_registered_in_one_entry_runs_end_to_end(
     tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
