@@ -468,11 +468,11 @@ def bench_quant(
     except ValueError as exc:
         raise CompressError(str(exc)) from None
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
-    from compress.quantizers import QUANTIZE_METHODS
+    from compress.plugins import QUANT_METHODS
 
-    unknown = [m for m in chosen if m not in QUANTIZE_METHODS]
+    unknown = [m for m in chosen if m not in QUANT_METHODS]
     if unknown:
-        raise CompressError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(QUANTIZE_METHODS)}")
+        raise CompressError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(QUANT_METHODS)}")
     import yaml
     from pydantic import ValidationError
 
@@ -480,14 +480,14 @@ def bench_quant(
     for text in option or []:
         key, eq, value = text.partition("=")
         method, dot, name = key.strip().partition(".")
-        if not eq or not dot or not name or method not in QUANTIZE_METHODS:
-            raise CompressError(f"--option '{text}': expected METHOD.KEY=VALUE with METHOD one of {', '.join(QUANTIZE_METHODS)}")
+        if not eq or not dot or not name or method not in QUANT_METHODS:
+            raise CompressError(f"--option '{text}': expected METHOD.KEY=VALUE with METHOD one of {', '.join(QUANT_METHODS)}")
         if name in ("method", "bits", "group_size", "symmetric"):
             raise CompressError(f"--option '{text}': {name} comes from --settings")
         method_options.setdefault(method, {})[name] = yaml.safe_load(value)
     for method, opts in method_options.items():
         try:
-            QUANTIZE_METHODS[method][0](method=method, bits=4, **opts)
+            QUANT_METHODS[method].config(method=method, bits=4, **opts)
         except ValidationError as exc:
             raise CompressError(f"--option for {method}: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
@@ -727,50 +727,10 @@ def assets_list() -> None:
 
 
 def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
-    for stage in manifest["stages"]:
-        s = stage["summary"]
-        if stage["kind"] == "quantize":
-            out.print(
-                f"{stage['label']} quantize {stage['method']}: {s['layers_quantized']} layers, {s['params_quantized']:,} weights, "
-                f"{s['bits_per_weight']} bits/weight, SQNR mean {s['sqnr_db_mean']} dB (min {s['sqnr_db_min']}), {stage['duration_s']:.1f}s"
-                + (
-                    f", {s['calibration_tokens']:,} calibration tokens, peak memory {s['peak_memory_mb']:,.0f} MB"
-                    if "calibration_tokens" in s
-                    else ""
-                )
-            )
-        elif stage["kind"] == "kv_cache":
-            mem = (report.get("kv_cache") or {}).get("memory")
-            measured = (
-                (
-                    f"; measured {mem['bytes_per_token']:,.0f} bytes/token at {mem['context']:,} tokens, "
-                    f"{mem['compression_vs_fp16']:.2f}x less than fp16 ({mem['fp16_cache_bytes'] / mem['context']:,.0f})"
-                )
-                if mem
-                else ""
-            )
-            out.print(f"{stage['label']} kv_cache: {s['scheme']}{measured}")
-        elif stage["kind"] == "prune":
-            b, a = s["before"], s["after"]
-            out.print(
-                f"{stage['label']} prune: {b['parameters']:,} → {a['parameters']:,} parameters ({s['removed_parameters_pct']}% removed); "
-                f"MLP {b['intermediate_size']} → {a['intermediate_size']}, heads {b['num_attention_heads']}/{b['num_key_value_heads']} → "
-                f"{a['num_attention_heads']}/{a['num_key_value_heads']}, hidden {b['hidden_size']} → {a['hidden_size']}, "
-                f"layers {b['num_hidden_layers']} → {a['num_hidden_layers']}; {stage['duration_s']:.1f}s"
-            )
-        elif stage["kind"] == "distill":
-            b, a = s["before"], s["after"]
-            out.print(
-                f"{stage['label']} distill: KL to the teacher {b['kl_divergence']:.4f} → {a['kl_divergence']:.4f}, top-1 "
-                f"{b['top1_agreement']:.2%} → {a['top1_agreement']:.2%} (held-apart text); {s['steps']} steps, {s['tokens']:,} tokens, "
-                f"{s['train_seconds']:.0f}s training, {s['processes']} process(es)"
-                + (f", resumed at step {s['resumed_from_step']}" if s["resumed_from_step"] is not None else "")
-                + (
-                    f"; the {s['max_minutes']:g}-minute budget ended it ({s['max_steps']} steps allowed)"
-                    if s.get("stopped_by") == "max_minutes"
-                    else ""
-                )
-            )
+    from compress.plugins import stage_kind
+
+    for stage in manifest["stages"]:  # each kind's spec says its line
+        out.print(stage_kind(stage["kind"], stage["label"]).summary(stage, report))
     accuracy = [ev for ev in report["evaluations"] if ev.get("kind", "accuracy") in ("accuracy", "kv_cache")]
     if accuracy:
         table = Table(title="evaluation (vs baseline)")

@@ -101,9 +101,11 @@ def _method(manifest: dict[str, Any]) -> list[str]:
         lines += ["No compression stage: the artifact holds the source model as loaded.", ""]
     for stage in stages:
         method = f" {stage['method']}" if stage.get("method") else ""
+        lines += [f"### {stage['label']}: {stage['kind']}{method}", ""]
+        what = _what_it_does(stage)
+        if what:
+            lines += [what, ""]
         lines += [
-            f"### {stage['label']}: {stage['kind']}{method}",
-            "",
             "Expanded configuration:",
             "",
             "```json",
@@ -116,6 +118,19 @@ def _method(manifest: dict[str, Any]) -> list[str]:
         if facts:
             lines += ["Result: " + ", ".join(f"{k} {_cell(v)}" for k, v in facts.items()) + ".", ""]
     return lines
+
+
+def _what_it_does(stage: dict[str, Any]) -> str | None:
+    """The stage kind's description (and its quantization method's) from the plugin tables; None
+    for a kind this installation does not register (a card of an artifact made with a plugin)."""
+    from compress.plugins import QUANT_METHODS, STAGE_KINDS
+
+    kind = STAGE_KINDS.get(stage.get("kind", ""))
+    if kind is None:
+        return None
+    method = QUANT_METHODS.get(stage.get("method", "")) if kind.quantizes_weights else None
+    text = kind.description + (f" ({method.description})" if method else "")
+    return text[:1].upper() + text[1:] + "."
 
 
 def _artifacts(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:

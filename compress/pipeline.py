@@ -26,7 +26,6 @@ from compress import __version__
 from compress.artifact import checksums, write_model
 from compress.context import RunContext, Stage, StageRecord
 from compress.data import Chunks, DataPlan
-from compress.distill.distill import DistillStage
 from compress.distill.train import process_rank
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.devices import LOCAL, get_profile, load_profiles
@@ -42,10 +41,8 @@ from compress.export.registry import check_exports, gate_evaluations, report_ent
 from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
+from compress.plugins import STAGE_KINDS, quant_method, stage_kind
 from compress.progress import Reporter
-from compress.pruning.prune import PruneStage
-from compress.quantizers import QUANTIZE_METHODS
-from compress.quantizers.kv_cache import KVCacheStage
 from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, ModelSpec, Recipe
 from compress.schema.manifest import MANIFEST_VERSION, Manifest
 from compress.schema.report import REPORT_VERSION, Report
@@ -86,21 +83,9 @@ class RunResult:
 
 
 def build_stages(recipe: Recipe) -> list[Stage]:
-    stages: list[Stage] = []
-    for i, spec in enumerate(recipe.stages):
-        label = f"stages[{i}]"
-        if spec.kind == "quantize":
-            _, stage_cls = QUANTIZE_METHODS[spec.config.method]
-            stages.append(stage_cls(spec.config, label))
-        elif spec.kind == "kv_cache":
-            stages.append(KVCacheStage(spec.config, label))
-        elif spec.kind == "prune":
-            stages.append(PruneStage(spec.config, label))
-        elif spec.kind == "distill":
-            stages.append(DistillStage(spec.config, label))
-        else:  # the schema admits only kinds handled above
-            raise CompressError(f"{label}: stage kind '{spec.kind}' has no implementation")
-    return stages
+    """One Stage per recipe stage, built by its kind's spec (compress.plugins.STAGE_KINDS); a kind
+    or quantization method missing from the tables is a CompressError naming the known ones."""
+    return [stage_kind(spec.kind, f"stages[{i}]").build(spec.config, f"stages[{i}]") for i, spec in enumerate(recipe.stages)]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -122,7 +107,7 @@ def check_shapes_early(loaded: LoadedRecipe) -> None:
     is read, from the model's config alone; a source whose config cannot be read that way is
     checked by the stage itself once loaded."""
     recipe = loaded.recipe
-    if not any(st.kind == "quantize" and getattr(st.config, "group_size", None) for st in recipe.stages):
+    if not any(stage_kind(st.kind).quantizes_weights and getattr(st.config, "group_size", None) for st in recipe.stages):
         return
     from compress.eval.plan_sizes import check_group_sizes, final_shape, model_shape
 
@@ -148,10 +133,11 @@ def run_recipe(
     result with no evaluations (``secondary``)."""
     recipe, base_dir = loaded.recipe, loaded.base_dir
     rank, world = process_rank()
-    last_distill = max((i for i, st in enumerate(recipe.stages) if st.kind == "distill"), default=None)
-    if world > 1 and last_distill is None:
+    last_trained = max((i for i, st in enumerate(recipe.stages) if stage_kind(st.kind).trains), default=None)
+    if world > 1 and last_trained is None:
+        trained = ", ".join(name for name, spec in STAGE_KINDS.items() if spec.trains)
         raise CompressError(
-            f"this run has {world} processes, but only distill stages train in several processes; "
+            f"this run has {world} processes, but only {trained} stages train in several processes; "
             "run it as a single process (compress run …)"
         )
     reporter = Reporter(quiet=True) if rank > 0 else (reporter or Reporter())
@@ -213,7 +199,7 @@ def run_recipe(
     for i, stage in enumerate(stages):
         records.append(stage.apply(model, ctx))
         ctx.applied.append(recipe.stages[i].kind)
-        if rank > 0 and i == last_distill:  # the main process evaluates, exports and writes
+        if rank > 0 and i == last_trained:  # the main process evaluates, exports and writes
             return RunResult(out_dir, {}, {"secondary_process": rank}, [], [])
     ctx.teacher = ctx.mapping = None  # a pre-pruning copy is not needed past the stages
     check_exports(recipe.exports, model, ctx.quantized, eval_chunks is not None)  # before evaluation: fail fast on an impossible export
@@ -266,7 +252,7 @@ def run_recipe(
         report = build_report(recipe, evaluations, gates, eval_chunks)
         if host is not None:
             report["host"] = host
-        note_llm_int8(exports, records, ctx)
+        note_not_carried(exports, records, ctx)
         report["exports"] = report_entries(exports, evaluations)
         if kv_report is not None:
             report["kv_cache"] = {**kv_report, "exports": {e["name"]: e.get("kv_cache") for e in exports}}
@@ -279,7 +265,7 @@ def run_recipe(
             manifest["timings"] = {k: round(v, 3) for k, v in timings.items()}
             manifest["files"] = {k: v for k, v in checksums(tmp).items() if k != "manifest.json"}  # a latency run wrote an interim one
             write_document(tmp / "manifest.json", manifest, Manifest)
-    remove_checkpoints(ctx.work_dir, [f"stages[{i}]" for i, st in enumerate(recipe.stages) if st.kind == "distill"])
+    remove_checkpoints(ctx.work_dir, [f"stages[{i}]" for i, st in enumerate(recipe.stages) if stage_kind(st.kind).keeps_checkpoints])
     return RunResult(out_dir, manifest, report, evaluations, gates)
 
 
@@ -396,19 +382,19 @@ def evaluate_in_memory(
     ]
 
 
-LLM_INT8_EXPORT_NOTE = (
-    "LLM.int8 int8 activations and outlier decomposition: the export holds the plain int8 weight records; "
-    "its runtime computes with them and its own activations"
-)
-
-
-def note_llm_int8(exports: list[dict[str, Any]], records: list[StageRecord], ctx: RunContext) -> None:
-    """Say on every export what it does not carry of an LLM.int8 stage (no format holds the
-    activation quantization or the decomposition; a GGUF's llama.cpp evaluation measures the cost)."""
-    labels = {f"stages[{i}]" for i, r in enumerate(records) if r.method == "llm_int8"}
-    if labels & set(ctx.quantized_by.values()):
+def note_not_carried(exports: list[dict[str, Any]], records: list[StageRecord], ctx: RunContext) -> None:
+    """Say on every export what it does not carry of the quantization methods whose records it
+    holds (a method spec's ``not_carried``: LLM.int8's activation quantization and decomposition,
+    which no format holds; a GGUF's llama.cpp evaluation measures the cost)."""
+    used = set(ctx.quantized_by.values())
+    notes = [
+        note
+        for i, r in enumerate(records)
+        if f"stages[{i}]" in used and stage_kind(r.kind).quantizes_weights and (note := quant_method(r.method).not_carried)
+    ]
+    if notes:
         for entry in exports:
-            entry["not_carried"] = [LLM_INT8_EXPORT_NOTE]
+            entry["not_carried"] = list(dict.fromkeys(notes))
 
 
 def evaluate_kv_stage(

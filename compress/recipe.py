@@ -12,8 +12,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compress.errors import RecipeError
+from compress.plugins import quant_configs
 from compress.schema.recipe import *  # noqa: F403 - the recipe models (compress.schema.recipe), importable from here too
-from compress.schema.recipe import PATH_FIELDS, Recipe
+from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, Recipe
 from compress.schema.yamlio import format_path, load_yaml, read_text
 
 # --------------------------------------------------------------------------- loading
@@ -93,8 +94,9 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
 
 
 def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Recipe:
+    """Validate raw recipe data; ``quantize: {method}`` is looked up in compress.plugins.QUANT_METHODS."""
     try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate(data, context={QUANT_METHODS_CONTEXT: quant_configs()})
     except ValidationError as exc:
         raise RecipeError(format_validation_error(exc, lines, filename)) from None
 

@@ -24,10 +24,9 @@ from typing import Any
 
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError, RecipeError
 from compress.fsutil import check_target
+from compress.plugins import QUANT_METHODS, quant_method, stage_kind
 from compress.progress import Reporter
 from compress.recipe import LoadedRecipe, Recipe, apply_override, parse_yaml, validate
-
-METHOD_COST = {"rtn": 0, "llm_int8": 1, "awq": 2, "gptq": 3}  # cheaper to run first among equal sizes
 
 
 @dataclass
@@ -68,7 +67,7 @@ def bits_per_weight(recipe: Recipe) -> float:
     """Expected stored bits per weight of the quantized layers: bits plus the group's scale (and
     zero point) amortised; 16 without a quantize stage."""
     for stage in recipe.stages:
-        if stage.kind == "quantize":
+        if stage_kind(stage.kind).quantizes_weights:
             cfg = stage.config
             group = getattr(cfg, "group_size", None)
             extra = 0.0 if not group else (16 if getattr(cfg, "symmetric", True) else 16 + getattr(cfg, "bits", 8)) / group
@@ -77,7 +76,8 @@ def bits_per_weight(recipe: Recipe) -> float:
 
 
 def _cost(recipe: Recipe) -> int:
-    return sum(METHOD_COST.get(getattr(st.config, "method", ""), 0) for st in recipe.stages if st.kind == "quantize")
+    """Run cheaper methods first among candidates of equal expected size (each method spec's ``cost``)."""
+    return sum(quant_method(st.config.method).cost for st in recipe.stages if stage_kind(st.kind).quantizes_weights)
 
 
 def artifact_size(directory: Path, recipe: Recipe) -> int:
@@ -189,7 +189,7 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
             "chosen": chosen["name"] if chosen else None,
             "chosen_path": chosen["path"] if chosen else None,
             "stop_at_first_pass": spec.stop_at_first_pass,
-            "order": "expected bits per weight, then method cost (rtn, llm_int8, awq, gptq)",
+            "order": f"expected bits per weight, then method cost ({', '.join(sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost))})",
             "size": "the first export's files, else model/'s weights as a packed checkpoint stores them, MiB",
         },
     }

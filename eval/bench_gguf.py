@@ -23,8 +23,8 @@ from compress.export import gguf as gguf_writer
 from compress.export import gguf_runtime
 from compress.export.specs import GGUF_LLAMA_CPP_TYPES
 from compress.pipeline import library_versions
+from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.quantizers import QUANTIZE_METHODS
 from compress.recipe import DataSpec
 
 LLAMA_CPP = "llama.cpp"
@@ -46,8 +46,8 @@ class Candidate:
             if rest not in GGUF_LLAMA_CPP_TYPES:
                 raise ValueError(f"candidate '{text}': llama.cpp type must be one of {', '.join(GGUF_LLAMA_CPP_TYPES)}")
             return cls(source, None, rest)
-        if source not in QUANTIZE_METHODS:
-            raise ValueError(f"candidate '{text}': unknown method '{source}'; known: {', '.join(QUANTIZE_METHODS)}")
+        if source not in QUANT_METHODS:
+            raise ValueError(f"candidate '{text}': unknown method '{source}'; known: {', '.join(QUANT_METHODS)}")
         setting = Setting.parse(rest)
         if setting.bits != 4:
             raise ValueError(f"candidate '{text}': exact GGUF blocks here are 4-bit (Q4_0 / Q4_1)")

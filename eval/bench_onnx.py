@@ -27,8 +27,8 @@ from compress.export import onnx_runtime as rt
 from compress.export.onnx_builder import ONNX_FILE
 from compress.export.specs import ONNXExport
 from compress.pipeline import library_versions
+from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.quantizers import QUANTIZE_METHODS
 from compress.recipe import DataSpec
 
 BUILDER = "builder"
@@ -45,8 +45,8 @@ class Candidate:
         source, sep, rest = text.strip().partition(":")
         if not sep:
             raise ValueError(f"candidate '{text}': expected METHOD:SETTING (gptq:W4g32a) or builder:SETTING (builder:W4g32a)")
-        if source != BUILDER and source not in QUANTIZE_METHODS:
-            raise ValueError(f"candidate '{text}': unknown source '{source}'; known: {BUILDER}, {', '.join(QUANTIZE_METHODS)}")
+        if source != BUILDER and source not in QUANT_METHODS:
+            raise ValueError(f"candidate '{text}': unknown source '{source}'; known: {BUILDER}, {', '.join(QUANT_METHODS)}")
         setting = Setting.parse(rest)
         if setting.bits != 4 or setting.group_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"candidate '{text}': int4 with a MatMulNBits block size (16, 32, 64, 128, 256)")

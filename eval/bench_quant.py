@@ -24,8 +24,8 @@ from compress.data import DataPlan
 from compress.eval.memory import PeakRSS
 from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
+from compress.plugins import quant_method
 from compress.progress import Reporter
-from compress.quantizers import QUANTIZE_METHODS
 from compress.recipe import DataSpec, ModelSpec
 
 
@@ -63,16 +63,15 @@ def quantize_copy(lm: Any, calibration: Any, method: str, setting: Setting, repo
     import time
 
     from compress.context import RunContext
-    from compress.quantizers import QUANTIZE_METHODS
 
     if calibration is None:
         raise ValueError(f"{method} needs calibration data")
-    config_cls, stage_cls = QUANTIZE_METHODS[method]
-    config = config_cls(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
+    spec = quant_method(method)
+    config = spec.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
     model = copy.deepcopy(lm.model)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
     started = time.perf_counter()
-    stage_cls(config, "bench").apply(model, ctx)
+    spec.build(config, "bench").apply(model, ctx)
     return model, ctx.quantized, time.perf_counter() - started
 
 
@@ -116,9 +115,11 @@ def run_quant_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     for setting in settings:
         for method in methods:
-            config_cls, stage_cls = QUANTIZE_METHODS[method]
+            method_spec = quant_method(method)
             options = dict((method_options or {}).get(method, {}))
-            config = config_cls(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric, **options)
+            config = method_spec.config(
+                method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric, **options
+            )
             if getattr(config, "needs_calibration", False) and calibration is None:
                 raise ValueError(f"{method} needs calibration data")
             name = f"{method} {setting.label}"
@@ -127,7 +128,7 @@ def run_quant_bench(
             ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)  # type: ignore[union-attr]
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                record = stage_cls(config, "bench").apply(model, ctx)
+                record = method_spec.build(config, "bench").apply(model, ctx)
                 seconds = time.perf_counter() - t0
             # Score right away (the baseline is re-run each time) and write, so a stopped run keeps its rows.
             metrics = compare(

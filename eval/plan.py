@@ -9,11 +9,23 @@ CPU, 2 threads, SmolLM2-135M), scaled by parameters and tokens; a faster CPU or 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError
+from compress.estimates import (
+    CPU_FORWARD_FLOPS,
+    DISTILL_TOKENS_PER_S,
+    EXPORT_BUILD_S,
+    LOAD_BYTES_PER_S,
+    REF_PARAMS,
+    REFERENCE,
+    RTN_WEIGHTS_PER_S,
+    TORCH_DECODE_TOKENS_PER_S,
+    PlanStep,
+)
+from compress.estimates import activation_bytes as _activation_bytes
+from compress.estimates import forward_s as _forward_s
 from compress.eval.devices import LOCAL, DeviceProfile, estimate_latency, fit_check, get_profile, kv_bytes_per_token
 from compress.eval.plan_sizes import (
     DTYPE_BYTES,
@@ -24,44 +36,12 @@ from compress.eval.plan_sizes import (
     check_group_sizes,
     final_shape,
     model_shape,
-    pruned_shape,
     quantized_layers,
 )
+from compress.plugins import stage_kind
 from compress.recipe import LoadedRecipe, Recipe
 
-# Measured on the reference machine (README "Measured" sections, docs/bench/*.json, out/manifest.json).
-REFERENCE = "rough numbers of this project's 2-core CPU (torch 2.13, 2 threads); other machines differ"
-REF_PARAMS = 134_515_008  # SmolLM2-135M
-CPU_FORWARD_FLOPS = 160e9  # quickstart evaluation: 2 models x 32 x 512 tokens in 54 s (2 x params FLOPs/token)
-LOAD_BYTES_PER_S = 0.2e9  # the 538 MB float32 model (cached conversion) loaded in 2.7 s
-RTN_WEIGHTS_PER_S = 1.0e8  # RTN: 106M weights in ~1.0 s
-DISTILL_TOKENS_PER_S = {"bf16": 250.0, "fp32": 124.0}  # distillation training of the 135M model
-TORCH_DECODE_TOKENS_PER_S = 18.0  # token-by-token torch decoding with a DynamicCache, 135M model, fp32
-EXPORT_BUILD_S = 60.0  # writing and proving one export file of the 135M model, without scoring it (onnx.yaml: ~110 s per export)
-
-
 # --------------------------------------------------------------------------- stages: memory and time
-
-
-def _forward_s(params: int, tokens: float) -> float:
-    return 2 * params * tokens / CPU_FORWARD_FLOPS
-
-
-def _activation_bytes(shape: ModelShape, batch: int, seq: int) -> float:
-    """One inference forward pass of ``batch`` x ``seq`` tokens: one block's live tensors, its
-    attention scores, and float32 logits + log-probabilities."""
-    t = shape.text
-    block = batch * seq * (4 * t.hidden_size + 3 * t.intermediate_size) * 4
-    scores = batch * t.num_attention_heads * seq * seq * 4
-    return block + scores + 2 * batch * seq * t.vocab_size * 4
-
-
-def _training_bytes(shape: ModelShape, batch: int, seq: int, bf16: bool) -> float:
-    """Activations kept for backward, s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits (Korthikanti
-    et al. 2022; x2 in float32), plus teacher and student logits, log-probabilities and their gradient."""
-    t = shape.text
-    per_layer = seq * batch * t.hidden_size * (34 + 5 * t.num_attention_heads * seq / t.hidden_size)
-    return t.num_hidden_layers * per_layer * (1 if bf16 else 2) + 4 * batch * seq * t.vocab_size * 4
 
 
 def stage_estimates(
@@ -72,7 +52,6 @@ def stage_estimates(
     dtype = DTYPE_BYTES[recipe.model.dtype]
     base = shape.params * dtype  # the baseline stays in memory for the whole run
     cal = recipe.data.calibration
-    cal_tokens = cal.samples * cal.seq_len if cal else 0
     copies = "baseline + working copy" if recipe.stages else "the model"
     rows = [
         {
@@ -86,75 +65,12 @@ def stage_estimates(
     for i, stage in enumerate(recipe.stages):
         cfg = stage.config
         label = f"stages[{i}] {stage.kind}" + (f" {cfg.method}" if hasattr(cfg, "method") else "")
-        held = base + cur.params * dtype
-        if stage.kind == "prune":
-            passes = 1 + (cur.text.num_hidden_layers if cfg.layers and cfg.layers.metric == "kl" else 0)
-            mem, secs = held + _activation_bytes(cur, cfg.batch_size, cal.seq_len), passes * _forward_s(cur.params, cal_tokens)
-            basis = (
-                f"baseline + working copy + one forward of {cfg.batch_size} x {cal.seq_len} tokens; "
-                f"{passes} pass(es) over {cal_tokens:,} calibration tokens"
-            )
-            cur = pruned_shape(cur, cfg)
-        elif stage.kind == "distill":
-            bf16 = cfg.autocast == "bf16"
-            trainable = cur.params - (cur.frozen_params() if cfg.train == "blocks" else 0)
-            tokens = cfg.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len
-            rate = DISTILL_TOKENS_PER_S["bf16" if bf16 else "fp32"] * REF_PARAMS / cur.params
-            mem = held + 12 * trainable + _training_bytes(cur, cfg.batch_size, cfg.seq_len, bf16)
-            secs = tokens / rate
-            basis = (
-                f"teacher (the baseline) + student + fp32 grads and AdamW moments of {trainable:,} trainable parameters + activations "
-                f"of {cfg.batch_size} x {cfg.seq_len} tokens; {tokens:,} tokens at ~{rate:,.0f} tokens/s "
-                f"({'bf16 autocast' if bf16 else 'float32'}, scaled from the 135M model)"
-            )
-        elif stage.kind == "quantize":
-            selected = set(_selected(cur, cfg))
-            mine = {n: r for n, r in records.items() if n in selected}
-            weights = sum(r.out_f * r.in_f for r in mine.values())
-            codes = weights  # one uint8 per weight, unpacked
-            if cfg.method == "rtn":
-                mem, secs = held + codes, weights / RTN_WEIGHTS_PER_S
-                basis = f"baseline + working copy + uint8 codes of {weights:,} weights; ~{RTN_WEIGHTS_PER_S:.0e} weights/s"
-            else:
-                t = cur.text
-                hidden_states = 2 * cal_tokens * t.hidden_size * 4
-                hessians = sum(r.in_f**2 for n, r in mine.items() if re.search(r"\.0\.", n)) * 4  # the first block's Linears
-                mem = held + codes + hidden_states + hessians + _activation_bytes(cur, cfg.batch_size, cal.seq_len) / 2
-                block_linear = sum(r.in_f**2 for r in mine.values())
-                if cfg.method == "gptq":
-                    secs = _forward_s(weights, cal_tokens) + 2 * block_linear * cal_tokens / CPU_FORWARD_FLOPS
-                    how = f"forward + Hessian accumulation (2 x in_features^2 per Linear per token) over {cal_tokens:,} calibration tokens"
-                elif cfg.method == "awq":
-                    secs = _forward_s(weights, cal_tokens) + 1.25 * cfg.grid * _forward_s(weights, cfg.search_tokens)
-                    how = (
-                        f"forward over {cal_tokens:,} calibration tokens + {cfg.grid} scale candidates x "
-                        f"{cfg.search_tokens:,} search tokens (+25% clipping)"
-                    )
-                elif cfg.method == "llm_int8":  # one pass to find outlier columns, then rounding
-                    secs = _forward_s(cur.params, cal_tokens) + weights / RTN_WEIGHTS_PER_S
-                    how = f"one forward over {cal_tokens:,} calibration tokens, then rounding"
-                else:
-                    raise CompressError(f"{label}: compress plan has no estimate for quantize method '{cfg.method}'")
-                basis = (
-                    f"baseline + working copy + codes + block inputs/outputs of {cal_tokens:,} tokens (float32) + one block's "
-                    f"Hessians; {how}"
-                )
-        elif stage.kind == "kv_cache":
-            per_token = kv_bytes_per_token(cur.config, dtype)
-            ev = cfg.evaluate
-            mem = held + (2 * per_token * ev.context * ev.samples if ev else 0)
-            rate = TORCH_DECODE_TOKENS_PER_S * REF_PARAMS / cur.params
-            secs = (2 * ev.samples * ev.context / rate if ev else 0) + (_forward_s(cur.params, cal_tokens) if cfg.static_scales else 0)
-            basis = (
-                f"baseline + working copy + float and quantized caches at {ev.context if ev else 0} tokens; decoding "
-                f"{ev.samples if ev else 0} x {ev.context if ev else 0} tokens token by token twice (float cache and quantized) "
-                f"at ~{rate:.0f} tokens/s"
-                if ev
-                else "baseline + working copy; no evaluation through the cache"
-            )
-        else:
-            raise CompressError(f"{label}: compress plan has no estimate for stage kind '{stage.kind}'")
-        rows.append({"step": label, "peak_memory_gb": mem / GB, "time_s": secs, "basis": basis})
+        kind = stage_kind(stage.kind, f"stages[{i}]")  # each kind (and quantization method) holds its own formula
+        step = PlanStep(cfg, cur, base + cur.params * dtype, cal, kv_bytes_per_token(cur.config, dtype), records)
+        est = kind.estimate(step)
+        if kind.plan_shape is not None:
+            cur = kind.plan_shape(cur, cfg)
+        rows.append({"step": label, "peak_memory_gb": est.memory_bytes / GB, "time_s": est.seconds, "basis": est.basis})
     ev = recipe.data.evaluation
     if ev is not None:
         tokens = ev.samples * ev.seq_len
@@ -183,12 +99,6 @@ def stage_estimates(
             }
         )
     return rows
-
-
-def _selected(shape: ModelShape, cfg: Any) -> list[str]:
-    from compress.quantizers.targets import select_linears
-
-    return [n for n, _ in select_linears(shape.model, cfg.targets, cfg.ignore)[0]]
 
 
 # --------------------------------------------------------------------------- the plan

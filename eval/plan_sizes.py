@@ -12,6 +12,7 @@ from typing import Any
 
 from compress.errors import CompressError, ModelLoadError
 from compress.inputs import check_json
+from compress.plugins import stage_kind
 from compress.recipe import ModelSpec, Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,6 +53,10 @@ class ModelShape:
     @property
     def text(self) -> Any:
         return self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+
+    def rebuilt(self, config: Any, origin: str) -> ModelShape:
+        """The shape of ``config`` (a changed copy of this one's, e.g. by a stage's ``plan_shape``)."""
+        return shape_of(config, False, origin)
 
     def frozen_params(self) -> int:
         """The embedding and output head: what `distill: train: blocks` leaves frozen."""
@@ -142,29 +147,6 @@ def shape_of(config: Any, trust_remote_code: bool = False, origin: str = "") -> 
     return ModelShape(config, model, params, origin)
 
 
-def pruned_shape(shape: ModelShape, prune: Any) -> ModelShape:
-    """The shape a prune stage leaves (sizes resolved exactly as the stage does)."""
-    from compress.pruning.arch import PrunableModel
-    from compress.pruning.prune import resolve_sizes
-
-    pm = PrunableModel.of(shape.model)
-    sizes = resolve_sizes(prune, pm)
-    heads = sizes.get("heads", pm.num_heads)
-    layers = sizes.get("layers", len(pm.blocks))
-    data = shape.config.to_dict()
-    data.update(
-        intermediate_size=sizes.get("mlp", pm.intermediate_size),
-        hidden_size=sizes.get("hidden", pm.hidden_size),
-        num_attention_heads=heads,
-        num_key_value_heads=heads // (pm.num_heads // pm.kv_heads),
-        head_dim=pm.head_dim,
-        num_hidden_layers=layers,
-    )
-    if isinstance(data.get("layer_types"), list):
-        data["layer_types"] = data["layer_types"][:layers]
-    return shape_of(shape.config.__class__.from_dict(data), False, f"{shape.origin}, pruned to {sizes}")
-
-
 # --------------------------------------------------------------------------- sizes
 
 
@@ -179,10 +161,11 @@ class Record:
 
 
 def final_shape(recipe: Recipe, shape: ModelShape) -> ModelShape:
-    """The shape the recipe's prune stages leave."""
-    for stage in recipe.stages:
-        if stage.kind == "prune":
-            shape = pruned_shape(shape, stage.config)
+    """The shape the recipe's stages leave (each kind's ``plan_shape``: prune changes it)."""
+    for i, stage in enumerate(recipe.stages):
+        kind = stage_kind(stage.kind, f"stages[{i}]")
+        if kind.plan_shape is not None:
+            shape = kind.plan_shape(shape, stage.config)
     return shape
 
 
@@ -192,7 +175,7 @@ def check_group_sizes(recipe: Recipe, shape: ModelShape) -> None:
     from compress.quantizers.targets import select_linears
 
     for i, stage in enumerate(recipe.stages):
-        group = getattr(stage.config, "group_size", None) if stage.kind == "quantize" else None
+        group = getattr(stage.config, "group_size", None) if stage_kind(stage.kind).quantizes_weights else None
         if group is None:
             continue
         chosen, _ = select_linears(shape.model, stage.config.targets, stage.config.ignore)
@@ -210,7 +193,7 @@ def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
     emb = shape.model.get_input_embeddings().weight
     records: dict[str, Record] = {}
     for stage in recipe.stages:
-        if stage.kind == "quantize":
+        if stage_kind(stage.kind).quantizes_weights:
             chosen, _ = select_linears(shape.model, stage.config.targets, stage.config.ignore)
             for name, m in chosen:
                 records[name] = Record(m.out_features, m.in_features, stage.config.scheme(), m.weight is emb)
@@ -277,7 +260,7 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
         f"{len(records)} quantized layers ({scheme_note}) packed: bits + scale bits / group (+ zero-point bits when asymmetric); "
         f"the rest at {recipe.model.dtype}",
     )
-    kv = next((s.config for s in recipe.stages if s.kind == "kv_cache"), None)
+    kv = next((s.config for s in recipe.stages if stage_kind(s.kind).quantizes_kv_cache), None)
     if kv is not None and kv.evaluate is not None:
         add("kv_cache", "hf", "torch", packed, _kv_element_bytes(kv, shape), f"compressed weights; KV cache {kv.describe()}")
     for spec in recipe.exports:

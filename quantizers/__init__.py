@@ -1,24 +1,23 @@
-"""Weight quantizers. Each method is one module with a config class, pure math, and one Stage.
+"""Weight quantizers. Each method is one module with pure math and one Stage; its config model
+and its spec (compress.plugin_types.MethodSpec, in the torch-free quantizers/specs.py) are
+registered by one entry of ``compress.plugins.QUANT_METHODS``.
 
-``QUANTIZE_METHODS`` is the explicit registry the pipeline uses (method name -> config, stage); the
-recipe schema validates with the torch-free configs in compress.schema.quantize.
+``QUANTIZE_METHODS`` is that table under its older name (method name -> MethodSpec). Importing
+this package imports no torch.
 """
 
 from __future__ import annotations
 
-from compress.quantizers.awq import AWQStage
-from compress.quantizers.gptq import GPTQStage
-from compress.quantizers.llm_int8 import LLMInt8Stage
-from compress.quantizers.rtn import RTNStage
-from compress.schema.quantize import AWQConfig, GPTQConfig, LLMInt8Config, QuantizeConfig, RTNConfig
+from typing import Any
+
+from compress.schema.quantize import QuantizeConfig
 
 __all__ = ["QUANTIZE_METHODS", "QuantizeConfig"]
 
-# method name -> (config class, stage class)
-QUANTIZE_METHODS = {
-    "rtn": (RTNConfig, RTNStage),
-    "gptq": (GPTQConfig, GPTQStage),
-    "awq": (AWQConfig, AWQStage),
-    "llm_int8": (LLMInt8Config, LLMInt8Stage),
-}
-# The recipe's `quantize:` value (chosen by its `method`) is compress.schema.quantize.QuantizeConfig.
+
+def __getattr__(name: str) -> Any:
+    if name == "QUANTIZE_METHODS":  # read lazily: compress.plugins imports this package's specs
+        from compress.plugins import QUANT_METHODS
+
+        return QUANT_METHODS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

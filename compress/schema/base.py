@@ -7,7 +7,7 @@ key's name, not later as an overflow or an out-of-memory error after the model h
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -52,3 +52,26 @@ class Strict(BaseModel):
             shown = str(big) if len(str(big)) <= 24 else f"an integer of {len(str(abs(big)))} digits"
             raise ValueError(f"{shown} is out of range (integers here are at most {MAX_INT:,} in size)")
         return value
+
+
+class StageConfig(Strict):
+    """The base of a stage kind's config (the value under ``prune:``, ``quantize:``, ...): the rules
+    the kind sets on the rest of the recipe, which ``Recipe`` checks by asking each stage's config
+    (it never switches on kind names)."""
+
+    calibration_hint: ClassVar[str] = ""
+    """Appended to "needs data.calibration" when ``needs_calibration`` is true and the recipe has none."""
+    needs_evaluation_to: ClassVar[str | None] = None
+    """Why the stage needs data.evaluation, or None when it does not."""
+    before_quantization: ClassVar[bool] = False
+    """The stage changes float weights, so it must come before any stage that quantizes weights."""
+
+    @property
+    def needs_calibration(self) -> bool:
+        """The stage reads data.calibration."""
+        return False
+
+    def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
+        """Artifacts the stage adds that gates may name (``recipe``: the Recipe being validated);
+        raises ValueError when the rest of the recipe cannot serve the stage."""
+        return set()

@@ -5,11 +5,11 @@ Torch-free; the losses, the training loop and the stage live in compress/distill
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from compress.schema.base import Seed
+from compress.schema.base import Seed, StageConfig
 from compress.schema.base import Strict as _Strict
 
 ORIGINAL = "original"
@@ -48,8 +48,12 @@ class DistillRefit(_Strict):
     damp: float = Field(0.1, gt=0, description="Ridge towards the pruned weights, as a share of the mean squared activation.")
 
 
-class DistillConfig(_Strict):
+class DistillConfig(StageConfig):
     """`distill: {teacher, steps, batch_size, seq_len, lr, temperature, loss, hidden_loss_weight, data, ...}`."""
+
+    calibration_hint: ClassVar[str] = " (or its own distill.data.source)"
+    needs_evaluation_to: ClassVar[str | None] = "scores the student on held-apart text"
+    before_quantization: ClassVar[bool] = True
 
     teacher: str = Field(
         ORIGINAL,

@@ -9,12 +9,13 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from compress.schema.base import Strict
+from compress.schema.base import StageConfig, Strict
 
 # What each runtime's own KV cache can hold, by (format, bits): llama.cpp cache types
 # (`--cache-type-k/-v`, llama_context_params.type_k/type_v) and vLLM's kv_cache_dtype.
 LLAMA_CPP_CACHE_TYPES = {("int", 8): "q8_0", ("int", 4): "q4_0"}
 VLLM_CACHE_DTYPES = {("fp8", 8): "fp8_e4m3"}
+KV_CACHE_ARTIFACT = "kv_cache"  # the compressed model decoding through its quantized KV cache (a kv_cache stage)
 
 
 class KVEvalConfig(Strict):
@@ -28,7 +29,7 @@ class KVEvalConfig(Strict):
     prefill: int = Field(0, ge=0, description="Tokens fed in the first step (0 = start decoding from the first token).")
 
 
-class KVCacheConfig(Strict):
+class KVCacheConfig(StageConfig):
     """`kv_cache: {bits, format, key_axis, value_axis, group_size, residual, static_scales, ...}`."""
 
     model_config = ConfigDict(extra="forbid")
@@ -52,6 +53,27 @@ class KVCacheConfig(Strict):
     evaluate: KVEvalConfig | None = Field(
         default_factory=KVEvalConfig, description="Long-context evaluation through the cache; null to skip."
     )
+
+    def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
+        """At most one kv_cache stage; static scales need data.calibration; evaluating through the
+        cache needs data.evaluation and adds the ``kv_cache`` artifact, which gates compare with
+        max or min only."""
+        kv_stages = [i for i, st in enumerate(recipe.stages) if isinstance(st.config, KVCacheConfig)]
+        if len(kv_stages) > 1:
+            raise ValueError(f"stages {kv_stages} are all kv_cache stages; a recipe has at most one")
+        if self.static_scales and recipe.data.calibration is None:
+            raise ValueError(f"{label} (kv_cache) calibrates static scales and needs data.calibration")
+        if self.evaluate is None:
+            return set()
+        if recipe.data.evaluation is None:
+            raise ValueError(f"{label} (kv_cache) evaluates through the cache and needs data.evaluation (or set kv_cache.evaluate: null)")
+        for i, gate in enumerate(recipe.gates):
+            if gate.artifact == KV_CACHE_ARTIFACT and gate.threshold_kind.endswith("_pct"):
+                raise ValueError(
+                    f"gates[{i}]: kv_cache metrics are measured at the kv_cache stage's context against the "
+                    f"compressed model's float cache, not against the baseline; use max or min, not {gate.threshold_kind}"
+                )
+        return {KV_CACHE_ARTIFACT}
 
     @model_validator(mode="after")
     def _consistent(self) -> KVCacheConfig:

@@ -5,11 +5,11 @@ Torch-free; importance scores, slicing and the stage live in compress/pruning/.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from compress.schema.base import Seed
+from compress.schema.base import Seed, StageConfig
 from compress.schema.base import Strict as _Strict
 
 
@@ -48,8 +48,10 @@ Share = float
 Target = Share | SizeTarget | None
 
 
-class PruneConfig(_Strict):
+class PruneConfig(StageConfig):
     """`prune: {mlp, heads, hidden, layers, multiple_of, batch_size}`."""
+
+    before_quantization: ClassVar[bool] = True
 
     mlp: Target = Field(None, description="MLP neurons: share to remove in (0, 1), or {size: N} to keep.")
     heads: Target = Field(

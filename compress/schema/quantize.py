@@ -1,8 +1,9 @@
 """The recipe's ``quantize:`` stage: the weight scheme and one config model per method.
 
 Torch-free: the math, the records and the stages live in compress/quantizers/ (one module per
-method), which re-export these models. ``QUANTIZE_CONFIGS`` maps a method name to its config;
-the implementation table (name -> stage class) is ``compress.quantizers.QUANTIZE_METHODS``.
+method), which re-export these models. ``QUANTIZE_CONFIGS`` maps a built-in method name to its
+config; the plugin table (name -> MethodSpec: config, stage, plan estimate, ...) is
+``compress.plugins.QUANT_METHODS``, which recipe validation reads (see StageSpec in recipe.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from compress.schema.base import Strict
+from compress.schema.base import StageConfig, Strict
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 
@@ -59,7 +60,7 @@ class QuantScheme(Strict):
         return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
 
 
-class WeightQuantConfig(QuantScheme):
+class WeightQuantConfig(QuantScheme, StageConfig):
     """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
 
     Patterns are matched against module names (``model.layers.0.mlp.down_proj``): a glob that
@@ -198,7 +199,7 @@ QUANTIZE_CONFIGS: dict[str, type[WeightQuantConfig]] = {
     "awq": AWQConfig,
     "llm_int8": LLMInt8Config,
 }
-"""Method name -> config model (the stage classes are in compress.quantizers.QUANTIZE_METHODS)."""
+"""Built-in method name -> config model (the full specs are in compress.plugins.QUANT_METHODS)."""
 
 # The recipe's `quantize:` value, chosen by its `method`.
 QuantizeConfig = Annotated[RTNConfig | GPTQConfig | AWQConfig | LLMInt8Config, Field(discriminator="method")]

@@ -12,26 +12,38 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from compress.schema.base import Seed, Strict
 from compress.schema.devices import DeviceProfile
 from compress.schema.distill import DistillConfig
 from compress.schema.exports import ExportSpec
-from compress.schema.kv_cache import KVCacheConfig
+from compress.schema.kv_cache import KV_CACHE_ARTIFACT, KVCacheConfig  # noqa: F401 - KV_CACHE_ARTIFACT re-exported
 from compress.schema.metrics import DEVICE_METRICS, LATENCY_METRICS, METRICS
 from compress.schema.prune import PruneConfig
-from compress.schema.quantize import QuantizeConfig
+from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig, WeightQuantConfig
 
 SCHEMA_VERSION = 1
 """The recipe `version` this release reads (the one place it is defined)."""
 IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
-KV_CACHE_ARTIFACT = "kv_cache"  # the compressed model decoding through its quantized KV cache (a kv_cache stage)
 RUNTIME_FORMATS = ("gguf", "onnx", "tensorrt")  # exports that run on a runtime of their own (timeable)
 THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
 # Fields that hold filesystem paths; relative values resolve against the recipe's directory
 # (or, for --set overrides, against the current directory).
 PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
+QUANT_METHODS_CONTEXT = "quant_methods"
+"""Validation-context key: method name -> config model of every registered quantization method
+(compress.recipe passes compress.plugins' table; without it, the built-in methods are known)."""
 
 
 def alias_problem(alias: str) -> str | None:
@@ -95,6 +107,28 @@ class StageSpec(Strict):
     distill: DistillConfig | None = None
     quantize: QuantizeConfig | None = None
     kv_cache: KVCacheConfig | None = None
+
+    @field_validator("quantize", mode="wrap")
+    @classmethod
+    def _registered_method(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        """``method`` picks the config model from the registered methods (the validation context),
+        so a method registered only in compress.plugins validates too; the built-in configs go
+        through the discriminated union as before (the JSON Schema lists those)."""
+        methods = (info.context or {}).get(QUANT_METHODS_CONTEXT)
+        if methods is None or not isinstance(value, dict) or not isinstance(value.get("method"), str):
+            return handler(value)
+        config = methods.get(value["method"])
+        if config is None:
+            raise ValueError(f"unknown quantization method '{value['method']}'; known: {', '.join(methods)}")
+        if QUANTIZE_CONFIGS.get(value["method"]) is config:
+            return handler(value)
+        return config.model_validate(value, context=info.context)
+
+    @field_serializer("quantize", mode="wrap")
+    def _dump_method(self, value: Any, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        if value is None or QUANTIZE_CONFIGS.get(getattr(value, "method", None)) is type(value):
+            return handler(value)
+        return value.model_dump(mode="json" if info.mode_is_json() else "python")  # a method registered in compress.plugins
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StageSpec:
@@ -293,26 +327,8 @@ class Recipe(Strict):
         # Exports hold exactly the compressed model's records (verified when written), so gates on
         # an export read the `compressed` evaluation; see docs/exports/checkpoints.md.
         known = set(IN_MEMORY_ARTIFACTS) | set(export_names)
-        kv_stages = [i for i, st in enumerate(self.stages) if st.kind == "kv_cache"]
-        if len(kv_stages) > 1:
-            raise ValueError(f"stages {kv_stages} are all kv_cache stages; a recipe has at most one")
-        if kv_stages:
-            kv = self.stages[kv_stages[0]].config
-            if kv.static_scales and self.data.calibration is None:
-                raise ValueError(f"stages[{kv_stages[0]}] (kv_cache) calibrates static scales and needs data.calibration")
-            if kv.evaluate is not None:
-                if self.data.evaluation is None:
-                    raise ValueError(
-                        f"stages[{kv_stages[0]}] (kv_cache) evaluates through the cache and needs data.evaluation "
-                        "(or set kv_cache.evaluate: null)"
-                    )
-                known.add(KV_CACHE_ARTIFACT)
-                for i, gate in enumerate(self.gates):
-                    if gate.artifact == KV_CACHE_ARTIFACT and gate.threshold_kind.endswith("_pct"):
-                        raise ValueError(
-                            f"gates[{i}]: kv_cache metrics are measured at the kv_cache stage's context against the "
-                            f"compressed model's float cache, not against the baseline; use max or min, not {gate.threshold_kind}"
-                        )
+        for i, stage in enumerate(self.stages):  # each kind's config says what it needs and adds (kv_cache: its artifact)
+            known |= stage.config.recipe_artifacts(f"stages[{i}]", self)
         for i, gate in enumerate(self.gates):
             if gate.artifact not in known:
                 raise ValueError(
@@ -339,16 +355,16 @@ class Recipe(Strict):
         if dupes:
             raise ValueError(f"gate names must be unique; repeated: {', '.join(dupes)} (give each a `name`)")
         for i, stage in enumerate(self.stages):
-            if getattr(stage.config, "needs_calibration", False) and self.data.calibration is None:
-                also = " (or its own distill.data.source)" if stage.kind == "distill" else ""
-                raise ValueError(f"stages[{i}] ({stage.kind}) needs data.calibration{also}")
-            if stage.kind == "distill" and self.data.evaluation is None:
-                raise ValueError(f"stages[{i}] (distill) scores the student on held-apart text and needs data.evaluation")
-            if stage.kind in ("prune", "distill"):
-                quantize = [j for j, st in enumerate(self.stages[:i]) if st.kind == "quantize"]
+            cfg = stage.config
+            if cfg.needs_calibration and self.data.calibration is None:
+                raise ValueError(f"stages[{i}] ({stage.kind}) needs data.calibration{cfg.calibration_hint}")
+            if cfg.needs_evaluation_to and self.data.evaluation is None:
+                raise ValueError(f"stages[{i}] ({stage.kind}) {cfg.needs_evaluation_to} and needs data.evaluation")
+            if cfg.before_quantization:
+                quantize = [j for j, st in enumerate(self.stages[:i]) if isinstance(st.config, WeightQuantConfig)]
                 if quantize:
                     raise ValueError(
-                        f"stages[{i}] ({stage.kind}) comes after stages[{quantize[0]}] (quantize); "
+                        f"stages[{i}] ({stage.kind}) comes after stages[{quantize[0]}] ({self.stages[quantize[0]].kind}); "
                         f"{stage.kind} changes float weights, so put it before quantization"
                     )
         return self

@@ -1,0 +1,81 @@
+"""What `compress plan` estimates a stage from: the reference machine's throughputs, the shared
+formulas (a forward pass, its activations, training activations), and the typed inputs and
+output of one stage's estimate. Torch-free, so that method and stage-kind specs (compress.plugins)
+can hold their own formulas; eval/plan.py adds the rows for loading, evaluation and exports.
+
+Every number is an estimate: throughputs measured on this project's reference machine (2 CPU
+cores, torch 2.13 CPU, 2 threads, SmolLM2-135M), scaled by parameters and tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Measured on the reference machine (README "Measured" sections, docs/bench/*.json, out/manifest.json).
+REFERENCE = "rough numbers of this project's 2-core CPU (torch 2.13, 2 threads); other machines differ"
+REF_PARAMS = 134_515_008  # SmolLM2-135M
+CPU_FORWARD_FLOPS = 160e9  # quickstart evaluation: 2 models x 32 x 512 tokens in 54 s (2 x params FLOPs/token)
+LOAD_BYTES_PER_S = 0.2e9  # the 538 MB float32 model (cached conversion) loaded in 2.7 s
+RTN_WEIGHTS_PER_S = 1.0e8  # RTN: 106M weights in ~1.0 s
+DISTILL_TOKENS_PER_S = {"bf16": 250.0, "fp32": 124.0}  # distillation training of the 135M model
+TORCH_DECODE_TOKENS_PER_S = 18.0  # token-by-token torch decoding with a DynamicCache, 135M model, fp32
+EXPORT_BUILD_S = 60.0  # writing and proving one export file of the 135M model, without scoring it (onnx.yaml: ~110 s per export)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One plan row's numbers: peak memory (bytes), time (seconds), and how they were reached."""
+
+    memory_bytes: float
+    seconds: float
+    basis: str
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """What one stage's estimate may read (built by eval/plan.py for each stage in turn)."""
+
+    config: Any
+    """The stage's validated config (``stage.config`` of the recipe)."""
+    shape: Any
+    """The model as this stage sees it (``compress.eval.plan_sizes.ModelShape``: ``params``,
+    ``text`` config, ``config``, the meta-device ``model``, ``frozen_params()``)."""
+    held_bytes: float
+    """Baseline + working copy at the model dtype: what is in memory before the stage adds its own."""
+    calibration: Any
+    """The recipe's ``data.calibration`` (``samples``, ``seq_len``), or None."""
+    kv_bytes_per_token: int
+    """KV-cache bytes one token adds to the model as this stage sees it, at the model dtype."""
+    records: dict[str, Any]
+    """The plan's quantized Linear layers of the final model (``Record``: ``out_f``, ``in_f``, ``scheme``)."""
+
+    @property
+    def cal_tokens(self) -> int:
+        return self.calibration.samples * self.calibration.seq_len if self.calibration else 0
+
+    @property
+    def cal_seq_len(self) -> int:
+        return self.calibration.seq_len if self.calibration else 0
+
+
+def forward_s(params: int, tokens: float) -> float:
+    """Seconds of a forward pass over ``tokens`` tokens (2 x params FLOPs per token)."""
+    return 2 * params * tokens / CPU_FORWARD_FLOPS
+
+
+def activation_bytes(shape: Any, batch: int, seq: int) -> float:
+    """One inference forward pass of ``batch`` x ``seq`` tokens: one block's live tensors, its
+    attention scores, and float32 logits + log-probabilities."""
+    t = shape.text
+    block = batch * seq * (4 * t.hidden_size + 3 * t.intermediate_size) * 4
+    scores = batch * t.num_attention_heads * seq * seq * 4
+    return block + scores + 2 * batch * seq * t.vocab_size * 4
+
+
+def training_bytes(shape: Any, batch: int, seq: int, bf16: bool) -> float:
+    """Activations kept for backward, s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits (Korthikanti
+    et al. 2022; x2 in float32), plus teacher and student logits, log-probabilities and their gradient."""
+    t = shape.text
+    per_layer = seq * batch * t.hidden_size * (34 + 5 * t.num_attention_heads * seq / t.hidden_size)
+    return t.num_hidden_layers * per_layer * (1 if bf16 else 2) + 4 * batch * seq * t.vocab_size * 4

@@ -1,0 +1,72 @@
+"""The plugin tables: explicit dicts from a recipe name to the spec that answers every
+per-kind question (validate, plan, run, export, verify, time, size, model-card text).
+
+Three tables live here: quantization methods (``QUANT_METHODS``), stage kinds
+(``STAGE_KINDS``) and export formats (``EXPORT_FORMATS``). Code asks the spec; it never
+switches on the name. A name missing from its table is an error that says which names are
+known (in a recipe, a validation error naming the recipe key). Adding a method, stage kind or
+format is one module (its code and its spec) and one entry here; nothing is discovered by
+walking packages.
+
+Torch-free: specs name their implementations through loaders that import them when a run
+needs them (`compress validate` and `import compress` stay light; tests/test_schema.py checks).
+"""
+
+from __future__ import annotations
+
+from compress.distill.spec import DISTILL
+from compress.errors import CompressError
+from compress.plugin_types import MethodSpec, StageKindSpec
+from compress.pruning.spec import PRUNE
+from compress.quantizers.specs import AWQ, GPTQ, KV_CACHE, LLM_INT8, QUANTIZE, RTN
+
+__all__ = ["QUANT_METHODS", "STAGE_KINDS", "MethodSpec", "StageKindSpec", "quant_method", "stage_kind"]
+
+# --------------------------------------------------------------------------- quantization methods and stage kinds
+
+QUANT_METHODS: dict[str, MethodSpec] = {
+    "rtn": RTN,  # quantizers/rtn.py
+    "gptq": GPTQ,  # quantizers/gptq.py
+    "awq": AWQ,  # quantizers/awq.py
+    "llm_int8": LLM_INT8,  # quantizers/llm_int8.py
+}
+"""``quantize: {method: <name>}`` -> its MethodSpec (config model, stage, plan estimate, search cost)."""
+
+STAGE_KINDS: dict[str, StageKindSpec] = {
+    "prune": PRUNE,  # pruning/prune.py
+    "distill": DISTILL,  # distill/distill.py
+    "quantize": QUANTIZE,  # quantizers/ (the method chosen in QUANT_METHODS)
+    "kv_cache": KV_CACHE,  # quantizers/kv_cache.py
+}
+"""A ``stages:`` item's key -> its StageKindSpec (stage, plan estimate and shape, console summary)."""
+
+
+def _where(label: str) -> str:
+    return f"{label}: " if label else ""
+
+
+def quant_method(name: str, label: str = "") -> MethodSpec:
+    """The spec of quantization method ``name``; an unregistered name is a CompressError naming the known ones."""
+    spec = QUANT_METHODS.get(name)
+    if spec is None:
+        raise CompressError(
+            f"{_where(label)}quantization method '{name}' is not registered in compress.plugins.QUANT_METHODS; "
+            f"known: {', '.join(QUANT_METHODS) or '(none)'}"
+        )
+    return spec
+
+
+def stage_kind(name: str, label: str = "") -> StageKindSpec:
+    """The spec of stage kind ``name``; an unregistered name is a CompressError naming the known ones."""
+    spec = STAGE_KINDS.get(name)
+    if spec is None:
+        raise CompressError(
+            f"{_where(label)}stage kind '{name}' is not registered in compress.plugins.STAGE_KINDS; "
+            f"known: {', '.join(STAGE_KINDS) or '(none)'}"
+        )
+    return spec
+
+
+def quant_configs() -> dict[str, type]:
+    """Method name -> config model, as recipe validation reads it (the ``quant_methods`` validation context)."""
+    return {name: spec.config for name, spec in QUANT_METHODS.items()}

@@ -1,0 +1,248 @@
+"""The specs of the quantizers: one MethodSpec per weight-quantization method (rtn.py, gptq.py,
+awq.py, llm_int8.py) and the two stage kinds this package runs (``quantize:`` and ``kv_cache:``).
+
+Torch-free (the stage classes are imported when a run builds its stages), so the tables in
+compress.plugins can be read by `compress validate` and `compress plan` without torch. Each
+method's plan formula sits next to its spec; the shared numbers are in compress.estimates.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from compress.estimates import (
+    CPU_FORWARD_FLOPS,
+    REF_PARAMS,
+    RTN_WEIGHTS_PER_S,
+    TORCH_DECODE_TOKENS_PER_S,
+    Estimate,
+    PlanStep,
+    activation_bytes,
+    forward_s,
+)
+from compress.plugin_types import MethodSpec, StageKindSpec
+from compress.schema.kv_cache import KVCacheConfig
+from compress.schema.quantize import AWQConfig, GPTQConfig, LLMInt8Config, QuantizeConfig, RTNConfig
+
+# --------------------------------------------------------------------------- shared plan formulas
+
+
+def _weights(layers: dict[str, Any]) -> int:
+    return sum(r.out_f * r.in_f for r in layers.values())
+
+
+def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, how: str) -> Estimate:
+    """Memory of a layer-wise calibrated method (block inputs and outputs of every calibration
+    token, one block's Hessians, half a forward's activations), with the method's own time."""
+    t = step.shape.text
+    cal_tokens = step.cal_tokens
+    codes = _weights(layers)  # one uint8 per weight, unpacked
+    hidden_states = 2 * cal_tokens * t.hidden_size * 4
+    hessians = sum(r.in_f**2 for n, r in layers.items() if re.search(r"\.0\.", n)) * 4  # the first block's Linears
+    mem = step.held_bytes + codes + hidden_states + hessians + activation_bytes(step.shape, step.config.batch_size, step.cal_seq_len) / 2
+    basis = f"baseline + working copy + codes + block inputs/outputs of {cal_tokens:,} tokens (float32) + one block's Hessians; {how}"
+    return Estimate(mem, seconds, basis)
+
+
+# --------------------------------------------------------------------------- rtn
+
+
+def _rtn_stage() -> type:
+    from compress.quantizers.rtn import RTNStage
+
+    return RTNStage
+
+
+def _rtn_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    weights = _weights(layers)
+    return Estimate(
+        step.held_bytes + weights,  # + one uint8 code per weight
+        weights / RTN_WEIGHTS_PER_S,
+        f"baseline + working copy + uint8 codes of {weights:,} weights; ~{RTN_WEIGHTS_PER_S:.0e} weights/s",
+    )
+
+
+RTN = MethodSpec(
+    name="rtn",
+    config=RTNConfig,
+    load_stage=_rtn_stage,
+    estimate=_rtn_estimate,
+    cost=0,
+    description="round-to-nearest on each group's min/max grid, no calibration data",
+)
+
+
+# --------------------------------------------------------------------------- gptq
+
+
+def _gptq_stage() -> type:
+    from compress.quantizers.gptq import GPTQStage
+
+    return GPTQStage
+
+
+def _gptq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    weights, block_linear = _weights(layers), sum(r.in_f**2 for r in layers.values())
+    seconds = forward_s(weights, step.cal_tokens) + 2 * block_linear * step.cal_tokens / CPU_FORWARD_FLOPS
+    how = f"forward + Hessian accumulation (2 x in_features^2 per Linear per token) over {step.cal_tokens:,} calibration tokens"
+    return calibrated_estimate(step, layers, seconds, how)
+
+
+GPTQ = MethodSpec(
+    name="gptq",
+    config=GPTQConfig,
+    load_stage=_gptq_stage,
+    estimate=_gptq_estimate,
+    cost=3,
+    description="GPTQ, column by column, each rounding error pushed onto the columns not yet quantized through the inverse Hessian of the inputs",
+)
+
+
+# --------------------------------------------------------------------------- awq
+
+
+def _awq_stage() -> type:
+    from compress.quantizers.awq import AWQStage
+
+    return AWQStage
+
+
+def _awq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    cfg, weights = step.config, _weights(layers)
+    seconds = forward_s(weights, step.cal_tokens) + 1.25 * cfg.grid * forward_s(weights, cfg.search_tokens)
+    how = (
+        f"forward over {step.cal_tokens:,} calibration tokens + {cfg.grid} scale candidates x "
+        f"{cfg.search_tokens:,} search tokens (+25% clipping)"
+    )
+    return calibrated_estimate(step, layers, seconds, how)
+
+
+AWQ = MethodSpec(
+    name="awq",
+    config=AWQConfig,
+    load_stage=_awq_stage,
+    estimate=_awq_estimate,
+    cost=2,
+    description="AWQ, activation-aware per-input-channel scales folded into the previous layer, then a clipping search per group",
+)
+
+
+# --------------------------------------------------------------------------- llm_int8
+
+
+def _llm_int8_stage() -> type:
+    from compress.quantizers.llm_int8 import LLMInt8Stage
+
+    return LLMInt8Stage
+
+
+def _llm_int8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    # one pass to find outlier columns, then rounding
+    seconds = forward_s(step.shape.params, step.cal_tokens) + _weights(layers) / RTN_WEIGHTS_PER_S
+    return calibrated_estimate(step, layers, seconds, f"one forward over {step.cal_tokens:,} calibration tokens, then rounding")
+
+
+LLM_INT8 = MethodSpec(
+    name="llm_int8",
+    config=LLMInt8Config,
+    load_stage=_llm_int8_stage,
+    estimate=_llm_int8_estimate,
+    cost=1,
+    description="LLM.int8(), int8 weights and activations with the outlier input features computed in float",
+    not_carried=(
+        "LLM.int8 int8 activations and outlier decomposition: the export holds the plain int8 weight records; "
+        "its runtime computes with them and its own activations"
+    ),
+)
+
+
+# --------------------------------------------------------------------------- the quantize stage kind
+
+
+def _build_quantize(config: Any, label: str) -> Any:
+    from compress.plugins import quant_method
+
+    return quant_method(config.method, label).build(config, label)
+
+
+def _quantize_estimate(step: PlanStep) -> Estimate:
+    from compress.plugins import quant_method
+    from compress.quantizers.targets import select_linears
+
+    cfg = step.config
+    selected = {n for n, _ in select_linears(step.shape.model, cfg.targets, cfg.ignore)[0]}
+    return quant_method(cfg.method).estimate(step, {n: r for n, r in step.records.items() if n in selected})
+
+
+def _quantize_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
+    s = stage["summary"]
+    return (
+        f"{stage['label']} quantize {stage['method']}: {s['layers_quantized']} layers, {s['params_quantized']:,} weights, "
+        f"{s['bits_per_weight']} bits/weight, SQNR mean {s['sqnr_db_mean']} dB (min {s['sqnr_db_min']}), {stage['duration_s']:.1f}s"
+        + (
+            f", {s['calibration_tokens']:,} calibration tokens, peak memory {s['peak_memory_mb']:,.0f} MB"
+            if "calibration_tokens" in s
+            else ""
+        )
+    )
+
+
+QUANTIZE = StageKindSpec(
+    name="quantize",
+    config=QuantizeConfig,
+    build=_build_quantize,
+    estimate=_quantize_estimate,
+    summary=_quantize_summary,
+    description="weight quantization of the selected Linear layers",
+    quantizes_weights=True,
+)
+
+
+# --------------------------------------------------------------------------- the kv_cache stage kind
+
+
+def _build_kv_cache(config: Any, label: str) -> Any:
+    from compress.quantizers.kv_cache import KVCacheStage
+
+    return KVCacheStage(config, label)
+
+
+def _kv_cache_estimate(step: PlanStep) -> Estimate:
+    cfg, cur = step.config, step.shape
+    ev = cfg.evaluate
+    mem = step.held_bytes + (2 * step.kv_bytes_per_token * ev.context * ev.samples if ev else 0)
+    rate = TORCH_DECODE_TOKENS_PER_S * REF_PARAMS / cur.params
+    secs = (2 * ev.samples * ev.context / rate if ev else 0) + (forward_s(cur.params, step.cal_tokens) if cfg.static_scales else 0)
+    basis = (
+        f"baseline + working copy + float and quantized caches at {ev.context if ev else 0} tokens; decoding "
+        f"{ev.samples if ev else 0} x {ev.context if ev else 0} tokens token by token twice (float cache and quantized) "
+        f"at ~{rate:.0f} tokens/s"
+        if ev
+        else "baseline + working copy; no evaluation through the cache"
+    )
+    return Estimate(mem, secs, basis)
+
+
+def _kv_cache_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
+    mem = (report.get("kv_cache") or {}).get("memory")
+    measured = (
+        (
+            f"; measured {mem['bytes_per_token']:,.0f} bytes/token at {mem['context']:,} tokens, "
+            f"{mem['compression_vs_fp16']:.2f}x less than fp16 ({mem['fp16_cache_bytes'] / mem['context']:,.0f})"
+        )
+        if mem
+        else ""
+    )
+    return f"{stage['label']} kv_cache: {stage['summary']['scheme']}{measured}"
+
+
+KV_CACHE = StageKindSpec(
+    name="kv_cache",
+    config=KVCacheConfig,
+    build=_build_kv_cache,
+    estimate=_kv_cache_estimate,
+    summary=_kv_cache_summary,
+    description="KV-cache quantization while decoding (evaluated through the cache; the scheme is recorded for the exports)",
+    quantizes_kv_cache=True,
+)
