@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compress.errors import RecipeError
+from compress.schema.exports import EXPORT_CONFIGS
 from compress.schema.recipe import *  # noqa: F403 - the recipe models (compress.schema.recipe), importable from here too
 from compress.schema.recipe import PATH_FIELDS, Recipe
 from compress.schema.yamlio import format_path, load_yaml, read_text
@@ -92,9 +93,17 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
     lines[tuple(parts)] = -1  # marks "from --set"
 
 
+def validation_context() -> dict[str, Any]:
+    """What recipe validation needs from the plugin tables: every export format's config class, so
+    that a format registered only in compress.plugins.EXPORT_FORMATS is a known ``exports`` format."""
+    from compress.plugins import EXPORT_FORMATS
+
+    return {EXPORT_CONFIGS: {name: fmt.config for name, fmt in EXPORT_FORMATS.items()}}
+
+
 def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Recipe:
     try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate(data, context=validation_context())
     except ValidationError as exc:
         raise RecipeError(format_validation_error(exc, lines, filename)) from None
 
