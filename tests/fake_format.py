@@ -63,7 +63,18 @@ class NPZFormat(ExportFormat):
         if not records:
             raise FormatError("an npz export holds quantized layers, and no layer is quantized")
 
-    def write(self, directory, spec, model, tokenizer, records, inputs, reporter, label, kv):  # type: ignore[no-untyped-def]
+    def write(
+        self,
+        directory: Path,
+        spec: Any,
+        model: Any,
+        tokenizer: Any,
+        records: dict[str, Any],
+        inputs: Any,
+        reporter: Any,
+        label: str,
+        kv: Any,
+    ) -> tuple[dict[str, Any], list[Any]]:
         from compress.errors import FormatError
         from compress.export.checkpoint.hf_checkpoint import records_identical
 

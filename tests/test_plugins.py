@@ -91,6 +91,10 @@ def test_a_format_registered_in_the_table_runs_end_to_end(
     )
     recipe = write_recipe(tmp_path, text)
     assert run_cli(["validate", recipe]).exit_code == 0
+    planned = run_cli(["plan", recipe, "--json", tmp_path / "plan.json"])  # the spec's size estimate
+    assert planned.exit_code == 0, planned.output
+    (size,) = [r for r in json.loads((tmp_path / "plan.json").read_text())["artifacts"] if r["artifact"] == "packed"]
+    assert size["format"] == "hf" and size["basis"] == "codes + float32 scales per group" and size["size_bytes"] > 0
     result = run_cli(["run", recipe, "-o", tmp_path / "out", "-q"])
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"

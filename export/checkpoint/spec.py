@@ -27,7 +27,18 @@ class CheckpointFormat(ExportFormat):
 
         export.check(spec, model, records)
 
-    def write(self, directory, spec, model, tokenizer, records, inputs, reporter, label, kv):  # type: ignore[no-untyped-def]
+    def write(
+        self,
+        directory: Path,
+        spec: Any,
+        model: Any,
+        tokenizer: Any,
+        records: dict[str, Any],
+        inputs: Any,
+        reporter: Any,
+        label: str,
+        kv: Any,
+    ) -> tuple[dict[str, Any], list[Any]]:
         from compress.export.checkpoint import export
 
         return export.export(directory, spec, model, tokenizer, records, reporter, label, kv), []

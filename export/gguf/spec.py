@@ -23,7 +23,18 @@ class GGUFFormat(ExportFormat):
 
         export.check(spec, model, records, has_eval)
 
-    def write(self, directory, spec, model, tokenizer, records, inputs, reporter, label, kv):  # type: ignore[no-untyped-def]
+    def write(
+        self,
+        directory: Path,
+        spec: Any,
+        model: Any,
+        tokenizer: Any,
+        records: dict[str, Any],
+        inputs: Any,
+        reporter: Any,
+        label: str,
+        kv: Any,
+    ) -> tuple[dict[str, Any], list[Any]]:
         from compress.export.gguf import export
 
         return export.export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
