@@ -290,7 +290,7 @@ def export_encoder(
     min_cosine_int8: float = typer.Option(0.99, help="Smallest sentence-embedding cosine similarity the int8 file may reach."),
 ) -> None:
     """Export an encoder to ONNX (+ dynamic int8), checked by embedding cosine similarity against torch."""
-    from compress.export.onnx_encoder import export_encoder as run_export
+    from compress.export.onnx.encoder import export_encoder as run_export
 
     samples = None
     if texts is not None:

@@ -171,3 +171,8 @@ def atomic_directory(target: Path, overwrite: bool = False, owned: bool = True) 
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+def tree_size(path: Path) -> int:
+    """Bytes on disk of a file, or of every file under a folder."""
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

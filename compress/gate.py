@@ -4,10 +4,11 @@ compression, for pipelines. Exit 0 all gates passed, 1 a gate failed, 2 bad inpu
 What can be gated:
 
 * our artifact directory (manifest.json): ``compressed`` is its model (torch, dequantized records)
-  and every export by its name (GGUF on llama.cpp, ONNX on ONNX Runtime; checkpoint exports hold
+  and every export by its name (each on its format's runtime: GGUF on llama.cpp, ONNX on ONNX Runtime; checkpoint exports hold
   the same records and read the ``compressed`` evaluation). The baseline defaults to the run's
   model source, and the evaluation text to the run's (same holdout split);
-* a GGUF file (llama.cpp), an ONNX Runtime GenAI folder (genai_config.json) or a Hugging Face
+* a file or folder an export format recognizes (its spec's ``recognizes``: a GGUF file for
+  llama.cpp, an ONNX Runtime GenAI folder with genai_config.json) or a Hugging Face
   model folder (torch): gated as ``compressed``; accuracy gates need ``--baseline``.
 """
 
@@ -32,8 +33,10 @@ from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.latency import LatencySettings, Target, load_torch_model, tree_size
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
+from compress.export.format import TORCH_RUNTIME
 from compress.fsutil import MANIFEST, check_target, sha256_file
-from compress.inputs import check_gguf, check_json, check_model_directory, check_onnx
+from compress.inputs import check_model_directory
+from compress.plugins import EXPORT_FORMATS, runtime_formats
 from compress.progress import Reporter
 from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
 from compress.schema.manifest import GATE_LISTING_VERSION, GATE_REPORT, GateReportListing
@@ -76,7 +79,7 @@ def load_gates_file(path: Path) -> GatesFile:
 class Subject:
     """The artifact under test: what each name is and how to time it."""
 
-    kind: str  # artifact | gguf | onnx | hf
+    kind: str  # artifact | hf | the export format of a bare file or folder
     timed: list[Timed]
     baseline_source: str | None
     data: dict[str, Any] | None  # the run's data spec (artifact directories)
@@ -86,11 +89,12 @@ class Subject:
 
 def inspect(path: Path) -> Subject:
     path = path.expanduser().resolve()
-    if path.is_file() and path.suffix == ".gguf":
-        check_gguf(path)
-        return Subject("gguf", [Timed("compressed", Target("llama.cpp", str(path)))], None, None, Path.cwd(), [])
+    for fmt in EXPORT_FORMATS.values():  # a bare file or folder of a format with a runtime of its own
+        if fmt.input_kind is not None and fmt.recognizes(path):
+            loaded = fmt.check_input(path)
+            return Subject(fmt.name, [Timed("compressed", Target(fmt.runtime, str(loaded)))], None, None, Path.cwd(), [])
     if not path.is_dir():
-        raise CompressError(f"{path}: not a compress artifact, GGUF file, ONNX folder or Hugging Face model folder")
+        raise CompressError(f"{path}: not a compress artifact, {_bare_inputs()} or Hugging Face model folder")
     if (path / MANIFEST).is_file():
         manifest = check_artifact(path, advice="gates are checked only on the files the run wrote").manifest
         if manifest.get("kind") == GATE_REPORT:
@@ -105,28 +109,25 @@ def inspect(path: Path) -> Subject:
         timed = [Timed("compressed", Target("torch", str(path)))]
         stand_ins = []
         for export in manifest.get("exports", []):
-            folder = path / export["path"]
-            if export["format"] == "gguf":
-                timed.append(Timed(export["name"], Target("llama.cpp", str(folder / "model.gguf"))))
-            elif export["format"] == "onnx":
-                timed.append(Timed(export["name"], Target("onnxruntime", str(folder))))
-            elif export["format"] == "tensorrt":
-                if (export.get("engine") or {}).get("built"):
-                    timed.append(Timed(export["name"], Target("tensorrt", str(folder), "cuda")))
-            else:
-                stand_ins.append(export["name"])
+            fmt = EXPORT_FORMATS.get(export["format"])
+            if fmt is None:
+                raise CompressError(
+                    f"{path / MANIFEST}: export {export['name']} has format '{export['format']}', which this release does not know"
+                )
+            if not fmt.own_runtime:
+                stand_ins.append(export["name"])  # holds the compressed records: gated on the compressed evaluation
+            elif (where := fmt.timed_path(path / export["path"], export)) is not None:
+                timed.append(Timed(export["name"], Target(fmt.runtime, str(where[0]), where[1])))
         return Subject("artifact", timed, source, data, Path(recipe_path).expanduser().parent, stand_ins)
-    if (path / "genai_config.json").is_file():
-        check_json(path / "genai_config.json")
-        for model_file in sorted(path.glob("*.onnx")):
-            check_onnx(model_file)
-        return Subject("onnx", [Timed("compressed", Target("onnxruntime", str(path)))], None, None, Path.cwd(), [])
     if (path / "config.json").is_file():
         check_model_directory(path)
         return Subject("hf", [Timed("compressed", Target("torch", str(path)))], None, None, Path.cwd(), [])
-    raise CompressError(
-        f"{path}: not a compress artifact (manifest.json), ONNX folder (genai_config.json) or Hugging Face model folder (config.json)"
-    )
+    raise CompressError(f"{path}: not a compress artifact (manifest.json), {_bare_inputs()} or Hugging Face model folder (config.json)")
+
+
+def _bare_inputs() -> str:
+    """What ``compress gate`` takes besides artifacts and Hugging Face folders, for messages."""
+    return ", ".join(fmt.input_kind for fmt in EXPORT_FORMATS.values() if fmt.input_kind is not None)
 
 
 def check_report_directory(artifact: Path, output: Path) -> Path:
@@ -274,21 +275,16 @@ def _accuracy(
         if item.name not in wanted:
             continue
         target = item.target
-        if target.runtime == "torch":
+        if target.runtime == TORCH_RUNTIME:
             model = load_torch_model(Path(target.path), dtype=torch.float32)
             candidates[item.name] = torch_forward(model, cpu)
-        elif target.runtime == "llama.cpp":
-            from compress.export.gguf_runtime import LlamaCppModel
-
-            runtime = LlamaCppModel(Path(target.path), n_ctx=seq_len, threads=threads)
-            closers.append(runtime.close)
-            candidates[item.name] = runtime.forward
-        elif target.runtime == "onnxruntime":
-            from compress.export.onnx_runtime import OrtDecoder
-
-            candidates[item.name] = OrtDecoder(Path(target.path) / "model.onnx", threads).forward
         else:
-            continue  # a TensorRT engine is scored by its export's verifier on the GPU it was built for
+            found = runtime_formats()[target.runtime].forward(Path(target.path), seq_len, threads)
+            if found is None:
+                continue  # a runtime scored only by its export's verifier (a TensorRT engine, on the GPU it was built for)
+            candidates[item.name], close = found
+            if close is not None:
+                closers.append(close)
         details[item.name] = {"runtime": target.runtime, "path": target.path}
     min_context = data_spec.evaluation.min_context
     try:

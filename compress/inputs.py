@@ -8,9 +8,8 @@ These checks read only headers and small JSON files, so they are cheap, and they
   byte range, and that the data section is as long as the header says (a truncated copy fails);
 * ``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``:
   valid UTF-8 JSON objects (config.json with a ``model_type``);
-* ``*.gguf``: the magic, version and counts, through the gguf package's reader, which also checks
-  that every tensor's data lies inside the file;
-* ``*.onnx``: parsed by onnx without its external data, and each external data file present.
+* an export format's own files (a GGUF file, an ONNX model): its spec's ``check_input``
+  (export/<format>/inputs.py), found through compress.plugins.EXPORT_FORMATS.
 """
 
 from __future__ import annotations
@@ -139,34 +138,3 @@ def check_model_directory(path: Path) -> None:
                 raise ModelLoadError(f"{path / name}: no model_type; is this a Hugging Face model's config?")
     for file in sorted(path.glob("*.safetensors")):
         check_safetensors(file)
-
-
-def check_gguf(path: Path) -> None:
-    """The GGUF header, metadata and tensor table, read by the gguf package (memory-mapped)."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, not b'GGUF')")
-    from gguf import GGUFReader
-
-    try:
-        GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError … for a damaged file
-        raise ModelLoadError(f"{path}: damaged or truncated GGUF file ({type(exc).__name__}: {exc})") from None
-
-
-def check_onnx(path: Path) -> None:
-    """An ONNX model file parses, and the external data files it names exist next to it."""
-    import onnx
-
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf DecodeError and friends
-        raise ModelLoadError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {str(exc)[:200]})") from None
-    for tensor in model.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location" and not (path.parent / entry.value).is_file():
-                raise ModelLoadError(f"{path}: its external data file {entry.value} is missing")

@@ -13,15 +13,8 @@ import json
 from typing import Any
 
 from compress.eval.reports import runtime_on_device, table_lines
+from compress.plugins import EXPORT_FORMATS
 
-# Where each export format is meant to run (docs/exports/).
-INTENDED_RUNTIMES = {
-    "gguf": "llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
-    "onnx": "ONNX Runtime / ONNX Runtime GenAI",
-    "tensorrt": "TensorRT (the engine is built for the GPU it was built on; the ONNX rebuilds it elsewhere)",
-    "compressed-tensors": "vLLM, transformers (compressed-tensors)",
-    "gptq": "transformers + GPTQModel, vLLM (GPTQ checkpoint format)",
-}
 COMPRESSED_RUNTIME = "compress (`compress gate`, `load_artifact`) on torch"
 _ACCURACY = (("kl_divergence", "KL", ".4f"), ("top1_agreement", "top-1", ".3f"), ("perplexity", "perplexity", ".2f"))
 _SPEED = (("decode_tokens_per_s", "decode tok/s", ".1f"), ("ttft_ms", "TTFT ms", ".0f"), ("peak_rss_mb", "peak RSS MiB", ".0f"))
@@ -145,7 +138,7 @@ def _artifacts(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:
             [
                 x["name"],
                 f"{x['format']} {kind}".strip(),
-                INTENDED_RUNTIMES.get(x["format"], "–"),
+                fmt.intended_runtimes if (fmt := EXPORT_FORMATS.get(x["format"])) else "–",  # where each format is meant to run
                 *folder(f"{x['path']}/"),
                 _cell(x.get("verified")),
             ]

@@ -1,15 +1,13 @@
 """Load the recipe's model: a Hugging Face directory, a cached Hugging Face id, a GGUF file,
 or a reference asset. Never downloads: hub ids resolve from the local cache only.
 
-GGUF files are dequantized by transformers once and cached as a safetensors model directory
-(``<cache>/models/gguf-<sha256 prefix>``), so later runs load in seconds. transformers refuses
-``save_pretrained`` on a GGUF-loaded model, so its state dict is copied into a model built
-from the same config first.
+A file of an export format that can be a model source (a GGUF file: its spec's ``load_source``,
+export/gguf/source.py) is loaded by that format; quantized checkpoints by our importers
+(export/checkpoint/readers.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +15,10 @@ from typing import Any
 
 from compress import assets
 from compress.errors import ModelLoadError
-from compress.fsutil import atomic_directory, sha256_file, sha256_files
-from compress.inputs import check_gguf, check_model_directory
-from compress.paths import CONVERTED_MARKER, HUB_ID, cache_root
+from compress.fsutil import sha256_files
+from compress.inputs import check_model_directory
+from compress.paths import HUB_ID
+from compress.plugins import EXPORT_FORMATS
 from compress.progress import Reporter
 from compress.recipe import ModelSpec
 
@@ -53,24 +52,29 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
     source = spec.source
     asset = assets.ensure_reference(source, "model", reporter)
     if asset is not None:
-        gguf = next(f for f in asset.files if f.suffix == ".gguf")
-        loaded = _from_gguf(gguf, spec, reporter)
+        file, fmt = next((f, fmt) for f in asset.files if (fmt := source_format(f)) is not None)
+        loaded = fmt.load_source(file, spec, reporter)
         loaded.facts.update(source=source, reference_asset=asset.meta["origin"], license=asset.meta["license"])
         return loaded
     path = Path(source).expanduser()
     if not path.is_absolute():
         path = base_dir / path
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path, spec, reporter)
+    if path.is_file() and (fmt := source_format(path)) is not None:
+        return fmt.load_source(path, spec, reporter)
     if path.is_file():
         raise ModelLoadError(f"model.source {source}: a file must be a .gguf; for Hugging Face models give the directory")
     if path.is_dir():
-        return _from_hf_dir(path, spec, reporter, kind="huggingface-directory", source=source)
+        return from_hf_dir(path, spec, reporter, kind="huggingface-directory", source=source)
     if HUB_ID.match(source):
         return _from_hub_cache(source, spec, reporter)
     raise ModelLoadError(
         f"model.source '{source}' is not a directory, a .gguf file, a reference:<name>, or a Hugging Face id (looked for {path})"
     )
+
+
+def source_format(path: Path) -> Any:
+    """The export format whose file this model source is (a GGUF file), else None."""
+    return next((fmt for fmt in EXPORT_FORMATS.values() if fmt.input_kind is not None and fmt.recognizes(path)), None)
 
 
 def _from_hub_cache(repo_id: str, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
@@ -84,10 +88,10 @@ def _from_hub_cache(repo_id: str, spec: ModelSpec, reporter: Reporter) -> Loaded
             f"'{repo_id}' is not in the local Hugging Face cache ({cache_dir}). compress never downloads "
             "models at run time: put the model in that cache on a connected machine, or give its directory."
         ) from exc
-    return _from_hf_dir(local, spec, reporter, kind="huggingface-cache", source=repo_id)
+    return from_hf_dir(local, spec, reporter, kind="huggingface-cache", source=repo_id)
 
 
-def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str) -> LoadedModel:
+def from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -112,7 +116,7 @@ def _from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sou
             f"{path} ships its own Python code (auto_map in config.json). It is not run unless the recipe sets "
             "model.trust_remote_code: true."
         )
-    from compress.export.registry import detect_format
+    from compress.export.checkpoint.readers import detect_format
 
     checkpoint_format = detect_format(path)
     if checkpoint_format is not None:
@@ -141,7 +145,7 @@ def _from_quantized_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: s
     import torch
     from transformers import AutoTokenizer
 
-    from compress.export.registry import import_checkpoint
+    from compress.export.checkpoint.readers import import_checkpoint
 
     with reporter.status(f"importing {fmt} checkpoint {source} (dequantizing its records, {spec.dtype})"):
         imported = import_checkpoint(path, getattr(torch, spec.dtype), spec.trust_remote_code)
@@ -153,46 +157,3 @@ def _from_quantized_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: s
     digest, files = sha256_files([*sorted(path.glob("*.safetensors")), *meta], path)
     facts = {"source": source, "kind": kind, "path": str(path), "sha256": digest, "files": files, "quantized_checkpoint": imported.facts}
     return LoadedModel(imported.model, tokenizer, facts, quantized=imported.records)
-
-
-def _from_gguf(path: Path, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
-    check_gguf(path)
-    digest = sha256_file(path)
-    converted = cache_root() / "models" / f"gguf-{digest[:16]}"
-    if not (converted / CONVERTED_MARKER).is_file():
-        with reporter.status(f"dequantizing {path.name} to a float32 safetensors model (once per file)"):
-            _convert_gguf(path, converted, digest)
-    loaded = _from_hf_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
-    model = loaded.model
-    if getattr(model.config, "quantization_config", None) is not None:
-        # transformers records the GGUF origin as a quantization config and refuses save_pretrained;
-        # the weights here are plain dequantized floats.
-        del model.config.quantization_config
-        model.hf_quantizer = None
-    loaded.facts.update(kind="gguf", path=str(path), sha256=digest, files={path.name: digest}, converted_cache=str(converted))
-    return loaded
-
-
-def _convert_gguf(path: Path, target: Path, digest: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # transformers' GGUF reader draws its own tqdm bar; ours (a status line) is shown instead.
-    previous = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except Exception as exc:  # transformers' GGUF reader: OSError, ValueError, KeyError, RuntimeError, struct errors …
-        raise ModelLoadError(f"transformers could not read {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
-    finally:
-        if previous is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = previous
-    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    with atomic_directory(target, overwrite=True, owned=False) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / CONVERTED_MARKER).write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))

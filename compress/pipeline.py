@@ -35,34 +35,18 @@ from compress.eval.latency import LatencySettings, Target, tree_size
 from compress.eval.metrics import compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.eval.reports import write_reports
-from compress.export.gguf import GGUF_FILE
 from compress.export.parity import VerifyInputs
 from compress.export.registry import check_exports, gate_evaluations, report_entries, write_exports
 from compress.export.specs import EXPORTS_DIR
 from compress.fsutil import atomic_directory, check_target
 from compress.models import load_model
-from compress.plugins import STAGE_KINDS, quant_method, stage_kind
+from compress.plugins import EXPORT_FORMATS, STAGE_KINDS, quant_method, stage_kind
 from compress.progress import Reporter
 from compress.recipe import KV_CACHE_ARTIFACT, LoadedRecipe, ModelSpec, Recipe
 from compress.schema.manifest import MANIFEST_VERSION, Manifest
 from compress.schema.report import REPORT_VERSION, Report
 
-RUNTIMES_OF = {"gguf": "llama.cpp", "onnx": "onnxruntime", "tensorrt": "tensorrt"}
-VERSIONED_PACKAGES = (
-    "torch",
-    "transformers",
-    "safetensors",
-    "tokenizers",
-    "numpy",
-    "pydantic",
-    "gguf",
-    "accelerate",
-    "llama_cpp_python",
-    "onnx",
-    "onnxruntime",
-    "onnxruntime_genai",
-    "onnxscript",
-)
+VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "accelerate")  # + each export format's
 
 
 @dataclass
@@ -285,13 +269,12 @@ def timed_artifacts(
     if names is None or "compressed" in names:
         timed.append(Timed("compressed", Target("torch", str(root), torch_device)))
     for x in recipe.exports:
-        if names is not None and x.name not in names or x.format not in RUNTIMES_OF:
+        if names is not None and x.name not in names:
             continue
-        folder = root / EXPORTS_DIR / x.name
-        if x.format == "tensorrt" and not (by_name[x.name].get("engine") or {}).get("built"):
-            continue  # no engine here (no TensorRT or GPU): its ONNX is timed by nothing, and the report says the engine was skipped
-        path = folder / GGUF_FILE if x.format == "gguf" else folder
-        timed.append(Timed(x.name, Target(RUNTIMES_OF[x.format], str(path), "cuda" if x.format == "tensorrt" else "cpu")))
+        fmt = EXPORT_FORMATS[x.format]
+        where = fmt.timed_path(root / EXPORTS_DIR / x.name, by_name[x.name])  # None: nothing of it to time here
+        if where is not None:
+            timed.append(Timed(x.name, Target(fmt.runtime, str(where[0]), where[1])))
     return timed
 
 
@@ -456,7 +439,8 @@ def build_report(recipe: Recipe, evaluations: list[Evaluation], gates: list[Gate
 
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version(), "compress": __version__}
-    for pkg in VERSIONED_PACKAGES:
+    packages = [*VERSIONED_PACKAGES, *(pkg for fmt in EXPORT_FORMATS.values() for pkg in fmt.packages)]
+    for pkg in dict.fromkeys(packages):
         try:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:

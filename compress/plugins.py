@@ -16,11 +16,28 @@ from __future__ import annotations
 
 from compress.distill.spec import DISTILL
 from compress.errors import CompressError
+from compress.export.checkpoint.spec import COMPRESSED_TENSORS
+from compress.export.checkpoint.spec import GPTQ as GPTQ_CHECKPOINT
+from compress.export.format import ExportFormat
+from compress.export.gguf.spec import GGUF
+from compress.export.onnx.spec import ONNX
+from compress.export.tensorrt.spec import TENSORRT
 from compress.plugin_types import MethodSpec, StageKindSpec
 from compress.pruning.spec import PRUNE
 from compress.quantizers.specs import AWQ, GPTQ, KV_CACHE, LLM_INT8, QUANTIZE, RTN
 
-__all__ = ["QUANT_METHODS", "STAGE_KINDS", "MethodSpec", "StageKindSpec", "quant_method", "stage_kind"]
+__all__ = [
+    "EXPORT_FORMATS",
+    "QUANT_METHODS",
+    "STAGE_KINDS",
+    "ExportFormat",
+    "MethodSpec",
+    "StageKindSpec",
+    "export_format",
+    "quant_method",
+    "runtime_formats",
+    "stage_kind",
+]
 
 # --------------------------------------------------------------------------- quantization methods and stage kinds
 
@@ -39,6 +56,17 @@ STAGE_KINDS: dict[str, StageKindSpec] = {
     "kv_cache": KV_CACHE,  # quantizers/kv_cache.py
 }
 """A ``stages:`` item's key -> its StageKindSpec (stage, plan estimate and shape, console summary)."""
+
+# --------------------------------------------------------------------------- export formats
+
+EXPORT_FORMATS: dict[str, ExportFormat] = {
+    COMPRESSED_TENSORS.name: COMPRESSED_TENSORS,  # export/checkpoint/
+    GPTQ_CHECKPOINT.name: GPTQ_CHECKPOINT,  # export/checkpoint/ (AutoGPTQ v1)
+    GGUF.name: GGUF,  # export/gguf/
+    ONNX.name: ONNX,  # export/onnx/
+    TENSORRT.name: TENSORRT,  # export/tensorrt/
+}
+"""Export formats by the recipe's ``exports[].format`` key (one package each under export/)."""
 
 
 def _where(label: str) -> str:
@@ -67,6 +95,19 @@ def stage_kind(name: str, label: str = "") -> StageKindSpec:
     return spec
 
 
+def export_format(name: str) -> ExportFormat:
+    """The spec of export format ``name``; an unregistered name is a CompressError naming the known ones."""
+    spec = EXPORT_FORMATS.get(name)
+    if spec is None:
+        raise CompressError(f"export format '{name}' is not available; available: {', '.join(EXPORT_FORMATS)}")
+    return spec
+
+
 def quant_configs() -> dict[str, type]:
     """Method name -> config model, as recipe validation reads it (the ``quant_methods`` validation context)."""
     return {name: spec.config for name, spec in QUANT_METHODS.items()}
+
+
+def runtime_formats() -> dict[str, ExportFormat]:
+    """The export formats with a runtime of their own, by runtime name (llama.cpp, onnxruntime, …)."""
+    return {f.runtime: f for f in EXPORT_FORMATS.values() if f.own_runtime}

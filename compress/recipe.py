@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compress.errors import RecipeError
-from compress.plugins import quant_configs
+from compress.schema.exports import EXPORT_CONFIGS
 from compress.schema.recipe import *  # noqa: F403 - the recipe models (compress.schema.recipe), importable from here too
 from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, Recipe
 from compress.schema.yamlio import format_path, load_yaml, read_text
@@ -93,10 +93,22 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
     lines[tuple(parts)] = -1  # marks "from --set"
 
 
+def validation_context() -> dict[str, Any]:
+    """What recipe validation needs from the plugin tables: every quantization method's and export
+    format's config class, so that a method or format registered only in compress.plugins is known
+    to the recipe (the schema package never imports the tables)."""
+    from compress.plugins import EXPORT_FORMATS, quant_configs
+
+    return {
+        QUANT_METHODS_CONTEXT: quant_configs(),
+        EXPORT_CONFIGS: {name: fmt.config for name, fmt in EXPORT_FORMATS.items()},
+    }
+
+
 def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Recipe:
-    """Validate raw recipe data; ``quantize: {method}`` is looked up in compress.plugins.QUANT_METHODS."""
+    """Validate raw recipe data; ``quantize: {method}`` and ``exports: [{format}]`` are looked up in compress.plugins."""
     try:
-        return Recipe.model_validate(data, context={QUANT_METHODS_CONTEXT: quant_configs()})
+        return Recipe.model_validate(data, context=validation_context())
     except ValidationError as exc:
         raise RecipeError(format_validation_error(exc, lines, filename)) from None
 

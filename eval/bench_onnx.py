@@ -22,9 +22,9 @@ from typing import Any
 from compress.eval.bench_gguf import candidate_rows
 from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
-from compress.export import onnx_export
-from compress.export import onnx_runtime as rt
-from compress.export.onnx_builder import ONNX_FILE
+from compress.export.onnx import export as onnx_export
+from compress.export.onnx import runtime as rt
+from compress.export.onnx.builder import ONNX_FILE
 from compress.export.specs import ONNXExport
 from compress.pipeline import library_versions
 from compress.plugins import QUANT_METHODS
@@ -95,7 +95,7 @@ def run_onnx_bench(
     repeats: int = 3,
     keep_files: bool = False,
 ) -> dict[str, Any]:
-    from compress.export.onnx_builder import require
+    from compress.export.onnx.builder import require
 
     require()
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)

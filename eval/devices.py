@@ -34,13 +34,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from compress.errors import CompressError
+from compress.export.format import HF_FORMAT, TORCH_RUNTIME
+from compress.plugins import runtime_formats
 from compress.schema.devices import DeviceProfile, Format, Runtime  # noqa: F401 - re-exported
 from compress.schema.yamlio import load_yaml, read_text
 
 LOCAL = "local"
 SHIPPED_PROFILES = Path(__file__).with_name("devices.yaml")
-RUNTIME_FORMAT: dict[str, str] = {"torch": "hf", "llama.cpp": "gguf", "onnxruntime": "onnx", "tensorrt": "tensorrt"}
-RUNTIME_MODULES: dict[str, str] = {"llama.cpp": "llama_cpp", "onnxruntime": "onnxruntime", "tensorrt": "tensorrt"}
 
 
 # --------------------------------------------------------------------------- loading
@@ -208,7 +208,8 @@ def local_profile(bandwidth_gbs: float | None = None, cuda: bool = False, fp16_t
     else:
         memory_gb = _ram_bytes() / 1e9
         description = f"this machine: {cpu_model()}, {os.cpu_count()} cores"
-    runtimes = ["torch"] + [rt for rt, mod in RUNTIME_MODULES.items() if (cuda or rt != "tensorrt") and _importable(mod)]
+    usable = [f for f in runtime_formats().values() if (cuda or not f.needs_cuda) and f.runtime_module and _importable(f.runtime_module)]
+    runtimes = [TORCH_RUNTIME] + [f.runtime for f in usable]
     notes.append(f"memory {memory_gb:.1f} GB ({'GPU total' if cuda else 'RAM total'}); runtimes whose modules import here")
     return DeviceProfile(
         name=LOCAL,
@@ -218,7 +219,7 @@ def local_profile(bandwidth_gbs: float | None = None, cuda: bool = False, fp16_t
         bandwidth_gbs=round(bandwidth_gbs, 2),
         fp16_tflops=round(fp16_tflops, 4),
         runtimes=runtimes,
-        formats=[RUNTIME_FORMAT[rt] for rt in runtimes],
+        formats=[HF_FORMAT] + [f.name for f in usable],
         source="measured on this machine: " + "; ".join(notes),
     )
 

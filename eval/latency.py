@@ -35,9 +35,14 @@ from typing import Any
 import numpy as np
 
 from compress.errors import CompressError
+from compress.export.format import TORCH_RUNTIME, Runner
+from compress.fsutil import tree_size
+from compress.plugins import runtime_formats
 
-RUNTIMES = ("torch", "llama.cpp", "onnxruntime", "tensorrt")
-SINGLE_SEQUENCE = {"llama.cpp": "llama-cpp-python's Llama object decodes one sequence; batch > 1 is not measured"}
+
+def runtimes() -> tuple[str, ...]:
+    """torch, then the runtime of every export format that has one of its own (compress.plugins)."""
+    return (TORCH_RUNTIME, *runtime_formats())
 
 
 @dataclass
@@ -66,8 +71,8 @@ class Target:
 def measure(target: Target, settings: LatencySettings, prompts: np.ndarray, timeout_s: float = 1800) -> dict[str, Any]:
     """Run one worker process and return its result: per batch size, the medians and p90s, the
     peak RSS, the bytes read per token. ``prompts`` [rows, >= prompt_tokens] int token ids."""
-    if target.runtime not in RUNTIMES:
-        raise CompressError(f"latency: unknown runtime '{target.runtime}'; known: {', '.join(RUNTIMES)}")
+    if target.runtime not in runtimes():
+        raise CompressError(f"latency: unknown runtime '{target.runtime}'; known: {', '.join(runtimes())}")
     rows = max(settings.batch_sizes)
     if prompts.ndim != 2 or prompts.shape[1] < settings.prompt_tokens:
         raise CompressError(f"latency: prompts must be [rows, >= {settings.prompt_tokens}] token ids; got {tuple(prompts.shape)}")
@@ -121,19 +126,7 @@ def latency_metrics(result: dict[str, Any], bandwidth_gbs: float | None) -> dict
 # --------------------------------------------------------------------------- runners (in the worker)
 
 
-class _Runner:
-    """One loaded artifact. ``run(prompts [b, p], steps)`` -> (ttft seconds, seconds of each step)."""
-
-    max_batch: int | None = None  # None: any
-    weight_bytes: int = 0
-    kv_bytes_per_position: int = 0
-    size_bytes: int = 0
-
-    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
-        raise NotImplementedError
-
-
-class _TorchRunner(_Runner):
+class _TorchRunner(Runner):
     def __init__(self, path: Path, device: str, threads: int) -> None:
         import torch
 
@@ -177,183 +170,13 @@ class _TorchRunner(_Runner):
         return ttft, times
 
 
-class _LlamaCppRunner(_Runner):
-    max_batch = 1
-
-    def __init__(self, path: Path, threads: int, context: int) -> None:
-        from compress.export.gguf_runtime import LlamaCppModel
-
-        self.runtime = LlamaCppModel(path, n_ctx=context, threads=threads)
-        self.size_bytes = path.stat().st_size
-        self.weight_bytes, self.kv_bytes_per_position = _gguf_bytes(path)
-
-    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
-        from compress.export.gguf_runtime import _quiet_stderr
-
-        llm = self.runtime.llm
-        llm.reset()
-        times = []
-        with _quiet_stderr():
-            start = time.perf_counter()
-            llm.eval(prompts[0].tolist())
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            ttft = time.perf_counter() - start
-            for _ in range(steps - 1):
-                start = time.perf_counter()
-                llm.eval([nxt])
-                nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-                times.append(time.perf_counter() - start)
-        return ttft, times
-
-
-class _GenAIRunner(_Runner):
-    def __init__(self, path: Path, threads: int) -> None:
-        import onnxruntime_genai as og
-
-        config = og.Config(str(path))
-        config.overlay(
-            json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}}})
-        )
-        self.og, self.model = og, og.Model(config)
-        self.size_bytes = tree_size(path)
-        self.weight_bytes, self.kv_bytes_per_position = _onnx_bytes(path)
-
-    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
-        og = self.og
-        batch, length = prompts.shape
-        params = og.GeneratorParams(self.model)
-        params.set_search_options(max_length=length + steps, min_length=length + steps, do_sample=False, batch_size=batch)
-        generator = og.Generator(self.model, params)
-        start = time.perf_counter()
-        generator.append_tokens(prompts.astype(np.int32))
-        generator.generate_next_token()  # picks the first token from the prompt's logits
-        ttft = time.perf_counter() - start
-        times = []
-        for _ in range(steps - 1):
-            start = time.perf_counter()
-            generator.generate_next_token()  # one token's forward, then the pick
-            times.append(time.perf_counter() - start)
-        del generator, params  # before the model they were made from
-        return ttft, times
-
-
-class _TensorRTRunner(_Runner):
-    """An engine built by our TensorRT export (explicit ``past_key_values.*`` inputs and
-    ``present.*`` outputs): the prompt with an empty past, then one token at a time."""
-
-    def __init__(self, path: Path) -> None:
-        import torch
-
-        from compress.export.tensorrt import EngineRunner
-
-        plans = sorted(path.glob("*.plan")) if path.is_dir() else [path]
-        if not plans:
-            raise CompressError(f"latency: no TensorRT engine (*.plan) in {path}")
-        self.torch, self.runner = torch, EngineRunner(plans[0])
-        self.size_bytes = plans[0].stat().st_size
-        self.weight_bytes = self.size_bytes  # an engine's weights are most of its file; stated as an approximation
-        self.past = [n for n in self.runner.inputs if n.startswith("past_key_values.")]
-        self.kv_bytes_per_position = sum(
-            int(np.prod([d for i, d in enumerate(self.runner.engine.get_tensor_shape(n)) if i not in (0, 2)]))
-            * self.runner.dtypes[n].itemsize
-            for n in self.past
-        )
-
-    def _step(self, ids: Any, past: dict[str, Any], offset: int) -> tuple[Any, dict[str, Any]]:
-        torch = self.torch
-        batch, seq = ids.shape
-        feeds = {
-            "input_ids": ids,
-            "attention_mask": torch.ones((batch, offset + seq), dtype=torch.int64),
-            "position_ids": torch.arange(offset, offset + seq).repeat(batch, 1),
-            **past,
-        }
-        out = self.runner(feeds)
-        presents = {n: out[n.replace("past_key_values.", "present.")] for n in self.past}
-        return out["logits"][:, -1].argmax(-1, keepdim=True).cpu(), presents
-
-    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
-        torch = self.torch
-        batch, length = prompts.shape
-        shape = {n: self.runner.engine.get_tensor_shape(n) for n in self.past}
-        past = {n: torch.zeros((batch, shape[n][1], 0, shape[n][3]), dtype=self.runner.dtypes[n], device="cuda") for n in self.past}
-        start = time.perf_counter()
-        nxt, past = self._step(torch.from_numpy(prompts), past, 0)
-        ttft = time.perf_counter() - start
-        times = []
-        for k in range(steps - 1):
-            start = time.perf_counter()
-            nxt, past = self._step(nxt, past, length + k)
-            times.append(time.perf_counter() - start)
-        return ttft, times
-
-
-def tree_size(path: Path) -> int:
-    """Bytes on disk of a file, or of every file under a folder."""
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _gguf_bytes(path: Path) -> tuple[int, int]:
-    """Weights a decode step reads (the token embedding counts only when it is also the output
-    matrix, i.e. no ``output.weight``), and f16 KV-cache bytes per position (llama.cpp's default)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    weights = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-
-    def field_int(key: str) -> int:
-        f = reader.fields[f"{arch}.{key}"]
-        return int(f.parts[f.data[0]][0])
-
-    heads, layers, width = field_int("attention.head_count"), field_int("block_count"), field_int("embedding_length")
-    kv_heads = field_int("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in reader.fields else heads
-    head_dim = field_int("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else width // heads
-    return weights, 2 * layers * kv_heads * head_dim * 2
-
-
-_ONNX_ITEMSIZE = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 16: 2, 17: 1, 21: 1, 22: 1}  # TensorProto data types -> bytes
-
-
-def _onnx_bytes(directory: Path) -> tuple[int, int]:
-    """Initializer bytes a decode step reads (ones consumed only by Gather ops are lookup tables:
-    left out) and KV bytes per position from the ``past_key_values.*`` inputs."""
-    import onnx
-
-    graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
-    consumers: dict[str, set[str]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, set()).add(node.op_type)
-    total = 0
-    for init in graph.initializer:
-        if consumers.get(init.name) and all(op.startswith("Gather") for op in consumers[init.name]):
-            continue
-        length = next((int(e.value) for e in init.external_data if e.key == "length"), None)
-        if length is None:
-            length = len(init.raw_data) or int(np.prod(init.dims)) * _ONNX_ITEMSIZE.get(init.data_type, 4)
-        total += length
-    decoder = json.loads((directory / "genai_config.json").read_text())["model"]["decoder"]  # cache dims may be symbolic in the graph
-    per_tensor = int(decoder["num_key_value_heads"]) * int(decoder["head_size"])
-    kv = sum(
-        per_tensor * _ONNX_ITEMSIZE.get(inp.type.tensor_type.elem_type, 4) for inp in graph.input if inp.name.startswith("past_key_values.")
-    )
-    return total, kv
-
-
 def static_bytes(target: Target) -> tuple[int, int, int]:
     """(weights a decode step reads, KV bytes per position, size on disk) from the files alone,
     without loading a runtime: what the estimates for other devices use when nothing was timed."""
     path = Path(target.path)
-    if target.runtime == "llama.cpp":
-        return (*_gguf_bytes(path), path.stat().st_size)
-    if target.runtime == "onnxruntime":
-        return (*_onnx_bytes(path), tree_size(path))
-    if target.runtime == "tensorrt":
-        size = tree_size(path)
-        return size, 0, size
-    return _torch_bytes(path)
+    if target.runtime == TORCH_RUNTIME:
+        return _torch_bytes(path)
+    return runtime_formats()[target.runtime].static_bytes(path)
 
 
 RECORD_SUFFIXES = (".weight_scale", ".weight_zero_point")  # a quantized layer's scales and zero points (its codes count as its weights)
@@ -411,38 +234,19 @@ def parameter_count(target: Target) -> int | None:
     quantized layer counts its codes), GGUF tensor elements, ONNX initializers with each
     MatMulNBits counted as its K x N weights; None for a TensorRT engine."""
     path = Path(target.path)
-    if target.runtime == "llama.cpp":
-        import gguf
-
-        return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)
-    if target.runtime == "onnxruntime":
-        import onnx
-
-        graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
-        packed = {name for node in graph.node if node.op_type == "MatMulNBits" for name in node.input[1:]}
-        count = sum(int(np.prod(init.dims)) for init in graph.initializer if init.name not in packed)
-        for node in graph.node:
-            if node.op_type == "MatMulNBits":
-                attrs = {a.name: a.i for a in node.attribute}
-                count += attrs["K"] * attrs["N"]
-        return count
-    if target.runtime == "torch":
+    if target.runtime == TORCH_RUNTIME:
         return sum(numel for key, numel, _ in safetensors_entries(model_folder(path)) if not key.endswith(RECORD_SUFFIXES))
-    return None
+    return runtime_formats()[target.runtime].parameter_count(path)
 
 
 SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 
 
-def _load(target: Target, settings: LatencySettings) -> _Runner:
+def _load(target: Target, settings: LatencySettings) -> Runner:
     path = Path(target.path)
-    if target.runtime == "torch":
+    if target.runtime == TORCH_RUNTIME:
         return _TorchRunner(path, target.device, settings.threads)
-    if target.runtime == "llama.cpp":
-        return _LlamaCppRunner(path, settings.threads, settings.prompt_tokens + settings.output_tokens)
-    if target.runtime == "onnxruntime":
-        return _GenAIRunner(path, settings.threads)
-    return _TensorRTRunner(path)
+    return runtime_formats()[target.runtime].runner(path, settings.threads, settings.prompt_tokens + settings.output_tokens)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -463,7 +267,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
         context = settings.prompt_tokens + settings.output_tokens / 2  # mean context over the decode steps
         for batch in settings.batch_sizes:
             if runner.max_batch is not None and batch > runner.max_batch:
-                skipped[str(batch)] = SINGLE_SEQUENCE.get(target.runtime, f"the runtime decodes at most {runner.max_batch}")
+                skipped[str(batch)] = runner.batch_note or f"the runtime decodes at most {runner.max_batch}"
                 continue
             rows = prompts[:batch]
             for _ in range(settings.warmup):
@@ -485,7 +289,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
                 "tpot_runs_ms": tpots,
             }
     gpu_peak = None
-    if target.runtime in ("torch", "tensorrt") and target.device.startswith("cuda"):
+    if target.device.startswith("cuda"):  # torch or a CUDA runtime
         import torch
 
         gpu_peak = torch.cuda.max_memory_allocated() / 2**20

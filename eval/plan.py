@@ -38,7 +38,7 @@ from compress.eval.plan_sizes import (
     model_shape,
     quantized_layers,
 )
-from compress.plugins import stage_kind
+from compress.plugins import EXPORT_FORMATS, stage_kind
 from compress.recipe import LoadedRecipe, Recipe
 
 # --------------------------------------------------------------------------- stages: memory and time
@@ -85,10 +85,7 @@ def stage_estimates(
             }
         )
     for spec, art in zip(recipe.exports, export_rows[len(export_rows) - len(recipe.exports) :], strict=False):  # exports come last
-        verify = getattr(spec, "verify", False) and ev is not None
-        tokens = (getattr(spec, "verify_samples", None) or (ev.samples if ev else 0)) * (ev.seq_len if ev else 0) if verify else 0
-        if spec.format == "tensorrt":
-            tokens = spec.check_tokens
+        tokens = EXPORT_FORMATS[spec.format].planned_verify_tokens(spec, ev.samples if ev else 0, ev.seq_len if ev else 0)
         rows.append(
             {
                 "step": f"export {spec.name} ({spec.format})",

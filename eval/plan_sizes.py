@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError, ModelLoadError
+from compress.export.format import HF_FORMAT, TORCH_RUNTIME
 from compress.inputs import check_json
-from compress.plugins import stage_kind
+from compress.plugins import EXPORT_FORMATS, stage_kind
 from compress.recipe import ModelSpec, Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,8 +77,8 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
     """The model's transformers config, read without loading (or downloading) any weights."""
     from transformers import AutoConfig
 
-    from compress import assets
-    from compress.paths import CONVERTED_MARKER, HUB_ID, cache_root
+    from compress import assets, models
+    from compress.paths import HUB_ID
 
     source = spec.source
     name = assets.parse_reference(source)
@@ -90,15 +91,12 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
             raise ModelLoadError(
                 f"model.source {source} is not in the cache; `compress plan` downloads nothing. Run `compress assets fetch {name}` first."
             )
-        gguf = next(f for f in asset.files if f.suffix == ".gguf")
-        converted = cache_root() / "models" / f"gguf-{asset.meta['files'][gguf.name][:16]}"
-        if (converted / CONVERTED_MARKER).is_file():
-            return AutoConfig.from_pretrained(converted, local_files_only=True), f"config.json of the converted {source} ({converted})"
-        return _gguf_config(gguf)
+        file, fmt = next((f, fmt) for f in asset.files if (fmt := models.source_format(f)) is not None)
+        return fmt.source_config(file, asset.meta["files"][file.name], source)
     path = Path(source).expanduser()
     path = path if path.is_absolute() else base_dir / path
-    if path.is_file() and path.suffix == ".gguf":
-        return _gguf_config(path)
+    if path.is_file() and (fmt := models.source_format(path)) is not None:
+        return fmt.source_config(path, None, source)
     if not path.exists() and HUB_ID.match(source):
         from huggingface_hub import snapshot_download
 
@@ -116,17 +114,6 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
         return AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True), f"{path / 'config.json'}"
     except Exception as exc:  # transformers raises many types for a config it cannot use
         raise ModelLoadError(f"transformers could not read {path / 'config.json'}: {type(exc).__name__}: {str(exc)[:300]}") from None
-
-
-def _gguf_config(path: Path) -> tuple[Any, str]:
-    from transformers import AutoConfig
-
-    try:  # transformers reads the metadata with gguf.GGUFReader (memory-mapped; tensors are not loaded)
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name), f"GGUF metadata of {path}"
-    except Exception as exc:  # the GGUF reader raises many types for a damaged file
-        raise ModelLoadError(
-            f"cannot read the model config from the GGUF metadata of {path}: {type(exc).__name__}: {str(exc)[:300]}"
-        ) from None
 
 
 def shape_of(config: Any, trust_remote_code: bool = False, origin: str = "") -> ModelShape:
@@ -264,66 +251,14 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
     if kv is not None and kv.evaluate is not None:
         add("kv_cache", "hf", "torch", packed, _kv_element_bytes(kv, shape), f"compressed weights; KV cache {kv.describe()}")
     for spec in recipe.exports:
-        add(spec.name, *_export_size(spec, shape, records, dtype_bits))
+        fmt = EXPORT_FORMATS[spec.format]
+        # a checkpoint export is a Hugging Face folder timed on torch; the others run on their own runtime
+        where = (fmt.name, fmt.runtime) if fmt.own_runtime else (HF_FORMAT, TORCH_RUNTIME)
+        add(spec.name, *where, *fmt.planned_size(spec, shape, records, dtype_bits))
     return rows
 
 
-def _export_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> tuple[str, str, int, float, str]:
-    fmt = spec.format
-    if fmt in ("compressed-tensors", "gptq"):
-        if fmt == "gptq":
-            size = packed_bytes(shape, records, dtype_bits, scale_bits=16, zeros_always=True, extra_bits_per_input=32)
-            basis = "codes + float16 scales + zero points (always stored) per group + int32 g_idx; the rest at the model dtype"
-        else:
-            size, basis = packed_bytes(shape, records, dtype_bits), "codes + scales (+ zero points) per group; the rest at the model dtype"
-        return "hf", "torch", size, 2.0, basis
-    if fmt == "gguf":
-        if spec.quantizer == "llama.cpp":
-            kind, float_type = spec.type, spec.float_type or "q8_0"  # llama.cpp picks the embedding's type itself; q8_0 assumed
-            size = _uniform_bytes(shape, GGUF_BITS[kind], GGUF_BITS[float_type])
-            return (
-                "gguf",
-                "llama.cpp",
-                size,
-                2.0,
-                (
-                    f"llama.cpp {kind} at ~{GGUF_BITS[kind]} bits/weight (its published average; rows "
-                    f"that are not a multiple of 256 fall back to larger types), embedding {float_type}"
-                ),
-            )
-        kind = _gguf_type(spec.type, records)
-        float_type = spec.float_type or ("q8_0" if kind.startswith("q") else kind)
-        size = packed_bytes(shape, records, GGUF_BITS[float_type], code_bits=GGUF_BITS[kind], scale_bits=0, zero_bits=0)
-        return "gguf", "llama.cpp", size, 2.0, f"records as {kind} blocks ({GGUF_BITS[kind]} bits/weight), other tensors {float_type}"
-    if fmt == "onnx":
-        float_bits = 32 if spec.device == "cpu" else 16
-        precision = spec.precision
-        if precision == "auto":
-            precision = {4: "int4", 8: "int8"}.get(_only_bits(records), "fp32") if records else "fp32"
-        if precision in ("fp32", "fp16"):
-            size = shape.params * (32 if precision == "fp32" else 16) // 8
-            return "onnx", "onnxruntime", size, float_bits / 8, f"every parameter at {precision}"
-        bits, block = (4 if precision == "int4" else 8), spec.block_size or 32
-        if spec.quantizer == "builder" or not records:
-            size = _builder_bytes(shape, bits, block, spec.symmetric, float_bits)
-            return "onnx", "onnxruntime", size, float_bits / 8, f"builder {precision} blocks of {block}; floats at {float_bits} bits"
-        size = packed_bytes(shape, records, float_bits, code_bits=bits, scale_bits=float_bits)
-        basis = f"MatMulNBits {precision}: codes + {float_bits}-bit scales per group; floats at {float_bits} bits"
-        return "onnx", "onnxruntime", size, float_bits / 8, basis
-    float_bits = 16 if spec.dtype == "float16" else 32  # tensorrt
-    if spec.fp8:
-        size = packed_bytes(shape, records, float_bits, code_bits=8, scale_bits=float_bits, zero_bits=0, group=10**9)
-        basis = "fp8 e4m3 weights with per-channel scales"
-    elif spec.fallback == "int8" and any(not r.scheme.symmetric or r.scheme.bits != 4 for r in records.values()):
-        size = packed_bytes(shape, records, float_bits, code_bits=8, scale_bits=float_bits, zero_bits=0, group=10**9)
-        basis = "records without an exact Q/DQ form as int8 per-channel"
-    else:
-        size = packed_bytes(shape, records, float_bits, scale_bits=float_bits, zero_bits=0)
-        basis = f"int{_only_bits(records) or 4} Q/DQ blocks with {float_bits}-bit scales"
-    return "tensorrt", "tensorrt", size, float_bits / 8, basis + f"; floats at {spec.dtype}"
-
-
-def _only_bits(records: dict[str, Record]) -> int | None:
+def only_bits(records: dict[str, Record]) -> int | None:
     bits = {r.scheme.bits for r in records.values()}
     return bits.pop() if len(bits) == 1 else None
 
@@ -340,12 +275,12 @@ def _linear_weights(shape: ModelShape, with_lm_head: bool) -> int:
     )
 
 
-def _uniform_bytes(shape: ModelShape, linear_bits: float, other_bits: float) -> int:
+def uniform_bytes(shape: ModelShape, linear_bits: float, other_bits: float) -> int:
     linear = _linear_weights(shape, with_lm_head=True)
     return int((linear * linear_bits + (shape.params - linear) * other_bits) / 8)
 
 
-def _builder_bytes(shape: ModelShape, bits: int, block: int, symmetric: bool, float_bits: int) -> int:
+def builder_bytes(shape: ModelShape, bits: int, block: int, symmetric: bool, float_bits: int) -> int:
     linear = _linear_weights(shape, with_lm_head=False)
     per_weight = bits + (float_bits + (0 if symmetric else bits)) / block
     return int((linear * per_weight + (shape.params - linear) * float_bits) / 8)
@@ -359,15 +294,3 @@ def _kv_element_bytes(kv: Any, shape: ModelShape) -> float:
     per_group = 2 if kv.is_symmetric else 4
     groups = [kv.residual if axis == "channel" else (kv.group_size or head_dim) for axis in (kv.key_axis, kv.value_axis)]
     return kv.bits / 8 + sum(per_group / g for g in groups) / 2
-
-
-def _gguf_type(spec_type: str, records: dict[str, Record]) -> str:
-    """The export's block type as the GGUF writer resolves it; an ``auto`` the writer would refuse
-    (mixed schemes: the run asks for a type) is planned as f16."""
-    from compress.errors import FormatError
-    from compress.export.gguf import resolve_type
-
-    try:
-        return resolve_type(spec_type, records)  # type: ignore[arg-type]  # only .scheme is read
-    except FormatError:
-        return "f16"

@@ -1,14 +1,18 @@
-"""Checkpoint formats and exporters: they pack the pipeline's `QuantizedWeight` records
-(`RunContext.quantized`) into other runtimes' formats without re-quantizing, verify every
-export by reading it back, and import such checkpoints as model sources.
+"""Export formats: they pack the pipeline's `QuantizedWeight` records (`RunContext.quantized`)
+into other runtimes' formats without re-quantizing, verify every export (read back, and run on
+its runtime where it has one), and import such files as model sources.
 
-* ``packing.py`` — the int32 bit packing the formats share (pure functions);
-* ``compressed_tensors.py`` — compressed-tensors pack-quantized writer + reader;
-* ``autogptq.py`` — AutoGPTQ/GPTQModel v1 writer, v1/v2 reader;
-* ``autoawq.py`` — AutoAWQ GEMM reader;
-* ``hf_checkpoint.py`` — the Hugging Face directory around them (config, tensors, float model);
-* ``specs.py`` — the recipe's ``exports`` items (no torch import);
-* ``registry.py`` — the explicit format registry and the pipeline/model-loader glue.
+One package per format, each with its spec (``spec.py``), registered in
+compress.plugins.EXPORT_FORMATS:
 
-GGUF, ONNX and TensorRT exporters are tracked by their own issues.
+* ``gguf/`` — GGUF for llama.cpp;
+* ``onnx/`` — ONNX Runtime GenAI (onnxruntime-genai's builder, MatMulNBits);
+* ``tensorrt/`` — the TensorRT-ready Q/DQ ONNX and its engine;
+* ``checkpoint/`` — Hugging Face checkpoints: compressed-tensors, AutoGPTQ (write + read),
+  AutoAWQ (read), and the directory helpers they share.
+
+Shared: ``format.py`` (the spec base ``ExportFormat`` and the latency ``Runner``),
+``registry.py`` (the pipeline's check / write / report / gate glue), ``specs.py`` (the recipe's
+``exports`` items, no torch), ``parity.py`` (the runtime verifiers' inputs), ``packing.py``
+(int32 bit packing).
 """

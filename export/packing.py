@@ -9,7 +9,7 @@ two words (AutoGPTQ's 3-bit layout: 32 fields in 3 words, fields 10 and 21 split
 word of a run is zero-padded.
 
 AutoAWQ additionally interleaves the eight 4-bit fields of a word; that permutation lives in
-``autoawq.py``, on top of these functions.
+``checkpoint/autoawq.py``, on top of these functions.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError, FormatError
-from compress.export import compressed_tensors as ct_format
-from compress.export.hf_checkpoint import QUANTIZATION_CONFIG
+from compress.export.checkpoint import compressed_tensors as ct_format
+from compress.export.checkpoint.hf_checkpoint import QUANTIZATION_CONFIG
 from compress.quantizers.apply import install_record, summarize
 from compress.quantizers.core import QuantizedWeight, QuantScheme, one_cpu_thread, scale_torch_dtype
 from compress.quantizers.sequential import peak_memory_mb, select_block_linears

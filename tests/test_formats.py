@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.context import RunContext
 from compress.errors import CompressError, FormatError
-from compress.export import autogptq, compressed_tensors
-from compress.export.hf_checkpoint import records_identical, write_checkpoint
+from compress.export.checkpoint import autogptq, compressed_tensors
+from compress.export.checkpoint.hf_checkpoint import records_identical, write_checkpoint
+from compress.export.checkpoint.readers import read_records
 from compress.export.packing import pack_int32, unpack_int32
-from compress.export.registry import read_records
 from compress.fsutil import sha256_file
 from compress.models import load_model
 from compress.pipeline import run_recipe

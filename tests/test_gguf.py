@@ -18,8 +18,8 @@ from gguf import quants
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.errors import FormatError
-from compress.export import gguf as G
-from compress.export import gguf_runtime
+from compress.export.gguf import file as G
+from compress.export.gguf import runtime as gguf_runtime
 from compress.export.parity import tokenization_mismatches
 from compress.export.specs import GGUFExport
 from tests.helpers import recipe_text, run_cli, write_recipe
@@ -239,7 +239,7 @@ def test_records_that_cannot_map_exactly_fail_or_fall_back(tmp_path: Path, token
     assert G.resolve_type("auto", {}) == "f16"
 
     model.config.model_type = "gpt_neox"
-    with pytest.raises(FormatError, match="Add an entry to ARCHITECTURES in export/gguf.py"):
+    with pytest.raises(FormatError, match="Add an entry to ARCHITECTURES in export/gguf/file.py"):
         G.architecture_of(model)
 
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from compress.eval.kv_eval import cached_forward, evaluate_kv
 from compress.eval.metrics import torch_forward
-from compress.export import gguf_runtime
+from compress.export.gguf import runtime as gguf_runtime
 from compress.quantizers.kv_cache import KVCacheConfig, KVCacheScheme, estimate_bytes_per_token, float_cache_bytes_per_token, memory_plan
 from compress.quantizers.kv_cache_store import (
     QuantizedKVCache,
@@ -239,7 +239,7 @@ def test_recipe_with_a_kv_stage_scores_it_and_exports_its_scheme(tmp_path: Path,
     assert sorted(k for k in tensors if k.endswith("_scale") and "self_attn." in k and "proj" not in k) == [
         f"model.layers.{i}.self_attn.{s}" for i in range(2) for s in ("k_scale", "v_scale")
     ]
-    from compress.export.registry import read_records
+    from compress.export.checkpoint.readers import read_records
 
     assert read_records(out / "exports/compressed-tensors").facts["kv_cache_scales"] == 4
     # GGUF: llama.cpp has no fp8 cache type; the metadata says so
@@ -334,8 +334,8 @@ def test_llama_cpp_measures_the_cache_types_the_gguf_names(tmp_path: Path, text_
     logits more than q8_0, both more than nothing; a head size llama.cpp cannot block is reported."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compress.export import gguf as G
-    from compress.export.gguf_export import verify_kv_cache
+    from compress.export.gguf import file as G
+    from compress.export.gguf.export import verify_kv_cache
     from compress.export.parity import VerifyInputs
     from compress.progress import Reporter
     from tests.tiny import tiny_llama_dir

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from compress.context import RunContext
 from compress.errors import CompressError
 from compress.eval.metrics import compare, torch_forward
-from compress.export.hf_checkpoint import records_identical
-from compress.export.registry import read_records
+from compress.export.checkpoint.hf_checkpoint import records_identical
+from compress.export.checkpoint.readers import read_records
 from compress.progress import Reporter
 from compress.quantizers import llmcompressor_backend as backend
 from compress.quantizers.awq import AWQConfig, AWQStage

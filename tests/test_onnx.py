@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from compress.errors import FormatError
-from compress.export import matmulnbits as mnb
-from compress.export import onnx_builder as ob
+from compress.export.onnx import builder as ob
+from compress.export.onnx import matmulnbits as mnb
 from compress.export.specs import ONNXExport
 from compress.quantizers.core import QuantizedWeight, QuantScheme
 from compress.quantizers.rtn import rtn_quantize
@@ -223,7 +223,7 @@ def test_records_of_other_bits_are_refused_before_any_work(tmp_path: Path, onnx_
 
 
 def test_kv_cache_static_scales_become_the_builders_per_channel_scale_file(tmp_path: Path) -> None:
-    from compress.export.onnx_export import kv_cache_options
+    from compress.export.onnx.export import kv_cache_options
     from compress.quantizers.kv_cache import KVCacheConfig, KVCacheScheme
     from tests.tiny import tiny_config
 

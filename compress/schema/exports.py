@@ -1,16 +1,32 @@
-"""The recipe's ``exports:`` items: one spec class per format, discriminated by ``format``.
+"""The recipe's ``exports:`` items: one config class per format, discriminated by ``format``.
 
-Torch-free, so the recipe schema can import it cheaply. The writers and verifiers are registered
-in compress/export/registry.py; compress.export.specs re-exports everything here.
+Torch-free, so the recipe schema can import it cheaply. What each format *does* lives in its
+package (export/<format>/) and its spec in compress.plugins.EXPORT_FORMATS; compress.export.specs
+re-exports everything here.
+
+The built-in formats form the discriminated union ``ExportSpec`` (and so the JSON Schema). A
+format registered only in the table is known to validation through the validation context: the
+recipe loader (compress/recipe.py) passes ``{EXPORT_CONFIGS: {name: config class}}`` from the
+table, and an ``exports`` item whose ``format`` is not built in is validated by that config class.
+This module never imports the table (the schema is the bottom layer).
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
 from compress.schema.base import Strict
 
@@ -19,14 +35,19 @@ GPTQ = "gptq"
 GGUF = "gguf"
 ONNX = "onnx"
 TENSORRT = "tensorrt"
-EXPORT_FORMATS = (COMPRESSED_TENSORS, GPTQ, GGUF, ONNX, TENSORRT)
-FORMATS_DOC = " | ".join(EXPORT_FORMATS)
+BUILTIN_FORMATS = (COMPRESSED_TENSORS, GPTQ, GGUF, ONNX, TENSORRT)  # the ExportSpec union; the table (compress.plugins) may add more
+FORMATS_DOC = " | ".join(BUILTIN_FORMATS)
 EXPORTS_DIR = "exports"
 RESERVED_NAMES = ("baseline", "compressed")  # the in-memory artifacts gates already know
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+EXPORT_CONFIGS = "export_configs"  # validation-context key: {format name: config class} of every format in the table
 
 
 class _Export(Strict):
+    own_runtime: ClassVar[bool] = False
+    """Runs on a runtime of its own (verified and timed there; ``latency.artifacts`` may name it);
+    False: a checkpoint holding the compressed records, gated on the ``compressed`` evaluation."""
+
     name: str | None = Field(
         None,
         description="Names the export in reports and gates and its folder exports/<name>/ in the artifact; "
@@ -86,6 +107,8 @@ GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
 class GGUFExport(_Export):
     """A GGUF file for llama.cpp (exports/<name>/model.gguf), verified in llama.cpp."""
 
+    own_runtime: ClassVar[bool] = True
+
     format: Literal["gguf"] = Field("gguf", description=FORMATS_DOC)
     type: str = Field(
         "auto",
@@ -143,6 +166,8 @@ ONNX_DEVICE_PRECISIONS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp32", "fp1
 class ONNXExport(_Export):
     """An ONNX model for ONNX Runtime / ONNX Runtime GenAI (exports/<name>/model.onnx + genai_config.json),
     made by onnxruntime-genai's model builder and verified in ONNX Runtime."""
+
+    own_runtime: ClassVar[bool] = True
 
     format: Literal["onnx"] = Field("onnx", description=FORMATS_DOC)
     precision: Literal["auto", "fp32", "fp16", "int8", "int4"] = Field(
@@ -251,6 +276,8 @@ class TensorRTExport(_Export):
     """A TensorRT-ready ONNX (standard ops, weights as explicit Q/DQ, explicit past/present KV tensors),
     checked on ONNX Runtime CPU, and a TensorRT engine built from it where TensorRT and a GPU exist."""
 
+    own_runtime: ClassVar[bool] = True
+
     format: Literal["tensorrt"] = Field("tensorrt", description=FORMATS_DOC)
     dtype: Literal["float16", "float32"] = Field(
         "float16",
@@ -281,16 +308,35 @@ class TensorRTExport(_Export):
     )
 
 
-def _known_format(value: Any) -> Any:
+def _registered(info: ValidationInfo) -> dict[str, type[_Export]]:
+    """The formats the table registers beyond the built-in ones (from the validation context)."""
+    configs = (info.context or {}).get(EXPORT_CONFIGS) or {}
+    return {name: cls for name, cls in configs.items() if name not in BUILTIN_FORMATS}
+
+
+def _known_format(value: Any, info: ValidationInfo) -> Any:
+    available = [*BUILTIN_FORMATS, *_registered(info)]
     if isinstance(value, dict) and "format" not in value:
-        raise ValueError(f"an export names its format: format: {' | '.join(EXPORT_FORMATS)}")
-    if isinstance(value, dict) and value["format"] not in EXPORT_FORMATS:
-        raise ValueError(f"export format '{value['format']}' is not available; available: {', '.join(EXPORT_FORMATS)}")
+        raise ValueError(f"an export names its format: format: {' | '.join(available)}")
+    if isinstance(value, dict) and value["format"] not in available:
+        raise ValueError(f"export format '{value['format']}' is not available; available: {', '.join(available)}")
     return value
+
+
+def _table_format(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+    """An item of a format registered only in the table: validated by its config class from the context."""
+    registered = _registered(info)
+    if isinstance(value, dict) and value.get("format") in registered:
+        return registered[value["format"]].model_validate(value, context=info.context)
+    if isinstance(value, tuple(registered.values())):
+        return value
+    return handler(value)
 
 
 ExportSpec = Annotated[
     CompressedTensorsExport | GPTQExport | GGUFExport | ONNXExport | TensorRTExport,
     Field(discriminator="format"),
     BeforeValidator(_known_format),
+    WrapValidator(_table_format),
+    SerializeAsAny(),  # an item of a registered format dumps as its own class
 ]

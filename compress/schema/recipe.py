@@ -36,7 +36,6 @@ from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig, WeightQua
 SCHEMA_VERSION = 1
 """The recipe `version` this release reads (the one place it is defined)."""
 IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
-RUNTIME_FORMATS = ("gguf", "onnx", "tensorrt")  # exports that run on a runtime of their own (timeable)
 THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
 # Fields that hold filesystem paths; relative values resolve against the recipe's directory
 # (or, for --set overrides, against the current directory).
@@ -343,7 +342,7 @@ class Recipe(Strict):
             if gate.metric == "memory_fraction" and gate.device is None:
                 raise ValueError(f"gates[{i}]: memory_fraction is a fit check on a named device; set gates[{i}].device")
         if self.latency is not None:
-            timeable = {"baseline", "compressed"} | {x.name for x in self.exports if x.format in RUNTIME_FORMATS}
+            timeable = {"baseline", "compressed"} | {x.name for x in self.exports if x.own_runtime}
             for name in self.latency.artifacts or []:
                 if name not in timeable:
                     raise ValueError(f"latency.artifacts: '{name}' is not timeable here; known: {', '.join(sorted(timeable))}")

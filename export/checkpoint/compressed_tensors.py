@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.export.hf_checkpoint import (
+from compress.export.checkpoint.hf_checkpoint import (
     QUANT_METHOD,
     ImportedRecords,
     build_record,

@@ -1,7 +1,7 @@
 """GGUF export for llama.cpp: the records packed into Q4_0 / Q4_1 / Q8_0 blocks without
 re-quantizing, float tensors as F32 / F16 / BF16, and the tokenizer and hyperparameters
 llama.cpp needs. llama.cpp's own quantizer types (K-quants …) are made from our F16 file by
-``gguf_runtime.py``; so is the verification in llama.cpp.
+``runtime.py``; so is the verification in llama.cpp (``export.py``).
 
 Block layouts (ggml, 32 weights a block, little-endian):
 
@@ -34,11 +34,11 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
+from compress.export.gguf.spec import GGUF_FILE  # noqa: F401 - the writer's file name
 from compress.export.specs import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.quantizers.core import QuantizedWeight
 
 BLOCK = 32
-GGUF_FILE = "model.gguf"
 METADATA_NAMESPACE = "compress"
 
 
@@ -181,7 +181,7 @@ def architecture_of(model: nn.Module) -> GGUFArch:
     if model_type not in ARCHITECTURES:
         raise FormatError(
             f"GGUF export does not know the architecture '{model_type}'; known: {', '.join(sorted(ARCHITECTURES))}. "
-            "Add an entry to ARCHITECTURES in export/gguf.py (llama.cpp's architecture name and whether Q/K rows are permuted) with a test"
+            "Add an entry to ARCHITECTURES in export/gguf/file.py (llama.cpp's architecture name and whether Q/K rows are permuted) with a test"
         )
     return ARCHITECTURES[model_type]
 

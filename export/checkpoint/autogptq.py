@@ -32,7 +32,7 @@ from torch import nn
 
 from compress import __version__
 from compress.errors import FormatError
-from compress.export.hf_checkpoint import (
+from compress.export.checkpoint.hf_checkpoint import (
     QUANT_METHOD,
     ImportedRecords,
     build_record,

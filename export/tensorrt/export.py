@@ -1,5 +1,5 @@
-"""The ``exports: [{format: tensorrt, ...}]`` step: the TensorRT-ready Q/DQ ONNX (``onnx_qdq.py``),
-checked on ONNX Runtime CPU against the in-memory model, then a TensorRT engine (``tensorrt.py``)
+"""The ``exports: [{format: tensorrt, ...}]`` step: the TensorRT-ready Q/DQ ONNX (``qdq.py``),
+checked on ONNX Runtime CPU against the in-memory model, then a TensorRT engine (``engine.py``)
 where TensorRT and an NVIDIA GPU exist. Without them the engine is skipped and the manifest and
 report.json say why; a gate on the export then fails as unmeasured (never passes silently).
 """
@@ -15,9 +15,11 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, torch_forward
-from compress.export import onnx_builder, onnx_qdq, tensorrt
+from compress.export.onnx import builder as onnx_builder
 from compress.export.parity import VerifyInputs
 from compress.export.specs import TensorRTExport
+from compress.export.tensorrt import engine as tensorrt
+from compress.export.tensorrt import qdq as onnx_qdq
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme

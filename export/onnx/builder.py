@@ -20,12 +20,11 @@ from typing import Any
 import numpy as np
 
 from compress.errors import FormatError
-from compress.export import matmulnbits as mnb
+from compress.export.onnx import matmulnbits as mnb
+from compress.export.onnx.spec import GENAI_CONFIG, ONNX_FILE  # noqa: F401 - the builder's file names
 from compress.quantizers.core import QuantizedWeight
 
-ONNX_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-GENAI_CONFIG = "genai_config.json"
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
 # Layers we never hand to the builder's own quantizer: without a record they stay float.
 FLOAT_NODES = ("/lm_head/MatMul", "/model/embed_tokens/Gather")

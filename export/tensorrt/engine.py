@@ -1,4 +1,4 @@
-"""TensorRT engines from the Q/DQ ONNX (``export/onnx_qdq.py``): build, describe, run.
+"""TensorRT engines from the Q/DQ ONNX (``export/tensorrt/qdq.py``): build, describe, run.
 
 * ``TensorRTConfig`` (in ``specs.py``) — the optimization profile (min/opt/max of batch, sequence and
   past length), workspace limit and timing cache; validated at construction.
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from compress.errors import FormatError
-from compress.export.onnx_qdq import MODEL_FILE
 from compress.export.specs import TensorRTConfig
+from compress.export.tensorrt.qdq import MODEL_FILE
 from compress.fsutil import sha256_file
 
 ENGINE_FILE = "engine.plan"

@@ -16,8 +16,8 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, torch_forward
-from compress.export import gguf as gguf_writer
-from compress.export import gguf_runtime
+from compress.export.gguf import file as gguf_writer
+from compress.export.gguf import runtime as gguf_runtime
 from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
 from compress.export.specs import GGUFExport
 from compress.progress import Reporter

@@ -22,9 +22,9 @@ from torch import nn
 from compress.artifact import float_tensors, write_config_and_tokenizer
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, torch_forward
-from compress.export import autogptq
-from compress.export import onnx_builder as ob
-from compress.export.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE
+from compress.export.checkpoint import autogptq
+from compress.export.checkpoint.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE
+from compress.export.onnx import builder as ob
 from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
 from compress.export.specs import ONNXExport
 from compress.progress import Reporter
@@ -308,7 +308,7 @@ def kv_cache_options(
 def verify(
     directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str, quantized: bool
 ) -> Evaluation:
-    from compress.export import onnx_runtime as rt
+    from compress.export.onnx import runtime as rt
 
     assert inputs.chunks is not None
     chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from compress.errors import FormatError
-from compress.export.hf_checkpoint import ImportedRecords, build_record, layers_with, scale_dtype_name
+from compress.export.checkpoint.hf_checkpoint import ImportedRecords, build_record, layers_with, scale_dtype_name
 from compress.export.packing import unpack_int32
 from compress.quantizers.core import QuantizedWeight, QuantScheme
 

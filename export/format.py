@@ -1,0 +1,152 @@
+"""What an export format is, as one object: the spec every export package (export/<format>/)
+provides and compress/plugins.py lists in ``EXPORT_FORMATS``.
+
+The rest of the code asks a format's spec every per-format question (recipe config, runtime,
+check, write and verify, latency runner, sizes, plan, devices, model-card text, input checks)
+and never branches on the format's name. This module and every ``spec.py`` import neither torch
+nor a runtime: implementations are imported inside the methods, so that reading the table stays
+cheap (`import compress`, `compress validate`).
+
+A format subclasses :class:`ExportFormat` and overrides what it does differently; the defaults
+describe a format that is written and verified by its reader but has no runtime of its own to
+time (a Hugging Face checkpoint: gates on it read the ``compressed`` evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import numpy as np
+    from pydantic import BaseModel
+
+    from compress.eval.metrics import Evaluation
+    from compress.export.parity import VerifyInputs
+    from compress.progress import Reporter
+    from compress.quantizers.kv_cache import KVCacheScheme
+
+TORCH_RUNTIME = "torch"  # the in-memory model and Hugging Face folders, timed by eval/latency.py itself
+HF_FORMAT = "hf"  # what a device profile calls the torch runtime's format
+
+PlannedSize = tuple[int, float, str]
+"""(bytes of the written artifact, bytes per cached K/V element at run time, how it was estimated)."""
+
+
+class Runner:
+    """One loaded artifact in a latency worker. ``run(prompts [b, p], steps)`` -> (ttft seconds,
+    seconds of each decode step). A format's latency runner subclasses it."""
+
+    max_batch: int | None = None  # None: any
+    batch_note: str | None = None  # why larger batches are not measured, when max_batch is set
+    weight_bytes: int = 0
+    kv_bytes_per_position: int = 0
+    size_bytes: int = 0
+
+    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One export format: its recipe key, config class and runtime, and the operations on it.
+
+    ``own_runtime`` (from the config class, so that recipe validation knows it without this table)
+    says whether the export is verified and timed on a runtime of its own (its gates read those
+    numbers); otherwise it holds exactly the compressed records, proven by its reader, and gates on
+    it read the ``compressed`` evaluation.
+    """
+
+    name: str  # the recipe's ``format:`` key
+    config: type[BaseModel]  # the recipe's config class for it (compress/schema/exports.py)
+    runtime: str  # where it runs: llama.cpp | onnxruntime | tensorrt | transformers (a latency runtime when own_runtime)
+    intended_runtimes: str  # model-card text: where people run it
+    runtime_module: str | None = None  # the Python module whose import means the runtime is installed (device profiles)
+    needs_cuda: bool = False  # the runtime runs on a CUDA GPU only
+    input_kind: str | None = None  # what ``compress gate`` takes of it as a bare input ("GGUF file"), None: nothing
+    packages: tuple[str, ...] = ()  # Python distributions whose versions the manifest records
+
+    @property
+    def own_runtime(self) -> bool:
+        return bool(getattr(self.config, "own_runtime", False))
+
+    # ------------------------------------------------------------------ the run
+
+    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
+        """Raise FormatError, before any heavy work, when the records cannot be written exactly."""
+
+    def write(
+        self,
+        directory: Path,
+        spec: Any,
+        model: Any,
+        tokenizer: Any,
+        records: dict[str, Any],
+        inputs: VerifyInputs | None,
+        reporter: Reporter,
+        label: str,
+        kv: KVCacheScheme | None,
+    ) -> tuple[dict[str, Any], list[Evaluation]]:
+        """Write the export to ``directory`` and verify it; returns its manifest entry (without
+        path and files) and the evaluations made on its runtime."""
+        raise NotImplementedError(f"export format {self.name} has no writer")
+
+    def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
+        """What the latency block times of a written export and on which device ('cpu', 'cuda'),
+        or None when nothing can be timed (no runtime of its own, or no engine was built)."""
+        return None
+
+    # ------------------------------------------------------------------ runtime (latency worker, gate)
+
+    def runner(self, path: Path, threads: int, context: int) -> Runner:
+        """A loaded artifact for the latency worker (imports the runtime)."""
+        raise NotImplementedError(f"export format {self.name} has no latency runner")
+
+    def static_bytes(self, path: Path) -> tuple[int, int, int]:
+        """(weights a decode step reads, KV bytes per position, size on disk) from the files alone."""
+        raise NotImplementedError(f"export format {self.name} has no size reader")
+
+    def parameter_count(self, path: Path) -> int | None:
+        """Weights in the files (for prefill compute estimates); None when the files do not say."""
+        return None
+
+    def forward(self, path: Path, seq_len: int, threads: int) -> tuple[Callable[..., Any], Callable[[], None] | None] | None:
+        """(log-prob forward over token chunks, close) on the runtime for ``compress gate``'s
+        accuracy metrics; None when this runtime is scored only by its export's verifier."""
+        return None
+
+    # ------------------------------------------------------------------ inputs (compress gate on a bare file or folder)
+
+    def recognizes(self, path: Path) -> bool:
+        """Whether a path given to ``compress gate`` is this format's file or folder."""
+        return False
+
+    def check_input(self, path: Path) -> Path:
+        """Check an imported file or folder of this format (raises ModelLoadError); returns what its runtime loads."""
+        raise NotImplementedError(f"export format {self.name} reads no input files")
+
+    def load_source(self, path: Path, spec: Any, reporter: Reporter) -> Any:
+        """A recognized file as the recipe's model source (``model.source``): a LoadedModel (compress/models.py)."""
+        raise NotImplementedError(f"export format {self.name} is not a model source")
+
+    def source_config(self, path: Path, digest: str | None, source: str) -> tuple[Any, str]:
+        """(transformers config, where it was read) of a recognized model source, for ``compress plan``
+        without loading the weights; ``digest``: the file's SHA-256 when known (a cached conversion);
+        ``source``: the recipe's ``model.source``, for messages."""
+        raise NotImplementedError(f"export format {self.name} is not a model source")
+
+    # ------------------------------------------------------------------ plan
+
+    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+        """The export's size from the config alone (eval/plan_sizes.py: ``shape`` a ModelShape on the
+        meta device, ``records`` the planned quantized layers)."""
+        raise NotImplementedError(f"export format {self.name} has no size estimate")
+
+    def planned_verify_tokens(self, spec: Any, samples: int, seq_len: int) -> int:
+        """Tokens its verifier scores on its runtime, for the plan's time estimate."""
+        if not getattr(spec, "verify", False):
+            return 0
+        return (getattr(spec, "verify_samples", None) or samples) * seq_len

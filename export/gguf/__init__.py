@@ -1,0 +1,5 @@
+"""GGUF for llama.cpp: the writer and reader (file.py), the export step and its verifier in
+llama.cpp (export.py), the llama-cpp-python runtime (runtime.py), a GGUF file as model source
+(source.py), the latency runner (latency.py), the planned size (plan.py), input checks
+(inputs.py) and the spec (spec.py). Importing the package imports nothing heavy.
+"""

@@ -1,0 +1,68 @@
+"""GGUF on llama.cpp in the latency worker (eval/latency.py): the runner and what the file alone
+says about bytes read per token and parameters."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from compress.export.format import Runner
+
+
+class LlamaCppRunner(Runner):
+    max_batch = 1
+    batch_note = "llama-cpp-python's Llama object decodes one sequence; batch > 1 is not measured"
+
+    def __init__(self, path: Path, threads: int, context: int) -> None:
+        from compress.export.gguf.runtime import LlamaCppModel
+
+        self.runtime = LlamaCppModel(path, n_ctx=context, threads=threads)
+        self.size_bytes = path.stat().st_size
+        self.weight_bytes, self.kv_bytes_per_position = gguf_bytes(path)
+
+    def run(self, prompts: np.ndarray, steps: int) -> tuple[float, list[float]]:
+        from compress.export.gguf.runtime import _quiet_stderr
+
+        llm = self.runtime.llm
+        llm.reset()
+        times = []
+        with _quiet_stderr():
+            start = time.perf_counter()
+            llm.eval(prompts[0].tolist())
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            ttft = time.perf_counter() - start
+            for _ in range(steps - 1):
+                start = time.perf_counter()
+                llm.eval([nxt])
+                nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                times.append(time.perf_counter() - start)
+        return ttft, times
+
+
+def gguf_bytes(path: Path) -> tuple[int, int]:
+    """Weights a decode step reads (the token embedding counts only when it is also the output
+    matrix, i.e. no ``output.weight``), and f16 KV-cache bytes per position (llama.cpp's default)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    weights = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def field_int(key: str) -> int:
+        f = reader.fields[f"{arch}.{key}"]
+        return int(f.parts[f.data[0]][0])
+
+    heads, layers, width = field_int("attention.head_count"), field_int("block_count"), field_int("embedding_length")
+    kv_heads = field_int("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in reader.fields else heads
+    head_dim = field_int("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else width // heads
+    return weights, 2 * layers * kv_heads * head_dim * 2
+
+
+def parameter_count(path: Path) -> int:
+    """GGUF tensor elements."""
+    import gguf
+
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)

@@ -1,0 +1,99 @@
+"""The GGUF export format's spec (torch-free; implementations are imported by its methods)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.schema.exports import GGUFExport
+
+GGUF_FILE = "model.gguf"
+GGUF_MAGIC = b"GGUF"
+SUFFIX = ".gguf"
+
+
+@dataclass(frozen=True)
+class GGUFFormat(ExportFormat):
+    """A GGUF file for llama.cpp, packed from the records, verified and timed in llama.cpp."""
+
+    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
+        from compress.export.gguf import export
+
+        export.check(spec, model, records, has_eval)
+
+    def write(
+        self,
+        directory: Path,
+        spec: Any,
+        model: Any,
+        tokenizer: Any,
+        records: dict[str, Any],
+        inputs: Any,
+        reporter: Any,
+        label: str,
+        kv: Any,
+    ) -> tuple[dict[str, Any], list[Any]]:
+        from compress.export.gguf import export
+
+        return export.export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
+
+    def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
+        return folder / GGUF_FILE, "cpu"
+
+    def runner(self, path: Path, threads: int, context: int) -> Runner:
+        from compress.export.gguf.latency import LlamaCppRunner
+
+        return LlamaCppRunner(path, threads, context)
+
+    def static_bytes(self, path: Path) -> tuple[int, int, int]:
+        from compress.export.gguf.latency import gguf_bytes
+
+        return (*gguf_bytes(path), path.stat().st_size)
+
+    def parameter_count(self, path: Path) -> int | None:
+        from compress.export.gguf.latency import parameter_count
+
+        return parameter_count(path)
+
+    def forward(self, path: Path, seq_len: int, threads: int) -> Any:
+        from compress.export.gguf.runtime import LlamaCppModel
+
+        runtime = LlamaCppModel(path, n_ctx=seq_len, threads=threads)
+        return runtime.forward, runtime.close
+
+    def recognizes(self, path: Path) -> bool:
+        return path.is_file() and path.suffix == SUFFIX
+
+    def check_input(self, path: Path) -> Path:
+        from compress.export.gguf.inputs import check_gguf
+
+        check_gguf(path)
+        return path
+
+    def load_source(self, path: Path, spec: Any, reporter: Any) -> Any:
+        from compress.export.gguf.source import load_source
+
+        return load_source(path, spec, reporter)
+
+    def source_config(self, path: Path, digest: str | None, source: str) -> tuple[Any, str]:
+        from compress.export.gguf.source import source_config
+
+        return source_config(path, digest, source)
+
+    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+        from compress.export.gguf.plan import planned_size
+
+        return planned_size(spec, shape, records, dtype_bits)
+
+
+GGUF = GGUFFormat(
+    name="gguf",
+    config=GGUFExport,
+    runtime="llama.cpp",
+    intended_runtimes="llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
+    input_kind="GGUF file",
+    packages=("gguf", "llama_cpp_python"),
+    runtime_module="llama_cpp",
+)

@@ -1,0 +1,89 @@
+"""The ONNX export format's spec (torch-free; implementations are imported by its methods)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.schema.exports import ONNXExport
+
+ONNX_FILE = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+
+
+@dataclass(frozen=True)
+class ONNXFormat(ExportFormat):
+    """An ONNX Runtime GenAI folder made by onnxruntime-genai's builder from the records,
+    verified and timed in ONNX Runtime."""
+
+    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
+        from compress.export.onnx import export
+
+        export.check(spec, model, records, has_eval)
+
+    def write(
+        self,
+        directory: Path,
+        spec: Any,
+        model: Any,
+        tokenizer: Any,
+        records: dict[str, Any],
+        inputs: Any,
+        reporter: Any,
+        label: str,
+        kv: Any,
+    ) -> tuple[dict[str, Any], list[Any]]:
+        from compress.export.onnx import export
+
+        return export.export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
+
+    def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
+        return folder, "cpu"
+
+    def runner(self, path: Path, threads: int, context: int) -> Runner:
+        from compress.export.onnx.latency import GenAIRunner
+
+        return GenAIRunner(path, threads)
+
+    def static_bytes(self, path: Path) -> tuple[int, int, int]:
+        from compress.export.onnx.latency import onnx_bytes
+        from compress.fsutil import tree_size
+
+        return (*onnx_bytes(path), tree_size(path))
+
+    def parameter_count(self, path: Path) -> int | None:
+        from compress.export.onnx.latency import parameter_count
+
+        return parameter_count(path)
+
+    def forward(self, path: Path, seq_len: int, threads: int) -> Any:
+        from compress.export.onnx.runtime import OrtDecoder
+
+        return OrtDecoder(path / ONNX_FILE, threads).forward, None
+
+    def recognizes(self, path: Path) -> bool:
+        return path.is_dir() and (path / GENAI_CONFIG).is_file()
+
+    def check_input(self, path: Path) -> Path:
+        from compress.export.onnx.inputs import check_genai_folder
+
+        check_genai_folder(path, GENAI_CONFIG)
+        return path
+
+    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+        from compress.export.onnx.plan import planned_size
+
+        return planned_size(spec, shape, records, dtype_bits)
+
+
+ONNX = ONNXFormat(
+    name="onnx",
+    config=ONNXExport,
+    runtime="onnxruntime",
+    intended_runtimes="ONNX Runtime / ONNX Runtime GenAI",
+    input_kind="ONNX folder (genai_config.json)",
+    packages=("onnx", "onnxruntime", "onnxruntime_genai", "onnxscript"),
+    runtime_module="onnxruntime",
+)

@@ -1,0 +1,95 @@
+"""A fake export format in one module, for tests/test_plugins.py: the quantized records as one .npz
+file (codes, scales, zero points, and each layer's scheme as JSON), verified by reading the file
+back and requiring the same records. Registering it takes this module and one table entry."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from compress.export.format import ExportFormat, PlannedSize
+from compress.schema.exports import _Export
+
+NAME = "npz"
+FILE = "records.npz"
+
+
+class NPZExport(_Export):
+    """The records as one NumPy .npz file."""
+
+    format: Literal["npz"] = Field("npz", description="npz")
+    compressed: bool = Field(False, description="np.savez_compressed rather than np.savez.")
+
+
+def write_npz(path: Path, records: dict[str, Any], compressed: bool) -> None:
+    arrays: dict[str, Any] = {}
+    for i, (name, r) in enumerate(sorted(records.items())):
+        arrays[f"{i}.codes"] = r.codes.cpu().numpy()
+        arrays[f"{i}.scale"] = r.scale.cpu().float().numpy()  # float16 and bfloat16 widen to float32 exactly
+        arrays[f"{i}.zero_point"] = r.zero_point.cpu().numpy()
+        arrays[f"{i}.meta"] = json.dumps({"name": name, "scheme": r.scheme.model_dump()})
+    (np.savez_compressed if compressed else np.savez)(path, **arrays)
+
+
+def read_npz(path: Path) -> dict[str, Any]:
+    import torch
+
+    from compress.quantizers.core import QuantizedWeight, QuantScheme
+
+    records = {}
+    with np.load(path) as data:
+        for i in range(len(data.files) // 4):
+            meta = json.loads(str(data[f"{i}.meta"]))
+            scheme = QuantScheme(**meta["scheme"])
+            records[meta["name"]] = QuantizedWeight(
+                codes=torch.from_numpy(data[f"{i}.codes"]),
+                scale=torch.from_numpy(data[f"{i}.scale"]).to(getattr(torch, scheme.scale_dtype)),
+                zero_point=torch.from_numpy(data[f"{i}.zero_point"]),
+                scheme=scheme,
+            )
+    return records
+
+
+@dataclass(frozen=True)
+class NPZFormat(ExportFormat):
+    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
+        from compress.errors import FormatError
+
+        if not records:
+            raise FormatError("an npz export holds quantized layers, and no layer is quantized")
+
+    def write(
+        self,
+        directory: Path,
+        spec: Any,
+        model: Any,
+        tokenizer: Any,
+        records: dict[str, Any],
+        inputs: Any,
+        reporter: Any,
+        label: str,
+        kv: Any,
+    ) -> tuple[dict[str, Any], list[Any]]:
+        from compress.errors import FormatError
+        from compress.export.checkpoint.hf_checkpoint import records_identical
+
+        directory.mkdir(parents=True, exist_ok=True)
+        write_npz(directory / FILE, records, spec.compressed)
+        problems = records_identical(records, read_npz(directory / FILE))
+        if problems:
+            raise FormatError(f"{label}: the npz file does not give the records back: {problems[:3]}")
+        entry = {"name": spec.name, "format": spec.format, "path": None, "layers": len(records), "verified": True, "check": "npz reloaded"}
+        return entry, []
+
+    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+        from compress.eval.plan_sizes import packed_bytes
+
+        return packed_bytes(shape, records, dtype_bits), 2.0, "codes + float32 scales per group"
+
+
+NPZ = NPZFormat(name=NAME, config=NPZExport, runtime="numpy", intended_runtimes="numpy.load (a test format)")

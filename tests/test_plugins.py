@@ -1,0 +1,111 @@
+"""The export-format table (compress.plugins.EXPORT_FORMATS): a format registered through one
+module and one table entry runs end to end, and no code outside a format's own package names a
+format (it asks the format's spec)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from compress.plugins import EXPORT_FORMATS
+from tests import fake_format
+from tests.helpers import recipe_text, run_cli, write_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("compress", "eval", "quantizers", "pruning", "distill", "export")
+# Where format names may be written: each format's own package, the table, and the torch-free schema.
+ALLOWED = ("export/gguf/", "export/onnx/", "export/tensorrt/", "export/checkpoint/", "compress/plugins.py", "compress/schema/")
+# Names that mean something else there ("gptq" is also a quantization method), and CLI text: (file, name).
+OTHER_MEANINGS = {
+    ("quantizers/__init__.py", "gptq"),  # the quantization method table
+    ("quantizers/gptq.py", "gptq"),  # the method's stage label
+    ("quantizers/llmcompressor_backend.py", "gptq"),  # llm-compressor's modifier for the GPTQ method
+    ("compress/search.py", "gptq"),  # the search's method cost order
+    ("eval/plan.py", "gptq"),  # the GPTQ method's time estimate
+    ("compress/cli.py", "gguf"),  # CLI text: the `compress bench gguf` command's name
+    ("compress/cli.py", "onnx"),  # CLI text: the `compress bench onnx` command's name
+}
+
+
+def _string_constants(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_no_format_name_outside_its_package() -> None:
+    """Code outside export/<format>/, the table and the schema asks the spec; it never compares with a format's name."""
+    names = set(EXPORT_FORMATS)
+    found = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(ALLOWED):
+                continue
+            for line, value in _string_constants(path):
+                if value in names and (rel, value) not in OTHER_MEANINGS:
+                    found.append(f"{rel}:{line}: {value!r}")
+    assert not found, "format names outside their packages (ask compress.plugins.EXPORT_FORMATS instead):\n" + "\n".join(found)
+
+
+def test_every_format_spec_is_consistent() -> None:
+    """Each table entry's key is its spec's name and its config's ``format`` default."""
+    for name, fmt in EXPORT_FORMATS.items():
+        assert fmt.name == name and fmt.config.model_fields["format"].default == name
+        assert fmt.runtime and fmt.intended_runtimes
+
+
+@pytest.fixture()
+def npz_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(EXPORT_FORMATS, fake_format.NAME, fake_format.NPZ)
+
+
+def test_unknown_format_is_a_validation_error(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    text = recipe_text(tiny_model_dir, text_dir).replace("exports: []", "exports:\n  - {format: npz}")
+    result = run_cli(["validate", write_recipe(tmp_path, text)])
+    assert result.exit_code == 2 and "export format 'npz' is not available" in result.output, result.output
+
+
+def test_a_format_registered_in_the_table_runs_end_to_end(
+    npz_registered: None, tmp_path: Path, tiny_model_dir: Path, text_dir: Path
+) -> None:
+    """One module (tests/fake_format.py) and one table entry: the recipe validates, the run writes and
+    verifies the export, reports it, and a gate on it reads the compressed evaluation."""
+    gates = "  - {metric: kl_divergence, artifact: packed, max: 1.0}\n  - {metric: top1_agreement, artifact: packed, min: 0.0}"
+    text = recipe_text(tiny_model_dir, text_dir, gates=gates).replace(
+        "exports: []", "exports:\n  - {format: npz, name: packed, compressed: true}"
+    )
+    recipe = write_recipe(tmp_path, text)
+    assert run_cli(["validate", recipe]).exit_code == 0
+    planned = run_cli(["plan", recipe, "--json", tmp_path / "plan.json"])  # the spec's size estimate
+    assert planned.exit_code == 0, planned.output
+    (size,) = [r for r in json.loads((tmp_path / "plan.json").read_text())["artifacts"] if r["artifact"] == "packed"]
+    assert size["format"] == "hf" and size["basis"] == "codes + float32 scales per group" and size["size_bytes"] > 0
+    result = run_cli(["run", recipe, "-o", tmp_path / "out", "-q"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    written = fake_format.read_npz(out / "exports" / "packed" / fake_format.FILE)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (entry,) = manifest["exports"]
+    assert entry["format"] == "npz" and entry["verified"] and entry["layers"] == len(written) > 0
+    assert set(entry["files"]) == {fake_format.FILE}
+    report = json.loads((out / "report.json").read_text())
+    (reported,) = report["exports"]
+    assert reported["name"] == "packed" and reported["verified"] and reported["evaluated_as"] == "compressed"
+    gated = [g for g in report["gates"] if g["artifact"] == "packed"]
+    assert len(gated) == 2 and all(g["passed"] for g in gated)
+    assert manifest["recipe"]["expanded"]["exports"][0] == {"name": "packed", "format": "npz", "compressed": True}
