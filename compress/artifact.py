@@ -5,29 +5,62 @@ Layout (written atomically by the pipeline)::
     manifest.json          recipe, hashes, versions, seed, expanded schemes, stage records, file checksums
     report.json            evaluations and gate results (schema in the README)
     recipe.yaml            the recipe file as given
-    model/config.json      the model's config (+ generation config and tokenizer files)
-    model/weights.safetensors
-        float tensors by their state-dict names, and for every quantized Linear ``<name>``:
-        ``<name>.weight_codes`` (uint8, unpacked), ``<name>.weight_scale``, ``<name>.weight_zero_point``;
-        the schemes are in manifest.json under ``quantization.layers``.
+    model/                 a Hugging Face checkpoint that transformers (with compressed-tensors) and vLLM load as it is:
+        config.json        the model's config with a compressed-tensors ``quantization_config``
+                           (+ generation config and tokenizer files)
+        model.safetensors  float tensors by their state-dict names and every quantized Linear packed as
+                           compressed-tensors ``pack-quantized`` (export/compressed_tensors.py: the same writer
+                           as the compressed-tensors export), at the size its bits imply
+    fallback-records.safetensors
+        only when some quantized layers have a scheme pack-quantized cannot hold (3, 5, 6 or 7 bits; a
+        width that is no whole number of groups and shares no divisor of at least 32 with the group
+        size): their records in the internal layout, ``<name>.weight_codes`` (uint8, one per weight),
+        ``<name>.weight_scale``, ``<name>.weight_zero_point``. model.safetensors holds those layers'
+        dequantized weights as float Linears (so model/ still loads and computes the same model).
+
+manifest.json ``quantization`` names the layout (``weights_format``: WEIGHTS_FORMAT) and, per
+quantized layer, its scheme and where it is stored (``stored_as``). The records read back from
+these files are exactly the records written (codes, scales, zero points, schemes): a layer whose
+groups were split to fit pack-quantized is merged back into its own scheme from the manifest.
+``write_model`` reads them back and compares them before the run goes on, and the run's exports
+pack the records read back.
+
+Artifacts written before (``weights_format`` absent, LEGACY_WEIGHTS_FORMAT) hold everything in
+model/weights.safetensors in the internal layout; they are still read.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from compress.errors import ArtifactError
+from compress.errors import ArtifactError, CompressError
 from compress.fsutil import sha256_file
-from compress.inputs import check_json, check_model_directory
+from compress.inputs import check_json, check_model_directory, check_safetensors
 from compress.quantizers.core import QuantizedWeight, QuantScheme
 
-WEIGHTS_FILE = "weights.safetensors"
-WEIGHTS_FORMAT = "compress-quantized-v1"
+MODEL_DIR = "model"
+WEIGHTS_FORMAT = "compressed-tensors-v2"
+"""manifest.json ``quantization.weights_format`` of artifacts written now: model/ is a pack-quantized checkpoint."""
+CHECKPOINT_FILE = "model.safetensors"  # model/'s weights: hf_checkpoint.WEIGHTS_FILE (imported lazily: it imports this module)
+RECORDS_FILE = "fallback-records.safetensors"  # at the artifact's root, so runtimes loading model/ never see it
+RECORDS_FORMAT = "compress-records-v1"  # its safetensors metadata: the internal record layout
+LEGACY_WEIGHTS_FORMAT = "compress-quantized-v1"
+"""The layout before WEIGHTS_FORMAT: model/weights.safetensors with every record unpacked."""
+LEGACY_WEIGHTS_FILE = "weights.safetensors"
+RECORD_SUFFIXES = (".weight_codes", ".weight_scale", ".weight_zero_point")  # the internal record layout's tensors
+
+
+class StoredAs:
+    """manifest.json ``quantization.layers.<name>.stored_as``."""
+
+    PACKED = "compressed-tensors"  # in model/model.safetensors, pack-quantized
+    RECORDS = "records"  # in RECORDS_FILE, the internal layout
 
 
 def embeddings_tied(model: nn.Module) -> bool:
@@ -35,15 +68,46 @@ def embeddings_tied(model: nn.Module) -> bool:
     return out is not None and out.weight is model.get_input_embeddings().weight
 
 
-def write_model(directory: Path, model: nn.Module, tokenizer: Any, quantized: dict[str, QuantizedWeight]) -> None:
-    """Write config, tokenizer and weights (quantized layers as records) to ``directory``."""
+def stored_as(record: QuantizedWeight) -> str:
+    """Where write_model stores ``record``: packed in model/, or in the fallback records file."""
+    from compress.export.checkpoint.compressed_tensors import stored_scheme
+
+    return StoredAs.RECORDS if stored_scheme(record.scheme, record.shape) is None else StoredAs.PACKED
+
+
+def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """Write ``root/model/`` (config, tokenizer, weights: quantized layers packed by the
+    compressed-tensors writer) and, when some layers cannot be packed, ``root/RECORDS_FILE``.
+    Returns the records read back from those files, proven identical to ``quantized``."""
     from safetensors.torch import save_file
 
-    write_config_and_tokenizer(directory, model, tokenizer)
-    tensors = float_tensors(model, quantized)
+    from compress.export.checkpoint import compressed_tensors
+    from compress.export.checkpoint.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE, records_identical
+
+    assert WEIGHTS_FILE == CHECKPOINT_FILE, "model/'s weights file is the one the checkpoint writer writes"
+
+    packed: dict[str, QuantizedWeight] = {}
+    fallback: dict[str, QuantizedWeight] = {}
     for name, record in quantized.items():
-        tensors.update({k: v.cpu() for k, v in record.tensors(name).items()})
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": WEIGHTS_FORMAT})
+        scheme = compressed_tensors.stored_scheme(record.scheme, record.shape)
+        if scheme is None:
+            fallback[name] = record.cpu()
+        else:
+            packed[name] = compressed_tensors.split_groups(record.cpu(), scheme)
+    directory = root / MODEL_DIR
+    if packed:
+        compressed_tensors.write(directory, model, tokenizer, packed)
+    else:  # nothing to pack: a float checkpoint (fallback layers dequantized, as in the model)
+        write_config_and_tokenizer(directory, model, tokenizer)
+        save_file(float_tensors(model, {}), str(directory / CHECKPOINT_FILE), metadata=SAFETENSORS_METADATA)
+    if fallback:
+        tensors = {k: v for name, record in fallback.items() for k, v in record.tensors(name).items()}
+        save_file(tensors, str(root / RECORDS_FILE), metadata={"format": RECORDS_FORMAT})
+    written = _read_packed(root, {name: record.scheme for name, record in quantized.items()})[1]
+    problems = records_identical(quantized, written)
+    if problems:  # a packing bug: the artifact is abandoned rather than written with other weights
+        raise ArtifactError(f"{root / MODEL_DIR}: reading the weights back does not give the records written: {'; '.join(problems[:5])}")
+    return written
 
 
 def write_config_and_tokenizer(
@@ -88,30 +152,102 @@ def checksums(root: Path) -> dict[str, str]:
 
 
 def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any, dict[str, QuantizedWeight]]:
-    """Rebuild the compressed model of an artifact directory (quantized layers dequantized)."""
-    from safetensors.torch import load_file
+    """Rebuild the compressed model of an artifact directory (quantized layers dequantized) and
+    return it with the tokenizer and the records read back from the files."""
     from transformers import AutoConfig, AutoTokenizer
 
     directory = Path(directory)
-    manifest_file, model_dir = directory / "manifest.json", directory / "model"
-    if not manifest_file.is_file() or not (model_dir / WEIGHTS_FILE).is_file():
-        raise ArtifactError(f"{directory} is not a compress artifact (needs manifest.json and model/{WEIGHTS_FILE})")
-    manifest = check_json(manifest_file)
+    model_dir = directory / MODEL_DIR
+    if not (directory / "manifest.json").is_file() or not (model_dir / "config.json").is_file():
+        raise ArtifactError(f"{directory} is not a compress artifact (needs manifest.json and {MODEL_DIR}/config.json)")
+    dtype_name, schemes, fmt = _manifest_facts(directory)
+    reader = READERS.get(fmt)
+    if reader is None:
+        raise ArtifactError(
+            f"{directory}: its weights are stored as '{fmt}', which this release of compress does not read "
+            f"(it reads {', '.join(READERS)}); re-create the artifact: compress run <recipe> -o {directory} --overwrite"
+        )
     check_model_directory(model_dir)
     try:
-        dtype = dtype or getattr(torch, manifest["model"]["dtype"])
-        layers = manifest["quantization"]["layers"]
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        tensors = load_file(str(model_dir / WEIGHTS_FILE))
-        records = {name: QuantizedWeight.from_tensors(tensors, name, QuantScheme(**info["scheme"])) for name, info in layers.items()}
+        floats, records = reader(directory, schemes)
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ArtifactError(
             f"{directory}: its manifest and weights do not fit together ({type(exc).__name__}: {str(exc)[:200]}); run the recipe again"
         ) from None
-    floats = {k: v for k, v in tensors.items() if not k.endswith((".weight_codes", ".weight_scale", ".weight_zero_point"))}
-    model = assemble_model(config, floats, records, dtype, f"{directory}: {WEIGHTS_FILE}")
+    except CompressError as exc:
+        raise ArtifactError(f"{exc}; run the recipe again") from None
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if hasattr(config, "quantization_config"):  # records are dequantized here: a float model for transformers
+        del config.quantization_config
+    model = assemble_model(config, floats, records, dtype or getattr(torch, dtype_name), f"{directory}: {MODEL_DIR}/")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tokenizer, records
+
+
+def _manifest_facts(directory: Path) -> tuple[str, dict[str, QuantScheme], str]:
+    """(model dtype, scheme of every quantized layer, weights format) from manifest.json."""
+    manifest = check_json(directory / "manifest.json")
+    try:
+        quantization = manifest["quantization"]
+        schemes = {name: QuantScheme(**info["scheme"]) for name, info in quantization["layers"].items()}
+        return str(manifest["model"]["dtype"]), schemes, str(quantization.get("weights_format") or LEGACY_WEIGHTS_FORMAT)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ArtifactError(
+            f"{directory / 'manifest.json'}: no readable quantization section ({type(exc).__name__}: {str(exc)[:200]}); run the recipe again"
+        ) from None
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _read_packed(directory: Path, schemes: dict[str, QuantScheme]) -> tuple[Tensors, dict[str, QuantizedWeight]]:
+    """WEIGHTS_FORMAT: packed layers from model/ (merged back into their schemes), the others from RECORDS_FILE."""
+    from safetensors.torch import load_file
+
+    from compress.export.checkpoint import compressed_tensors
+
+    model_dir = directory / MODEL_DIR
+    where = f"{directory}: {MODEL_DIR}/{CHECKPOINT_FILE}"
+    tensors = load_file(str(model_dir / CHECKPOINT_FILE))
+    qcfg = check_json(model_dir / "config.json").get("quantization_config")
+    records: dict[str, QuantizedWeight] = {}
+    consumed: set[str] = set()
+    if qcfg is not None:
+        found = compressed_tensors.read(qcfg, tensors, where)
+        consumed = found.consumed
+        unlisted = sorted(set(found.records) - set(schemes))
+        if unlisted:
+            raise ArtifactError(f"{where}: packs layers the manifest does not list as quantized: {unlisted[:3]}")
+        for name, stored in found.records.items():
+            records[name] = compressed_tensors.merge_groups(stored, schemes[name], f"{where}: layer {name}")
+    rest = [name for name in schemes if name not in records]
+    if rest:
+        path = directory / RECORDS_FILE
+        if not path.is_file():
+            raise ArtifactError(f"{directory}: quantized layers {rest[:3]} are neither packed in {MODEL_DIR}/ nor in {RECORDS_FILE}")
+        check_safetensors(path)
+        fallback = load_file(str(path))
+        records.update({name: QuantizedWeight.from_tensors(fallback, name, schemes[name]) for name in rest})
+    return {k: v for k, v in tensors.items() if k not in consumed}, records
+
+
+def _read_legacy(directory: Path, schemes: dict[str, QuantScheme]) -> tuple[Tensors, dict[str, QuantizedWeight]]:
+    """LEGACY_WEIGHTS_FORMAT: every record unpacked in model/weights.safetensors beside the float tensors."""
+    from safetensors.torch import load_file
+
+    path = directory / MODEL_DIR / LEGACY_WEIGHTS_FILE
+    if not path.is_file():
+        raise ArtifactError(f"{directory}: its manifest names no weights format and there is no {MODEL_DIR}/{LEGACY_WEIGHTS_FILE}")
+    tensors = load_file(str(path))
+    records = {name: QuantizedWeight.from_tensors(tensors, name, scheme) for name, scheme in schemes.items()}
+    return {k: v for k, v in tensors.items() if not k.endswith(RECORD_SUFFIXES)}, records
+
+
+READERS: dict[str, Callable[[Path, dict[str, QuantScheme]], tuple[Tensors, dict[str, QuantizedWeight]]]] = {
+    WEIGHTS_FORMAT: _read_packed,
+    LEGACY_WEIGHTS_FORMAT: _read_legacy,
+}
+"""How each weights format is read back into (float tensors, records)."""
 
 
 def assemble_model(

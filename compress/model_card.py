@@ -13,9 +13,14 @@ import json
 from typing import Any
 
 from compress.eval.reports import runtime_on_device, table_lines
+from compress.export.checkpoint.spec import COMPRESSED_TENSORS  # the format of model/ (compress.artifact.write_model)
 from compress.plugins import EXPORT_FORMATS
 
 COMPRESSED_RUNTIME = "compress (`compress gate`, `load_artifact`) on torch"
+# model/ of artifacts with a weights_format (compress.artifact.WEIGHTS_FORMAT) is a compressed-tensors checkpoint
+PACKED_MODEL = ("compressed-tensors checkpoint (model/)", f"{COMPRESSED_TENSORS.intended_runtimes}; {COMPRESSED_RUNTIME}")
+LEGACY_MODEL = ("compress artifact (model/)", COMPRESSED_RUNTIME)
+FALLBACK_RECORDS = "fallback-records.safetensors"  # compress.artifact.RECORDS_FILE: records of layers model/ holds as float
 _ACCURACY = (("kl_divergence", "KL", ".4f"), ("top1_agreement", "top-1", ".3f"), ("perplexity", "perplexity", ".2f"))
 _SPEED = (("decode_tokens_per_s", "decode tok/s", ".1f"), ("ttft_ms", "TTFT ms", ".0f"), ("peak_rss_mb", "peak RSS MiB", ".0f"))
 
@@ -127,11 +132,12 @@ def _what_it_does(stage: dict[str, Any]) -> str | None:
 
 
 def _artifacts(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:
-    def folder(prefix: str) -> tuple[str, str]:
-        inside = [size for path, size in sizes.items() if path.startswith(prefix)]
+    def folder(prefix: str, *files: str) -> tuple[str, str]:
+        inside = [size for path, size in sizes.items() if path.startswith(prefix) or path in files]
         return _cell(sum(inside) / 2**20, ".1f"), str(len(inside))
 
-    rows = [["compressed", "compress artifact (model/)", COMPRESSED_RUNTIME, *folder("model/"), "–"]]
+    packed = bool((manifest.get("quantization") or {}).get("weights_format"))
+    rows = [["compressed", *(PACKED_MODEL if packed else LEGACY_MODEL), *folder("model/", FALLBACK_RECORDS), "–"]]
     for x in manifest.get("exports") or []:
         kind = " ".join(str(x[k]) for k in ("type", "precision") if x.get(k))
         rows.append(

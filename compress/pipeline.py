@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel
 
 from compress import __version__
-from compress.artifact import checksums, write_model
+from compress.artifact import WEIGHTS_FORMAT, checksums, stored_as, write_model
 from compress.context import RunContext, Stage, StageRecord
 from compress.data import Chunks, DataPlan
 from compress.distill.train import process_rank
@@ -203,7 +203,7 @@ def run_recipe(
     manifest = build_manifest(loaded, lm.facts, baseline, data, eval_chunks, calibration.get("chunks"), records, ctx, device, threads)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         with reporter.status(f"writing artifact {out_dir}"):
-            write_model(tmp / "model", model, lm.tokenizer, ctx.quantized)
+            ctx.quantized.update(write_model(tmp, model, lm.tokenizer, ctx.quantized))  # exports pack the records read back from model/
             (tmp / "recipe.yaml").write_text(loaded.text)
             write_stage_files(tmp, ctx.files)
         t = time.perf_counter()
@@ -488,10 +488,16 @@ def build_manifest(
         "versions": library_versions(),
         "stages": [{"label": f"stages[{i}]", **r.to_json()} for i, r in enumerate(records)],
         "quantization": {
+            "weights_format": WEIGHTS_FORMAT,
             "layers": {
-                name: {"scheme": rec.scheme.model_dump(mode="json"), "shape": list(rec.shape), "stage": ctx.quantized_by[name]}
+                name: {
+                    "scheme": rec.scheme.model_dump(mode="json"),
+                    "shape": list(rec.shape),
+                    "stage": ctx.quantized_by[name],
+                    "stored_as": stored_as(rec),
+                }
                 for name, rec in ctx.quantized.items()
-            }
+            },
         },
     }
 

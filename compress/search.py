@@ -82,10 +82,10 @@ def _cost(recipe: Recipe) -> int:
 
 def artifact_size(directory: Path, recipe: Recipe) -> int:
     """The deployable's size: the first export's files (a runtime file or a packed checkpoint).
-    Without exports, model/'s weights as a packed checkpoint stores them (model/ keeps one byte
-    per code, which would make every bit width the same size): each quantized layer at its bits per
-    weight with scales and zero points (the manifest's stage records), the float tensors as stored."""
-    from compress.eval.latency import RECORD_SUFFIXES, SAFETENSORS_ITEMSIZE, safetensors_entries, tree_size
+    Without exports, an estimate from the bits: each quantized layer at its bits per weight with
+    scales and zero points (the manifest's stage records), the float tensors as stored (model/ of an
+    artifact before the packed layout kept one byte per code; the estimate ranks both alike)."""
+    from compress.eval.latency import SAFETENSORS_ITEMSIZE, float_entries, tree_size
 
     if recipe.exports:
         return tree_size(directory / "exports" / recipe.exports[0].name)
@@ -93,11 +93,7 @@ def artifact_size(directory: Path, recipe: Recipe) -> int:
     manifest = json.loads((directory / "manifest.json").read_text())
     layers = {name: info for stage in manifest["stages"] for name, info in (stage.get("layers") or {}).items() if "bits_per_weight" in info}
     total = sum(info["shape"][0] * info["shape"][1] * info["bits_per_weight"] / 8 for info in layers.values())
-    total += sum(
-        numel * SAFETENSORS_ITEMSIZE.get(dtype, 4)
-        for key, numel, dtype in safetensors_entries(directory / "model")
-        if not key.endswith((".weight_codes", *RECORD_SUFFIXES))
-    )
+    total += sum(numel * SAFETENSORS_ITEMSIZE.get(dtype, 4) for _, numel, dtype in float_entries(directory))
     return int(total)
 
 

@@ -180,11 +180,34 @@ def static_bytes(target: Target) -> tuple[int, int, int]:
 
 
 RECORD_SUFFIXES = (".weight_scale", ".weight_zero_point")  # a quantized layer's scales and zero points (its codes count as its weights)
+# Tensors of a quantized layer in our artifact, in either weights layout (packed, with a float copy
+# when it fell back to the records file; or the earlier unpacked records): none is a float weight.
+QUANTIZED_LAYER_TENSORS = ("weight", "weight_codes", "weight_scale", "weight_zero_point", "weight_packed", "weight_shape")
+FALLBACK_RECORDS = "fallback-records.safetensors"  # compress.artifact.RECORDS_FILE (this module stays torch-free)
 
 
 def model_folder(path: Path) -> Path:
     """The Hugging Face folder of a torch target: model/ of our artifact directory, else the folder itself."""
     return path / "model" if (path / "manifest.json").is_file() else path
+
+
+def quantized_shapes(path: Path) -> dict[str, tuple[int, int]]:
+    """[out, in] of every quantized layer of our artifact directory (its manifest); {} for any other folder."""
+    if not (path / "manifest.json").is_file():
+        return {}
+    layers = (json.loads((path / "manifest.json").read_text()).get("quantization") or {}).get("layers") or {}
+    return {name: (int(info["shape"][0]), int(info["shape"][1])) for name, info in layers.items()}
+
+
+def float_entries(path: Path) -> Iterator[tuple[str, int, str]]:
+    """safetensors_entries of a torch target's folder less the quantized layers' tensors (our
+    artifact: by the manifest's layers, whatever the layout; another folder: scales and zero points)."""
+    layers = quantized_shapes(path)
+    for key, numel, dtype in safetensors_entries(model_folder(path)):
+        layer, _, suffix = key.rpartition(".")
+        if (layer in layers and suffix in QUANTIZED_LAYER_TENSORS) or (not layers and key.endswith(RECORD_SUFFIXES)):
+            continue
+        yield key, numel, dtype
 
 
 def load_torch_model(path: Path, dtype: Any = None) -> Any:
@@ -216,17 +239,16 @@ def _torch_bytes(path: Path) -> tuple[int, int, int]:
     at 4 bytes for our artifact (loaded as float32), else at the checkpoint's own dtype."""
     model_dir = model_folder(path)
     config = json.loads((model_dir / "config.json").read_text())
-    total = 0
-    for key, numel, dtype in safetensors_entries(model_dir):
-        if key.endswith(RECORD_SUFFIXES):
-            continue
-        itemsize = 4 if model_dir is not path or key.endswith(".weight_codes") else SAFETENSORS_ITEMSIZE.get(dtype, 4)
+    total = sum(out_f * in_f * 4 for out_f, in_f in quantized_shapes(path).values())
+    for key, numel, dtype in float_entries(path):
+        itemsize = 4 if model_dir is not path else SAFETENSORS_ITEMSIZE.get(dtype, 4)
         untied_lookup = key.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False)
         total += 0 if untied_lookup else numel * itemsize  # an untied embedding is a lookup: one row per token
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * 4
-    return total, kv, tree_size(model_dir)
+    fallback = path / FALLBACK_RECORDS if model_dir is not path else None
+    return total, kv, tree_size(model_dir) + (fallback.stat().st_size if fallback is not None and fallback.is_file() else 0)
 
 
 def parameter_count(target: Target) -> int | None:
@@ -235,7 +257,7 @@ def parameter_count(target: Target) -> int | None:
     MatMulNBits counted as its K x N weights; None for a TensorRT engine."""
     path = Path(target.path)
     if target.runtime == TORCH_RUNTIME:
-        return sum(numel for key, numel, _ in safetensors_entries(model_folder(path)) if not key.endswith(RECORD_SUFFIXES))
+        return sum(numel for _, numel, _ in float_entries(path)) + sum(o * i for o, i in quantized_shapes(path).values())
     return runtime_formats()[target.runtime].parameter_count(path)
 
 

@@ -276,7 +276,7 @@ def test_keep_best_returns_the_start_when_training_makes_the_student_worse(train
             prune_recipe(trained_tiny_dir, text_dir, prune + distill_stage(20, extra=f", checkpoint_every: 0, keep_best: {keep}"))
         )
         summaries[keep] = run(recipe, tmp_path / keep).manifest["stages"][1]["summary"]
-        weights[keep] = load_file(str(tmp_path / keep / "model" / "weights.safetensors"))
+        weights[keep] = load_file(str(tmp_path / keep / "model" / "model.safetensors"))
     kept, last = summaries["true"], summaries["false"]
     kls = [[h["kl_divergence"] for h in s["history"]] for s in (kept, last)]
     assert kls[0] == kls[1]  # the same training; only what it returns differs
@@ -284,7 +284,7 @@ def test_keep_best_returns_the_start_when_training_makes_the_student_worse(train
     assert end["step"] == 20 and end["kl_divergence"] > 2 * start["kl_divergence"], kept["history"]  # measured 0.0005 -> 0.0624 -> 0.0218
     assert kept["kept_step"] == 0 and kept["after"]["kl_divergence"] == start["kl_divergence"]
     assert last["kept_step"] == 20 and last["after"]["kl_divergence"] == end["kl_divergence"]
-    pruned = load_file(str(tmp_path / "pruned" / "model" / "weights.safetensors"))
+    pruned = load_file(str(tmp_path / "pruned" / "model" / "model.safetensors"))
     assert weights["true"].keys() == pruned.keys()
     for k in pruned:
         assert torch.equal(weights["true"][k], pruned[k]), k
@@ -377,7 +377,7 @@ def test_gradient_accumulation_equals_the_larger_batch(trained_tiny_dir, text_di
         recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + stage))
         result = run(recipe, tmp_path / name)
         assert result.manifest["stages"][1]["summary"]["tokens"] == 5 * 2 * 64
-        weights[name] = load_file(str(tmp_path / name / "model" / "weights.safetensors"))
+        weights[name] = load_file(str(tmp_path / name / "model" / "model.safetensors"))
     for k, v in weights["big"].items():
         torch.testing.assert_close(weights["accum"][k], v, atol=2e-5, rtol=1e-4, msg=k)
 
@@ -420,7 +420,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_weights(trained_ti
     unbroken = cli("run", str(recipe), "-o", str(tmp_path / "unbroken"), "-q")
     log, _ = unbroken.communicate(timeout=300)
     assert unbroken.returncode == 0, log
-    a, b = load_file(str(out / "model" / "weights.safetensors")), load_file(str(tmp_path / "unbroken" / "model" / "weights.safetensors"))
+    a, b = load_file(str(out / "model" / "model.safetensors")), load_file(str(tmp_path / "unbroken" / "model" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)
@@ -490,8 +490,8 @@ def test_two_cpu_processes_train_the_same_weights_as_one_with_the_same_global_ba
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads((tmp_path / "two" / "manifest.json").read_text())["stages"][1]["summary"]
     assert s["processes"] == 2 and s["tokens"] == 6 * 2 * 2 * 64
-    a = load_file(str(tmp_path / "one" / "model" / "weights.safetensors"))
-    b = load_file(str(tmp_path / "two" / "model" / "weights.safetensors"))
+    a = load_file(str(tmp_path / "one" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "model" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
     pruned = run_prune_weights(trained_tiny_dir, text_dir, tmp_path)
@@ -503,7 +503,7 @@ def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, tor
     recipe = tmp_path / "p.yaml"
     recipe.write_text(prune_recipe(model, texts, PRUNE))
     run(recipe, tmp_path / "p")
-    return load_file(str(tmp_path / "p" / "model" / "weights.safetensors"))
+    return load_file(str(tmp_path / "p" / "model" / "model.safetensors"))
 
 
 @pytest.mark.runtime

@@ -234,7 +234,7 @@ def test_verify_gate_and_publish_refuse_an_altered_artifact(artifact: Path, tmp_
     assert reported.exit_code == 0, reported.output
     assert run_cli(["gate", artifact, "--gates", gates, "-o", tmp_path / "report"]).exit_code == 0  # replaces its earlier report
 
-    weights = artifact / "model" / "weights.safetensors"
+    weights = artifact / "model" / "model.safetensors"
     original = weights.read_bytes()
     weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit of one weight
     for command in (
@@ -244,7 +244,7 @@ def test_verify_gate_and_publish_refuse_an_altered_artifact(artifact: Path, tmp_
     ):
         result = run_cli(command)
         assert result.exit_code == 2, (command, result.output)
-        assert "changed since the run: model/weights.safetensors" in result.output, (command, result.output)
+        assert "changed since the run: model/model.safetensors" in result.output, (command, result.output)
     assert not (tmp_path / "report2").exists() and not (tmp_path / "registry" / "mlflow.db").exists()
 
     weights.write_bytes(original)

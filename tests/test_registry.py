@@ -539,7 +539,7 @@ def test_model_card_says_where_each_gate_was_measured_and_what_each_export_is_fo
             }
         ],
     }
-    sizes = {"model/weights.safetensors": 3 * 2**20, "exports/q4/model.gguf": 2**20, "report.json": 100}
+    sizes = {"model/model.safetensors": 3 * 2**20, "exports/q4/model.gguf": 2**20, "report.json": 100}
     card = model_card(manifest, report, "demo", sizes, forced=True)
     assert "| kl | q4 | kl_divergence | 0.27 | max 0.35 | PASS | measured: llama.cpp on cpu |" in card
     assert "| pi5 | q4 | decode_tokens_per_s | 101.7 | min 200 | FAIL | estimated for raspberry-pi-5-8gb (llama.cpp) |" in card

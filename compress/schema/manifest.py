@@ -76,9 +76,20 @@ class QuantizedLayer(Closed):
     scheme: QuantScheme
     shape: list[int] = Field(min_length=2, max_length=2, description="[out_features, in_features]")
     stage: str = Field(description="The stage that quantized it (stages[i]), or model.source for an imported checkpoint.")
+    stored_as: Literal["compressed-tensors", "records"] | SkipJsonSchema[None] = Field(
+        None,
+        description="Where its record is: compressed-tensors (packed in model/model.safetensors) or records "
+        "(fallback-records.safetensors, for schemes pack-quantized cannot hold). Absent in artifacts of weights_format "
+        "compress-quantized-v1.",
+    )
 
 
 class Quantization(Closed):
+    weights_format: str | SkipJsonSchema[None] = Field(
+        None,
+        description="Layout of the artifact's weights: compressed-tensors-v2 (model/ is a compressed-tensors "
+        "pack-quantized checkpoint); absent: compress-quantized-v1 (model/weights.safetensors, records unpacked).",
+    )
     layers: dict[str, QuantizedLayer] = Field(description="Every quantized Linear layer by module name.")
 
 

@@ -318,3 +318,57 @@ def _group_of(name: str, groups: dict[str, Any], where: str) -> str:
     if len(chosen) > 1:
         raise FormatError(f"{where}: config groups {', '.join(chosen)} all target it; which scheme applies is ambiguous")
     return chosen[0]
+
+
+# --------------------------------------------------------------------------- the artifact's own weights
+# The artifact's model/ is a pack-quantized checkpoint written by ``write`` above. A layer whose
+# width is not a whole number of groups is stored with the largest group width that divides both
+# (every group split into equal pieces that repeat its scale and zero point): the same weights,
+# exactly, in a layout compressed-tensors reads. Reading it back merges the pieces into the
+# record's own scheme, which the artifact's manifest holds.
+
+MIN_STORED_GROUP = 32
+"""The narrowest group a layer is split into to be stored; narrower pieces (a width and group size
+sharing only a small divisor) would cost more in scales than the internal record layout saves."""
+
+
+def stored_scheme(scheme: QuantScheme, shape: tuple[int, int]) -> QuantScheme | None:
+    """The scheme a record of ``scheme`` and ``shape`` is stored with in pack-quantized exactly
+    (itself, or its groups split into equal pieces), or None when pack-quantized cannot hold it."""
+    if scheme.bits not in SUPPORTED_BITS:
+        return None
+    in_f = shape[1]
+    if scheme.group_size is None or in_f % scheme.group_size == 0:
+        return scheme
+    piece = math.gcd(scheme.group_size, in_f)
+    return scheme.model_copy(update={"group_size": piece}) if piece >= MIN_STORED_GROUP else None
+
+
+def split_groups(record: QuantizedWeight, scheme: QuantScheme) -> QuantizedWeight:
+    """``record`` with its groups split into ``scheme``'s narrower ones (scales and zero points
+    repeated): the same dequantized weight."""
+    if scheme == record.scheme:
+        return record
+    in_f = record.shape[1]
+    width = record.scheme.group_width(in_f)
+    index = torch.arange(scheme.n_groups(in_f)) * scheme.group_width(in_f) // width  # the group each piece came from
+    return QuantizedWeight(record.codes, record.scale[:, index].contiguous(), record.zero_point[:, index].contiguous(), scheme)
+
+
+def merge_groups(stored: QuantizedWeight, scheme: QuantScheme, where: str) -> QuantizedWeight:
+    """The record of ``scheme`` that ``stored`` was split from (inverse of :func:`split_groups`);
+    FormatError when ``stored`` is not such a split (pieces of one group disagree)."""
+    if stored.scheme == scheme:
+        return stored
+    in_f = stored.shape[1]
+    if stored_scheme(scheme, stored.shape) != stored.scheme:
+        raise FormatError(
+            f"{where}: stored as {stored.scheme.describe()} ({stored.scheme.scale_dtype} scales), which is not how "
+            f"{scheme.describe()} ({scheme.scale_dtype} scales) is stored"
+        )
+    first = torch.arange(scheme.n_groups(in_f)) * scheme.group_width(in_f) // stored.scheme.group_width(in_f)
+    merged = build_record(stored.codes, stored.scale[:, first], stored.zero_point[:, first], scheme, where)
+    again = split_groups(merged, stored.scheme)
+    if not (torch.equal(again.scale, stored.scale) and torch.equal(again.zero_point, stored.zero_point)):
+        raise FormatError(f"{where}: the pieces of a group of {scheme.group_size} have different scales or zero points")
+    return merged
