@@ -31,7 +31,6 @@ model/weights.safetensors in the internal layout; they are still read.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,14 +39,15 @@ import torch
 from torch import nn
 
 from compress.errors import ArtifactError, CompressError
-from compress.fsutil import sha256_file
+from compress.hf_model import assemble_model, checksums, embeddings_tied, float_tensors, write_config_and_tokenizer  # noqa: F401 - re-exported (they lived here)
 from compress.inputs import check_json, check_model_directory, check_safetensors
 from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.schema.exports import COMPRESSED_TENSORS
 
 MODEL_DIR = "model"
 WEIGHTS_FORMAT = "compressed-tensors-v2"
 """manifest.json ``quantization.weights_format`` of artifacts written now: model/ is a pack-quantized checkpoint."""
-CHECKPOINT_FILE = "model.safetensors"  # model/'s weights: hf_checkpoint.WEIGHTS_FILE (imported lazily: it imports this module)
+CHECKPOINT_FILE = "model.safetensors"  # model/'s weights: hf_checkpoint.WEIGHTS_FILE (write_model asserts they agree)
 RECORDS_FILE = "fallback-records.safetensors"  # at the artifact's root, so runtimes loading model/ never see it
 RECORDS_FORMAT = "compress-records-v1"  # its safetensors metadata: the internal record layout
 LEGACY_WEIGHTS_FORMAT = "compress-quantized-v1"
@@ -59,13 +59,8 @@ RECORD_SUFFIXES = (".weight_codes", ".weight_scale", ".weight_zero_point")  # th
 class StoredAs:
     """manifest.json ``quantization.layers.<name>.stored_as``."""
 
-    PACKED = "compressed-tensors"  # in model/model.safetensors, pack-quantized
+    PACKED = COMPRESSED_TENSORS  # in model/model.safetensors, pack-quantized
     RECORDS = "records"  # in RECORDS_FILE, the internal layout
-
-
-def embeddings_tied(model: nn.Module) -> bool:
-    out = model.get_output_embeddings()
-    return out is not None and out.weight is model.get_input_embeddings().weight
 
 
 def stored_as(record: QuantizedWeight) -> str:
@@ -108,47 +103,6 @@ def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: dict[st
     if problems:  # a packing bug: the artifact is abandoned rather than written with other weights
         raise ArtifactError(f"{root / MODEL_DIR}: reading the weights back does not give the records written: {'; '.join(problems[:5])}")
     return written
-
-
-def write_config_and_tokenizer(
-    directory: Path, model: nn.Module, tokenizer: Any, quantization_config: dict[str, Any] | None = None
-) -> None:
-    """Save the model's config (tie flag as the model has it now; ``quantization_config`` when
-    given, else none), its generation config and the tokenizer files into ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    config = model.config.__class__.from_dict(model.config.to_dict())
-    config.tie_word_embeddings = embeddings_tied(model)
-    if hasattr(config, "quantization_config"):  # an imported checkpoint's: the weights written now decide
-        del config.quantization_config
-    config.save_pretrained(directory)
-    if quantization_config is not None:
-        path = directory / "config.json"
-        path.write_text(
-            json.dumps({**json.loads(path.read_text()), "quantization_config": quantization_config}, indent=2, sort_keys=True) + "\n"
-        )
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
-def float_tensors(model: nn.Module, quantized: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
-    """The state dict without the weights of quantized layers and without tied copies."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    skip = {f"{name}.weight" for name in quantized}
-    for name, tensor in model.state_dict(keep_vars=False).items():
-        if name in skip:
-            continue
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:  # a tied copy (lm_head.weight == embed_tokens.weight); tie_word_embeddings restores it
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().contiguous().cpu()
-    return tensors
-
-
-def checksums(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any, dict[str, QuantizedWeight]]:
@@ -248,36 +202,3 @@ READERS: dict[str, Callable[[Path, dict[str, QuantScheme]], tuple[Tensors, dict[
     LEGACY_WEIGHTS_FORMAT: _read_legacy,
 }
 """How each weights format is read back into (float tensors, records)."""
-
-
-def assemble_model(
-    config: Any,
-    floats: dict[str, torch.Tensor],
-    records: dict[str, QuantizedWeight],
-    dtype: torch.dtype,
-    where: str,
-    trust_remote_code: bool = False,
-) -> nn.Module:
-    """Build a model from ``config`` with the ``floats`` tensors and every record's dequantized
-    weight installed; ``where`` names the weight source in errors. Returned in eval mode, frozen."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    missing, unexpected = model.load_state_dict(floats, strict=False)
-    if unexpected:
-        raise ArtifactError(f"{where}: weights the model does not have: {unexpected[:5]}")
-    modules = dict(model.named_modules())
-    for name, record in records.items():
-        module = modules.get(name)
-        if module is None or tuple(module.weight.shape) != record.shape:
-            found = "no such layer" if module is None else f"the model's layer is {tuple(module.weight.shape)}"
-            raise ArtifactError(f"{where}: quantized layer {name} {record.shape} does not fit the model's config ({found})")
-        module.weight = nn.Parameter(record.dequantize(dtype), requires_grad=False)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    still_missing = [
-        k for k in missing if k.removesuffix(".weight") not in records and not (config.tie_word_embeddings and k == "lm_head.weight")
-    ]
-    if still_missing:
-        raise ArtifactError(f"{where}: weights missing: {still_missing[:5]}")
-    return model.eval().requires_grad_(False)

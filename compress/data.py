@@ -26,7 +26,7 @@ import torch
 from compress import assets
 from compress.errors import DataError
 from compress.progress import Reporter
-from compress.recipe import CalibrationSpec, DataSpec, TextSpec
+from compress.schema.recipe import CalibrationSpec, DataSpec, TextSpec
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSONL_SUFFIXES = (".jsonl",)

@@ -18,7 +18,7 @@ from compress.errors import ModelLoadError
 from compress.fsutil import sha256_files
 from compress.inputs import check_model_directory
 from compress.paths import HUB_ID
-from compress.plugins import EXPORT_FORMATS
+from compress.plugins import source_format
 from compress.progress import Reporter
 from compress.recipe import ModelSpec
 
@@ -53,14 +53,14 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
     asset = assets.ensure_reference(source, "model", reporter)
     if asset is not None:
         file, fmt = next((f, fmt) for f in asset.files if (fmt := source_format(f)) is not None)
-        loaded = fmt.load_source(file, spec, reporter)
+        loaded = fmt.load_source(file, spec, reporter, from_hf_dir)
         loaded.facts.update(source=source, reference_asset=asset.meta["origin"], license=asset.meta["license"])
         return loaded
     path = Path(source).expanduser()
     if not path.is_absolute():
         path = base_dir / path
     if path.is_file() and (fmt := source_format(path)) is not None:
-        return fmt.load_source(path, spec, reporter)
+        return fmt.load_source(path, spec, reporter, from_hf_dir)
     if path.is_file():
         raise ModelLoadError(f"model.source {source}: a file must be a .gguf; for Hugging Face models give the directory")
     if path.is_dir():
@@ -70,11 +70,6 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
     raise ModelLoadError(
         f"model.source '{source}' is not a directory, a .gguf file, a reference:<name>, or a Hugging Face id (looked for {path})"
     )
-
-
-def source_format(path: Path) -> Any:
-    """The export format whose file this model source is (a GGUF file), else None."""
-    return next((fmt for fmt in EXPORT_FORMATS.values() if fmt.input_kind is not None and fmt.recognizes(path)), None)
 
 
 def _from_hub_cache(repo_id: str, spec: ModelSpec, reporter: Reporter) -> LoadedModel:

@@ -14,6 +14,8 @@ needs them (`compress validate` and `import compress` stay light; tests/test_sch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from compress.distill.spec import DISTILL
 from compress.errors import CompressError
 from compress.export.checkpoint.spec import COMPRESSED_TENSORS
@@ -24,7 +26,7 @@ from compress.export.onnx.spec import ONNX
 from compress.export.tensorrt.spec import TENSORRT
 from compress.plugin_types import MethodSpec, StageKindSpec
 from compress.pruning.spec import PRUNE
-from compress.quantizers.specs import AWQ, GPTQ, KV_CACHE, LLM_INT8, QUANTIZE, RTN
+from compress.quantizers.specs import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, quantize_kind
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -36,6 +38,7 @@ __all__ = [
     "export_format",
     "quant_method",
     "runtime_formats",
+    "source_format",
     "stage_kind",
 ]
 
@@ -52,7 +55,7 @@ QUANT_METHODS: dict[str, MethodSpec] = {
 STAGE_KINDS: dict[str, StageKindSpec] = {
     "prune": PRUNE,  # pruning/prune.py
     "distill": DISTILL,  # distill/distill.py
-    "quantize": QUANTIZE,  # quantizers/ (the method chosen in QUANT_METHODS)
+    "quantize": quantize_kind(lambda name, label="": quant_method(name, label)),  # quantizers/: the method chosen in QUANT_METHODS
     "kv_cache": KV_CACHE,  # quantizers/kv_cache.py
 }
 """A ``stages:`` item's key -> its StageKindSpec (stage, plan estimate and shape, console summary)."""
@@ -106,6 +109,11 @@ def export_format(name: str) -> ExportFormat:
 def quant_configs() -> dict[str, type]:
     """Method name -> config model, as recipe validation reads it (the ``quant_methods`` validation context)."""
     return {name: spec.config for name, spec in QUANT_METHODS.items()}
+
+
+def source_format(path: Path) -> ExportFormat | None:
+    """The export format whose file this model source is (a GGUF file), else None."""
+    return next((fmt for fmt in EXPORT_FORMATS.values() if fmt.input_kind is not None and fmt.recognizes(path)), None)
 
 
 def runtime_formats() -> dict[str, ExportFormat]:

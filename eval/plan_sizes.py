@@ -5,8 +5,6 @@ formats we pack, llama.cpp's published averages for its K-quant mixes."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,55 +13,7 @@ from compress.export.format import HF_FORMAT, TORCH_RUNTIME
 from compress.inputs import check_json
 from compress.plugins import EXPORT_FORMATS, stage_kind
 from compress.recipe import ModelSpec, Recipe
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# llama.cpp's bits per weight: exact block sizes, and its published averages for the K-quant mixes.
-GGUF_BITS = {
-    "f32": 32,
-    "f16": 16,
-    "bf16": 16,
-    "q8_0": 8.5,
-    "q4_0": 4.5,
-    "q4_1": 5.0,
-    "q5_0": 5.5,
-    "q5_1": 6.0,
-    "q2_k": 3.35,
-    "q3_k_s": 3.5,
-    "q3_k_m": 3.91,
-    "q3_k_l": 4.27,
-    "q4_k_s": 4.58,
-    "q4_k_m": 4.89,
-    "q5_k_s": 5.54,
-    "q5_k_m": 5.69,
-    "q6_k": 6.56,
-    "iq4_nl": 4.5,
-    "iq4_xs": 4.25,
-}
-GB = 1e9
-
-
-@dataclass
-class ModelShape:
-    """A model's architecture without weights: its config and a meta-device instance."""
-
-    config: Any  # transformers PretrainedConfig
-    model: Any  # the model on torch's meta device (shapes only)
-    params: int  # distinct parameters (a tied embedding counts once)
-    origin: str  # where the config came from
-
-    @property
-    def text(self) -> Any:
-        return self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-
-    def rebuilt(self, config: Any, origin: str) -> ModelShape:
-        """The shape of ``config`` (a changed copy of this one's, e.g. by a stage's ``plan_shape``)."""
-        return shape_of(config, False, origin)
-
-    def frozen_params(self) -> int:
-        """The embedding and output head: what `distill: train: blocks` leaves frozen."""
-        emb, out = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-        return emb.weight.numel() + (out.weight.numel() if out is not None and out.weight is not emb.weight else 0)
-
+from compress.sizes import DTYPE_BYTES, GB, ModelShape, Record, packed_bytes, shape_of  # noqa: F401 - re-exported (they lived here)
 
 # --------------------------------------------------------------------------- the model's shape
 
@@ -77,8 +27,9 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
     """The model's transformers config, read without loading (or downloading) any weights."""
     from transformers import AutoConfig
 
-    from compress import assets, models
+    from compress import assets
     from compress.paths import HUB_ID
+    from compress.plugins import source_format
 
     source = spec.source
     name = assets.parse_reference(source)
@@ -91,11 +42,11 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
             raise ModelLoadError(
                 f"model.source {source} is not in the cache; `compress plan` downloads nothing. Run `compress assets fetch {name}` first."
             )
-        file, fmt = next((f, fmt) for f in asset.files if (fmt := models.source_format(f)) is not None)
+        file, fmt = next((f, fmt) for f in asset.files if (fmt := source_format(f)) is not None)
         return fmt.source_config(file, asset.meta["files"][file.name], source)
     path = Path(source).expanduser()
     path = path if path.is_absolute() else base_dir / path
-    if path.is_file() and (fmt := models.source_format(path)) is not None:
+    if path.is_file() and (fmt := source_format(path)) is not None:
         return fmt.source_config(path, None, source)
     if not path.exists() and HUB_ID.match(source):
         from huggingface_hub import snapshot_download
@@ -116,35 +67,7 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
         raise ModelLoadError(f"transformers could not read {path / 'config.json'}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
-def shape_of(config: Any, trust_remote_code: bool = False, origin: str = "") -> ModelShape:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    config = config.__class__.from_dict(config.to_dict())
-    if hasattr(config, "quantization_config"):  # a quantized checkpoint: its float architecture is what we count
-        del config.quantization_config
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"transformers cannot build a causal LM from this config ({origin}): {exc}") from exc
-    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return ModelShape(config, model, params, origin)
-
-
 # --------------------------------------------------------------------------- sizes
-
-
-@dataclass
-class Record:
-    """A quantized Linear as the plan sees it: shape, scheme, and whether its weight is the tied embedding."""
-
-    out_f: int
-    in_f: int
-    scheme: Any  # QuantScheme
-    tied: bool
 
 
 def final_shape(recipe: Recipe, shape: ModelShape) -> ModelShape:
@@ -185,32 +108,6 @@ def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
             for name, m in chosen:
                 records[name] = Record(m.out_features, m.in_features, stage.config.scheme(), m.weight is emb)
     return records
-
-
-def packed_bytes(
-    shape: ModelShape,
-    records: dict[str, Record],
-    float_bits: float,
-    code_bits: float | None = None,
-    scale_bits: float | None = None,
-    zero_bits: float | None = None,
-    group: int | None = None,
-    zeros_always: bool = False,
-    extra_bits_per_input: float = 0,
-) -> int:
-    """Bytes of a file holding ``records`` as codes + per-group scales (+ zero points) and every
-    other parameter at ``float_bits``. None: take the record's own bits / scale dtype / group;
-    zero points cost the code bits for asymmetric records (all records with ``zeros_always``)."""
-    total = 0.0
-    quantized = 0
-    for r in records.values():
-        s = r.scheme
-        g = group or s.group_width(r.in_f)
-        zb = zero_bits if zero_bits is not None else (s.bits if zeros_always or not s.symmetric else 0)
-        sb = scale_bits if scale_bits is not None else (32 if s.scale_dtype == "float32" else 16)
-        total += r.out_f * r.in_f * (code_bits or s.bits) + r.out_f * math.ceil(r.in_f / g) * (sb + zb) + r.in_f * extra_bits_per_input
-        quantized += 0 if r.tied else r.out_f * r.in_f  # a tied weight still exists as the float embedding
-    return int((total + (shape.params - quantized) * float_bits) / 8)
 
 
 def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: dict[str, Record]) -> list[dict[str, Any]]:
@@ -256,34 +153,6 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
         where = (fmt.name, fmt.runtime) if fmt.own_runtime else (HF_FORMAT, TORCH_RUNTIME)
         add(spec.name, *where, *fmt.planned_size(spec, shape, records, dtype_bits))
     return rows
-
-
-def only_bits(records: dict[str, Record]) -> int | None:
-    bits = {r.scheme.bits for r in records.values()}
-    return bits.pop() if len(bits) == 1 else None
-
-
-def _linear_weights(shape: ModelShape, with_lm_head: bool) -> int:
-    """Weights of Linear layers that are not the tied embedding (and not the output head unless asked)."""
-    from torch import nn
-
-    emb = shape.model.get_input_embeddings().weight
-    return sum(
-        m.weight.numel()
-        for n, m in shape.model.named_modules()
-        if isinstance(m, nn.Linear) and m.weight is not emb and (with_lm_head or not n.endswith("lm_head"))
-    )
-
-
-def uniform_bytes(shape: ModelShape, linear_bits: float, other_bits: float) -> int:
-    linear = _linear_weights(shape, with_lm_head=True)
-    return int((linear * linear_bits + (shape.params - linear) * other_bits) / 8)
-
-
-def builder_bytes(shape: ModelShape, bits: int, block: int, symmetric: bool, float_bits: int) -> int:
-    linear = _linear_weights(shape, with_lm_head=False)
-    per_weight = bits + (float_bits + (0 if symmetric else bits)) / block
-    return int((linear * per_weight + (shape.params - linear) * float_bits) / 8)
 
 
 def _kv_element_bytes(kv: Any, shape: ModelShape) -> float:

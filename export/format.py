@@ -128,8 +128,10 @@ class ExportFormat:
         """Check an imported file or folder of this format (raises ModelLoadError); returns what its runtime loads."""
         raise NotImplementedError(f"export format {self.name} reads no input files")
 
-    def load_source(self, path: Path, spec: Any, reporter: Reporter) -> Any:
-        """A recognized file as the recipe's model source (``model.source``): a LoadedModel (compress/models.py)."""
+    def load_source(self, path: Path, spec: Any, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
+        """A recognized file as the recipe's model source (``model.source``): a LoadedModel (compress/models.py).
+        ``load_dir(directory, spec, reporter, kind, source)`` is compress.models.from_hf_dir, handed in
+        for a format that converts its file to a Hugging Face folder (the loader sits above the formats)."""
         raise NotImplementedError(f"export format {self.name} is not a model source")
 
     def source_config(self, path: Path, digest: str | None, source: str) -> tuple[Any, str]:

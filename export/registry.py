@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from compress.artifact import checksums
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation
 from compress.export.parity import VerifyInputs
 from compress.export.specs import EXPORTS_DIR
+from compress.hf_model import checksums
 from compress.plugins import EXPORT_FORMATS
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight

@@ -9,6 +9,7 @@ method's plan formula sits next to its spec; the shared numbers are in compress.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from compress.estimates import (
@@ -160,21 +161,6 @@ LLM_INT8 = MethodSpec(
 # --------------------------------------------------------------------------- the quantize stage kind
 
 
-def _build_quantize(config: Any, label: str) -> Any:
-    from compress.plugins import quant_method
-
-    return quant_method(config.method, label).build(config, label)
-
-
-def _quantize_estimate(step: PlanStep) -> Estimate:
-    from compress.plugins import quant_method
-    from compress.quantizers.targets import select_linears
-
-    cfg = step.config
-    selected = {n for n, _ in select_linears(step.shape.model, cfg.targets, cfg.ignore)[0]}
-    return quant_method(cfg.method).estimate(step, {n: r for n, r in step.records.items() if n in selected})
-
-
 def _quantize_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     s = stage["summary"]
     return (
@@ -188,15 +174,29 @@ def _quantize_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
-QUANTIZE = StageKindSpec(
-    name="quantize",
-    config=QuantizeConfig,
-    build=_build_quantize,
-    estimate=_quantize_estimate,
-    summary=_quantize_summary,
-    description="weight quantization of the selected Linear layers",
-    quantizes_weights=True,
-)
+def quantize_kind(method: Callable[..., MethodSpec]) -> StageKindSpec:
+    """The ``quantize:`` stage kind, which hands each stage to its method's spec. ``method(name, label)``
+    is compress.plugins.quant_method (the table sits above this module, so it is handed in)."""
+
+    def build(config: Any, label: str) -> Any:
+        return method(config.method, label).build(config, label)
+
+    def estimate(step: PlanStep) -> Estimate:
+        from compress.quantizers.targets import select_linears
+
+        cfg = step.config
+        selected = {n for n, _ in select_linears(step.shape.model, cfg.targets, cfg.ignore)[0]}
+        return method(cfg.method).estimate(step, {n: r for n, r in step.records.items() if n in selected})
+
+    return StageKindSpec(
+        name="quantize",
+        config=QuantizeConfig,
+        build=build,
+        estimate=estimate,
+        summary=_quantize_summary,
+        description="weight quantization of the selected Linear layers",
+        quantizes_weights=True,
+    )
 
 
 # --------------------------------------------------------------------------- the kv_cache stage kind

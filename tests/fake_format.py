@@ -87,7 +87,7 @@ class NPZFormat(ExportFormat):
         return entry, []
 
     def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
-        from compress.eval.plan_sizes import packed_bytes
+        from compress.sizes import packed_bytes
 
         return packed_bytes(shape, records, dtype_bits), 2.0, "codes + float32 scales per group"
 

@@ -21,11 +21,16 @@ LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
 # Modules whose layer is not their folder's: the errors every layer raises sit with the schema; the
 # record types (QuantScheme, QuantizedWeight) are core types that live beside the quantizers; the
 # metric math and the Evaluation record are core, since every export's verifier and the repair loop
-# score on them; loading a model source (which reads quantized checkpoints through the export
-# formats), the run's steps, the gate, the registry, search and the benchmarks drive whole runs and
-# sit on top with the CLI.
+# score on them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
+# the recipe loader validates against those tables, so both sit with the methods and exports, as does
+# the artifact (its model/ is written and read by the compressed-tensors format's own code); loading
+# a model source (which reads quantized checkpoints through the export formats), the run's steps, the
+# gate, the registry, search and the benchmarks drive whole runs and sit on top with the CLI.
 OVERRIDES = {
     "compress.errors": SCHEMA,
+    "compress.plugins": METHODS,
+    "compress.recipe": METHODS,
+    "compress.artifact": METHODS,
     "compress.quantizers.core": CORE,
     "compress.eval.metrics": CORE,
     "compress.pipeline": APP,
@@ -133,7 +138,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     assert imports_of("compress.b", tmp_path / "b.py", known) == {("compress.a", 2)}
     assert (
         layer_of("compress.schema.recipe")
-        < layer_of("compress.recipe")
+        < layer_of("compress.fsutil")
         < layer_of("compress.export.gguf")
         < layer_of("compress.eval.latency")
     )

@@ -22,6 +22,7 @@ ALLOWED = ("export/gguf/", "export/onnx/", "export/tensorrt/", "export/checkpoin
 OTHER_MEANINGS = {
     ("quantizers/__init__.py", "gptq"),  # the quantization method table
     ("quantizers/gptq.py", "gptq"),  # the method's stage label
+    ("quantizers/specs.py", "gptq"),  # the GPTQ method's spec (QUANT_METHODS)
     ("quantizers/llmcompressor_backend.py", "gptq"),  # llm-compressor's modifier for the GPTQ method
     ("compress/search.py", "gptq"),  # the search's method cost order
     ("eval/plan.py", "gptq"),  # the GPTQ method's time estimate

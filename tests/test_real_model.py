@@ -19,7 +19,8 @@ from compress import assets
 from compress.context import RunContext
 from compress.data import DataPlan
 from compress.eval.metrics import compare, torch_forward
-from compress.models import CONVERTED_MARKER, load_model
+from compress.models import load_model
+from compress.paths import CONVERTED_MARKER
 from compress.progress import Reporter
 from compress.quantizers.rtn import RTNConfig, RTNStage
 from compress.recipe import DataSpec, ModelSpec

@@ -8,10 +8,10 @@ from typing import Any
 
 from torch import nn
 
-from compress.artifact import checksums
 from compress.errors import FormatError
 from compress.export.checkpoint.hf_checkpoint import QUANTIZATION_CONFIG, read_config, records_identical
 from compress.export.checkpoint.readers import CHECKPOINT_FORMATS, read_records
+from compress.hf_model import checksums
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme

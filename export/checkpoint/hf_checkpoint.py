@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.artifact import assemble_model, float_tensors, write_config_and_tokenizer
 from compress.errors import FormatError
+from compress.hf_model import assemble_model, float_tensors, write_config_and_tokenizer
 from compress.quantizers.core import QuantizedWeight, QuantScheme
 
 CONFIG_FILE = "config.json"

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.export.gguf.spec import GGUF_FILE  # noqa: F401 - the writer's file name
+from compress.export.gguf.names import GGUF_FILE  # noqa: F401 - the writer's file name
 from compress.export.specs import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.quantizers.core import QuantizedWeight
 
@@ -208,7 +208,7 @@ def plan_tensors(
     """Which GGUF tensor each state-dict tensor becomes, in which type, and why."""
     import gguf
 
-    from compress.artifact import embeddings_tied
+    from compress.hf_model import embeddings_tied
 
     arch = architecture_of(model)
     cfg = model.config

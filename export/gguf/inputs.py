@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.errors import ModelLoadError
-from compress.export.gguf.spec import GGUF_MAGIC
+from compress.export.gguf.names import GGUF_MAGIC
 
 
 def check_gguf(path: Path) -> None:

@@ -4,8 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.eval.plan_sizes import GGUF_BITS, ModelShape, Record, packed_bytes, uniform_bytes
 from compress.export.format import PlannedSize
+from compress.sizes import ModelShape, Record, packed_bytes, uniform_bytes
+
+# llama.cpp's bits per weight: exact block sizes, and its published averages for the K-quant mixes.
+GGUF_BITS = {
+    "f32": 32,
+    "f16": 16,
+    "bf16": 16,
+    "q8_0": 8.5,
+    "q4_0": 4.5,
+    "q4_1": 5.0,
+    "q5_0": 5.5,
+    "q5_1": 6.0,
+    "q2_k": 3.35,
+    "q3_k_s": 3.5,
+    "q3_k_m": 3.91,
+    "q3_k_l": 4.27,
+    "q4_k_s": 4.58,
+    "q4_k_m": 4.89,
+    "q5_k_s": 5.54,
+    "q5_k_m": 5.69,
+    "q6_k": 6.56,
+    "iq4_nl": 4.5,
+    "iq4_xs": 4.25,
+}
 
 
 def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from compress.errors import ModelLoadError
 from compress.export.gguf.inputs import check_gguf
 from compress.fsutil import atomic_directory, sha256_file
-from compress.models import LoadedModel, from_hf_dir
 from compress.paths import CONVERTED_MARKER, cache_root
 from compress.progress import Reporter
-from compress.recipe import ModelSpec
+from compress.schema.recipe import ModelSpec
 
 
 def converted_dir(digest: str) -> Path:
@@ -42,15 +42,17 @@ def source_config(path: Path, digest: str | None, source: str) -> tuple[Any, str
         ) from None
 
 
-def load_source(path: Path, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
-    """A GGUF file as the model source: dequantized by transformers once, cached as float safetensors."""
+def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
+    """A GGUF file as the model source: dequantized by transformers once, cached as float safetensors,
+    and that folder loaded by ``load_dir`` (compress.models.from_hf_dir: handed in, since the model
+    loader sits above the export formats). Returns its LoadedModel."""
     check_gguf(path)
     digest = sha256_file(path)
     converted = converted_dir(digest)
     if not (converted / CONVERTED_MARKER).is_file():
         with reporter.status(f"dequantizing {path.name} to a float32 safetensors model (once per file)"):
             _convert_gguf(path, converted, digest)
-    loaded = from_hf_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
+    loaded = load_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
     model = loaded.model
     if getattr(model.config, "quantization_config", None) is not None:
         # transformers records the GGUF origin as a quantization config and refuses save_pretrained;

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.export.gguf.names import GGUF_FILE, GGUF_MAGIC  # noqa: F401 - re-exported
 from compress.schema.exports import GGUFExport
 
-GGUF_FILE = "model.gguf"
-GGUF_MAGIC = b"GGUF"
 SUFFIX = ".gguf"
 
 
@@ -72,10 +71,10 @@ class GGUFFormat(ExportFormat):
         check_gguf(path)
         return path
 
-    def load_source(self, path: Path, spec: Any, reporter: Any) -> Any:
+    def load_source(self, path: Path, spec: Any, reporter: Any, load_dir: Any) -> Any:
         from compress.export.gguf.source import load_source
 
-        return load_source(path, spec, reporter)
+        return load_source(path, spec, reporter, load_dir)
 
     def source_config(self, path: Path, digest: str | None, source: str) -> tuple[Any, str]:
         from compress.export.gguf.source import source_config

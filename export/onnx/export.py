@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.artifact import float_tensors, write_config_and_tokenizer
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, torch_forward
 from compress.export.checkpoint import autogptq
@@ -27,6 +26,7 @@ from compress.export.checkpoint.hf_checkpoint import SAFETENSORS_METADATA, WEIGH
 from compress.export.onnx import builder as ob
 from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
 from compress.export.specs import ONNXExport
+from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from compress.export.format import Runner
-from compress.export.onnx.spec import GENAI_CONFIG, ONNX_FILE
+from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE
 from compress.fsutil import tree_size
 
 

@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE  # noqa: F401 - re-exported
 from compress.schema.exports import ONNXExport
-
-ONNX_FILE = "model.onnx"
-GENAI_CONFIG = "genai_config.json"
 
 
 @dataclass(frozen=True)
