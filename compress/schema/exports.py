@@ -318,7 +318,7 @@ def _known_format(value: Any, info: ValidationInfo) -> Any:
     available = [*BUILTIN_FORMATS, *_registered(info)]
     if isinstance(value, dict) and "format" not in value:
         raise ValueError(f"an export names its format: format: {' | '.join(available)}")
-    if isinstance(value, dict) and value["format"] not in available:
+    if isinstance(value, dict) and (not isinstance(value["format"], str) or value["format"] not in available):
         raise ValueError(f"export format '{value['format']}' is not available; available: {', '.join(available)}")
     return value
 
@@ -326,7 +326,7 @@ def _known_format(value: Any, info: ValidationInfo) -> Any:
 def _table_format(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
     """An item of a format registered only in the table: validated by its config class from the context."""
     registered = _registered(info)
-    if isinstance(value, dict) and value.get("format") in registered:
+    if isinstance(value, dict) and isinstance(value.get("format"), str) and value["format"] in registered:
         return registered[value["format"]].model_validate(value, context=info.context)
     if isinstance(value, tuple(registered.values())):
         return value
