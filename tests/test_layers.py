@@ -143,3 +143,13 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
         < layer_of("compress.eval.latency")
     )
     assert layer_of("compress.eval.latency") < layer_of("compress.cli")
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject's explicit [tool.setuptools] packages list names every folder with an __init__.py, so a
+    wheel (not only an editable install) holds every module."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found == listed, f"missing from pyproject: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
