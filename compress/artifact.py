@@ -9,7 +9,7 @@ Layout (written atomically by the pipeline)::
         config.json        the model's config with a compressed-tensors ``quantization_config``
                            (+ generation config and tokenizer files)
         model.safetensors  float tensors by their state-dict names and every quantized Linear packed as
-                           compressed-tensors ``pack-quantized`` (export/compressed_tensors.py: the same writer
+                           compressed-tensors ``pack-quantized`` (export/checkpoint/compressed_tensors.py: the same writer
                            as the compressed-tensors export), at the size its bits imply
     fallback-records.safetensors
         only when some quantized layers have a scheme pack-quantized cannot hold (3, 5, 6 or 7 bits; a
