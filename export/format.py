@@ -14,6 +14,7 @@ time (a Hugging Face checkpoint: gates on it read the ``compressed`` evaluation)
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,10 @@ class ExportFormat:
     needs_cuda: bool = False  # the runtime runs on a CUDA GPU only
     input_kind: str | None = None  # what ``compress gate`` takes of it as a bare input ("GGUF file"), None: nothing
     packages: tuple[str, ...] = ()  # Python distributions whose versions the manifest records
+    writer: str | None = None
+    """The module whose ``check(spec, model, records, has_eval)`` and ``export(directory, spec, model,
+    tokenizer, records, inputs, reporter, label, kv)`` the default ``check`` and ``write`` call,
+    imported only when a run uses them; None: the format overrides both (or writes nothing)."""
 
     @property
     def own_runtime(self) -> bool:
@@ -77,6 +82,8 @@ class ExportFormat:
 
     def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
         """Raise FormatError, before any heavy work, when the records cannot be written exactly."""
+        if self.writer is not None:
+            importlib.import_module(self.writer).check(spec, model, records, has_eval)
 
     def write(
         self,
@@ -92,7 +99,9 @@ class ExportFormat:
     ) -> tuple[dict[str, Any], list[Evaluation]]:
         """Write the export to ``directory`` and verify it; returns its manifest entry (without
         path and files) and the evaluations made on its runtime."""
-        raise NotImplementedError(f"export format {self.name} has no writer")
+        if self.writer is None:
+            raise NotImplementedError(f"export format {self.name} has no writer")
+        return importlib.import_module(self.writer).export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
 
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         """What the latency block times of a written export and on which device ('cpu', 'cuda'),

@@ -17,27 +17,6 @@ SUFFIX = ".gguf"
 class GGUFFormat(ExportFormat):
     """A GGUF file for llama.cpp, packed from the records, verified and timed in llama.cpp."""
 
-    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
-        from compress.export.gguf import export
-
-        export.check(spec, model, records, has_eval)
-
-    def write(
-        self,
-        directory: Path,
-        spec: Any,
-        model: Any,
-        tokenizer: Any,
-        records: dict[str, Any],
-        inputs: Any,
-        reporter: Any,
-        label: str,
-        kv: Any,
-    ) -> tuple[dict[str, Any], list[Any]]:
-        from compress.export.gguf import export
-
-        return export.export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
-
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder / GGUF_FILE, "cpu"
 
@@ -89,6 +68,7 @@ class GGUFFormat(ExportFormat):
 
 GGUF = GGUFFormat(
     name="gguf",
+    writer="compress.export.gguf.export",
     config=GGUFExport,
     runtime="llama.cpp",
     intended_runtimes="llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",

@@ -16,27 +16,6 @@ class ONNXFormat(ExportFormat):
     """An ONNX Runtime GenAI folder made by onnxruntime-genai's builder from the records,
     verified and timed in ONNX Runtime."""
 
-    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
-        from compress.export.onnx import export
-
-        export.check(spec, model, records, has_eval)
-
-    def write(
-        self,
-        directory: Path,
-        spec: Any,
-        model: Any,
-        tokenizer: Any,
-        records: dict[str, Any],
-        inputs: Any,
-        reporter: Any,
-        label: str,
-        kv: Any,
-    ) -> tuple[dict[str, Any], list[Any]]:
-        from compress.export.onnx import export
-
-        return export.export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
-
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder, "cpu"
 
@@ -78,6 +57,7 @@ class ONNXFormat(ExportFormat):
 
 ONNX = ONNXFormat(
     name="onnx",
+    writer="compress.export.onnx.export",
     config=ONNXExport,
     runtime="onnxruntime",
     intended_runtimes="ONNX Runtime / ONNX Runtime GenAI",

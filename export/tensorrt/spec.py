@@ -15,27 +15,6 @@ class TensorRTFormat(ExportFormat):
     """A TensorRT-ready Q/DQ ONNX checked on ONNX Runtime CPU, and an engine built from it where
     TensorRT and a GPU exist (verified and timed on that engine)."""
 
-    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
-        from compress.export.tensorrt import export
-
-        export.check(spec, model, records, has_eval)
-
-    def write(
-        self,
-        directory: Path,
-        spec: Any,
-        model: Any,
-        tokenizer: Any,
-        records: dict[str, Any],
-        inputs: Any,
-        reporter: Any,
-        label: str,
-        kv: Any,
-    ) -> tuple[dict[str, Any], list[Any]]:
-        from compress.export.tensorrt import export
-
-        return export.export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
-
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         if not (entry.get("engine") or {}).get("built"):
             return None  # no engine here (no TensorRT or GPU): its ONNX is timed by nothing, and the report says the engine was skipped
@@ -63,6 +42,7 @@ class TensorRTFormat(ExportFormat):
 
 TENSORRT = TensorRTFormat(
     name="tensorrt",
+    writer="compress.export.tensorrt.export",
     config=TensorRTExport,
     runtime="tensorrt",
     intended_runtimes="TensorRT (the engine is built for the GPU it was built on; the ONNX rebuilds it elsewhere)",
