@@ -333,10 +333,10 @@ def gate(
 
     Exit code 0 when every gate passed, 1 when a gate failed, 2 on bad input or an error.
     """
+    from compress.documents import json_safe, write_document
     from compress.eval.reports import write_reports
     from compress.fsutil import atomic_directory
     from compress.gate import check_report_directory, run_gate, write_listing
-    from compress.pipeline import json_safe, write_document
     from compress.progress import Reporter
     from compress.schema.report import Report
 

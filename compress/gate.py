@@ -213,7 +213,7 @@ def run_gate(
         evaluations, eval_facts, prompts = _accuracy(subject, wanted, lm, spec, threads, reporter)
     timed = [t for t in subject.timed if t.name in wanted]
     if time_baseline:
-        from compress.pipeline import baseline_directory
+        from compress.steps.load import baseline_directory
 
         assert lm is not None
         timed.insert(0, Timed("baseline", Target("torch", baseline_directory(lm.facts))))

@@ -108,8 +108,9 @@ class SearchResult:
 
 
 def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Reporter) -> SearchResult:
+    from compress.documents import json_safe, write_document
     from compress.eval.reports import write_reports
-    from compress.pipeline import json_safe, run_recipe, write_document
+    from compress.pipeline import run_recipe
     from compress.schema.report import REPORT_VERSION, Report
 
     spec = loaded.recipe.search

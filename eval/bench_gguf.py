@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compress.documents import library_versions
 from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.specs import GGUF_LLAMA_CPP_TYPES
-from compress.pipeline import library_versions
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
 from compress.recipe import DataSpec

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compress.documents import library_versions
 from compress.eval.bench_gguf import candidate_rows
 from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
@@ -26,7 +27,6 @@ from compress.export.onnx import export as onnx_export
 from compress.export.onnx import runtime as rt
 from compress.export.onnx.builder import ONNX_FILE
 from compress.export.specs import ONNXExport
-from compress.pipeline import library_versions
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
 from compress.recipe import DataSpec

@@ -29,7 +29,7 @@ SOURCES = list(_report.SOURCES)  # where an evaluation's numbers came from
 GATE_SOURCES = list(_report.GATE_SOURCES)  # a gate can also find no measurement at all
 EVALUATION_KINDS = list(_report.EVALUATION_KINDS)
 THRESHOLD_KINDS = list(_report.THRESHOLD_KINDS)  # compress.recipe.THRESHOLD_KEYS (a test checks)
-NON_FINITE = list(_report.NON_FINITE)  # how compress.pipeline.json_safe writes non-finite floats
+NON_FINITE = list(_report.NON_FINITE)  # how compress.documents.json_safe writes non-finite floats
 UPPER_BOUNDS = ("max", "max_increase_pct")  # threshold kinds that pass when value <= limit
 ACCURACY_KINDS = ("accuracy", "kv_cache")
 REPORT_FILES = {"junit": "junit.xml", "summary": "summary.md", "pareto": "plots/pareto.png", "latency": "plots/latency.png"}

@@ -128,12 +128,12 @@ def test_llm_int8_keeps_an_infinite_threshold(tmp_path: Path) -> None:
 
 
 def _never_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    import compress.pipeline
+    import compress.steps.load
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded although the run should have stopped before")
 
-    monkeypatch.setattr(compress.pipeline, "load_model", fail)
+    monkeypatch.setattr(compress.steps.load, "load_model", fail)
 
 
 def test_group_wider_than_every_layer_fails_before_loading(

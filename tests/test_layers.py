@@ -31,6 +31,7 @@ OVERRIDES = {
     "compress.plugins": METHODS,
     "compress.recipe": METHODS,
     "compress.artifact": METHODS,
+    "compress.documents": METHODS,
     "compress.quantizers.core": CORE,
     "compress.eval.metrics": CORE,
     "compress.pipeline": APP,
@@ -43,7 +44,7 @@ OVERRIDES = {
     "compress.__main__": APP,
 }
 FOLDER_LAYERS = {"compress.schema": SCHEMA, "compress.quantizers": METHODS, "compress.pruning": METHODS,
-                 "compress.distill": METHODS, "compress.export": METHODS, "compress.eval": EVAL}  # fmt: skip
+                 "compress.distill": METHODS, "compress.export": METHODS, "compress.eval": EVAL, "compress.steps": APP}  # fmt: skip
 
 
 def modules() -> dict[str, Path]:

@@ -140,12 +140,12 @@ def test_existing_output_needs_overwrite(tmp_path: Path, tiny_model_dir: Path, t
 def test_failure_while_writing_leaves_nothing(
     tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import compress.pipeline as pipeline
+    import compress.steps.write as write_step
 
     def broken(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(pipeline, "write_model", broken)
+    monkeypatch.setattr(write_step, "write_model", broken)
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
     with pytest.raises(OSError, match="simulated"):
         run_recipe(load_recipe(recipe), tmp_path / "out", reporter=Reporter(quiet=True))

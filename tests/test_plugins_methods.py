@@ -106,7 +106,7 @@ def test_unregistered_method_is_a_validation_error(tmp_path: Path, tiny_model_di
 def test_method_removed_from_the_table_is_unknown(
     tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from compress.pipeline import build_stages
+    from compress.steps.stages import build_stages
 
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
     loaded = load_recipe(recipe)
@@ -120,7 +120,7 @@ def test_method_removed_from_the_table_is_unknown(
 def test_stage_kind_missing_from_the_table_is_an_error(
     tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from compress.pipeline import build_stages
+    from compress.steps.stages import build_stages
 
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
     loaded = load_recipe(recipe)

@@ -1,7 +1,7 @@
 """manifest.json: what an artifact is and how it was made (recipe, hashes, versions, seed, stage
 records, quantized layers' schemes, exports, file checksums).
 
-`Manifest` describes exactly what compress/pipeline.py writes; the pipeline validates the
+`Manifest` describes exactly what a run writes (compress/steps/write.py); compress/documents.py validates the
 manifest against it before writing, and docs/schemas/manifest.schema.json is generated from it
 (`compress schema manifest`). A `compress gate -o` directory holds a shorter manifest.json,
 `GateReportListing`. Readers (gate, verify, publish) keep reading artifacts as JSON, so artifacts

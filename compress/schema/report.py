@@ -1,6 +1,6 @@
 """report.json: evaluations, gate results and exports of one `compress run`, `compress gate` or search.
 
-These models describe exactly what the writers put in report.json (compress/pipeline.py,
+These models describe exactly what the writers put in report.json (compress/steps/report.py,
 compress/gate.py, compress/search.py); each validates its report against `Report` before writing
 it, and docs/schemas/report.schema.json is generated from them (`compress schema report`).
 Numbers that are not finite are written as the strings "nan", "inf" and "-inf".
@@ -22,7 +22,7 @@ SOURCES = ("measured", "estimated")  # where an evaluation's numbers came from
 GATE_SOURCES = (*SOURCES, "missing")  # a gate can also find no measurement at all
 EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache")
 THRESHOLD_KINDS = ("max", "min", "max_increase_pct", "max_decrease_pct")  # compress.schema.recipe.THRESHOLD_KEYS
-NON_FINITE = ("nan", "inf", "-inf")  # how compress.pipeline.json_safe writes non-finite floats
+NON_FINITE = ("nan", "inf", "-inf")  # how compress.documents.json_safe writes non-finite floats
 
 Number = TypeAliasType("Number", StrictFloat | Literal["nan", "inf", "-inf"])
 """A JSON number, or one of the strings "nan", "inf", "-inf" for a value that is not finite."""

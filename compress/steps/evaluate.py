@@ -1,0 +1,101 @@
+"""Step 3: the source and the compressed model scored in memory with torch on the evaluation chunks,
+and the compressed model decoding through its quantized KV cache when a stage set one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compress.data import Chunks
+from compress.eval.kv_eval import evaluate_kv
+from compress.eval.metrics import Evaluation, compare, torch_forward
+from compress.progress import Reporter
+from compress.recipe import KV_CACHE_ARTIFACT, Recipe
+from compress.steps.load import Run, Source
+from compress.steps.stages import Staged
+
+
+@dataclass
+class InMemory:
+    """The in-memory evaluations (baseline, compressed, kv_cache) and the KV cache's report section."""
+
+    evaluations: list[Evaluation] = field(default_factory=list)
+    kv_cache: dict[str, Any] | None = None
+
+
+def in_memory(run: Run, source: Source, staged: Staged) -> InMemory:
+    found = InMemory()
+    if source.eval_chunks is not None:
+        with run.timed("evaluate_s"):
+            compressed = staged.model if staged.changed else None
+            found.evaluations += compare_models(source.baseline, compressed, source.eval_chunks, run.recipe, run.device, run.reporter)
+    if staged.ctx.kv_cache is not None:
+        with run.timed("evaluate_kv_cache_s"):
+            kv_eval, found.kv_cache = evaluate_kv_stage(run, source, staged)
+            found.evaluations += kv_eval
+    return found
+
+
+def compare_models(
+    baseline: torch.nn.Module,
+    compressed: torch.nn.Module | None,
+    chunks: Chunks,
+    recipe: Recipe,
+    device: torch.device,
+    reporter: Reporter,
+) -> list[Evaluation]:
+    """Baseline and compressed model on the evaluation chunks, with torch on ``device``."""
+    spec = recipe.data.evaluation
+    assert spec is not None
+    baseline.to(device)
+    if compressed is not None:
+        compressed.to(device)
+    candidates = {"compressed": torch_forward(compressed, device)} if compressed is not None else {}
+    metrics = compare(
+        torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track
+    )
+    metrics.setdefault("compressed", dict(metrics["baseline"]))  # no stages: the compressed model is the baseline
+    details = {"chunks": int(chunks.tokens.shape[0]), "seq_len": spec.seq_len, "min_context": spec.min_context}
+    return [
+        Evaluation(artifact=name, runtime="torch", device=device.type, metrics=metrics[name], details=details)
+        for name in ("baseline", "compressed")
+    ]
+
+
+def evaluate_kv_stage(run: Run, source: Source, staged: Staged) -> tuple[list[Evaluation], dict[str, Any]]:
+    """Score the compressed model decoding through its quantized KV cache at long context, against
+    its own full-precision forward; returns the ``kv_cache`` evaluation and the report section."""
+    scheme = staged.ctx.kv_cache
+    assert scheme is not None
+    cfg = scheme.config
+    section: dict[str, Any] = {
+        "scheme": cfg.model_dump(mode="json", exclude={"evaluate"}),
+        "describe": cfg.describe(),
+        "runtimes": cfg.runtime_support(),
+    }
+    if cfg.evaluate is None:
+        return [], section
+    ev = cfg.evaluate
+    spec = run.recipe.data.evaluation
+    assert spec is not None  # the recipe schema requires data.evaluation for an evaluated kv_cache stage
+    with run.reporter.status(f"tokenizing {ev.samples} x {ev.context} tokens of evaluation text for the KV cache"):
+        chunks = source.data.chunks("evaluation", source.lm.tokenizer, samples=ev.samples, seq_len=ev.context)
+    result = evaluate_kv(staged.model, scheme, chunks.tokens, spec.min_context, run.device, progress=run.reporter.track)
+    details = {
+        "chunks": ev.samples,
+        "seq_len": ev.context,
+        "min_context": spec.min_context,
+        **result["decoding"],
+        "reference": "the compressed model's full-precision forward (a float cache)",
+        "reference_perplexity": result["reference_metrics"]["perplexity"],
+        "memory": result["memory"],
+        "tokens_sha256": chunks.facts["tokens_sha256"],
+    }
+    section["memory"] = result["memory"]
+    return [
+        Evaluation(
+            artifact=KV_CACHE_ARTIFACT, runtime="torch", device=run.device.type, metrics=result["metrics"], details=details, kind="kv_cache"
+        )
+    ], section

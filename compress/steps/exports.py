@@ -1,0 +1,63 @@
+"""Step 5: each of the recipe's exports written from the records read back from model/, and verified
+on its own runtime (compress/export/registry.py asks each format's spec)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compress.eval.latency import tree_size
+from compress.eval.metrics import Evaluation
+from compress.export.parity import VerifyInputs
+from compress.export.registry import check_exports, write_exports
+from compress.export.specs import EXPORTS_DIR
+from compress.steps.load import Run, Source
+from compress.steps.stages import Staged, not_carried
+
+
+@dataclass
+class Exported:
+    """The manifest entries of the exports and their evaluations on their runtimes."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[Evaluation] = field(default_factory=list)
+
+
+def check(run: Run, source: Source, staged: Staged) -> None:
+    """Before evaluation: fail fast on an export that cannot hold the records exactly."""
+    check_exports(run.recipe.exports, staged.model, staged.ctx.quantized, source.eval_chunks is not None)
+
+
+def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
+    """Write and verify every export under ``root/exports/``; each runtime evaluation carries the
+    deployable's size (the KL-against-size plot), and each entry what it does not carry."""
+    recipe = run.recipe
+    with run.timed("exports_s", record=bool(recipe.exports)):
+        source.baseline.to("cpu")
+        staged.model.to("cpu")
+        evaluation = recipe.data.evaluation
+        inputs = VerifyInputs(
+            source.baseline,
+            staged.model,
+            None if source.eval_chunks is None else source.eval_chunks.tokens,
+            evaluation.min_context if evaluation else 1,
+            run.threads,
+        )
+        entries, evaluations = write_exports(
+            root / EXPORTS_DIR,
+            recipe.exports,
+            staged.model,
+            source.lm.tokenizer,
+            staged.ctx.quantized,
+            run.reporter,
+            inputs,
+            staged.ctx.kv_cache,
+        )
+    for ev in evaluations:
+        ev.metrics["size_mb"] = tree_size(root / EXPORTS_DIR / ev.artifact) / 2**20
+    notes = not_carried(staged)
+    if notes:
+        for entry in entries:
+            entry["not_carried"] = notes
+    return Exported(entries, evaluations)

@@ -1,0 +1,98 @@
+"""Step 2: the recipe's stages, applied in order to a copy of the source model."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compress.context import RunContext, Stage, StageRecord
+from compress.plugins import quant_method, stage_kind
+from compress.recipe import Recipe
+from compress.steps.load import Run, Source, load_teacher
+
+
+@dataclass
+class Staged:
+    """The compressed model (the source itself when the recipe has no stages), what each stage did,
+    and the context the stages filled: quantized records, KV-cache scheme, files to write."""
+
+    model: torch.nn.Module
+    records: list[StageRecord]
+    ctx: RunContext
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.records)
+
+
+def build_stages(recipe: Recipe) -> list[Stage]:
+    """One Stage per recipe stage, built by its kind's spec (compress.plugins.STAGE_KINDS); a kind
+    or quantization method missing from the tables is a CompressError naming the known ones."""
+    return [stage_kind(spec.kind, f"stages[{i}]").build(spec.config, f"stages[{i}]") for i, spec in enumerate(recipe.stages)]
+
+
+def work_dir_for(out_dir: Path) -> Path:
+    """Resumable state of a run (training checkpoints) lives next to its artifact until it is written."""
+    return out_dir.with_name(out_dir.name + ".work")
+
+
+def apply(run: Run, source: Source) -> Staged | None:
+    """Run the stages. Under ``accelerate launch`` every process runs them up to the last training
+    stage (which trains in all of them); a process other than the main one then returns None."""
+    recipe = run.recipe
+    stages = build_stages(recipe)
+    last_trained = max((i for i, st in enumerate(recipe.stages) if stage_kind(st.kind).trains), default=None)
+    model = copy.deepcopy(source.baseline) if stages else source.baseline
+    ctx = RunContext(
+        seed=recipe.seed,
+        device=run.device,
+        tokenizer=source.lm.tokenizer,
+        reporter=run.reporter,
+        calibration=source.calibration_tokens,
+        text=source.data.text_for(source.lm.tokenizer, run.base_dir, run.reporter),
+        original=source.baseline,
+        work_dir=work_dir_for(run.out_dir),
+        load_teacher=lambda name: load_teacher(run, name),
+        run_id=hashlib.sha256(f"{recipe.sha256()}|{source.lm.facts.get('sha256')}".encode()).hexdigest(),
+    )
+    ctx.quantized.update(source.lm.quantized)  # layers of an imported quantized checkpoint are quantized already
+    ctx.quantized_by.update(dict.fromkeys(source.lm.quantized, "model.source"))
+    records: list[StageRecord] = []
+    for i, stage in enumerate(stages):
+        records.append(stage.apply(model, ctx))
+        ctx.applied.append(recipe.stages[i].kind)
+        if run.rank > 0 and i == last_trained:  # the main process evaluates, exports and writes
+            return None
+    ctx.teacher = ctx.mapping = None  # a pre-pruning copy is not needed past the stages
+    return Staged(model, records, ctx)
+
+
+def not_carried(staged: Staged) -> list[str]:
+    """What no export carries of the quantization methods whose records the exports hold (a method
+    spec's ``not_carried``: LLM.int8's activation quantization and decomposition, which no format
+    holds; a GGUF's llama.cpp evaluation measures the cost)."""
+    used = set(staged.ctx.quantized_by.values())
+    notes = [
+        note
+        for i, r in enumerate(staged.records)
+        if f"stages[{i}]" in used and stage_kind(r.kind).quantizes_weights and (note := quant_method(r.method).not_carried)
+    ]
+    return list(dict.fromkeys(notes))
+
+
+def remove_checkpoints(run: Run) -> None:
+    """Delete the training checkpoints of a run whose artifact is complete: only the stage folders
+    this run writes, then the work directory if nothing else is in it."""
+    work_dir = work_dir_for(run.out_dir)
+    for i, st in enumerate(run.recipe.stages):
+        if stage_kind(st.kind).keeps_checkpoints:
+            shutil.rmtree(work_dir / f"stages[{i}]", ignore_errors=True)
+    try:
+        work_dir.rmdir()
+    except OSError:  # absent, or holds something that is not ours
+        pass
