@@ -88,8 +88,10 @@ def run_gguf_bench(
     files = out_dir / "files"
     files.mkdir(parents=True, exist_ok=True)
     f16 = files / "f16.gguf"
+    source_path = Path(lm.facts["path"]) if lm.facts.get("path") else None
+    tokenizer_from = source_path if gguf_writer.is_gguf_file(source_path) else None  # a GGUF source's own tokenizer, as the export does
     with reporter.status("writing the F16 reference GGUF"):
-        gguf_writer.write_gguf(f16, lm.model, lm.tokenizer, {}, "f16")
+        gguf_writer.write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
     reference = gguf_runtime.LlamaCppModel(f16, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
     prompt = evaluation.tokens[0, :64].tolist()
     result: dict[str, Any] = {
@@ -120,7 +122,9 @@ def run_gguf_bench(
                 exact = 0
             else:
                 model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter)
-                facts = gguf_writer.write_gguf(path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type)
+                facts = gguf_writer.write_gguf(
+                    path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type, tokenizer_from=tokenizer_from
+                )
                 problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
                 if problems:
                     raise RuntimeError(f"{cand.name}: GGUF read-back differs from the records: {problems[:3]}")

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from compress.errors import FormatError
 from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.parity import tokenization_mismatches
+from compress.export.parity import compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.export.specs import GGUFExport
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_formats import quantize, token_ids
@@ -348,22 +348,22 @@ def test_pipeline_verifies_gguf_in_llama_cpp_and_gates_on_it(tmp_path: Path, tin
 
 
 @pytest.mark.real_model
-def test_smollm2_tokenizer_metadata_matches_the_reference_gguf(tmp_path: Path, smollm2) -> None:
-    """Our GGUF of SmolLM2 carries the same vocabulary, token types, merges, BOS id and chat
-    template as the published GGUF it was converted from. Known differences come from
-    transformers' GGUF-to-tokenizer conversion (README, "GGUF export"): EOS and pre-tokenizer."""
+def test_smollm2_tokenizer_is_the_reference_ggufs_own_and_tokenizes_200_kb_identically(tmp_path: Path, smollm2) -> None:
+    """Our GGUF of SmolLM2 carries the source GGUF's own tokenizer, key for key (EOS = 2 `<|im_end|>`,
+    pre-tokenizer `smollm`), and llama.cpp tokenizes 200 KB of mixed text with it exactly as with the
+    source file. transformers' rebuild of that tokenizer (what the export wrote before) is refused by
+    the same check: EOS 1 and pre-tokenizer gpt-2, and it splits digits after whitespace differently."""
+    from compress.export.gguf.export import check_tokenizer
+
+    source = Path(smollm2.facts["path"])
     path = tmp_path / "smol.gguf"
-    G.write_gguf(path, smollm2.model, smollm2.tokenizer, {}, "f16")
-    ours, theirs = gguf.GGUFReader(path).fields, gguf.GGUFReader(smollm2.facts["path"]).fields
+    facts = G.write_gguf(path, smollm2.model, smollm2.tokenizer, {}, "f16", tokenizer_from=source)
+    assert facts["tokenizer"]["special_ids"]["eos"] == 2 and facts["tokenizer"]["pre"] == "smollm"
+    ours, theirs = gguf.GGUFReader(path).fields, gguf.GGUFReader(source).fields
+    tokenizer_keys = sorted(k for k in theirs if k.startswith("tokenizer."))
+    assert sorted(k for k in ours if k.startswith("tokenizer.")) == tokenizer_keys
     for key in (
-        "tokenizer.ggml.model",
-        "tokenizer.ggml.tokens",
-        "tokenizer.ggml.token_type",
-        "tokenizer.ggml.merges",
-        "tokenizer.ggml.bos_token_id",
-        "tokenizer.ggml.unknown_token_id",
-        "tokenizer.chat_template",
-        "tokenizer.ggml.add_bos_token",
+        *tokenizer_keys,
         "llama.context_length",
         "llama.rope.freq_base",
         "llama.attention.head_count_kv",
@@ -372,6 +372,56 @@ def test_smollm2_tokenizer_metadata_matches_the_reference_gguf(tmp_path: Path, s
         "llama.feed_forward_length",
     ):
         assert ours[key].contents() == theirs[key].contents(), key
+    texts = parity_corpus(smollm2.tokenizer)
+    parity = check_tokenizer(path, smollm2.tokenizer, texts, source, "exports[0]")
+    assert parity["tokenizer_parity_bytes"] >= 200_000 and parity["tokenizer_parity_texts"] == len(texts)
+    rebuilt = tmp_path / "rebuilt.gguf"
+    G.write_gguf(rebuilt, smollm2.model, smollm2.tokenizer, {}, "f16")
+    with pytest.raises(FormatError, match=r"tokenizer.ggml.eos_token_id: 1 \(source 2\).*tokenizer.ggml.pre: 'gpt-2' \(source 'smollm'\)"):
+        check_tokenizer(rebuilt, smollm2.tokenizer, texts, source, "exports[0]")
+    vocab = gguf_runtime.LlamaCppVocab(source)
+    try:
+        mismatches = tokenization_mismatches(vocab.tokenize, smollm2.tokenizer, texts)
+    finally:
+        vocab.close()
+    assert mismatches and {"llama.cpp tokens", "transformers tokens"} <= set(mismatches[0])
+
+
+def test_parity_corpus_is_200_kb_of_every_kind_of_text_and_the_same_each_time() -> None:
+    texts = parity_corpus()
+    joined = "".join(texts)
+    assert sum(len(t.encode()) for t in texts) >= 200_000 and max(len(t) for t in texts) < 4000
+    assert texts == parity_corpus() and texts != parity_corpus(seed=1)
+    for sample in ("def ", "Привет", "你好", "👩\u200d💻", "  \n", "%"):
+        assert sample in joined, sample
+    assert any(ch.isdigit() for ch in joined)
+
+
+def test_compare_tokenizers_names_the_first_difference_with_both_token_strings() -> None:
+    def ours(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def truth(text: str) -> list[int]:
+        return [ord(c) if c != "b" else 0 for c in text]
+
+    assert compare_tokenizers(ours, truth, ["aaa", "ccc"], ("export", "source")) == []
+    found = compare_tokenizers(ours, truth, ["aaa", "xyab"], ("export", "source"), lambda ids: [chr(i) if i else "<0>" for i in ids])
+    assert found == [{"text": 1, "position": 3, "export": [98], "source": [0], "export tokens": ["b"], "source tokens": ["<0>"]}]
+    shorter = compare_tokenizers(ours, lambda t: ours(t)[:-1], ["abc"], ("export", "source"))
+    assert shorter[0]["position"] == 2 and shorter[0]["source"] == []
+
+
+def test_pipeline_gguf_export_checks_its_tokenizer_on_200_kb_against_the_source(
+    tmp_path: Path, tiny_model_dir: Path, text_dir: Path
+) -> None:
+    text = recipe_text(tiny_model_dir, text_dir, bits=4, group_size=32).replace(
+        "exports: []\n", "exports:\n  - name: q4\n    format: gguf\n    type: q4_0\n"
+    )
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    details = next(e for e in json.loads((out / "report.json").read_text())["evaluations"] if e["artifact"] == "q4")["details"]
+    assert details["tokenizer_parity_bytes"] >= 200_000 and details["tokenizer_truth"] == "the source's Hugging Face tokenizer"
 
 
 def ours_against_llama_cpp(

@@ -18,7 +18,7 @@ from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, torch_forward
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
+from compress.export.parity import VerifyInputs, compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.export.specs import GGUFExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
@@ -59,11 +59,12 @@ def export(
     kv_hint = kv_cache_hint(kv)
     metadata = {f"kv_cache.{k}": v for k, v in kv_hint.items()} if kv_hint else None
     path = directory / gguf_writer.GGUF_FILE
+    source_gguf = inputs.source if gguf_writer.is_gguf_file(inputs.source) else None  # its tokenizer is the truth
     with reporter.status(f"{label} writing GGUF ({spec.type}, quantizer {spec.quantizer})"):
         if spec.quantizer == "records":
             type_name = gguf_writer.resolve_type(spec.type, records)
             facts = gguf_writer.write_gguf(
-                path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer, metadata
+                path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer, metadata, source_gguf
             )
             problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
             if problems:
@@ -73,7 +74,7 @@ def export(
             type_name = spec.type
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 f16 = Path(tmp) / "f16.gguf"
-                facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata)
+                facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata, source_gguf)
                 gguf_runtime.quantize(f16, path, spec.type, inputs.threads, token_embedding_type=spec.float_type)
             exact = 0
             facts["tensor_types"] = gguf_writer.stored_type_counts(path)  # what llama.cpp chose, not our F16 input
@@ -98,7 +99,9 @@ def export(
         entry["kv_cache"] = kv_hint
     evaluations: list[Evaluation] = []
     if spec.verify:
-        evaluation = verify(path, spec, tokenizer, inputs, reporter, label, same_weights=spec.quantizer == "records")
+        evaluation = verify(
+            path, spec, tokenizer, inputs, reporter, label, same_weights=spec.quantizer == "records", source_gguf=source_gguf
+        )
         if kv_hint is not None and kv_hint["carried"]:
             kv_hint["measured_in_llama_cpp"] = verify_kv_cache(path, kv_hint["type_k"], inputs, reporter, label)
         evaluations.append(evaluation)
@@ -154,28 +157,68 @@ def verify_kv_cache(path: Path, cache_type: str, inputs: VerifyInputs, reporter:
     }
 
 
+def check_tokenizer(path: Path, tokenizer: Any, texts: list[str], source_gguf: Path | None, label: str) -> dict[str, Any]:
+    """llama.cpp on the exported file tokenizes ``texts`` exactly as the source's own tokenizer does:
+    the source GGUF's in llama.cpp when the source is a GGUF (and its special ids, pre-tokenizer
+    and chat template are the same keys), else the source's tokenizer.json in transformers.
+    Raises FormatError naming the first difference; returns the facts for the report."""
+    ours = gguf_runtime.LlamaCppVocab(path)
+    try:
+        if source_gguf is not None:
+            truth = gguf_runtime.LlamaCppVocab(source_gguf)
+            try:
+                mismatches = compare_tokenizers(ours.tokenize, truth.tokenize, texts, ("export", "source"), truth.token_text)
+            finally:
+                truth.close()
+            want, got = gguf_writer.tokenizer_metadata(source_gguf), gguf_writer.tokenizer_metadata(path)
+            differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            if differ:
+                raise FormatError(
+                    f"{label}: the GGUF's tokenizer settings differ from the source GGUF's: "
+                    + "; ".join(f"{k}: {got.get(k)!r} (source {want.get(k)!r})" for k in differ[:5])
+                )
+            truth_name = f"the source GGUF's tokenizer ({source_gguf.name}) in llama.cpp"
+        else:
+            mismatches = tokenization_mismatches(ours.tokenize, tokenizer, texts)
+            truth_name = "the source's Hugging Face tokenizer"
+    finally:
+        ours.close()
+    if mismatches:
+        raise FormatError(
+            f"{label}: llama.cpp tokenizes {len(mismatches)} of {len(texts)} parity texts differently from "
+            f"{truth_name} (first: {mismatches[0]}); set pre_tokenizer: on the export if the recognized one is wrong"
+        )
+    return {
+        "tokenizer_parity_texts": len(texts),
+        "tokenizer_parity_bytes": sum(len(t.encode()) for t in texts),
+        "tokenizer_truth": truth_name,
+    }
+
+
 def verify(
-    path: Path, spec: GGUFExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str, same_weights: bool
+    path: Path,
+    spec: GGUFExport,
+    tokenizer: Any,
+    inputs: VerifyInputs,
+    reporter: Reporter,
+    label: str,
+    same_weights: bool,
+    source_gguf: Path | None = None,
 ) -> Evaluation:
     assert inputs.chunks is not None
     chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
+    with reporter.status(f"{label} tokenizer parity in llama.cpp"):
+        texts = [*parity_corpus(tokenizer), *(tokenizer.decode(row[:128]) for row in chunks[:4])]
+        parity = check_tokenizer(path, tokenizer, texts, source_gguf, label)
     runtime = gguf_runtime.LlamaCppModel(path, n_ctx=int(chunks.shape[1]), threads=inputs.threads)
     try:
-        texts = [*PARITY_TEXTS, *(tokenizer.decode(row[:128]) for row in chunks[:4])]
-        mismatches = tokenization_mismatches(runtime.tokenize, tokenizer, texts)
-        if mismatches:
-            raise FormatError(
-                f"{label}: llama.cpp tokenizes {len(mismatches)} of {len(texts)} sample texts differently from the "
-                f"Hugging Face tokenizer (first: {mismatches[0]}); set pre_tokenizer: on the export if the "
-                "recognized one is wrong"
-            )
         details: dict[str, Any] = {
             "file": path.name,
             "size_bytes": path.stat().st_size,
             "chunks": int(chunks.shape[0]),
             "seq_len": int(chunks.shape[1]),
             "min_context": inputs.min_context,
-            "tokenizer_parity_texts": len(texts),
+            **parity,
         }
         if same_weights:
             sub = chunks[:SAME_WEIGHTS_CHUNKS]

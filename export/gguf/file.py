@@ -420,6 +420,68 @@ def add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, pre_tokenizer: str)
     }
 
 
+TOKENIZER_PREFIX = "tokenizer."  # every tokenizer key of a GGUF file (tokenizer.ggml.*, tokenizer.chat_template)
+
+
+def is_gguf_file(path: Path | None) -> bool:
+    """Whether ``path`` is a GGUF file (by its magic bytes)."""
+    if path is None or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def copy_tokenizer(writer: Any, source: Path, n_vocab: int, pre_tokenizer: str) -> dict[str, Any]:
+    """The source GGUF's own tokenizer, copied key for key (vocabulary, token types, merges or
+    scores, special ids, add-BOS/EOS, pre-tokenizer, chat template): what llama.cpp already runs for
+    that model, rather than transformers' rebuild of it, which can differ (SmolLM2: EOS and
+    pre-tokenizer). ``pre_tokenizer`` other than ``auto`` replaces the source's."""
+    import gguf
+
+    fields = {k: f for k, f in gguf.GGUFReader(source).fields.items() if k.startswith(TOKENIZER_PREFIX)}
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise FormatError(f"the source {source} has no tokenizer (no tokenizer.ggml.tokens); a GGUF export needs one")
+    if len(tokens.data) != n_vocab:
+        raise FormatError(f"the source {source} has {len(tokens.data)} tokens and the model {n_vocab} embeddings; they must match")
+    for key, entry in fields.items():
+        if key == "tokenizer.ggml.pre" and pre_tokenizer != "auto":
+            continue
+        vtype = entry.types[0]
+        writer.add_key_value(key, entry.contents(), vtype, entry.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    if pre_tokenizer != "auto":
+        writer.add_tokenizer_pre(pre_tokenizer)
+
+    def value(key: str) -> Any:
+        return fields[key].contents() if key in fields else None
+
+    return {
+        "from": f"source GGUF {source.name}",
+        "model": value("tokenizer.ggml.model"),
+        "pre": pre_tokenizer if pre_tokenizer != "auto" else value("tokenizer.ggml.pre"),
+        "tokens": len(tokens.data),
+        "merges": len(fields["tokenizer.ggml.merges"].data) if "tokenizer.ggml.merges" in fields else 0,
+        "special_ids": {k.removeprefix("tokenizer.ggml.").removesuffix("_token_id"): value(k) for k in fields if k.endswith("_token_id")},
+        "add_special": {
+            k.removeprefix("tokenizer.ggml.add_").removesuffix("_token"): value(k)
+            for k in fields
+            if k.startswith("tokenizer.ggml.add_") and k.endswith("_token")
+        },
+        "chat_template": "tokenizer.chat_template" in fields,
+    }
+
+
+def tokenizer_metadata(path: Path) -> dict[str, Any]:
+    """The scalar tokenizer keys of a GGUF file (special ids, add-BOS/EOS, model, pre-tokenizer, chat template)."""
+    import gguf
+
+    return {
+        k: f.contents()
+        for k, f in gguf.GGUFReader(path).fields.items()
+        if k.startswith(TOKENIZER_PREFIX) and f.types and f.types[0] != gguf.GGUFValueType.ARRAY
+    }
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -433,8 +495,11 @@ def write_gguf(
     fallback: str | None = None,
     pre_tokenizer: str = "auto",
     extra_metadata: dict[str, Any] | None = None,
+    tokenizer_from: Path | None = None,
 ) -> dict[str, Any]:
-    """Write ``model`` (records packed exactly where ``type_name`` allows) to ``path``; return facts."""
+    """Write ``model`` (records packed exactly where ``type_name`` allows) to ``path``; return facts.
+    ``tokenizer_from``: a GGUF source whose tokenizer is copied as it is (else it is built from
+    ``tokenizer``'s tokenizer.json)."""
     import gguf
 
     plan = plan_tensors(model, records, type_name, float_type, fallback)
@@ -451,7 +516,11 @@ def write_gguf(
     }
     writer.add_file_type(ftype[type_name])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tok_facts = add_tokenizer(writer, tokenizer, int(model.config.vocab_size), pre_tokenizer)
+    n_vocab = int(model.config.vocab_size)
+    if tokenizer_from is not None:
+        tok_facts = copy_tokenizer(writer, tokenizer_from, n_vocab, pre_tokenizer)
+    else:
+        tok_facts = add_tokenizer(writer, tokenizer, n_vocab, pre_tokenizer)
     for key, value in (extra_metadata or {}).items():
         writer.add_string(f"{METADATA_NAMESPACE}.{key}", value if isinstance(value, str) else json.dumps(value, sort_keys=True))
     state = model.state_dict()

@@ -111,6 +111,28 @@ def extra_buffer_types() -> bool:
     return os.environ.get("COMPRESS_LLAMA_EXTRA_BUFTS", "") == "1"
 
 
+class LlamaCppVocab:
+    """A GGUF file's tokenizer alone in llama.cpp (``vocab_only``: no weights are read): the
+    tokenization a user of that file gets, special tokens in the text parsed as such."""
+
+    def __init__(self, path: Path) -> None:
+        lib = llama_cpp()
+        with _quiet_stderr():
+            try:
+                self.llm = lib.Llama(model_path=str(path), vocab_only=True, verbose=False)
+            except (ValueError, RuntimeError) as exc:
+                raise FormatError(f"llama.cpp could not read the tokenizer of {path}: {exc}") from exc
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    def token_text(self, ids: list[int]) -> list[str]:
+        return [self.llm.detokenize([i], special=True).decode("utf-8", errors="backslashreplace") for i in ids]
+
+    def close(self) -> None:
+        self.llm.close()
+
+
 class LlamaCppModel:
     """A GGUF file loaded in llama.cpp, with a ``Forward`` for the metrics and a tokenizer."""
 
@@ -162,6 +184,9 @@ class LlamaCppModel:
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))  # HF parses added tokens in text too
+
+    def token_text(self, ids: list[int]) -> list[str]:
+        return [self.llm.detokenize([i], special=True).decode("utf-8", errors="backslashreplace") for i in ids]
 
     def greedy(self, ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
         """Greedy decoding after ``ids``, one token per llama.cpp call, within the context.
