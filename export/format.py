@@ -78,6 +78,13 @@ class ExportFormat:
     def own_runtime(self) -> bool:
         return bool(getattr(self.config, "own_runtime", False))
 
+    @property
+    def device_names(self) -> tuple[str, str]:
+        """(format, runtime) as a device profile lists them for this export to run there (``compress
+        plan``'s support column): its own name and runtime when it has a runtime of its own, else
+        a Hugging Face folder on torch (hf, torch). These are the names device profiles may use."""
+        return (self.name, self.runtime) if self.own_runtime else (HF_FORMAT, TORCH_RUNTIME)
+
     # ------------------------------------------------------------------ the run
 
     def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:

@@ -1,13 +1,17 @@
 """A fake export format in one module, for tests/test_plugins.py: the quantized records as one .npz
 file (codes, scales, zero points, and each layer's scheme as JSON), verified by reading the file
-back and requiring the same records. Registering it takes this module and one table entry."""
+back and requiring the same records. Registering it takes this module and one table entry.
+
+``NPZ`` is a checkpoint (no runtime of its own: gates on it read the compressed evaluation);
+``NPZ_ON_NUMPY`` is the same format declared as running on a runtime of its own, "numpy", so that
+device profiles may list its names (format npz, runtime numpy)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
@@ -24,6 +28,12 @@ class NPZExport(_Export):
 
     format: Literal["npz"] = Field("npz", description="npz")
     compressed: bool = Field(False, description="np.savez_compressed rather than np.savez.")
+
+
+class NPZOnNumpyExport(NPZExport):
+    """The same file, loaded by numpy as a runtime of its own (device profiles name it: npz on numpy)."""
+
+    own_runtime: ClassVar[bool] = True
 
 
 def write_npz(path: Path, records: dict[str, Any], compressed: bool) -> None:
@@ -93,3 +103,4 @@ class NPZFormat(ExportFormat):
 
 
 NPZ = NPZFormat(name=NAME, config=NPZExport, runtime="numpy", intended_runtimes="numpy.load (a test format)")
+NPZ_ON_NUMPY = NPZFormat(name=NAME, config=NPZOnNumpyExport, runtime="numpy", intended_runtimes="numpy.load (a test format)")
