@@ -110,6 +110,11 @@ class ExportFormat:
             raise NotImplementedError(f"export format {self.name} has no writer")
         return importlib.import_module(self.writer).export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
 
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        """One export as people read it, from its manifest entry (the model card's format column):
+        the format's name, and what the entry says of its kind where the format records one."""
+        return self.name
+
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         """What the latency block times of a written export and on which device ('cpu', 'cuda'),
         or None when nothing can be timed (no runtime of its own, or no engine was built)."""

@@ -96,6 +96,9 @@ class NPZFormat(ExportFormat):
         entry = {"name": spec.name, "format": spec.format, "path": None, "layers": len(records), "verified": True, "check": "npz reloaded"}
         return entry, []
 
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        return f"npz file of {entry['layers']} layers' records"
+
     def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.sizes import packed_bytes
 

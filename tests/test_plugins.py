@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from compress.model_card import model_card
 from compress.plugins import EXPORT_FORMATS
 from tests import fake_format
 from tests.helpers import recipe_text, run_cli, write_recipe
@@ -110,6 +111,8 @@ def test_a_format_registered_in_the_table_runs_end_to_end(
     gated = [g for g in report["gates"] if g["artifact"] == "packed"]
     assert len(gated) == 2 and all(g["passed"] for g in gated)
     assert manifest["recipe"]["expanded"]["exports"][0] == {"name": "packed", "format": "npz", "compressed": True}
+    card = model_card(manifest, report, "demo", {})  # the format describes its export in the card
+    assert f"| packed | npz file of {len(written)} layers' records | numpy.load (a test format) |" in card, card
 
 
 def _device(name: str, runtimes: list[str], formats: list[str]) -> dict:

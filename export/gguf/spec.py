@@ -17,6 +17,10 @@ SUFFIX = ".gguf"
 class GGUFFormat(ExportFormat):
     """A GGUF file for llama.cpp, packed from the records, verified and timed in llama.cpp."""
 
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        """'gguf q4_1': the block type the file was written in."""
+        return f"{self.name} {entry['type']}" if entry.get("type") else self.name
+
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder / GGUF_FILE, "cpu"
 

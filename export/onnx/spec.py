@@ -16,6 +16,10 @@ class ONNXFormat(ExportFormat):
     """An ONNX Runtime GenAI folder made by onnxruntime-genai's builder from the records,
     verified and timed in ONNX Runtime."""
 
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        """'onnx int4': the weight precision the builder made."""
+        return f"{self.name} {entry['precision']}" if entry.get("precision") else self.name
+
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder, "cpu"
 
