@@ -65,6 +65,7 @@ class ExportFormat:
     config: type[BaseModel]  # the recipe's config class for it (compress/schema/exports.py)
     runtime: str  # where it runs: llama.cpp | onnxruntime | tensorrt | transformers (a latency runtime when own_runtime)
     intended_runtimes: str  # model-card text: where people run it
+    description: str  # one line for people: what the export is (the generated field reference lists it)
     runtime_module: str | None = None  # the Python module whose import means the runtime is installed (device profiles)
     needs_cuda: bool = False  # the runtime runs on a CUDA GPU only
     input_kind: str | None = None  # what ``compress gate`` takes of it as a bare input ("GGUF file"), None: nothing

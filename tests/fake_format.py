@@ -105,5 +105,8 @@ class NPZFormat(ExportFormat):
         return packed_bytes(shape, records, dtype_bits), 2.0, "codes + float32 scales per group"
 
 
-NPZ = NPZFormat(name=NAME, config=NPZExport, runtime="numpy", intended_runtimes="numpy.load (a test format)")
-NPZ_ON_NUMPY = NPZFormat(name=NAME, config=NPZOnNumpyExport, runtime="numpy", intended_runtimes="numpy.load (a test format)")
+DESCRIPTION = "test format: the records as one NumPy .npz file, read back exactly"
+NPZ = NPZFormat(name=NAME, config=NPZExport, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION)
+NPZ_ON_NUMPY = NPZFormat(
+    name=NAME, config=NPZOnNumpyExport, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION
+)

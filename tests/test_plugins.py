@@ -68,7 +68,7 @@ def test_every_format_spec_is_consistent() -> None:
     """Each table entry's key is its spec's name and its config's ``format`` default."""
     for name, fmt in EXPORT_FORMATS.items():
         assert fmt.name == name and fmt.config.model_fields["format"].default == name
-        assert fmt.runtime and fmt.intended_runtimes
+        assert fmt.runtime and fmt.intended_runtimes and fmt.description
 
 
 @pytest.fixture()

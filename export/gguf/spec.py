@@ -76,6 +76,7 @@ GGUF = GGUFFormat(
     config=GGUFExport,
     runtime="llama.cpp",
     intended_runtimes="llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
+    description="GGUF file with the records packed into exact blocks (or llama.cpp's own quantizer), verified and timed in llama.cpp",
     input_kind="GGUF file",
     packages=("gguf", "llama_cpp_python"),
     runtime_module="llama_cpp",
