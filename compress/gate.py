@@ -38,7 +38,17 @@ from compress.fsutil import MANIFEST, check_target, sha256_file
 from compress.inputs import check_model_directory
 from compress.plugins import EXPORT_FORMATS, runtime_formats
 from compress.progress import Reporter
-from compress.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, Strict, TargetSpec, format_validation_error, parse_yaml
+from compress.recipe import (
+    DataSpec,
+    GateSpec,
+    LatencySpec,
+    ModelSpec,
+    Strict,
+    TargetSpec,
+    format_validation_error,
+    parse_yaml,
+    validation_context,
+)
 from compress.schema.manifest import GATE_LISTING_VERSION, GATE_REPORT, GateReportListing
 from compress.schema.report import REPORT_VERSION
 from compress.schema.yamlio import read_text
@@ -70,7 +80,7 @@ def load_gates_file(path: Path) -> GatesFile:
 
     data, lines = parse_yaml(read_text(path, "gates file"), str(path))
     try:
-        return GatesFile.model_validate(data)
+        return GatesFile.model_validate(data, context=validation_context())  # device profiles' names from the table
     except ValidationError as exc:
         raise CompressError(format_validation_error(exc, lines, str(path), GatesFile, "gates file")) from None
 

@@ -139,12 +139,12 @@ def _artifacts(manifest: dict[str, Any], sizes: dict[str, int]) -> list[str]:
     packed = bool((manifest.get("quantization") or {}).get("weights_format"))
     rows = [["compressed", *(PACKED_MODEL if packed else LEGACY_MODEL), *folder("model/", FALLBACK_RECORDS), "–"]]
     for x in manifest.get("exports") or []:
-        kind = " ".join(str(x[k]) for k in ("type", "precision") if x.get(k))
+        fmt = EXPORT_FORMATS.get(x["format"])  # None: a format this installation does not register
         rows.append(
             [
                 x["name"],
-                f"{x['format']} {kind}".strip(),
-                fmt.intended_runtimes if (fmt := EXPORT_FORMATS.get(x["format"])) else "–",  # where each format is meant to run
+                fmt.describe_entry(x) if fmt else x["format"],  # the format says what the export is
+                fmt.intended_runtimes if fmt else "–",  # where each format is meant to run
                 *folder(f"{x['path']}/"),
                 _cell(x.get("verified")),
             ]

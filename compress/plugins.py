@@ -20,7 +20,7 @@ from compress.distill.spec import DISTILL
 from compress.errors import CompressError
 from compress.export.checkpoint.spec import COMPRESSED_TENSORS
 from compress.export.checkpoint.spec import GPTQ as GPTQ_CHECKPOINT
-from compress.export.format import ExportFormat
+from compress.export.format import HF_FORMAT, TORCH_RUNTIME, ExportFormat
 from compress.export.gguf.spec import GGUF
 from compress.export.onnx.spec import ONNX
 from compress.export.tensorrt.spec import TENSORRT
@@ -35,6 +35,7 @@ __all__ = [
     "ExportFormat",
     "MethodSpec",
     "StageKindSpec",
+    "device_names",
     "export_format",
     "quant_method",
     "runtime_formats",
@@ -119,3 +120,10 @@ def source_format(path: Path) -> ExportFormat | None:
 def runtime_formats() -> dict[str, ExportFormat]:
     """The export formats with a runtime of their own, by runtime name (llama.cpp, onnxruntime, …)."""
     return {f.runtime: f for f in EXPORT_FORMATS.values() if f.own_runtime}
+
+
+def device_names() -> tuple[list[str], list[str]]:
+    """(formats, runtimes) a device profile may list: hf / torch (the in-memory model and Hugging
+    Face folders) and each export format's ``device_names``, in table order."""
+    pairs = [(HF_FORMAT, TORCH_RUNTIME), *(fmt.device_names for fmt in EXPORT_FORMATS.values())]
+    return list(dict.fromkeys(f for f, _ in pairs)), list(dict.fromkeys(r for _, r in pairs))

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compress.errors import RecipeError
+from compress.schema.devices import DEVICE_FORMATS, DEVICE_RUNTIMES
 from compress.schema.exports import EXPORT_CONFIGS
 from compress.schema.recipe import *  # noqa: F403 - the recipe models (compress.schema.recipe), importable from here too
 from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, Recipe
@@ -95,13 +96,17 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
 
 def validation_context() -> dict[str, Any]:
     """What recipe validation needs from the plugin tables: every quantization method's and export
-    format's config class, so that a method or format registered only in compress.plugins is known
-    to the recipe (the schema package never imports the tables)."""
-    from compress.plugins import EXPORT_FORMATS, quant_configs
+    format's config class, and the format and runtime names device profiles may list, so that a
+    method or format registered only in compress.plugins is known to the recipe (the schema package
+    never imports the tables). Device profile files and gates files are validated with it too."""
+    from compress.plugins import EXPORT_FORMATS, device_names, quant_configs
 
+    formats, runtimes = device_names()
     return {
         QUANT_METHODS_CONTEXT: quant_configs(),
         EXPORT_CONFIGS: {name: fmt.config for name, fmt in EXPORT_FORMATS.items()},
+        DEVICE_FORMATS: formats,
+        DEVICE_RUNTIMES: runtimes,
     }
 
 

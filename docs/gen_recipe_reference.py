@@ -6,8 +6,11 @@
 
 The page is generated from ``compress.recipe.Recipe.model_json_schema()`` (with its ``$defs`` and
 the discriminated unions of quantize methods and export formats): one row per field with its
-dotted key path, type, default and description. tests/test_docs.py regenerates it in memory and
-fails when the committed file differs.
+dotted key path, type, default and description. Its last section lists the names the plugin
+tables register (compress.plugins: QUANT_METHODS, STAGE_KINDS, EXPORT_FORMATS), one line each
+from the spec's ``description``, since recipe validation looks those names up in the tables and
+the schema does not list them all. tests/test_docs.py regenerates the page in memory and fails
+when the committed file differs.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ that schema). Keys are dotted paths as `--set` takes them, with `[]` for the ite
 (`--set` takes an index there: `stages.0.quantize.bits`). A stage item holds exactly one stage
 kind; a `quantize` stage and an export item take different fields for each `method` and `format`,
 so each of those has a table of its own. "required" marks a field without a default; a dash marks
-a field whose schema has no description. The [Recipe reference](../recipes.md) shows the same
+a field whose schema has no description. The method, stage kind, export format, runtime and device
+format names a recipe may use are listed at the end, generated from the plugin tables. The [Recipe reference](../recipes.md) shows the same
 fields in place, with examples and what the validator checks across fields.
 
 This page is regenerated with `python docs/gen_recipe_reference.py`; `tests/test_docs.py` fails
@@ -239,6 +243,45 @@ def _cell(text: str) -> str:
     return "`".join(pieces).replace("|", r"\|")
 
 
+NAMES_TITLE = "Names from the plugin tables"
+NAMES_INTRO = (
+    "Recipe validation looks these names up in the tables of `compress/plugins.py` (`QUANT_METHODS`, `STAGE_KINDS`, "
+    "`EXPORT_FORMATS`); a name missing from its table is an error that lists the known ones. The tables above show the "
+    "fields of the built-in methods and formats. Each line is the spec's `description`."
+)
+
+
+def plugin_names() -> list[str]:
+    """The names section: every quantization method, stage kind and export format registered in
+    compress.plugins, one line each, and the runtime and format names device profiles may list."""
+    from compress.plugins import EXPORT_FORMATS, QUANT_METHODS, STAGE_KINDS, device_names
+
+    def item(name: str, text: str) -> str:
+        return f"- `{name}`: {_cell(text)}"
+
+    lines = [f"## {NAMES_TITLE}\n", NAMES_INTRO + "\n"]
+    lines += ["### Quantization methods\n", "`stages[].quantize.method`:\n"]
+    lines += [item(name, spec.description) for name, spec in QUANT_METHODS.items()] + [""]
+    lines += ["### Stage kinds\n", "The key of a `stages[]` item:\n"]
+    lines += [item(name, spec.description) for name, spec in STAGE_KINDS.items()] + [""]
+    lines += [
+        "### Export formats\n",
+        "`exports[].format`, and the format and runtime a device profile lists for the export to run there:\n",
+    ]
+    for name, fmt in EXPORT_FORMATS.items():
+        on, runtime = fmt.device_names
+        lines.append(item(name, fmt.description) + f" (device profiles: format `{on}`, runtime `{runtime}`)")
+    formats, runtimes = device_names()
+    lines += [
+        "",
+        "### Device profile names\n",
+        "- `devices[].runtimes`: " + ", ".join(f"`{r}`" for r in runtimes),
+        "- `devices[].formats`: " + ", ".join(f"`{f}`" for f in formats),
+        "",
+    ]
+    return lines
+
+
 def render(schema: dict[str, Any] | None = None) -> str:
     """The whole page, as Markdown."""
     lines = [HEADER]
@@ -252,6 +295,7 @@ def render(schema: dict[str, Any] | None = None) -> str:
             for row in section.rows:
                 lines.append(f"| `{row.path}` | {_cell(row.type)} | {_cell(row.default)} | {_cell(row.description)} |")
             lines.append("")
+    lines += plugin_names()
     return "\n".join(lines)
 
 

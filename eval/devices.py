@@ -36,7 +36,8 @@ from pydantic import ValidationError
 from compress.errors import CompressError
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME
 from compress.plugins import runtime_formats
-from compress.schema.devices import DeviceProfile, Format, Runtime  # noqa: F401 - re-exported
+from compress.recipe import validation_context
+from compress.schema.devices import DeviceProfile
 from compress.schema.yamlio import load_yaml, read_text
 
 LOCAL = "local"
@@ -93,7 +94,7 @@ def _validate(item: Any, where: str, lines: dict[str, int], path: Path | None = 
     if not isinstance(item, dict):
         raise CompressError(f"{where}: a device profile is a mapping of {', '.join(DeviceProfile.model_fields)}")
     try:
-        return DeviceProfile.model_validate(item)
+        return DeviceProfile.model_validate(item, context=validation_context())  # runtime and format names from the table
     except ValidationError as exc:
         problems = []
         for e in exc.errors():
@@ -107,7 +108,7 @@ def _validate(item: Any, where: str, lines: dict[str, int], path: Path | None = 
             elif e["type"] == "missing":
                 msg = f"required key '{key}' is missing"
             else:
-                msg = f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                msg = f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
             problems.append(f"  {at}{msg}")
         raise CompressError(f"{where} is not a valid device profile:\n" + "\n".join(problems)) from None
 

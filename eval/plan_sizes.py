@@ -130,15 +130,15 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
             }
         )
 
-    add("baseline", "hf", "torch", source.params * dtype_bits // 8, dtype_bits / 8, f"every parameter at {recipe.model.dtype}")
+    add("baseline", HF_FORMAT, TORCH_RUNTIME, source.params * dtype_bits // 8, dtype_bits / 8, f"every parameter at {recipe.model.dtype}")
     if not recipe.stages:
         return rows
     packed = packed_bytes(shape, records, dtype_bits)
     scheme_note = ", ".join(sorted({r.scheme.describe() for r in records.values()})) or "no quantized layers"
     add(
         "compressed",
-        "hf",
-        "torch",
+        HF_FORMAT,
+        TORCH_RUNTIME,
         packed,
         dtype_bits / 8,
         f"{len(records)} quantized layers ({scheme_note}) packed: bits + scale bits / group (+ zero-point bits when asymmetric); "
@@ -146,12 +146,11 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
     )
     kv = next((s.config for s in recipe.stages if stage_kind(s.kind).quantizes_kv_cache), None)
     if kv is not None and kv.evaluate is not None:
-        add("kv_cache", "hf", "torch", packed, _kv_element_bytes(kv, shape), f"compressed weights; KV cache {kv.describe()}")
+        add("kv_cache", HF_FORMAT, TORCH_RUNTIME, packed, _kv_element_bytes(kv, shape), f"compressed weights; KV cache {kv.describe()}")
     for spec in recipe.exports:
         fmt = EXPORT_FORMATS[spec.format]
-        # a checkpoint export is a Hugging Face folder timed on torch; the others run on their own runtime
-        where = (fmt.name, fmt.runtime) if fmt.own_runtime else (HF_FORMAT, TORCH_RUNTIME)
-        add(spec.name, *where, *fmt.planned_size(spec, shape, records, dtype_bits))
+        # the (format, runtime) device profiles list for it: a checkpoint is a Hugging Face folder on torch
+        add(spec.name, *fmt.device_names, *fmt.planned_size(spec, shape, records, dtype_bits))
     return rows
 
 

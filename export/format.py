@@ -65,6 +65,7 @@ class ExportFormat:
     config: type[BaseModel]  # the recipe's config class for it (compress/schema/exports.py)
     runtime: str  # where it runs: llama.cpp | onnxruntime | tensorrt | transformers (a latency runtime when own_runtime)
     intended_runtimes: str  # model-card text: where people run it
+    description: str  # one line for people: what the export is (the generated field reference lists it)
     runtime_module: str | None = None  # the Python module whose import means the runtime is installed (device profiles)
     needs_cuda: bool = False  # the runtime runs on a CUDA GPU only
     input_kind: str | None = None  # what ``compress gate`` takes of it as a bare input ("GGUF file"), None: nothing
@@ -77,6 +78,13 @@ class ExportFormat:
     @property
     def own_runtime(self) -> bool:
         return bool(getattr(self.config, "own_runtime", False))
+
+    @property
+    def device_names(self) -> tuple[str, str]:
+        """(format, runtime) as a device profile lists them for this export to run there (``compress
+        plan``'s support column): its own name and runtime when it has a runtime of its own, else
+        a Hugging Face folder on torch (hf, torch). These are the names device profiles may use."""
+        return (self.name, self.runtime) if self.own_runtime else (HF_FORMAT, TORCH_RUNTIME)
 
     # ------------------------------------------------------------------ the run
 
@@ -102,6 +110,11 @@ class ExportFormat:
         if self.writer is None:
             raise NotImplementedError(f"export format {self.name} has no writer")
         return importlib.import_module(self.writer).export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
+
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        """One export as people read it, from its manifest entry (the model card's format column):
+        the format's name, and what the entry says of its kind where the format records one."""
+        return self.name
 
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         """What the latency block times of a written export and on which device ('cpu', 'cuda'),

@@ -1,13 +1,17 @@
 """A fake export format in one module, for tests/test_plugins.py: the quantized records as one .npz
 file (codes, scales, zero points, and each layer's scheme as JSON), verified by reading the file
-back and requiring the same records. Registering it takes this module and one table entry."""
+back and requiring the same records. Registering it takes this module and one table entry.
+
+``NPZ`` is a checkpoint (no runtime of its own: gates on it read the compressed evaluation);
+``NPZ_ON_NUMPY`` is the same format declared as running on a runtime of its own, "numpy", so that
+device profiles may list its names (format npz, runtime numpy)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
@@ -24,6 +28,12 @@ class NPZExport(_Export):
 
     format: Literal["npz"] = Field("npz", description="npz")
     compressed: bool = Field(False, description="np.savez_compressed rather than np.savez.")
+
+
+class NPZOnNumpyExport(NPZExport):
+    """The same file, loaded by numpy as a runtime of its own (device profiles name it: npz on numpy)."""
+
+    own_runtime: ClassVar[bool] = True
 
 
 def write_npz(path: Path, records: dict[str, Any], compressed: bool) -> None:
@@ -86,10 +96,17 @@ class NPZFormat(ExportFormat):
         entry = {"name": spec.name, "format": spec.format, "path": None, "layers": len(records), "verified": True, "check": "npz reloaded"}
         return entry, []
 
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        return f"npz file of {entry['layers']} layers' records"
+
     def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.sizes import packed_bytes
 
         return packed_bytes(shape, records, dtype_bits), 2.0, "codes + float32 scales per group"
 
 
-NPZ = NPZFormat(name=NAME, config=NPZExport, runtime="numpy", intended_runtimes="numpy.load (a test format)")
+DESCRIPTION = "test format: the records as one NumPy .npz file, read back exactly"
+NPZ = NPZFormat(name=NAME, config=NPZExport, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION)
+NPZ_ON_NUMPY = NPZFormat(
+    name=NAME, config=NPZOnNumpyExport, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION
+)

@@ -144,7 +144,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "reference" / "recipe-fields" / "index.html").is_file()
 
 
-def test_recipe_field_reference_is_fresh() -> None:
+def _reference_generator():
     spec = importlib.util.spec_from_file_location("gen_recipe_reference", DOCS / "gen_recipe_reference.py")
     assert spec is not None and spec.loader is not None
     gen = importlib.util.module_from_spec(spec)
@@ -153,5 +153,29 @@ def test_recipe_field_reference_is_fresh() -> None:
         spec.loader.exec_module(gen)
     finally:
         del sys.modules[spec.name]
+    return gen
+
+
+def test_recipe_field_reference_is_fresh() -> None:
     committed = (DOCS / "reference" / "recipe-fields.md").read_text(encoding="utf-8")
-    assert gen.render() == committed, "docs/reference/recipe-fields.md is stale: run python docs/gen_recipe_reference.py"
+    assert _reference_generator().render() == committed, "docs/reference/recipe-fields.md is stale: run python docs/gen_recipe_reference.py"
+
+
+def test_recipe_field_reference_lists_the_plugin_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference lists every registered method, stage kind and export format (one line each, from
+    the spec's description) and the device profile names, generated from the tables themselves."""
+    from compress.plugins import EXPORT_FORMATS, QUANT_METHODS, STAGE_KINDS
+    from tests.fake_format import DESCRIPTION, NPZ_ON_NUMPY
+    from tests.halfround import HALFROUND
+
+    committed = (DOCS / "reference" / "recipe-fields.md").read_text(encoding="utf-8")
+    for table in (QUANT_METHODS, STAGE_KINDS, EXPORT_FORMATS):
+        for name, spec in table.items():
+            assert spec.description and f"- `{name}`: {spec.description}" in committed, name
+    monkeypatch.setitem(QUANT_METHODS, "halfround", HALFROUND)
+    monkeypatch.setitem(EXPORT_FORMATS, "npz", NPZ_ON_NUMPY)
+    text = _reference_generator().render()
+    assert f"- `halfround`: {HALFROUND.description}\n" in text
+    assert f"- `npz`: {DESCRIPTION} (device profiles: format `npz`, runtime `numpy`)\n" in text
+    assert "- `devices[].runtimes`: `torch`, `llama.cpp`, `onnxruntime`, `tensorrt`, `numpy`\n" in text
+    assert "- `devices[].formats`: `hf`, `gguf`, `onnx`, `tensorrt`, `npz`\n" in text

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from compress.model_card import model_card
 from compress.plugins import EXPORT_FORMATS
 from tests import fake_format
 from tests.helpers import recipe_text, run_cli, write_recipe
@@ -67,7 +68,7 @@ def test_every_format_spec_is_consistent() -> None:
     """Each table entry's key is its spec's name and its config's ``format`` default."""
     for name, fmt in EXPORT_FORMATS.items():
         assert fmt.name == name and fmt.config.model_fields["format"].default == name
-        assert fmt.runtime and fmt.intended_runtimes
+        assert fmt.runtime and fmt.intended_runtimes and fmt.description
 
 
 @pytest.fixture()
@@ -110,3 +111,64 @@ def test_a_format_registered_in_the_table_runs_end_to_end(
     gated = [g for g in report["gates"] if g["artifact"] == "packed"]
     assert len(gated) == 2 and all(g["passed"] for g in gated)
     assert manifest["recipe"]["expanded"]["exports"][0] == {"name": "packed", "format": "npz", "compressed": True}
+    card = model_card(manifest, report, "demo", {})  # the format describes its export in the card
+    assert f"| packed | npz file of {len(written)} layers' records | numpy.load (a test format) |" in card, card
+
+
+def _device(name: str, runtimes: list[str], formats: list[str]) -> dict:
+    return {
+        "name": name,
+        "description": "a made-up device",
+        "kind": "cpu",
+        "memory_gb": 4,
+        "bandwidth_gbs": 20,
+        "fp16_tflops": 0.5,
+        "runtimes": runtimes,
+        "formats": formats,
+        "source": "made up for a test",
+    }
+
+
+def _with_devices(text: str, *devices: dict) -> str:
+    return text.replace("exports: []", "exports:\n  - {format: npz, name: packed}") + f"devices: {json.dumps(list(devices))}\n"
+
+
+def test_device_profiles_refuse_names_no_format_runs_as(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """Device profiles list the format and runtime names of the table; a name nothing runs as is an
+    error naming the profile, the key and the known names (in a recipe and in a profile file alike)."""
+    from compress.errors import CompressError
+    from compress.eval.devices import load_profiles
+    from compress.gate import load_gates_file
+
+    text = recipe_text(tiny_model_dir, text_dir) + f"devices: {json.dumps([_device('numpy-board', ['numpy'], ['hf'])])}\n"
+    result = run_cli(["validate", write_recipe(tmp_path, text)])
+    assert result.exit_code == 2, result.output
+    flat = " ".join(result.output.split())
+    assert "devices[0].runtimes: device profile 'numpy-board' names unknown runtime 'numpy'" in flat, result.output
+    assert "known: torch, llama.cpp, onnxruntime, tensorrt" in flat, result.output
+    with pytest.raises(CompressError) as exc:
+        load_profiles(extra=[_device("box", ["torch"], ["npz", "gguf"])])
+    assert "formats: device profile 'box' names unknown format 'npz'; known: hf, gguf, onnx, tensorrt" in str(exc.value)
+    gates = tmp_path / "gates.yaml"
+    gates.write_text(f"devices: {json.dumps([_device('numpy-board', ['numpy'], ['hf'])])}\ngates: [{{metric: kl_divergence, max: 1}}]\n")
+    with pytest.raises(CompressError, match="devices\\[0\\].runtimes: device profile 'numpy-board' names unknown runtime 'numpy'"):
+        load_gates_file(gates)
+
+
+def test_a_registered_format_with_a_runtime_is_listed_by_device_profiles(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path, text_dir: Path
+) -> None:
+    """A format with a runtime of its own adds its format and runtime names (``ExportFormat.device_names``)
+    to what a device profile may list, and `compress plan` asks each profile whether it runs the export."""
+    monkeypatch.setitem(EXPORT_FORMATS, fake_format.NAME, fake_format.NPZ_ON_NUMPY)
+    board, box = _device("numpy-board", ["numpy"], ["npz"]), _device("torch-box", ["torch"], ["hf"])
+    recipe = write_recipe(tmp_path, _with_devices(recipe_text(tiny_model_dir, text_dir), board, box))
+    assert run_cli(["validate", recipe]).exit_code == 0
+    planned = run_cli(["plan", recipe, "--device", "numpy-board", "--device", "torch-box", "--json", tmp_path / "plan.json"])
+    assert planned.exit_code == 0, planned.output
+    rows = json.loads((tmp_path / "plan.json").read_text())["fit"]
+    supported = {(r["device"], r["artifact"]): (r["format"], r["runtime"], r["supported"]) for r in rows}
+    assert supported[("numpy-board", "packed")] == ("npz", "numpy", True)
+    assert supported[("torch-box", "packed")] == ("npz", "numpy", False)
+    assert supported[("numpy-board", "compressed")] == ("hf", "torch", False)
+    assert supported[("torch-box", "compressed")] == ("hf", "torch", True)

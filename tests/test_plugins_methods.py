@@ -5,6 +5,8 @@ export, verify, gates), and a name missing from a table is a clear error, never 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -103,31 +105,44 @@ def test_unregistered_method_is_a_validation_error(tmp_path: Path, tiny_model_di
     assert "Traceback" not in result.output
 
 
-def test_method_removed_from_the_table_is_unknown(
-    tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@contextmanager
+def _removed(table: dict, name: str) -> Iterator[None]:
+    """The table without ``name`` inside the block, then as it was, in its order (monkeypatch.delitem
+    would put the entry back last, and the order shows in messages and in the generated reference)."""
+    saved = dict(table)
+    del table[name]
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
+
+def test_method_removed_from_the_table_is_unknown(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     from compress.steps.stages import build_stages
 
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
     loaded = load_recipe(recipe)
-    monkeypatch.delitem(QUANT_METHODS, "rtn")
-    result = run_cli(["validate", recipe])
-    assert result.exit_code == 2 and "unknown quantization method 'rtn'; known: gptq, awq, llm_int8" in result.output
-    with pytest.raises(CompressError, match=r"stages\[0\]: quantization method 'rtn' is not registered in compress.plugins.QUANT_METHODS"):
-        build_stages(loaded.recipe)  # validated before the method left the table: the run still refuses it by name
+    with _removed(QUANT_METHODS, "rtn"):
+        result = run_cli(["validate", recipe])
+        assert result.exit_code == 2 and "unknown quantization method 'rtn'; known: gptq, awq, llm_int8" in result.output
+        with pytest.raises(
+            CompressError, match=r"stages\[0\]: quantization method 'rtn' is not registered in compress.plugins.QUANT_METHODS"
+        ):
+            build_stages(loaded.recipe)  # validated before the method left the table: the run still refuses it by name
 
 
-def test_stage_kind_missing_from_the_table_is_an_error(
-    tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_stage_kind_missing_from_the_table_is_an_error(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     from compress.steps.stages import build_stages
 
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir))
     loaded = load_recipe(recipe)
-    monkeypatch.delitem(STAGE_KINDS, "quantize")
-    with pytest.raises(CompressError, match=r"stages\[0\]: stage kind 'quantize' is not registered .*; known: prune, distill, kv_cache"):
-        build_stages(loaded.recipe)
-    result = run_cli(["plan", recipe, "--device", "local"])
+    with _removed(STAGE_KINDS, "quantize"):
+        with pytest.raises(
+            CompressError, match=r"stages\[0\]: stage kind 'quantize' is not registered .*; known: prune, distill, kv_cache"
+        ):
+            build_stages(loaded.recipe)
+        result = run_cli(["plan", recipe, "--device", "local"])
     assert result.exit_code == 2 and "stage kind 'quantize' is not registered" in result.output and "Traceback" not in result.output
 
 

@@ -57,11 +57,13 @@ COMPRESSED_TENSORS = CheckpointFormat(
     config=CompressedTensorsExport,
     runtime="transformers",
     intended_runtimes="vLLM, transformers (compressed-tensors)",
+    description="compressed-tensors pack-quantized Hugging Face folder, written from the records and read back exactly",
 )
 GPTQ = CheckpointFormat(
     name="gptq",
     config=GPTQExport,
     runtime="transformers",
     intended_runtimes="transformers + GPTQModel, vLLM (GPTQ checkpoint format)",
+    description="AutoGPTQ v1 Hugging Face folder, written from the records and read back exactly",
     size_estimate="gptq_size",
 )

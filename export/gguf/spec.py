@@ -17,6 +17,10 @@ SUFFIX = ".gguf"
 class GGUFFormat(ExportFormat):
     """A GGUF file for llama.cpp, packed from the records, verified and timed in llama.cpp."""
 
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        """'gguf q4_1': the block type the file was written in."""
+        return f"{self.name} {entry['type']}" if entry.get("type") else self.name
+
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder / GGUF_FILE, "cpu"
 
@@ -72,6 +76,7 @@ GGUF = GGUFFormat(
     config=GGUFExport,
     runtime="llama.cpp",
     intended_runtimes="llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
+    description="GGUF file with the records packed into exact blocks (or llama.cpp's own quantizer), verified and timed in llama.cpp",
     input_kind="GGUF file",
     packages=("gguf", "llama_cpp_python"),
     runtime_module="llama_cpp",

@@ -16,6 +16,10 @@ class ONNXFormat(ExportFormat):
     """An ONNX Runtime GenAI folder made by onnxruntime-genai's builder from the records,
     verified and timed in ONNX Runtime."""
 
+    def describe_entry(self, entry: dict[str, Any]) -> str:
+        """'onnx int4': the weight precision the builder made."""
+        return f"{self.name} {entry['precision']}" if entry.get("precision") else self.name
+
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder, "cpu"
 
@@ -61,6 +65,7 @@ ONNX = ONNXFormat(
     config=ONNXExport,
     runtime="onnxruntime",
     intended_runtimes="ONNX Runtime / ONNX Runtime GenAI",
+    description="ONNX Runtime GenAI folder made by its model builder, the records proven equal in MatMulNBits, verified and timed in ONNX Runtime",
     input_kind="ONNX folder (genai_config.json)",
     packages=("onnx", "onnxruntime", "onnxruntime_genai", "onnxscript"),
     runtime_module="onnxruntime",

@@ -45,6 +45,7 @@ TENSORRT = TensorRTFormat(
     writer="compress.export.tensorrt.export",
     config=TensorRTExport,
     runtime="tensorrt",
+    description="TensorRT-ready ONNX (standard ops, weights as Q/DQ) checked on ONNX Runtime CPU, and an engine built where TensorRT and a GPU exist",
     intended_runtimes="TensorRT (the engine is built for the GPU it was built on; the ONNX rebuilds it elsewhere)",
     runtime_module="tensorrt",
     needs_cuda=True,
