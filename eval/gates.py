@@ -17,6 +17,7 @@ class GateResult:
     metric: str
     artifact: str
     value: float | None
+    on: str  # "value", or the end of the value's 95% interval compared: "lower_95", "upper_95"
     threshold: dict[str, float]  # {"kind", "value", "limit"}: limit is the resolved absolute bound
     passed: bool
     source: str  # "measured" or "estimated"
@@ -49,7 +50,7 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     kind, value_t = spec.threshold_kind, spec.threshold_value
     ev = find_evaluation(evaluations, spec.artifact, spec.metric, spec.device)
     threshold: dict[str, Any] = {"kind": kind, "value": value_t}
-    base = dict(name=spec.display_name, metric=spec.metric, artifact=spec.artifact)
+    base = dict(name=spec.display_name, metric=spec.metric, artifact=spec.artifact, on=spec.on)
     if ev is None:
         where = f" on device '{spec.device}'" if spec.device not in (None, LOCAL) else ""
         return GateResult(
@@ -63,6 +64,22 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
             message=f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}",
         )
     value = float(ev.metrics[spec.metric])
+    what = spec.metric
+    if spec.on != "value":
+        interval = (ev.intervals or {}).get(spec.metric)
+        if interval is None:
+            return GateResult(
+                **base,
+                value=None,
+                threshold=threshold,
+                passed=False,
+                source="missing",
+                runtime=ev.runtime,
+                device=ev.device,
+                message=f"{spec.metric} of '{spec.artifact}' has no interval (it needs at least 2 evaluation sequences)",
+            )
+        value = float(interval["lower" if spec.on == "lower_95" else "upper"])
+        what = f"{spec.metric} {spec.on} ({interval['level']:.0%} interval over {interval['samples']} samples)"
     if kind in ("max", "min"):
         limit = value_t
     else:
@@ -86,7 +103,7 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     upper = kind in ("max", "max_increase_pct")
     passed = not math.isnan(value) and (value <= limit if upper else value >= limit)
     relation = "<=" if upper else ">="
-    message = f"{spec.metric} = {value:.6g} {'meets' if passed else 'violates'} {relation} {limit:.6g}"
+    message = f"{what} = {value:.6g} {'meets' if passed else 'violates'} {relation} {limit:.6g}"
     if METRICS[spec.metric].better == "higher" and upper or METRICS[spec.metric].better == "lower" and not upper:
         message += " (note: this bound runs against the metric's better direction)"
     return GateResult(

@@ -12,6 +12,11 @@ context prefix; every metric set reports how many tokens it scored.
 * kl_divergence: mean over scored positions of ``KL(P_baseline || P_model)`` in nats;
 * kl_divergence_p99: its 99th percentile over positions (tail damage the mean hides);
 * top1_agreement: share of positions where both models' most likely token is the same.
+
+Perplexity, KL divergence and top-1 agreement also get a 95% interval: a percentile bootstrap over
+the evaluation sequences (each resample draws as many sequences as were scored, with replacement,
+and recomputes the token-weighted metric; 1000 resamples, a fixed seed), since positions within a
+sequence are not independent. Fewer than two sequences give no interval.
 """
 
 from __future__ import annotations
@@ -30,35 +35,90 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 """Maps token ids [batch, seq] to logits [batch, seq, vocab] for one artifact on its runtime."""
 
 
+INTERVAL_LEVEL = 0.95
+BOOTSTRAP_RESAMPLES = 1000
+INTERVAL_METHOD = f"percentile bootstrap over sequences, {BOOTSTRAP_RESAMPLES} resamples"
+
+
+class Scores(dict):
+    """One artifact's metrics (name -> number, as before) and, in ``intervals``, the 95% interval of
+    each metric that has one: name -> {lower, upper, level, method, samples}."""
+
+    def __init__(self, metrics: dict[str, float | int], intervals: dict[str, dict[str, Any]] | None = None) -> None:
+        super().__init__(metrics)
+        self.intervals: dict[str, dict[str, Any]] = intervals or {}
+
+
+def bootstrap_intervals(
+    nll: np.ndarray, kl: np.ndarray, agree: np.ndarray, tokens: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> dict[str, dict[str, Any]]:
+    """95% percentile-bootstrap intervals of perplexity, KL divergence and top-1 agreement from
+    per-sequence sums (NLL, KL, agreeing positions) and scored token counts; {} for < 2 sequences."""
+    n = len(tokens)
+    if n < 2:
+        return {}
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    count = tokens[idx].sum(axis=1)
+    draws = {
+        "perplexity": np.exp(nll[idx].sum(axis=1) / count),
+        "kl_divergence": kl[idx].sum(axis=1) / count,
+        "top1_agreement": agree[idx].sum(axis=1) / count,
+    }
+    tail = (1 - INTERVAL_LEVEL) / 2 * 100
+    return {
+        name: {
+            "lower": float(np.percentile(values, tail)),
+            "upper": float(np.percentile(values, 100 - tail)),
+            "level": INTERVAL_LEVEL,
+            "method": INTERVAL_METHOD,
+            "samples": n,
+        }
+        for name, values in draws.items()
+    }
+
+
 @dataclass
 class Accumulator:
-    """Running sums for one artifact; ``result()`` turns them into the metrics dict."""
+    """Running sums for one artifact, overall and per sequence; ``result()`` turns them into Scores."""
 
     nll_sum: float = 0.0
     agree: int = 0
     tokens: int = 0
     kl: list[torch.Tensor] = field(default_factory=list)
+    rows_nll: list[np.ndarray] = field(default_factory=list)
+    rows_agree: list[np.ndarray] = field(default_factory=list)
+    rows_tokens: list[np.ndarray] = field(default_factory=list)
+    rows_kl: list[np.ndarray] = field(default_factory=list)
 
-    def update(self, base_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """``base_logp``/``logits`` [n, vocab] at scored positions; ``targets`` [n]."""
+    def update(self, base_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, rows: int = 1) -> None:
+        """``base_logp``/``logits`` [n, vocab] at scored positions of ``rows`` sequences (n/rows each,
+        in order); ``targets`` [n]."""
         logp = torch.log_softmax(logits.float(), dim=-1)
-        self.nll_sum += float(-logp.gather(-1, targets.unsqueeze(-1)).sum())
+        nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        self.nll_sum += float(nll.sum())
         kl = (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_(min=0.0)
         self.kl.append(kl.cpu())
-        self.agree += int((logp.argmax(-1) == base_logp.argmax(-1)).sum())
+        agree = logp.argmax(-1) == base_logp.argmax(-1)
+        self.agree += int(agree.sum())
         self.tokens += int(targets.numel())
+        self.rows_nll.append(nll.double().reshape(rows, -1).sum(-1).cpu().numpy())
+        self.rows_kl.append(kl.double().reshape(rows, -1).sum(-1).cpu().numpy())
+        self.rows_agree.append(agree.reshape(rows, -1).sum(-1).cpu().numpy())
+        self.rows_tokens.append(np.full(rows, targets.numel() // rows))
 
-    def result(self) -> dict[str, float | int]:
+    def result(self) -> Scores:
         if self.tokens == 0:
             raise ValueError("no tokens were scored")
         kl = torch.cat(self.kl).double()
-        return {
+        metrics = {
             "perplexity": math.exp(self.nll_sum / self.tokens),
             "kl_divergence": float(kl.mean()),
             "kl_divergence_p99": float(np.quantile(kl.numpy(), 0.99)),
             "top1_agreement": self.agree / self.tokens,
             "tokens_scored": self.tokens,
         }
+        per_row = [np.concatenate(x) for x in (self.rows_nll, self.rows_kl, self.rows_agree, self.rows_tokens)]
+        return Scores(metrics, bootstrap_intervals(*per_row))
 
 
 def scored_positions(seq_len: int, min_context: int) -> slice:
@@ -73,7 +133,7 @@ def compare(
     min_context: int,
     batch_size: int = 1,
     progress: Callable[[Iterable[int], str, int], Iterable[int]] | None = None,
-) -> dict[str, dict[str, float | int]]:
+) -> dict[str, Scores]:
     """Score the baseline and every candidate on ``chunks`` [n, seq_len] in one pass.
 
     Each batch runs through the baseline once and then through each candidate, so only one
@@ -93,10 +153,11 @@ def compare(
             base_logits = baseline(batch)[:, pos].float()
             vocab = base_logits.shape[-1]
             base_logp = torch.log_softmax(base_logits.reshape(-1, vocab), dim=-1)
-            accs["baseline"].update(base_logp, base_logits.reshape(-1, vocab), targets)
+            rows = int(batch.shape[0])
+            accs["baseline"].update(base_logp, base_logits.reshape(-1, vocab), targets, rows)
             for name, forward in candidates.items():
                 logits = forward(batch)[:, pos].float().reshape(-1, vocab)
-                accs[name].update(base_logp, logits, targets)
+                accs[name].update(base_logp, logits, targets, rows)
     return {name: acc.result() for name, acc in accs.items()}
 
 
@@ -121,6 +182,13 @@ class Evaluation:
     details: dict[str, Any] | None = None
     kind: str = "accuracy"  # accuracy | latency | memory | kv_cache
     profile: str | None = None  # the device profile it stands for (None: this machine)
+    intervals: dict[str, dict[str, Any]] | None = None  # metric -> {lower, upper, level, method, samples}
+
+    def __post_init__(self) -> None:
+        if self.intervals is None and isinstance(self.metrics, Scores):  # scored by compare(): its intervals come along
+            self.intervals = self.metrics.intervals
+        if isinstance(self.metrics, Scores):
+            self.metrics = dict(self.metrics)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -133,6 +201,8 @@ class Evaluation:
         }
         if self.profile is not None:
             out["profile"] = self.profile
+        if self.intervals:
+            out["intervals"] = self.intervals
         if self.details:
             out["details"] = self.details
         return out

@@ -156,6 +156,7 @@ def _testcase(suite_el: ET.Element, gate: dict[str, Any]) -> None:
     threshold, source = gate.get("threshold", {}), gate.get("source")
     fields = {
         "metric": gate.get("metric"),
+        "on": gate.get("on", "value"),
         "value": "none" if gate.get("value") is None else _fmt(gate.get("value"), 6),
         "limit": _limit_text(threshold, 6),
         "threshold_kind": threshold.get("kind"),
@@ -202,6 +203,18 @@ def _source_cell(source: Any) -> str:
     return "**estimated**[^estimated]" if source == "estimated" else str(source)
 
 
+def _gate_metric(gate: dict[str, Any]) -> str:
+    on = gate.get("on", "value")
+    return gate["metric"] if on == "value" else f"{gate['metric']} ({on.replace('_95', ' 95%')})"
+
+
+def _with_interval(e: dict[str, Any], metric: str, show: Any = _fmt) -> str:
+    """The value, and its 95% interval in brackets when the evaluation has one."""
+    text = show(e["metrics"].get(metric))
+    interval = (e.get("intervals") or {}).get(metric)
+    return text if interval is None else f"{text} [{show(interval['lower'])}, {show(interval['upper'])}]"
+
+
 def markdown_summary(report: dict[str, Any]) -> str:
     gates, evaluations = report.get("gates", []), report.get("evaluations", [])
     passed = sum(bool(g["passed"]) for g in gates)
@@ -220,7 +233,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
                 [
                     g["name"],
                     g["artifact"],
-                    g["metric"],
+                    _gate_metric(g),
                     _fmt(g.get("value")),
                     _limit_text(g.get("threshold", {})),
                     "pass" if g["passed"] else "**FAIL**",
@@ -240,8 +253,8 @@ def markdown_summary(report: dict[str, Any]) -> str:
                     e["artifact"],
                     e["runtime"],
                     e["device"],
-                    *(_fmt(e["metrics"].get(m)) for m in ("perplexity", "kl_divergence", "kl_divergence_p99")),
-                    _percent(e["metrics"].get("top1_agreement")),
+                    *(_with_interval(e, m) for m in ("perplexity", "kl_divergence", "kl_divergence_p99")),
+                    _with_interval(e, "top1_agreement", _percent),
                     _fmt(e["metrics"].get("tokens_scored")),
                     _fmt(e["metrics"].get("size_mb")),
                     _source_cell(e.get("source")),
@@ -249,6 +262,8 @@ def markdown_summary(report: dict[str, Any]) -> str:
                 for e in accuracy
             ],
         )
+        if any(e.get("intervals") for e in accuracy):
+            lines += ["In brackets: the 95% interval (a percentile bootstrap over the evaluation sequences).", ""]
     latency = [e for e in evaluations if _kind(e) == "latency"]
     if latency:
         lines += ["### Latency", ""]

@@ -24,6 +24,7 @@ from compress.eval.reports import (
     validate_report,
     write_reports,
 )
+from compress.schema.report import REPORT_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -98,7 +99,7 @@ def _latency(artifact: str, runtime: str, device: str, ttft: float, tpot: float,
 def failing_report() -> dict[str, Any]:
     """One gate passes, one fails, one has no measurement, one is estimated on a named device."""
     return {
-        "schema_version": 2,
+        "schema_version": REPORT_VERSION,
         "recipe": "smollm2-int4",
         "passed": False,
         "evaluations": [
@@ -174,7 +175,7 @@ def failing_report() -> dict[str, Any]:
 
 def passing_report() -> dict[str, Any]:
     return {
-        "schema_version": 2,
+        "schema_version": REPORT_VERSION,
         "recipe": "quickstart",
         "passed": True,
         "evaluations": [_accuracy("baseline", 0.0, None), _accuracy("compressed", 0.02, None)],
@@ -184,7 +185,14 @@ def passing_report() -> dict[str, Any]:
 
 
 def empty_report() -> dict[str, Any]:
-    return {"schema_version": 2, "recipe": "compress gate", "passed": True, "evaluations": [], "gates": [], "evaluation_data": None}
+    return {
+        "schema_version": REPORT_VERSION,
+        "recipe": "compress gate",
+        "passed": True,
+        "evaluations": [],
+        "gates": [],
+        "evaluation_data": None,
+    }
 
 
 # ----------------------------------------------------------------------------------- schema

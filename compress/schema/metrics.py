@@ -46,4 +46,6 @@ LATENCY_METRICS = (
     "gpu_peak_mb",
     "bandwidth_utilization",
 )
+INTERVAL_METRICS = ("perplexity", "kl_divergence", "top1_agreement")  # with a 95% interval (compress/eval/metrics.py)
+GATE_BOUNDS = ("value", "lower_95", "upper_95")  # what a gate compares: the value, or an end of its interval
 DEVICE_METRICS = (*LATENCY_METRICS, "memory_fraction", "size_mb")  # the metrics a gate may ask of a named device

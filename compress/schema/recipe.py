@@ -29,7 +29,7 @@ from compress.schema.devices import DeviceProfile
 from compress.schema.distill import DistillConfig
 from compress.schema.exports import ExportSpec
 from compress.schema.kv_cache import KV_CACHE_ARTIFACT, KVCacheConfig  # noqa: F401 - KV_CACHE_ARTIFACT re-exported
-from compress.schema.metrics import DEVICE_METRICS, LATENCY_METRICS, METRICS
+from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS
 from compress.schema.prune import PruneConfig
 from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig, WeightQuantConfig
 
@@ -161,6 +161,11 @@ class GateSpec(Strict):
         "Another device: measured when this machine is that device, else estimated from its roofline "
         "and reported as `source: estimated`.",
     )
+    on: Literal["value", "lower_95", "upper_95"] = Field(
+        "value",
+        description="What meets the threshold: the measured value, or the lower or upper end of its 95% interval "
+        "(" + ", ".join(INTERVAL_METRICS) + "), e.g. `on: upper_95` with `max` passes only when the whole interval is below it.",
+    )
 
     @field_validator("metric")
     @classmethod
@@ -176,6 +181,12 @@ class GateSpec(Strict):
                 f"{self.metric} is measured on the artifact's runtime here and does not depend on the device; "
                 "device applies to latency and memory metrics"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _bound_has_an_interval(self) -> GateSpec:
+        if self.on != "value" and self.metric not in INTERVAL_METRICS:
+            raise ValueError(f"on: {self.on} needs an interval, which only {', '.join(INTERVAL_METRICS)} have; use on: value")
         return self
 
     @model_validator(mode="after")
@@ -201,7 +212,8 @@ class GateSpec(Strict):
     @property
     def display_name(self) -> str:
         device = f"@{self.device}" if self.device else ""
-        return self.name or f"{self.artifact}.{self.metric}{device}.{self.threshold_kind}"
+        bound = f".{self.on}" if self.on != "value" else ""
+        return self.name or f"{self.artifact}.{self.metric}{bound}{device}.{self.threshold_kind}"
 
 
 class LatencySpec(Strict):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 from pydantic.json_schema import SkipJsonSchema
 from typing_extensions import TypeAliasType
 
-REPORT_VERSION = 2
+REPORT_VERSION = 3
 """report.json's schema_version (the one place it is defined)."""
 
 SOURCES = ("measured", "estimated")  # where an evaluation's numbers came from
@@ -34,6 +34,7 @@ Source = Literal["measured", "estimated"]
 GateSource = Literal["measured", "estimated", "missing"]
 EvaluationKind = Literal["accuracy", "latency", "memory", "kv_cache"]
 ThresholdKind = Literal["max", "min", "max_increase_pct", "max_decrease_pct"]
+GateBound = Literal["value", "lower_95", "upper_95"]
 
 
 class Closed(BaseModel):
@@ -48,6 +49,16 @@ class Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class Interval(Closed):
+    """A metric's confidence interval."""
+
+    lower: Number
+    upper: Number
+    level: float = Field(description="Coverage, e.g. 0.95.")
+    method: str = Field(description="How it was computed, e.g. a percentile bootstrap over the evaluation sequences.")
+    samples: int = Field(description="The number of independent samples it rests on (sequences, questions).")
+
+
 class Evaluation(Closed):
     """Metrics of one artifact, measured on one runtime and device (or estimated for a device profile)."""
 
@@ -59,6 +70,9 @@ class Evaluation(Closed):
     metrics: Metrics
     profile: str | None | SkipJsonSchema[None] = Field(
         None, description="the device profile the evaluation stands for (absent: this machine)"
+    )
+    intervals: dict[str, Interval] | SkipJsonSchema[None] = Field(
+        None, description="Metric name -> its 95% interval (perplexity, KL divergence and top-1 agreement of an accuracy evaluation)."
     )
     details: dict[str, Any] | SkipJsonSchema[None] = Field(None, description="How it was measured (open-ended).")
 
@@ -77,6 +91,7 @@ class GateResult(Closed):
     metric: str
     artifact: str
     value: Number | None = Field(description="null: no measurement (the gate fails).")
+    on: GateBound = Field("value", description="What was compared with the bound: the value, or its interval's lower or upper end.")
     threshold: Threshold
     passed: bool
     source: GateSource

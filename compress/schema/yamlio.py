@@ -43,6 +43,17 @@ def read_text(path: Path, what: str, error: type[CompressError] = CompressError)
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
+class _KeysStayText(yaml.SafeLoader):
+    """SafeLoader whose plain mapping keys spelled on/off/yes/no stay text: YAML 1.1 reads them as
+    booleans, no key of ours is a boolean, and a gate's ``on:`` is a key."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:bool" and key_node.style is None:
+                key_node.tag = "tag:yaml.org,2002:str"
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(text: str, filename: str, error: type[CompressError] = CompressError) -> tuple[Any, dict[tuple, int]]:
     """Parse ``text``; return the plain data and a map from key path to 1-based line number.
 
@@ -65,7 +76,7 @@ def load_yaml(text: str, filename: str, error: type[CompressError] = CompressErr
         lines[()] = node.start_mark.line + 1
         _walk(node, lines, filename, error)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_KeysStayText)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise error(f"{_where(exc, filename)}: not valid YAML: {_problem(exc)}") from None
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # e.g. a date like 2024-02-30

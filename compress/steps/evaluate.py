@@ -10,7 +10,7 @@ import torch
 
 from compress.data import Chunks
 from compress.eval.kv_eval import evaluate_kv
-from compress.eval.metrics import Evaluation, compare, torch_forward
+from compress.eval.metrics import Evaluation, Scores, compare, torch_forward
 from compress.progress import Reporter
 from compress.recipe import KV_CACHE_ARTIFACT, Recipe
 from compress.steps.load import Run, Source
@@ -56,7 +56,8 @@ def compare_models(
     metrics = compare(
         torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track
     )
-    metrics.setdefault("compressed", dict(metrics["baseline"]))  # no stages: the compressed model is the baseline
+    if "compressed" not in metrics:  # no stages: the compressed model is the baseline
+        metrics["compressed"] = Scores(metrics["baseline"], metrics["baseline"].intervals)
     details = {"chunks": int(chunks.tokens.shape[0]), "seq_len": spec.seq_len, "min_context": spec.min_context}
     return [
         Evaluation(artifact=name, runtime="torch", device=device.type, metrics=metrics[name], details=details)
