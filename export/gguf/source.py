@@ -72,8 +72,8 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
 
     ``tie_embeddings``: the GGUF stores the head (``output.weight``) beside the token embedding though
     the model ties them (the Q4_K_M file of Qwen2.5-Coder-1.5B: embedding Q4_K, head Q6_K): keep the head's matrix
-    for both and write a tied model. Peak memory: the dequantized model in ``dtype`` plus one tensor
-    in float32 (transformers dequantizes tensor by tensor and casts each at once)."""
+    for both and write a tied model. Peak memory: the dequantized model in ``dtype``, the GGUF's mapped
+    pages and one tensor in float32 (transformers dequantizes tensor by tensor and casts each at once)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
