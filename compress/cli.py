@@ -700,16 +700,20 @@ def bench_latency(
 @assets_app.command("fetch")
 @guarded
 def assets_fetch(
-    names: list[str] | None = typer.Argument(None, help="Assets to fetch (default: all)."),
+    names: list[str] | None = typer.Argument(
+        None, help="Assets to fetch (default: every asset but the large ones fetched only when named, as qwen2.5-coder-1.5b)."
+    ),
+    every: bool = typer.Option(False, "--all", help="Fetch every asset, the large ones included."),
     force: bool = typer.Option(False, "--force", help="Download again even when cached and intact."),
 ) -> None:
     """Download (or verify) reference assets into the cache, checking SHA-256 digests."""
     from compress import assets
+    from compress.export.gguf.source import convert
     from compress.progress import Reporter
 
     reporter = Reporter(err)
-    for name in names or list(assets.ASSETS):
-        asset = assets.fetch(name, reporter, force=force)
+    for name in names or (list(assets.ASSETS) if every else assets.default_assets()):
+        asset = assets.fetch(name, reporter, force=force, convert_gguf=convert)
         out.print(f"[green]ok[/] reference:{name} — {len(asset.meta['files'])} file(s), sha256 {asset.sha256[:16]}…, {asset.path}")
 
 
@@ -724,6 +728,8 @@ def assets_list() -> None:
         found = assets.locate(name)
         out.print(f"[bold]reference:{name}[/] ({spec.kind}, {'cached' if found else 'not cached'})", highlight=False)
         out.print(f"  {spec.description}\n  origin: {spec.origin}\n  license: {spec.license}", highlight=False)
+        if not spec.by_default:
+            out.print(f"  size: {spec.size}; fetched only when named: compress assets fetch {name}", highlight=False)
 
 
 def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from compress import assets
-from compress.errors import ModelLoadError
+from compress.errors import AssetError, ModelLoadError
 from compress.fsutil import sha256_files
 from compress.inputs import check_model_directory
 from compress.paths import HUB_ID
@@ -52,8 +52,17 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
     source = spec.source
     asset = assets.ensure_reference(source, "model", reporter)
     if asset is not None:
-        file, fmt = next((f, fmt) for f in asset.files if (fmt := source_format(f)) is not None)
-        loaded = fmt.load_source(file, spec, reporter, from_hf_dir)
+        if asset.hf_directory:
+            loaded = from_hf_dir(asset.path, spec, reporter, kind="huggingface-directory", source=source)
+            changed = asset.changed(loaded.facts["files"])  # the digests the loader measured anyway
+            if changed:
+                raise AssetError(
+                    f"{source}: {changed[0]} in {asset.path} changed since it was fetched (its SHA-256 is not the one in "
+                    f"asset.json); run `compress assets fetch --force {asset.name}`"
+                )
+        else:
+            file, fmt = next((f, fmt) for f in asset.files if (fmt := source_format(f)) is not None)
+            loaded = fmt.load_source(file, spec, reporter, from_hf_dir)
         loaded.facts.update(source=source, reference_asset=asset.meta["origin"], license=asset.meta["license"])
         return loaded
     path = Path(source).expanduser()

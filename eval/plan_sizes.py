@@ -42,6 +42,8 @@ def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
             raise ModelLoadError(
                 f"model.source {source} is not in the cache; `compress plan` downloads nothing. Run `compress assets fetch {name}` first."
             )
+        if asset.hf_directory:
+            return AutoConfig.from_pretrained(asset.path, local_files_only=True), f"{asset.path / 'config.json'} ({source})"
         file, fmt = next((f, fmt) for f in asset.files if (fmt := source_format(f)) is not None)
         return fmt.source_config(file, asset.meta["files"][file.name], source)
     path = Path(source).expanduser()

@@ -31,7 +31,7 @@ QUIET = Reporter(quiet=True)
 
 
 def test_reference_assets_are_pinned_and_intact() -> None:
-    found = {name: assets.ensure(name, QUIET) for name in assets.ASSETS}
+    found = {name: assets.ensure(name, QUIET) for name in assets.default_assets()}  # the large model: test below
     for asset in found.values():
         assert assets.verify(asset) == []
     gguf = found["smollm2-135m"]
@@ -135,3 +135,28 @@ def test_gptq_and_awq_beat_rtn_by_a_quarter_at_w3_on_the_reference_model(smollm2
     kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(smollm2.model, torch.device("cpu")), candidates, ev, 32).items()}
     assert kl["gptq sym"] < 0.75 * kl["rtn sym"], kl
     assert kl["awq sym"] < 0.75 * kl["rtn sym"], kl
+
+
+def test_the_large_reference_model_is_qwen2_5_coder_1_5b_in_bfloat16() -> None:
+    """The 1.5B reference model (fetched only when named; CI does not fetch it): intact, the shape the issue
+    names (28 blocks, GQA 12/2 heads, tied embeddings, 151,936 tokens), bfloat16 weights, and a sane
+    language model on a line of code."""
+    asset = assets.locate(assets.QWEN_CODER)
+    if asset is None:
+        pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
+    assert assets.verify(asset) == []
+    assert asset.meta["gguf"]["sha256"] == assets.QWEN_SPLIT.sha256
+    loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
+    model, config = loaded.model, loaded.model.config
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (28, 1536, 12, 2)
+    assert config.vocab_size == 151_936 and config.tie_word_embeddings
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert sum(p.numel() for p in model.parameters()) == 1_543_714_304
+    ids = loaded.tokenizer(
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n", return_tensors="pt"
+    ).input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])
+    assert float(logp.mean()) > -2.0, float(logp.mean())  # uniform over 151,936 tokens would be -11.9

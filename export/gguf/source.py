@@ -1,7 +1,9 @@
 """A GGUF file as a model source. transformers dequantizes it once, and the result is cached as a
 safetensors model directory (``<cache>/models/gguf-<sha256 prefix>``), so later runs load in
-seconds. transformers refuses ``save_pretrained`` on a GGUF-loaded model, so its state dict is
-copied into a model built from the same config first.
+seconds. transformers refuses ``save_pretrained`` on a GGUF-loaded model, so its tensors are
+handed to a model skeleton built from the same config on the meta device (no second copy).
+``convert`` is the same conversion into any folder and dtype; the reference assets use it
+(compress/assets.py: a model delivered as GGUF, kept as a bfloat16 Hugging Face folder).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Calla
     digest = sha256_file(path)
     converted = converted_dir(digest)
     if not (converted / CONVERTED_MARKER).is_file():
-        with reporter.status(f"dequantizing {path.name} to a float32 safetensors model (once per file)"):
-            _convert_gguf(path, converted, digest)
+        with atomic_directory(converted, overwrite=True, owned=False) as tmp:
+            convert(path, tmp, "float32", False, reporter)
+            (tmp / CONVERTED_MARKER).write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))
     loaded = load_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
     model = loaded.model
     if getattr(model.config, "quantization_config", None) is not None:
@@ -63,16 +66,28 @@ def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Calla
     return loaded
 
 
-def _convert_gguf(path: Path, target: Path, digest: str) -> None:
+def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, reporter: Reporter) -> None:
+    """Write the model of the GGUF file ``path`` into ``directory`` as a Hugging Face folder (config.json,
+    generation config, tokenizer files, safetensors) of ``dtype`` weights, dequantized by transformers.
+
+    ``tie_embeddings``: the GGUF stores the head (``output.weight``) beside the token embedding though
+    the model ties them (the Q4_K_M file of Qwen2.5-Coder-1.5B: embedding Q4_K, head Q6_K): keep the head's matrix
+    for both and write a tied model. Peak memory: the dequantized model in ``dtype``, the GGUF's mapped
+    pages and one tensor in float32 (transformers dequantizes tensor by tensor and casts each at once)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    # transformers' GGUF reader draws its own tqdm bar; ours (a status line) is shown instead.
+    # transformers draws its own tqdm bars; ours (status lines) are shown instead. Its GGUF reader's bar
+    # (plain tqdm) obeys TQDM_DISABLE only when tqdm was not imported yet, so it may still show.
+    hf_logging.disable_progress_bar()
     previous = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        with reporter.status(f"reading the tokenizer of {path.name}"):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with reporter.status(f"dequantizing {path.name} to {dtype} (once per file)"):
+            gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
     except Exception as exc:  # transformers' GGUF reader: OSError, ValueError, KeyError, RuntimeError, struct errors …
         raise ModelLoadError(f"transformers could not read {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
     finally:
@@ -80,9 +95,22 @@ def _convert_gguf(path: Path, target: Path, digest: str) -> None:
             os.environ.pop("TQDM_DISABLE", None)
         else:
             os.environ["TQDM_DISABLE"] = previous
-    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    with atomic_directory(target, overwrite=True, owned=False) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / CONVERTED_MARKER).write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):  # the GGUF origin, not a quantization of the weights written here
+        del config.quantization_config
+    tensors = gguf_model.state_dict()
+    if tie_embeddings:
+        names = {id(p): n for n, p in gguf_model.named_parameters(remove_duplicate=False)}
+        head = names[id(gguf_model.get_output_embeddings().weight)]
+        embedding = names[id(gguf_model.get_input_embeddings().weight)]
+        tensors[embedding] = tensors[head]
+        config.tie_word_embeddings = True
+    with torch.device("meta"):  # a skeleton: the dequantized tensors are assigned, not copied
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.load_state_dict(tensors, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    with reporter.status(f"writing the {dtype} safetensors model"):
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
