@@ -87,7 +87,8 @@ def test_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
 
     (tmp_path / "r.yaml").write_text(_yaml_blocks(RECIPES)[0])
     recipe = load_recipe(tmp_path / "r.yaml").recipe
-    assert [g.threshold_kind for g in recipe.gates] == ["max", "min", "max_increase_pct", "max_decrease_pct"]
+    assert [g.threshold_kind for g in recipe.gates] == ["max", "max", "min", "max_increase_pct", "max_decrease_pct"]
+    assert [g.on for g in recipe.gates] == ["value", "upper_95", "value", "value", "value"]
 
 
 def test_recipe_reference_calibrated_method_examples_validate() -> None:
