@@ -42,6 +42,18 @@ def eval_min_context(seq_len: int) -> int:
 # --------------------------------------------------------------------------- processes
 
 
+def end_processes() -> None:
+    """After the last training stage of a run in several processes: wait for all of them, then take
+    the process group down in each, so a secondary process that exits now (the main one goes on to
+    evaluate and write alone) does not leave the collective library's threads to be killed at exit
+    ("terminate called without an active exception", SIGABRT)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class Processes:
     """The processes of this run: one, or several under ``accelerate launch`` (accelerate
     initializes the process group and wraps the model with DDP or FSDP)."""

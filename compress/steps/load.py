@@ -36,6 +36,7 @@ class Run:
     overwrite: bool
     reporter: Reporter
     rank: int
+    world: int
     device: torch.device
     threads: int
     started: float = field(default_factory=time.perf_counter)
@@ -132,7 +133,7 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
         for name in devices:
             get_profile(profiles, name)
     check_shapes_early(loaded)
-    run = Run(loaded, out_dir, overwrite, reporter, rank, torch.device("cpu"), recipe.compute.threads or os.cpu_count() or 1)
+    run = Run(loaded, out_dir, overwrite, reporter, rank, world, torch.device("cpu"), recipe.compute.threads or os.cpu_count() or 1)
     seed_everything(recipe.seed)
     torch.set_num_threads(run.threads)
     run.device = resolve_device(recipe.compute.device)

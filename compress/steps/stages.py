@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from compress.context import RunContext, Stage, StageRecord
+from compress.distill.train import end_processes
 from compress.plugins import quant_method, stage_kind
 from compress.recipe import Recipe
 from compress.steps.load import Run, Source, load_teacher
@@ -66,8 +67,10 @@ def apply(run: Run, source: Source) -> Staged | None:
     for i, stage in enumerate(stages):
         records.append(stage.apply(model, ctx))
         ctx.applied.append(recipe.stages[i].kind)
-        if run.rank > 0 and i == last_trained:  # the main process evaluates, exports and writes
-            return None
+        if i == last_trained and run.world > 1:
+            end_processes()  # the processes train together up to here; the main one goes on alone
+            if run.rank > 0:  # the main process evaluates, exports and writes
+                return None
     ctx.teacher = ctx.mapping = None  # a pre-pruning copy is not needed past the stages
     return Staged(model, records, ctx)
 
