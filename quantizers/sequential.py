@@ -166,7 +166,8 @@ def select_block_linears(
     outside = [n for n, _ in chosen if n != head_name and not any(n.startswith(p) for p in block_names)]
     if outside:
         raise CompressError(
-            f"{label}: {method} quantizes Linear layers inside decoder blocks and the output head; {', '.join(outside[:3])} "
+            f"{label}: {method} quantizes Linear layers inside decoder blocks{' and the output head' if quantizes_head else ''}; "
+            f"{', '.join(outside[:3])} "
             "is outside them. Add it to `ignore`, and quantize it in a separate `method: rtn` stage if you want it quantized."
         )
     return dict(chosen), unused_ignore
