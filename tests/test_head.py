@@ -80,6 +80,8 @@ def test_awq_refuses_the_head_at_validation_and_at_stage_time() -> None:
     with pytest.raises(ValueError, match="awq does not quantize the output head"):
         AWQConfig(bits=4, ignore=[])
     assert AWQConfig(bits=4).selects_head is False and AWQConfig(bits=4, targets=["mlp.*"], ignore=[]).selects_head is False
+    with pytest.raises(ValueError, match="backend llmcompressor does not quantize the output head"):
+        GPTQConfig(bits=4, ignore=[], backend="llmcompressor")
     with pytest.raises(CompressError, match="does not quantize the output head"):  # a method that does not declare it
         select_block_linears(tiny_model("llama"), GPTQConfig(bits=4, ignore=[]), "s", "awq")
 

@@ -124,6 +124,15 @@ class CalibratedConfig(WeightQuantConfig):
     def needs_calibration(self) -> bool:
         return True
 
+    @model_validator(mode="after")
+    def _backend_keeps_head_float(self) -> CalibratedConfig:
+        if self.selects_head and self.backend == "llmcompressor":
+            raise ValueError(
+                f"backend llmcompressor does not quantize the output head ({HEAD}); keep {HEAD} in `ignore` (the default), "
+                f"or use backend: compress, whose gptq calibrates the head on the final norm's output"
+            )
+        return self
+
 
 class GPTQConfig(CalibratedConfig):
     """`quantize: {method: gptq, bits, group_size, symmetric, dampening, block_size, act_order, ...}`."""
@@ -160,7 +169,7 @@ class AWQConfig(CalibratedConfig):
 
     @model_validator(mode="after")
     def _head_stays_float(self) -> AWQConfig:
-        if self.selects_head and self.backend == "compress":
+        if self.selects_head and self.backend == "compress":  # llmcompressor: refused by CalibratedConfig
             raise ValueError(
                 f"awq does not quantize the output head ({HEAD}) yet: its scales would have to fold into the final norm. "
                 f"Keep {HEAD} in `ignore` (the default), or quantize the head in a gptq or rtn stage after this one "
