@@ -133,6 +133,13 @@ def test_gptq_head_is_exact_in_gguf_onnx_and_the_checkpoint(tmp_path: Path, onnx
     assert torch.equal(model.lm_head.weight, records["lm_head"].dequantize(model.lm_head.weight.dtype))
     proof = ob.compare_records(ob.load(out / "exports" / "onnx"), records)
     assert proof["problems"] == [] and proof["layers"] == 15
+    # transformers (compressed-tensors) loads model/ with its own quantized head: the same logits as ours
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out / "model")
+    ids = torch.tensor([[1, 5, 9, 14, 20, 33]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5)
 
 
 @pytest.mark.runtime
