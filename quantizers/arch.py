@@ -31,6 +31,8 @@ class Architecture:
     awq: tuple[AWQMapping, ...]
     norm_offset: float = 0.0
     """RMSNorm computes ``x_hat * (norm_offset + weight)`` (Gemma uses 1 + weight)."""
+    final_norm: str = "model.norm"
+    """Dotted path of the norm between the last block and the output head: the head's input is its output."""
 
 
 _ATTN = AWQMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn")
@@ -67,10 +69,23 @@ def architecture_of(model: nn.Module) -> Architecture:
     return arch
 
 
-def decoder_blocks(model: nn.Module, arch: Architecture) -> nn.ModuleList:
+def submodule(model: nn.Module, path: str) -> nn.Module:
     module: nn.Module = model
-    for part in arch.blocks.split("."):
+    for part in path.split("."):
         module = getattr(module, part)
+    return module
+
+
+def output_head(model: nn.Module) -> tuple[str, nn.Linear] | None:
+    """The output head (the Linear that computes the logits) and its module name, or None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        return None
+    return next(((n, m) for n, m in model.named_modules() if m is head), None)
+
+
+def decoder_blocks(model: nn.Module, arch: Architecture) -> nn.ModuleList:
+    module = submodule(model, arch.blocks)
     if not isinstance(module, nn.ModuleList):
         raise CompressError(f"{arch.blocks} of {type(model).__name__} is not a ModuleList; fix its entry in quantizers/arch.py")
     return module

@@ -159,4 +159,4 @@ class GPTQStage:
                     **{k: round(v, 6) for k, v in info.items()},
                 }
 
-        return run_layerwise(model, ctx, cfg, self.label, "gptq", process, cfg.batch_size)
+        return run_layerwise(model, ctx, cfg, self.label, "gptq", process, cfg.batch_size, quantizes_head=True)

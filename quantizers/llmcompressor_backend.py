@@ -257,7 +257,7 @@ def apply_llmcompressor(model: nn.Module, ctx: RunContext, cfg: GPTQConfig | AWQ
         version = _require_llmcompressor()
     method = METHODS[cfg.method]
     scheme = cfg.scheme()
-    selected, unused_ignore = select_block_linears(model, cfg, label, cfg.method)
+    selected, unused_ignore = select_block_linears(model, cfg, label, f"{cfg.method} (backend: llmcompressor)")
     check_whole_groups(selected, scheme, label)
     floats = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in selected]
     groups = {"group_0": {"targets": [ct_format.LINEAR_TARGET], "weights": _weight_args(scheme)}}

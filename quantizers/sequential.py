@@ -7,6 +7,9 @@
 2. For each block in order: move it to the compute device, let the method collect statistics
    and quantize it, then run the *quantized* block on its inputs to produce the next block's
    inputs. Only one block lives on the accelerator at a time.
+3. When the recipe selects the output head (``lm_head`` out of ``ignore``) and the method can
+   quantize it: the head is calibrated like a block's Linear, on the final norm's output of the
+   last (quantized) block's output, so it sees exactly what it computes the logits from.
 
 Per block, time and peak memory (CUDA: max allocated; CPU: process peak RSS) are recorded.
 """
@@ -26,7 +29,7 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize
-from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks
+from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks, output_head, submodule
 from compress.schema.quantize import CalibratedConfig, WeightQuantConfig  # noqa: F401 - CalibratedConfig re-exported
 
 
@@ -128,16 +131,43 @@ class BlockJob:
     layer_info: dict[str, dict] = field(default_factory=dict)
 
 
-def select_block_linears(model: nn.Module, cfg: WeightQuantConfig, label: str, method: str) -> tuple[dict[str, nn.Linear], list[str]]:
-    """The Linear layers ``cfg`` selects (all inside decoder blocks, else an error) and the unused ignore patterns."""
+class HeadInput(nn.Module):
+    """Stands in for a block when the output head is calibrated: the final norm, then the head, one
+    sequence at a time (a whole batch of logits is batch x seq x vocab floats). Hooks on the head see
+    its inputs; the logits are dropped and the hidden states returned unchanged."""
+
+    def __init__(self, norm: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for row in hidden_states:
+            self.head(self.norm(row.unsqueeze(0)))
+        return hidden_states
+
+
+def select_block_linears(
+    model: nn.Module, cfg: WeightQuantConfig, label: str, method: str, quantizes_head: bool = False
+) -> tuple[dict[str, nn.Linear], list[str]]:
+    """The Linear layers ``cfg`` selects (inside decoder blocks, and the output head when the method
+    ``quantizes_head``; anything else is an error) and the unused ignore patterns."""
     arch = architecture_of(model)
     blocks = decoder_blocks(model, arch)
     chosen, unused_ignore = select_or_fail(model, cfg, label)
     block_names = {f"{arch.blocks}.{i}." for i in range(len(blocks))}
-    outside = [n for n, _ in chosen if not any(n.startswith(p) for p in block_names)]
+    head = output_head(model)
+    head_name = head[0] if head else None
+    if head_name in dict(chosen) and not quantizes_head:
+        raise CompressError(
+            f"{label}: {method} does not quantize the output head ({head_name}) yet, and `ignore` {cfg.ignore} leaves it selected. "
+            f"Keep {head_name} in `ignore` (the default), or quantize it with gptq or rtn: a stage with "
+            f"`targets: [{head_name}]` and `ignore: []` after this one."
+        )
+    outside = [n for n, _ in chosen if n != head_name and not any(n.startswith(p) for p in block_names)]
     if outside:
         raise CompressError(
-            f"{label}: {method} quantizes Linear layers inside decoder blocks; {', '.join(outside[:3])} "
+            f"{label}: {method} quantizes Linear layers inside decoder blocks{' and the output head' if quantizes_head else ''}; "
+            f"{', '.join(outside[:3])} "
             "is outside them. Add it to `ignore`, and quantize it in a separate `method: rtn` stage if you want it quantized."
         )
     return dict(chosen), unused_ignore
@@ -152,16 +182,19 @@ def run_layerwise(
     process_block: Callable[[BlockJob, Architecture], None],
     batch_size: int,
     extra_summary: dict[str, Any] | None = None,
+    quantizes_head: bool = False,
 ) -> StageRecord:
     """Drive ``process_block`` over the decoder blocks, sequentially, with calibration inputs.
 
     ``process_block`` collects statistics on ``job.block`` (its ``job.inputs``), quantizes the
     selected linears (installing records with ``install_record``), and fills ``job.layer_info``.
+    A method that ``quantizes_head`` also gets the output head, when selected, as one last job: its
+    block a ``HeadInput`` (final norm, then head), its prefix empty.
     """
     start = time.perf_counter()
     arch = architecture_of(model)
     blocks = decoder_blocks(model, arch)
-    selected, unused_ignore = select_block_linears(model, cfg, label, method)
+    selected, unused_ignore = select_block_linears(model, cfg, label, method, quantizes_head)
     tokens = ctx.calibration()
     device = ctx.device
     was_training = model.training
@@ -187,16 +220,33 @@ def run_layerwise(
         block.to(home)
         layer_info.update(job.layer_info)
         per_block.append({"block": i, "seconds": round(time.perf_counter() - t0, 3), "peak_memory_mb": round(peak_memory_mb(device), 1)})
+    head = output_head(model)
+    head_step: dict[str, Any] | None = None
+    if head is not None and head[0] in selected:
+        t0 = time.perf_counter()
+        with ctx.reporter.status(f"{label} {method} output head {head[0]} (calibrated through {arch.final_norm})"):
+            job = BlockJob(
+                len(blocks),
+                HeadInput(submodule(model, arch.final_norm), head[1]),
+                {head[0]: head[1]},
+                "",
+                BlockInputs(hidden, [{}] * len(hidden)),
+            )
+            process_block(job, arch)
+        layer_info.update(job.layer_info)
+        head_step = {"layer": head[0], "seconds": round(time.perf_counter() - t0, 3), "peak_memory_mb": round(peak_memory_mb(device), 1)}
     move_outside_blocks(model, arch.blocks, home)
     del hidden, kwargs
     model.train(was_training)
     summary = summarize(layer_info, unused_ignore, cfg.scheme())
     summary.update(
         calibration_tokens=int(tokens.numel()),
-        peak_memory_mb=max(b["peak_memory_mb"] for b in per_block),
+        peak_memory_mb=max([b["peak_memory_mb"] for b in per_block] + ([head_step["peak_memory_mb"]] if head_step else [])),
         blocks=per_block,
         **(extra_summary or {}),
     )
+    if head_step is not None:
+        summary["head"] = head_step
     return StageRecord(
         kind="quantize",
         method=method,

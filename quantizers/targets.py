@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import fnmatch
-import re
-
 from torch import nn
 
+from compress.schema.quantize import matches
 
-def matches(name: str, pattern: str) -> bool:
-    """True when ``pattern`` selects the module ``name``.
-
-    ``re:<regex>`` must match the whole name; any other pattern is a glob that matches the whole
-    name or its trailing dotted components (``down_proj`` matches ``model.layers.0.mlp.down_proj``).
-    """
-    if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], name) is not None
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+__all__ = ["matches", "select_linears"]
 
 
 def select_linears(model: nn.Module, targets: list[str], ignore: list[str]) -> tuple[list[tuple[str, nn.Linear]], list[str]]:

@@ -89,7 +89,8 @@ def test_blocks_that_cannot_hold_a_record_are_refused() -> None:
 def test_builder_node_names_map_to_layers() -> None:
     assert ob.layer_names("/model/layers.3/attn/qkv_proj/MatMulNBits") == tuple(f"model.layers.3.self_attn.{p}_proj" for p in "qkv")
     assert ob.layer_names("/model/layers.0/mlp/down_proj/MatMul_Q4") == ("model.layers.0.mlp.down_proj",)
-    assert ob.layer_names("/lm_head/MatMul_Q4") is None
+    assert ob.layer_names("/lm_head/MatMul_Q4") == ob.layer_names("/lm_head/MatMulNBits") == ("lm_head",)  # a quantized head
+    assert ob.layer_names("/model/embed_tokens/Gather") is None
     with pytest.raises(FormatError, match="unknown projection"):
         ob.layer_names("/model/layers.0/attn/mystery_proj/MatMulNBits")
 

@@ -8,10 +8,12 @@ config; the plugin table (name -> MethodSpec: config, stage, plan estimate, ...)
 
 from __future__ import annotations
 
+import fnmatch
 import math
+import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from compress.schema.base import StageConfig, Strict
 
@@ -60,6 +62,20 @@ class QuantScheme(Strict):
         return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
 
 
+HEAD = "lm_head"  # the output head's module name in the supported architectures
+
+
+def matches(name: str, pattern: str) -> bool:
+    """True when ``pattern`` selects the module ``name``.
+
+    ``re:<regex>`` must match the whole name; any other pattern is a glob that matches the whole
+    name or its trailing dotted components (``down_proj`` matches ``model.layers.0.mlp.down_proj``).
+    """
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
 class WeightQuantConfig(QuantScheme, StageConfig):
     """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
 
@@ -70,12 +86,18 @@ class WeightQuantConfig(QuantScheme, StageConfig):
 
     targets: list[str] = Field(default_factory=lambda: ["*"], description="Linear layers to quantize.")
     ignore: list[str] = Field(
-        default_factory=lambda: ["lm_head"],
-        description="Linear layers to leave in float (embeddings are never Linear layers and stay float).",
+        default_factory=lambda: [HEAD],
+        description="Linear layers to leave in float. The default keeps the output head (lm_head) float; "
+        "`ignore: []` quantizes it too (rtn, gptq; a head tied to the embeddings is untied, the embedding table stays float).",
     )
 
     def scheme(self) -> QuantScheme:
         return QuantScheme(**{k: getattr(self, k) for k in QuantScheme.model_fields})
+
+    @property
+    def selects_head(self) -> bool:
+        """The patterns select a layer named ``lm_head`` (the output head of the supported architectures)."""
+        return any(matches(HEAD, p) for p in self.targets) and not any(matches(HEAD, p) for p in self.ignore)
 
 
 class RTNConfig(WeightQuantConfig):
@@ -101,6 +123,15 @@ class CalibratedConfig(WeightQuantConfig):
     @property
     def needs_calibration(self) -> bool:
         return True
+
+    @model_validator(mode="after")
+    def _backend_keeps_head_float(self) -> CalibratedConfig:
+        if self.selects_head and self.backend == "llmcompressor":
+            raise ValueError(
+                f"backend llmcompressor does not quantize the output head ({HEAD}); keep {HEAD} in `ignore` (the default), "
+                f"or use backend: compress, whose gptq calibrates the head on the final norm's output"
+            )
+        return self
 
 
 class GPTQConfig(CalibratedConfig):
@@ -135,6 +166,16 @@ class AWQConfig(CalibratedConfig):
         description="Score each scale candidate with its clipping search applied (false: scales searched on unclipped "
         "weights, then clipped, as in AutoAWQ; faster, worse at 3 bits: docs/benchmarks.md).",
     )
+
+    @model_validator(mode="after")
+    def _head_stays_float(self) -> AWQConfig:
+        if self.selects_head and self.backend == "compress":  # llmcompressor: refused by CalibratedConfig
+            raise ValueError(
+                f"awq does not quantize the output head ({HEAD}) yet: its scales would have to fold into the final norm. "
+                f"Keep {HEAD} in `ignore` (the default), or quantize the head in a gptq or rtn stage after this one "
+                f"(`targets: [{HEAD}]`, `ignore: []`)"
+            )
+        return self
 
 
 Kernel = Literal["auto", "torch", "bitsandbytes"]

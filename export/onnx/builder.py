@@ -27,13 +27,17 @@ from compress.quantizers.core import QuantizedWeight
 DATA_FILE = "model.onnx.data"
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
 # Layers we never hand to the builder's own quantizer: without a record they stay float.
-FLOAT_NODES = ("/lm_head/MatMul", "/model/embed_tokens/Gather")
+HEAD_NODE = "/lm_head/MatMul"
+EMBEDDING_NODE = "/model/embed_tokens/Gather"
+FLOAT_NODES = (HEAD_NODE, EMBEDDING_NODE)
+HEAD_LAYER = "lm_head"  # the Hugging Face name of the output head in every architecture the builder writes
 EXTRA = 'the onnx extra: pip install -e ".[onnx]" (onnx, onnxruntime, onnxruntime-genai, onnxscript)'
 
 # Builder node names → the Hugging Face Linear names they compute (fused q/k/v and gate/up included).
 _NODE = re.compile(
     r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/(?:MatMulNBits|MatMul_Q\d+)$"
 )  # from a GPTQ checkpoint / from its own quantizer
+_HEAD = re.compile(r"^/lm_head/(?:MatMulNBits|MatMul_Q\d+)$")
 _PARTS = {
     ("attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("attn", "q_proj"): ("self_attn.q_proj",),
@@ -131,7 +135,10 @@ def set_attribute(node: Any, name: str, value: Any) -> None:
 
 
 def layer_names(node_name: str) -> tuple[str, ...] | None:
-    """The Hugging Face Linear names a builder MatMulNBits node computes, or None (lm_head, …)."""
+    """The Hugging Face Linear names a builder MatMulNBits node computes (the output head included), or
+    None for a node that computes no Linear layer."""
+    if _HEAD.match(node_name):
+        return (HEAD_LAYER,)
     m = _NODE.match(node_name)
     if not m:
         return None

@@ -89,7 +89,9 @@ def builder_options(
 ) -> dict[str, Any]:
     options: dict[str, Any] = dict(kv_options)
     if precision in INT_BITS:
-        options["nodes_to_exclude"] = list(ob.FLOAT_NODES)  # embeddings and the output head stay float, as in our records
+        # the embeddings stay float; the output head too, unless our records quantize it (then its node is proven like the others)
+        head_quantized = quantizer == "records" and ob.HEAD_LAYER in records
+        options["nodes_to_exclude"] = [n for n in ob.FLOAT_NODES if not (head_quantized and n == ob.HEAD_NODE)]
         if quantizer == "builder":
             options.update(block_size=spec.block_size or 32, is_symmetric=spec.symmetric)
         else:
