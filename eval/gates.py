@@ -46,6 +46,16 @@ def find_evaluation(evaluations: list[Evaluation], artifact: str, metric: str, d
     return None
 
 
+def _missing(
+    base: dict[str, Any], threshold: dict[str, Any], ev: Evaluation | None, device: str | None, message: str, value: float | None = None
+) -> GateResult:
+    """A gate that fails because something it needs was not measured (``source: missing``)."""
+    runtime = None if ev is None else ev.runtime
+    return GateResult(
+        **base, value=value, threshold=threshold, passed=False, source="missing", runtime=runtime, device=device, message=message
+    )
+
+
 def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     kind, value_t = spec.threshold_kind, spec.threshold_value
     ev = find_evaluation(evaluations, spec.artifact, spec.metric, spec.device)
@@ -53,30 +63,18 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     base = dict(name=spec.display_name, metric=spec.metric, artifact=spec.artifact, on=spec.on)
     if ev is None:
         where = f" on device '{spec.device}'" if spec.device not in (None, LOCAL) else ""
-        return GateResult(
-            **base,
-            value=None,
-            threshold=threshold,
-            passed=False,
-            source="missing",
-            runtime=None,
-            device=spec.device,
-            message=f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}",
-        )
+        return _missing(base, threshold, None, spec.device, f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}")
     value = float(ev.metrics[spec.metric])
     what = spec.metric
     if spec.on != "value":
         interval = (ev.intervals or {}).get(spec.metric)
         if interval is None:
-            return GateResult(
-                **base,
-                value=None,
-                threshold=threshold,
-                passed=False,
-                source="missing",
-                runtime=ev.runtime,
-                device=ev.device,
-                message=f"{spec.metric} of '{spec.artifact}' has no interval (it needs at least 2 evaluation sequences)",
+            return _missing(
+                base,
+                threshold,
+                ev,
+                ev.device,
+                f"{spec.metric} of '{spec.artifact}' has no interval (it needs at least 2 evaluation sequences)",
             )
         value = float(interval["lower" if spec.on == "lower_95" else "upper"])
         what = f"{spec.metric} {spec.on} ({interval['level']:.0%} interval over {interval['samples']} samples)"
@@ -85,16 +83,7 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     else:
         reference_ev = find_evaluation(evaluations, "baseline", spec.metric, spec.device)
         if reference_ev is None:
-            return GateResult(
-                **base,
-                value=value,
-                threshold=threshold,
-                passed=False,
-                source="missing",
-                runtime=ev.runtime,
-                device=ev.device,
-                message=f"{kind} needs the baseline's {spec.metric}, which was not measured",
-            )
+            return _missing(base, threshold, ev, ev.device, f"{kind} needs the baseline's {spec.metric}, which was not measured", value)
         reference = float(reference_ev.metrics[spec.metric])
         sign = 1 if kind == "max_increase_pct" else -1
         limit = reference * (1 + sign * value_t / 100)
