@@ -101,9 +101,9 @@ def shakespeare_eval_32x512(smollm2):
 
 
 @pytest.fixture(scope="session")
-def shakespeare_calibration_32x512(smollm2):
-    """32 x 512 calibration tokens and 8 x 512 evaluation chunks of held-out text."""
-    return reference_chunks(smollm2.tokenizer, (32, 512), (8, 512))
+def shakespeare_calibration_16x512(smollm2):
+    """16 x 512 calibration tokens and 8 x 512 evaluation chunks of held-out text."""
+    return reference_chunks(smollm2.tokenizer, (16, 512), (8, 512))
 
 
 @pytest.fixture(scope="session")
