@@ -2,5 +2,5 @@
 
 load -> stages -> evaluate (in memory) -> write (model/) -> exports -> performance -> report (gates)
 -> write (documents). Each module does one job and hands a small typed value to the next; none of
-them imports compress.pipeline, and none imports another step's module except for those values.
+them imports compress.pipeline, and a step imports only the steps before it (their values and helpers).
 """
