@@ -38,6 +38,12 @@ class LoadedModel:
     """QuantizedWeight records by layer name when the source was a quantized checkpoint
     (compressed-tensors, GPTQ, AWQ); the model holds their dequantized weights."""
 
+    @property
+    def source_path(self) -> Path | None:
+        """The source's own file or folder on disk (a GGUF file, a Hugging Face directory), if known."""
+        path = self.facts.get("path")
+        return Path(path) if path else None
+
 
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging

@@ -88,8 +88,9 @@ def run_gguf_bench(
     files = out_dir / "files"
     files.mkdir(parents=True, exist_ok=True)
     f16 = files / "f16.gguf"
-    source_path = Path(lm.facts["path"]) if lm.facts.get("path") else None
-    tokenizer_from = source_path if gguf_writer.is_gguf_file(source_path) else None  # a GGUF source's own tokenizer, as the export does
+    tokenizer_from = (
+        lm.source_path if gguf_writer.is_gguf_file(lm.source_path) else None
+    )  # a GGUF source's own tokenizer, as the export does
     with reporter.status("writing the F16 reference GGUF"):
         gguf_writer.write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
     reference = gguf_runtime.LlamaCppModel(f16, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)

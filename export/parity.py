@@ -120,9 +120,10 @@ def parity_corpus(tokenizer: Any = None, min_bytes: int = 200_000, seed: int = 0
     total = sum(len(p.encode()) for p in pieces)
     while total < min_bytes:
         parts: list[str] = []
-        while sum(len(p) for p in parts) < rng.randint(200, 2000):
-            parts.append(rng.choice(kinds)())
-            parts.append(rng.choice((" ", " ", " ", "", "\n", ", ", ". ")))
+        length, target = 0, rng.randint(200, 2000)
+        while length < target:
+            parts += [rng.choice(kinds)(), rng.choice((" ", " ", " ", "", "\n", ", ", ". "))]
+            length += len(parts[-2]) + len(parts[-1])
         piece = "".join(parts)
         pieces.append(piece)
         total += len(piece.encode())

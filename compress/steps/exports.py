@@ -43,7 +43,7 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
             None if source.eval_chunks is None else source.eval_chunks.tokens,
             evaluation.min_context if evaluation else 1,
             run.threads,
-            Path(source.lm.facts["path"]) if source.lm.facts.get("path") else None,
+            source.lm.source_path,
         )
         entries, evaluations = write_exports(
             root / EXPORTS_DIR,

@@ -133,10 +133,18 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
         for name in devices:
             get_profile(profiles, name)
     check_shapes_early(loaded)
-    run = Run(loaded, out_dir, overwrite, reporter, rank, world, torch.device("cpu"), recipe.compute.threads or os.cpu_count() or 1)
+    run = Run(
+        loaded,
+        out_dir,
+        overwrite,
+        reporter,
+        rank,
+        world,
+        resolve_device(recipe.compute.device),
+        recipe.compute.threads or os.cpu_count() or 1,
+    )
     seed_everything(recipe.seed)
     torch.set_num_threads(run.threads)
-    run.device = resolve_device(recipe.compute.device)
     return run
 
 

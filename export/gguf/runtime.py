@@ -185,9 +185,6 @@ class LlamaCppModel:
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))  # HF parses added tokens in text too
 
-    def token_text(self, ids: list[int]) -> list[str]:
-        return [self.llm.detokenize([i], special=True).decode("utf-8", errors="backslashreplace") for i in ids]
-
     def greedy(self, ids: list[int], max_tokens: int, stop_at_eos: bool = True) -> list[int]:
         """Greedy decoding after ``ids``, one token per llama.cpp call, within the context.
         ``last_decode_seconds`` is the time of the one-token steps (the prompt excluded)."""
