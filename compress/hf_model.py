@@ -44,19 +44,12 @@ def write_config_and_tokenizer(
 
 
 def float_tensors(model: nn.Module, quantized: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
-    """The state dict without the weights of quantized layers and without tied copies."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    """The state dict without the weights of quantized layers and without tied copies (a streamed
+    model's tensors are read from its store, one unit at a time)."""
+    from compress.streaming import tensors
+
     skip = {f"{name}.weight" for name in quantized}
-    for name, tensor in model.state_dict(keep_vars=False).items():
-        if name in skip:
-            continue
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:  # a tied copy (lm_head.weight == embed_tokens.weight); tie_word_embeddings restores it
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().contiguous().cpu()
-    return tensors
+    return {name: t.contiguous().cpu() for name, t in tensors(model) if name not in skip}
 
 
 def checksums(root: Path) -> dict[str, str]:

@@ -102,8 +102,7 @@ def _from_hub_cache(repo_id: str, spec: ModelSpec, reporter: Reporter) -> Loaded
 
 
 def from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str) -> LoadedModel:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model directory?")
@@ -131,22 +130,122 @@ def from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sour
     checkpoint_format = detect_format(path)
     if checkpoint_format is not None:
         return _from_quantized_dir(path, spec, reporter, kind, source, checkpoint_format.name)
-    dtype = getattr(torch, spec.dtype)
-    with reporter.status(f"loading model {source} ({spec.dtype})"):
+    with reporter.status(f"opening model {source} (weights stay on disk; one block at a time is read)"):
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path,
-                dtype=dtype,
-                trust_remote_code=spec.trust_remote_code,
-                use_safetensors=bool(weights),
-                local_files_only=True,
-            )
+            model, how = open_streamed(path, config, spec, weights)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+        except ModelLoadError:
+            raise
         except Exception as exc:  # OSError, ValueError, KeyError, safetensors' and tokenizers' own errors …
             raise ModelLoadError(f"transformers could not load {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
     model.eval().requires_grad_(False)
     digest, files = sha256_files([*(weights or pickles), path / "config.json"], path)
-    return LoadedModel(model, tokenizer, {"source": source, "kind": kind, "path": str(path), "sha256": digest, "files": files})
+    facts = {
+        "source": source,
+        "kind": kind,
+        "path": str(path),
+        "sha256": digest,
+        "files": files,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "streamed": how,
+    }
+    return LoadedModel(model, tokenizer, facts)
+
+
+def stored_dtype(weights: list[Path]) -> str:
+    """The dtype the checkpoint's floating-point tensors are stored in (the first one found)."""
+    from safetensors import safe_open
+
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    for file in weights:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                kind = f.get_slice(key).get_dtype()
+                if kind in names:
+                    return names[kind]
+    return "float32"
+
+
+def stream_units(model: Any) -> list[str]:
+    """The modules that are read from disk one at a time: every decoder block, and every module
+    outside the blocks that holds weights of its own (token embedding, final norm, output head)."""
+    from torch import nn
+
+    n_blocks = getattr(model.config, "num_hidden_layers", None)
+    blocks = next((name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_blocks and len(m) > 0), None)
+    if blocks is None:
+        raise ModelLoadError(f"cannot find the {n_blocks} decoder blocks of this {type(model).__name__} to stream them")
+    inside = blocks + "."
+    found = [f"{blocks}.{i}" for i in range(n_blocks)]
+    for name, m in model.named_modules():
+        if name.startswith(inside) or name == blocks:
+            continue
+        if any(p is not None for p in m._parameters.values()):
+            found.append(name)
+    return found
+
+
+def open_streamed(path: Path, config: Any, spec: ModelSpec, weights: list[Path]) -> tuple[Any, str]:
+    """The model built on the meta device (no weights in memory) and streamed from its safetensors
+    files, in ``spec.dtype`` (``auto``: the dtype the checkpoint stores). A checkpoint whose tensor
+    names are not the model's (one transformers converts while loading) is loaded whole once and
+    written to the run's overlay, and streamed from there. Returns the model and how it was opened."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from compress import streaming
+
+    dtype = getattr(torch, stored_dtype(weights) if spec.dtype == "auto" else spec.dtype)
+    if not weights:  # pickle checkpoints (allow_pickle): no memory map; loaded whole, then streamed from the overlay
+        return _spilled(path, config, spec, dtype, weights), "loaded whole (pickle checkpoint), streamed from the work directory"
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+    model.tie_weights()  # built on meta the ties are not made (accelerate's init_empty_weights); made here
+    model.eval().requires_grad_(False)
+    source: dict[str, tuple[Path, str]] = {}
+    for file in weights:
+        with safe_open(file, framework="pt") as f:
+            source.update({key: (file, key) for key in f.keys()})
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    missing = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        first = first_name.setdefault(id(t), name)
+        if name in source:
+            continue
+        if first != name and first in source:  # a tied copy (lm_head.weight is the embedding)
+            aliases[name] = first
+        else:
+            missing.append(name)
+    if missing:
+        return _spilled(path, config, spec, dtype, weights), (
+            f"loaded whole once (the checkpoint names its tensors differently, e.g. {missing[0]}), streamed from the work directory"
+        )
+    streaming.attach(model, streaming.TensorStore(source, aliases), stream_units(model), torch.device("cpu"))
+    return model, "streamed from the checkpoint"
+
+
+def _spilled(path: Path, config: Any, spec: ModelSpec, dtype: Any, weights: list[Path]) -> Any:
+    """Load through transformers (which renames and converts tensors as the model needs), then write
+    every unit to an overlay and stream from it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from compress import streaming
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=spec.trust_remote_code, use_safetensors=bool(weights), local_files_only=True
+    )
+    model.eval().requires_grad_(False)
+    store = streaming.TensorStore({})
+    streaming.attach(model, store, stream_units(model), torch.device("cpu"))
+    for _, unit in streaming.units(model):
+        streaming.save(unit)
+    for _, unit in streaming.units(model):  # after every save: a tied weight belongs to two units
+        streaming.drop(unit)
+    return model
 
 
 def _from_quantized_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str, fmt: str) -> LoadedModel:
@@ -157,8 +256,9 @@ def _from_quantized_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: s
 
     from compress.export.checkpoint.readers import import_checkpoint
 
-    with reporter.status(f"importing {fmt} checkpoint {source} (dequantizing its records, {spec.dtype})"):
-        imported = import_checkpoint(path, getattr(torch, spec.dtype), spec.trust_remote_code)
+    dtype = "float32" if spec.dtype == "auto" else spec.dtype  # the records' dequantized values, exactly
+    with reporter.status(f"importing {fmt} checkpoint {source} (dequantizing its records, {dtype})"):
+        imported = import_checkpoint(path, getattr(torch, dtype), spec.trust_remote_code)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:

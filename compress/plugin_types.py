@@ -40,6 +40,9 @@ class MethodSpec:
     not_carried: str | None = None
     """What no export format holds of this method (said on every export of a run that used it),
     or None when the QuantizedWeight records carry all of it."""
+    streams: bool = False
+    """True: the stage reads and changes the model one streamed unit (decoder block, head) at a time
+    (compress/streaming.py); False: the run reads the whole model into memory before the stage."""
 
     def build(self, config: Any, label: str) -> Stage:
         """The stage that runs ``config`` at recipe place ``label`` (``stages[0]``)."""
@@ -63,6 +66,9 @@ class StageKindSpec:
     duration_s, summary) and the report."""
     description: str
     """One line for people: what the stage does."""
+    streams: bool = False
+    """True: the stage works on a streamed model one unit at a time (for ``quantize``: when its
+    method's spec streams); False: the run reads the whole model into memory before the stage."""
     quantizes_weights: bool = False
     """True: the config is a ``WeightQuantConfig`` (``targets``, ``ignore``, ``scheme()``,
     ``method``: a key of QUANT_METHODS) and the stage leaves a QuantizedWeight record for every

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compress import streaming
 from compress.context import RunContext, StageRecord
 from compress.distill import checkpoint
 from compress.distill.losses import CosineSchedule
@@ -79,7 +80,7 @@ class DistillStage:
         device = ctx.device
         use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
 
-        teacher.to(device).eval()
+        streaming.to_device(teacher, device).eval()
         model.to(device)
         trainable = self._trainable(model)
         optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -120,7 +121,7 @@ class DistillStage:
             model.load_state_dict(full)
         model.eval().requires_grad_(False)
         model.to("cpu")
-        teacher.to("cpu")
+        streaming.to_device(teacher, "cpu")
         first, final = state.history[0], state.history[-1]
         kept = final if state.best is None else state.history[state.best]
         refitted = next((point for point in state.history if "refit" in point), None)

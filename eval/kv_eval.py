@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from compress import streaming
 from compress.eval.metrics import Forward, compare, torch_forward
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token
 from compress.quantizers.kv_cache_store import cache_bytes
@@ -67,7 +68,7 @@ def evaluate_kv(
     forward = cached_forward(
         model, device, scheme.new_cache, step, prefill, lambda c, n: measured.append({**cache_bytes(c), "tokens": n}), progress
     )
-    model.to(device)
+    streaming.to_device(model, device)
     found = compare(torch_forward(model, device), {"kv_cache": forward}, chunks, min_context, 1)
     metrics = found["kv_cache"]
     last = measured[-1]

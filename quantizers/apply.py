@@ -5,12 +5,14 @@ Kept apart from the math so a method module only says how one weight becomes a r
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from compress import streaming
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, sqnr_db
@@ -71,9 +73,17 @@ def quantize_each_layer(
     scheme = cfg.scheme()
     chosen, unused_ignore = select_or_fail(model, cfg, label)
     layers: dict[str, dict] = {}
-    for name, module in ctx.reporter.track(chosen, f"{label} {cfg.method} {scheme.describe()}"):
-        record = quantize(module.weight.detach().to(ctx.device), scheme)
-        layers[name] = install_record(model, name, module, record, ctx, label)
+    # One streamed unit (a block, the head) at a time: read, quantize its layers, written back.
+    by_unit: dict[int, tuple[nn.Module | None, list[tuple[str, nn.Linear]]]] = {}
+    for name, module in chosen:
+        unit = streaming.owner(model, name)
+        by_unit.setdefault(id(unit), (unit, []))[1].append((name, module))
+    progress = ctx.reporter.track(list(by_unit.values()), f"{label} {cfg.method} {scheme.describe()}")
+    for unit, members in progress:
+        with streaming.resident(unit, write_back=True) if unit is not None else contextlib.nullcontext():
+            for name, module in members:
+                record = quantize(module.weight.detach().to(ctx.device), scheme)
+                layers[name] = install_record(model, name, module, record, ctx, label)
     return StageRecord(
         kind="quantize",
         method=cfg.method,

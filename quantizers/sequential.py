@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compress import streaming
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize
@@ -106,10 +107,15 @@ def move_outside_blocks(model: nn.Module, blocks_path: str, device: torch.device
     for name, module in model.named_modules():
         if name == blocks_path or name.startswith(prefix):
             continue
+        unit = streaming.unit_of(module)
+        if unit is not None:  # streamed: read onto ``device`` when it runs
+            unit.device = torch.device(device)
         for _, param in module.named_parameters(recurse=False):
-            param.data = param.data.to(device)
+            if param.device.type != "meta":
+                param.data = param.data.to(device)
         for key, buf in module.named_buffers(recurse=False):
-            module._buffers[key] = buf.to(device)
+            if buf.device.type != "meta":
+                module._buffers[key] = buf.to(device)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -201,7 +207,7 @@ def run_layerwise(
     model.eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    home = next(model.parameters()).device
+    home = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     move_outside_blocks(model, arch.blocks, device)
     with ctx.reporter.status(f"{label} capturing block inputs ({tokens.shape[0]} x {tokens.shape[1]} calibration tokens)"):
         hidden, kwargs = capture_block_inputs(model, blocks, tokens, batch_size, device)
@@ -209,29 +215,28 @@ def run_layerwise(
     layer_info: dict[str, dict] = {}
     for i in ctx.reporter.track(range(len(blocks)), f"{label} {method} {cfg.scheme().describe()}", total=len(blocks)):
         t0 = time.perf_counter()
-        block = blocks[i]
-        block.to(device)
         prefix = f"{arch.blocks}.{i}."
-        linears = {n[len(prefix) :]: m for n, m in selected.items() if n.startswith(prefix)}
-        job = BlockJob(i, block, linears, prefix, BlockInputs(hidden, kwargs[i]))
-        if linears:
-            process_block(job, arch)
-        hidden = job.inputs.run(block)  # the quantized block feeds the next one
-        block.to(home)
+        linears_of = {n[len(prefix) :]: n for n in selected if n.startswith(prefix)}
+        # A streamed block is read from disk here, and what the method changed is written back on the way out.
+        with streaming.resident(blocks[i], device, write_back=bool(linears_of)) as block:
+            block.to(device)
+            modules = dict(block.named_modules())
+            job = BlockJob(i, block, {rel: modules[rel] for rel in linears_of}, prefix, BlockInputs(hidden, kwargs[i]))
+            if job.linears:
+                process_block(job, arch)
+            hidden = job.inputs.run(block)  # the quantized block feeds the next one
+            if streaming.unit_of(block) is None:
+                block.to(home)
         layer_info.update(job.layer_info)
         per_block.append({"block": i, "seconds": round(time.perf_counter() - t0, 3), "peak_memory_mb": round(peak_memory_mb(device), 1)})
     head = output_head(model)
     head_step: dict[str, Any] | None = None
     if head is not None and head[0] in selected:
         t0 = time.perf_counter()
-        with ctx.reporter.status(f"{label} {method} output head {head[0]} (calibrated through {arch.final_norm})"):
-            job = BlockJob(
-                len(blocks),
-                HeadInput(submodule(model, arch.final_norm), head[1]),
-                {head[0]: head[1]},
-                "",
-                BlockInputs(hidden, [{}] * len(hidden)),
-            )
+        status = ctx.reporter.status(f"{label} {method} output head {head[0]} (calibrated through {arch.final_norm})")
+        norm = submodule(model, arch.final_norm)
+        with status, streaming.resident(norm, device), streaming.resident(head[1], device, write_back=True):
+            job = BlockJob(len(blocks), HeadInput(norm, head[1]), {head[0]: head[1]}, "", BlockInputs(hidden, [{}] * len(hidden)))
             process_block(job, arch)
         layer_info.update(job.layer_info)
         head_step = {"layer": head[0], "seconds": round(time.perf_counter() - t0, 3), "peak_memory_mb": round(peak_memory_mb(device), 1)}

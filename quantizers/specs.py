@@ -69,6 +69,7 @@ RTN = MethodSpec(
     config=RTNConfig,
     load_stage=_rtn_stage,
     estimate=_rtn_estimate,
+    streams=True,
     cost=0,
     description="round-to-nearest on each group's min/max grid, no calibration data",
 )
@@ -95,6 +96,7 @@ GPTQ = MethodSpec(
     config=GPTQConfig,
     load_stage=_gptq_stage,
     estimate=_gptq_estimate,
+    streams=True,
     cost=3,
     description="GPTQ, column by column, each rounding error pushed onto the columns not yet quantized through the inverse Hessian of the inputs",
 )
@@ -124,6 +126,7 @@ AWQ = MethodSpec(
     config=AWQConfig,
     load_stage=_awq_stage,
     estimate=_awq_estimate,
+    streams=True,
     cost=2,
     description="AWQ, activation-aware per-input-channel scales folded into the previous layer, then a clipping search per group",
 )
@@ -196,6 +199,7 @@ def quantize_kind(method: Callable[..., MethodSpec]) -> StageKindSpec:
         summary=_quantize_summary,
         description="weight quantization of the selected Linear layers",
         quantizes_weights=True,
+        streams=True,  # when its method streams (MethodSpec.streams)
     )
 
 

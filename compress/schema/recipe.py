@@ -57,7 +57,11 @@ class ModelSpec(Strict):
         description="A Hugging Face model directory, a Hugging Face id already in the local cache, "
         "a .gguf file, or reference:<name> (see `compress assets list`)."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the loaded model.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype of the model. auto: the dtype its checkpoint stores (bfloat16 for most Hugging Face "
+        "models; float32 for a GGUF source, whose dequantized grid float32 holds exactly, and for quantized checkpoints).",
+    )
     trust_remote_code: bool = Field(False, description="Allow a model's own Python code to run (off by default).")
     allow_pickle: bool = Field(False, description="Allow pickle checkpoints (pytorch_model.bin): they can run arbitrary code when loaded.")
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from compress import streaming
 from compress.data import Chunks
 from compress.eval.kv_eval import evaluate_kv
 from compress.eval.metrics import Evaluation, Scores, compare, torch_forward
@@ -49,9 +50,9 @@ def compare_models(
     """Baseline and compressed model on the evaluation chunks, with torch on ``device``."""
     spec = recipe.data.evaluation
     assert spec is not None
-    baseline.to(device)
+    streaming.to_device(baseline, device)
     if compressed is not None:
-        compressed.to(device)
+        streaming.to_device(compressed, device)
     candidates = {"compressed": torch_forward(compressed, device)} if compressed is not None else {}
     metrics = compare(
         torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track

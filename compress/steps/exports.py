@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compress import streaming
 from compress.eval.latency import tree_size
 from compress.eval.metrics import Evaluation
 from compress.export.parity import VerifyInputs
@@ -34,8 +35,8 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
     deployable's size (the KL-against-size plot), and each entry what it does not carry."""
     recipe = run.recipe
     with run.timed("exports_s", record=bool(recipe.exports)):
-        source.baseline.to("cpu")
-        staged.model.to("cpu")
+        streaming.to_device(source.baseline, "cpu")
+        streaming.to_device(staged.model, "cpu")
         evaluation = recipe.data.evaluation
         inputs = VerifyInputs(
             source.baseline,

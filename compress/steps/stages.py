@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
+from compress import streaming
 from compress.context import RunContext, Stage, StageRecord
 from compress.distill.train import end_processes
 from compress.plugins import quant_method, stage_kind
-from compress.recipe import Recipe
+from compress.recipe import Recipe, StageSpec
 from compress.steps.load import Run, Source, load_teacher
 
 
@@ -35,6 +36,14 @@ def build_stages(recipe: Recipe) -> list[Stage]:
     """One Stage per recipe stage, built by its kind's spec (compress.plugins.STAGE_KINDS); a kind
     or quantization method missing from the tables is a CompressError naming the known ones."""
     return [stage_kind(spec.kind, f"stages[{i}]").build(spec.config, f"stages[{i}]") for i, spec in enumerate(recipe.stages)]
+
+
+def streams(spec: StageSpec) -> bool:
+    """Whether a recipe stage works on a streamed model unit by unit (else the model is read whole first)."""
+    kind = stage_kind(spec.kind)
+    if kind.quantizes_weights:
+        return kind.streams and quant_method(spec.config.method).streams
+    return kind.streams
 
 
 def work_dir_for(out_dir: Path) -> Path:
@@ -65,6 +74,9 @@ def apply(run: Run, source: Source) -> Staged | None:
     ctx.quantized_by.update(dict.fromkeys(source.lm.quantized, "model.source"))
     records: list[StageRecord] = []
     for i, stage in enumerate(stages):
+        if streaming.is_streamed(model) and not streams(recipe.stages[i]):
+            with run.reporter.status(f"reading the whole model into memory for stages[{i}] ({recipe.stages[i].kind})"):
+                streaming.materialize(model, run.device)
         records.append(stage.apply(model, ctx))
         ctx.applied.append(recipe.stages[i].kind)
         if i == last_trained and run.world > 1:

@@ -46,7 +46,7 @@ def build_manifest(run: Run, source: Source, staged: Staged) -> dict[str, Any]:
         "seed": recipe.seed,
         "model": {
             **source.lm.facts,
-            "dtype": recipe.model.dtype,
+            "dtype": str(baseline.dtype).removeprefix("torch."),  # the recipe's dtype, `auto` resolved
             "architecture": type(baseline).__name__,
             "parameters": sum(p.numel() for p in baseline.parameters()),
         },

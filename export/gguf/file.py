@@ -37,6 +37,7 @@ from compress.errors import FormatError
 from compress.export.gguf.names import GGUF_FILE  # noqa: F401 - the writer's file name
 from compress.export.specs import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.quantizers.core import QuantizedWeight
+from compress.streaming import tensors
 
 BLOCK = 32
 METADATA_NAMESPACE = "compress"
@@ -523,13 +524,20 @@ def write_gguf(
         tok_facts = add_tokenizer(writer, tokenizer, n_vocab, pre_tokenizer)
     for key, value in (extra_metadata or {}).items():
         writer.add_string(f"{METADATA_NAMESPACE}.{key}", value if isinstance(value, str) else json.dumps(value, sort_keys=True))
-    state = model.state_dict()
+    floats = {t.hf_name for t in plan.tensors if t.source not in ("record", "dequantized", "fallback")}
+    # The plan follows the state dict's order; the float tensors are read one streamed unit at a time.
+    streamed = ((name, tensor) for name, tensor in tensors(model, keep_tied=True) if name in floats)
+    pending = dict.fromkeys(floats)
     for t in plan.tensors:
         module = t.hf_name.rsplit(".", 1)[0]
+        if t.hf_name in floats:
+            while pending.get(t.hf_name) is None:
+                name, tensor = next(streamed)
+                pending[name] = tensor
         if t.source == "record":
             data, raw = PACKERS[t.type_name](permuted_record(records[module].cpu(), t.permute_heads)), _ggml_type(t.type_name)
         else:
-            tensor = records[module].dequantize() if t.source in ("dequantized", "fallback") else state[t.hf_name]
+            tensor = records[module].dequantize() if t.source in ("dequantized", "fallback") else pending.pop(t.hf_name)
             if t.permute_heads is not None:
                 tensor = permute_rows(tensor, t.permute_heads)
             data, raw = float_bytes(tensor, t.type_name)

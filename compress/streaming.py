@@ -1,0 +1,320 @@
+"""Models streamed from disk, one unit at a time.
+
+A streamed model is a transformers model built on the ``meta`` device (shapes and dtypes, no
+memory), whose weights stay in safetensors files until a unit needs them. A *unit* is one decoder
+block, or one module outside the blocks that holds weights of its own (the token embedding, the
+final norm, the output head). Running a unit's ``forward`` reads its tensors from disk onto the
+compute device just before, and drops them (back to ``meta``) just after, so a whole-model
+forward holds one unit's weights at a time and memory does not grow with depth.
+
+Where each tensor lives is a ``TensorStore``: the source's safetensors files, read through
+``safetensors.safe_open`` (memory-mapped, opened per read and closed after, so the mapping never
+keeps pages resident), or the run's *overlay*: the tensors a stage changed, written unit by unit to
+new files in a work directory (files are never rewritten, so a fork of the store — the baseline,
+a distillation teacher — keeps seeing what it saw).
+
+Parameters keep their identity while they come and go (``torch.utils.swap_tensors``), so ties
+(``lm_head`` and the token embedding share one Parameter) and ``is`` checks hold.
+
+Stages that work unit by unit (the layer-wise quantizers) hold a unit with ``resident`` and write
+what they changed back with ``save``; stages that need the whole model at once call
+``materialize`` (the weights are read into memory and the hooks removed: the model is an ordinary
+in-memory model from then on).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils import swap_tensors
+
+_ATTR = "_compress_stream"
+
+
+@dataclass
+class TensorStore:
+    """Model tensor name -> (safetensors file, key in it). ``overlay`` entries (tensors a stage
+    changed) shadow ``source`` ones; ``aliases`` map a name the checkpoint lacks to the one it holds
+    (a tied output head reads the embedding)."""
+
+    source: dict[str, tuple[Path, str]]
+    aliases: dict[str, str] = field(default_factory=dict)
+    overlay: dict[str, Path] = field(default_factory=dict)
+    root: Path | None = None
+    """Where overlay files go (a folder is made inside it on the first write); None: the system temp dir."""
+    _dir: Path | None = None
+    _count: itertools.count = field(default_factory=itertools.count)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.overlay or self.aliases.get(name, name) in self.source
+
+    def read(self, names: list[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The tensors ``names`` as stored (their own dtype), one ``safe_open`` per file."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for name in names:
+            if name in self.overlay:
+                by_file.setdefault(self.overlay[name], []).append((name, name))
+            else:
+                file, key = self.source[self.aliases.get(name, name)]
+                by_file.setdefault(file, []).append((name, key))
+        out: dict[str, torch.Tensor] = {}
+        where = str(device) if torch.device(device).type != "cuda" else f"cuda:{torch.device(device).index or 0}"
+        for file, pairs in by_file.items():
+            with safe_open(file, framework="pt", device=where) as f:
+                for name, key in pairs:
+                    out[name] = f.get_tensor(key)
+        return out
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put changed tensors in the overlay: one new file, which later reads of these names see."""
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        if self._dir is None:
+            if self.root is not None:
+                self.root.mkdir(parents=True, exist_ok=True)
+            self._dir = Path(tempfile.mkdtemp(prefix="overlay-", dir=self.root))
+            weakref.finalize(self, shutil.rmtree, str(self._dir), True)
+        path = self._dir / f"{next(self._count):06d}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, path)
+        self.overlay.update(dict.fromkeys(tensors, path))
+
+    def fork(self) -> TensorStore:
+        """A store that sees what this one sees now and writes its own overlay from here on.
+        Overlay files stay while any store that reads them lives (each store's folder is removed
+        when that store is garbage-collected, so a fork keeps a reference to its parent)."""
+        child = TensorStore(dict(self.source), dict(self.aliases), dict(self.overlay), self.root)
+        child._parent = self  # type: ignore[attr-defined]  # keeps the parent's overlay folder alive
+        return child
+
+    def __deepcopy__(self, memo: dict) -> TensorStore:
+        return self.fork()
+
+
+@dataclass
+class Unit:
+    """What a streamed module knows: its store, its name in the model, where it computes, and how
+    many ``resident`` holds keep its weights in memory."""
+
+    store: TensorStore
+    prefix: str
+    device: torch.device
+    holds: int = 0
+
+    def names(self, module: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor, bool]]:
+        """(full name, owning submodule, attribute, tensor, is_parameter) of every weight in the unit."""
+        out = []
+        for sub_name, sub in module.named_modules():
+            for attr, t in itertools.chain(
+                ((a, p) for a, p in sub._parameters.items() if p is not None),
+                ((a, b) for a, b in sub._buffers.items() if b is not None and a not in sub._non_persistent_buffers_set),
+            ):
+                full = ".".join(x for x in (self.prefix, sub_name, attr) if x)
+                out.append((full, sub, attr, t, attr in sub._parameters))
+        return out
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    return getattr(module, _ATTR, None)
+
+
+def _swap(sub: nn.Module, attr: str, tensor: torch.Tensor, value: torch.Tensor, is_param: bool) -> None:
+    if is_param:
+        swap_tensors(tensor, nn.Parameter(value, requires_grad=tensor.requires_grad))
+    else:
+        sub._buffers[attr] = value
+
+
+def load(module: nn.Module) -> None:
+    """Read the unit's weights from its store onto its device (the ones still on ``meta``)."""
+    unit = unit_of(module)
+    assert unit is not None
+    wanted = [(full, sub, attr, t, p) for full, sub, attr, t, p in unit.names(module) if t.device.type == "meta"]
+    if not wanted:
+        return
+    values = unit.store.read([w[0] for w in wanted])
+    for full, sub, attr, t, is_param in wanted:
+        value = values[full]
+        if tuple(value.shape) != tuple(t.shape):
+            raise ValueError(f"{full}: the stored tensor is {tuple(value.shape)}, the model expects {tuple(t.shape)}")
+        _swap(sub, attr, t, value.to(device=unit.device, dtype=t.dtype), is_param)
+
+
+def drop(module: nn.Module) -> None:
+    """Let go of the unit's weights: back to ``meta`` (the store still has them)."""
+    unit = unit_of(module)
+    assert unit is not None
+    for _, sub, attr, t, is_param in unit.names(module):
+        if t.device.type != "meta":
+            _swap(sub, attr, t, torch.empty(t.shape, dtype=t.dtype, device="meta"), is_param)
+
+
+def save(module: nn.Module) -> None:
+    """Write the unit's weights (as they are now, in memory) to its store's overlay."""
+    unit = unit_of(module)
+    assert unit is not None
+    unit.store.write({full: t for full, _, _, t, _ in unit.names(module) if t.device.type != "meta"})
+
+
+def _pre_forward(module: nn.Module, args: tuple) -> None:
+    unit = unit_of(module)
+    if unit is not None and unit.holds == 0:
+        load(module)
+
+
+def _post_forward(module: nn.Module, args: tuple, output: object) -> None:
+    unit = unit_of(module)
+    if unit is not None and unit.holds == 0:
+        drop(module)
+
+
+@contextmanager
+def resident(module: nn.Module, device: torch.device | None = None, write_back: bool = False) -> Iterator[nn.Module]:
+    """Hold a streamed unit's weights in memory for the block (its forward does not reload or
+    drop them); with ``write_back``, what the block changed goes to the overlay on the way out.
+    A module that is not streamed is yielded as it is (moved to ``device`` when given)."""
+    unit = unit_of(module)
+    if unit is None:
+        if device is not None:
+            module.to(device)
+        yield module
+        return
+    old = unit.device
+    if device is not None:
+        unit.device = torch.device(device)
+    unit.holds += 1
+    try:
+        load(module)
+        yield module
+        if write_back:
+            save(module)
+    finally:
+        unit.holds -= 1
+        if unit.holds == 0:
+            drop(module)
+        unit.device = old
+
+
+def attach(model: nn.Module, store: TensorStore, units: list[str], device: torch.device) -> None:
+    """Stream ``model``: each named unit reads its weights at forward time. Everything outside the
+    units (rotary tables, non-persistent buffers) is moved to ``device`` now."""
+    modules = dict(model.named_modules())
+    for prefix in units:
+        module = modules[prefix]
+        setattr(module, _ATTR, Unit(store, prefix, torch.device(device)))
+        module.register_forward_pre_hook(_pre_forward)
+        module.register_forward_hook(_post_forward)
+    inside = tuple(p + "." for p in units)
+    for name, sub in model.named_modules():
+        if name in units or name.startswith(inside):
+            continue
+        for attr, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device.type != "meta":
+                sub._buffers[attr] = buf.to(device)
+    model._compress_streamed = True  # type: ignore[assignment]
+
+
+def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if unit_of(m) is not None]
+
+
+def is_streamed(model: nn.Module) -> bool:
+    return bool(units(model))
+
+
+def set_device(model: nn.Module, device: torch.device) -> None:
+    """Where the streamed units compute from now on (the same code serves CPU and CUDA)."""
+    for _, m in units(model):
+        unit_of(m).device = torch.device(device)  # type: ignore[union-attr]
+    for sub in model.modules():
+        for attr, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device.type != "meta":
+                sub._buffers[attr] = buf.to(device)
+
+
+def materialize(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """Read every unit into memory and stop streaming: an ordinary in-memory model from here on
+    (for stages that change shapes, swap modules or train the whole model)."""
+    for _, module in units(model):
+        unit = unit_of(module)
+        assert unit is not None
+        if device is not None:
+            unit.device = torch.device(device)
+        load(module)
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, fn in list(hooks.items()):
+                if fn in (_pre_forward, _post_forward):
+                    del hooks[key]
+        delattr(module, _ATTR)
+    if hasattr(model, "_compress_streamed"):
+        del model._compress_streamed
+    return model
+
+
+def store_of(model: nn.Module) -> TensorStore | None:
+    found = units(model)
+    return unit_of(found[0][1]).store if found else None  # type: ignore[union-attr]
+
+
+def tensors(model: nn.Module, keep_tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict as (name, tensor) pairs, one streamed unit read at a time (exports write
+    from this without holding the model). A Parameter shared by two names (a tied head) comes
+    once, under its first name, unless ``keep_tied``."""
+    seen: set[int] = set()
+    owner = {}
+    for name, module in units(model):
+        for full, *_ in unit_of(module).names(module):  # type: ignore[union-attr]
+            owner.setdefault(full, (name, module))
+    done_units: set[str] = set()
+    cache: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not keep_tied and id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.device.type != "meta":
+            yield name, t.detach()
+            continue
+        if name not in cache:
+            unit_name, module = owner[name]
+            if unit_name not in done_units:
+                cache.clear()  # one unit's tensors at a time
+                store = unit_of(module).store  # type: ignore[union-attr]
+                cache.update(store.read([full for full, *_ in unit_of(module).names(module)]))  # type: ignore[union-attr]
+                done_units.add(unit_name)
+            if name not in cache:  # read once already and let go (a tied name seen again)
+                cache.update(unit_of(module).store.read([name]))  # type: ignore[union-attr]
+        yield name, cache[name].to(t.dtype)
+
+
+def owner(model: nn.Module, name: str) -> nn.Module | None:
+    """The streamed unit that holds the module or tensor ``name`` (None: not streamed)."""
+    modules = dict(model.named_modules())
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        module = modules.get(".".join(parts[:end]))
+        if module is not None and unit_of(module) is not None:
+            return module
+    return None
+
+
+def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to(device)`` for a model that may be streamed (its units then compute on ``device``)."""
+    if is_streamed(model):
+        set_device(model, torch.device(device))
+        return model
+    return model.to(device)
