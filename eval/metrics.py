@@ -21,6 +21,7 @@ sequence are not independent. Fewer than two sequences give no interval.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,10 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from compress import streaming
 from compress.schema.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, METRICS, MetricInfo  # noqa: F401 - re-exported
 
-Forward = Callable[[torch.Tensor], torch.Tensor]
-"""Maps token ids [batch, seq] to logits [batch, seq, vocab] for one artifact on its runtime."""
+Forward = Callable[[torch.Tensor], Any]
+"""Maps token ids [batch, seq] to logits [batch, seq, vocab] for one artifact on its runtime, or to
+its final ``HiddenStates`` and head (torch models: logits are then made a chunk at a time)."""
 
 
 INTERVAL_LEVEL = 0.95
@@ -79,32 +82,43 @@ def bootstrap_intervals(
 
 @dataclass
 class Accumulator:
-    """Running sums for one artifact, overall and per sequence; ``result()`` turns them into Scores."""
+    """Running sums for one artifact, overall and per sequence; ``result()`` turns them into Scores.
+    A sequence may come in several pieces (``update`` per chunk of positions, then ``end_row``)."""
 
     nll_sum: float = 0.0
     agree: int = 0
     tokens: int = 0
     kl: list[torch.Tensor] = field(default_factory=list)
-    rows_nll: list[np.ndarray] = field(default_factory=list)
-    rows_agree: list[np.ndarray] = field(default_factory=list)
-    rows_tokens: list[np.ndarray] = field(default_factory=list)
-    rows_kl: list[np.ndarray] = field(default_factory=list)
+    rows_nll: list[float] = field(default_factory=list)
+    rows_agree: list[int] = field(default_factory=list)
+    rows_tokens: list[int] = field(default_factory=list)
+    rows_kl: list[float] = field(default_factory=list)
+    _row: list[float] = field(default_factory=lambda: [0.0, 0.0, 0, 0])  # nll, kl, agree, tokens of the open row
 
-    def update(self, base_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, rows: int = 1) -> None:
-        """``base_logp``/``logits`` [n, vocab] at scored positions of ``rows`` sequences (n/rows each,
-        in order); ``targets`` [n]."""
+    def update(self, base_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """``base_logp``/``logits`` [n, vocab] at n scored positions of the open sequence; ``targets`` [n]."""
         logp = torch.log_softmax(logits.float(), dim=-1)
         nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        self.nll_sum += float(nll.sum())
         kl = (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_(min=0.0)
-        self.kl.append(kl.cpu())
         agree = logp.argmax(-1) == base_logp.argmax(-1)
+        del logp
+        self.kl.append(kl.cpu())
+        self.nll_sum += float(nll.double().sum())
         self.agree += int(agree.sum())
         self.tokens += int(targets.numel())
-        self.rows_nll.append(nll.double().reshape(rows, -1).sum(-1).cpu().numpy())
-        self.rows_kl.append(kl.double().reshape(rows, -1).sum(-1).cpu().numpy())
-        self.rows_agree.append(agree.reshape(rows, -1).sum(-1).cpu().numpy())
-        self.rows_tokens.append(np.full(rows, targets.numel() // rows))
+        row = self._row
+        row[0] += float(nll.double().sum())
+        row[1] += float(kl.double().sum())
+        row[2] += int(agree.sum())
+        row[3] += int(targets.numel())
+
+    def end_row(self) -> None:
+        nll, kl, agree, tokens = self._row
+        self.rows_nll.append(nll)
+        self.rows_kl.append(kl)
+        self.rows_agree.append(agree)
+        self.rows_tokens.append(tokens)
+        self._row = [0.0, 0.0, 0, 0]
 
     def result(self) -> Scores:
         if self.tokens == 0:
@@ -117,8 +131,35 @@ class Accumulator:
             "top1_agreement": self.agree / self.tokens,
             "tokens_scored": self.tokens,
         }
-        per_row = [np.concatenate(x) for x in (self.rows_nll, self.rows_kl, self.rows_agree, self.rows_tokens)]
+        per_row = [np.asarray(x, dtype=np.float64) for x in (self.rows_nll, self.rows_kl, self.rows_agree, self.rows_tokens)]
         return Scores(metrics, bootstrap_intervals(*per_row))
+
+
+CHUNK_ELEMENTS = 2**23
+"""Logits built at once while scoring: positions x vocabulary (8M floats, 32 MB a buffer), so the
+per-batch vocabulary buffers stay bounded on large vocabularies (151,936 tokens: 55 positions)."""
+
+
+class HiddenStates:
+    """A model's final hidden states [batch, seq, hidden] and the head that turns some of them into
+    logits: ``compare`` makes the logits a chunk of positions at a time instead of a whole batch of
+    batch x seq x vocab floats."""
+
+    def __init__(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], hold: Callable[[], Any] | None = None) -> None:
+        self.hidden, self.head, self._hold = hidden, head, hold
+
+    def logits(self, row: int, positions: slice) -> torch.Tensor:
+        return self.head(self.hidden[row : row + 1, positions]).squeeze(0)
+
+    def hold(self) -> Any:
+        """A context that keeps the head's weights in memory while chunks are made (streamed heads)."""
+        return self._hold() if self._hold is not None else contextlib.nullcontext()
+
+
+def _logits(out: torch.Tensor | HiddenStates, row: int, positions: slice) -> torch.Tensor:
+    if isinstance(out, HiddenStates):
+        return out.logits(row, positions).float()
+    return out[row, positions].float()
 
 
 def scored_positions(seq_len: int, min_context: int) -> slice:
@@ -149,15 +190,26 @@ def compare(
     with torch.inference_mode():
         for start in starts:
             batch = chunks[start : start + batch_size]
-            targets = batch[:, pos.start + 1 : pos.stop + 1].reshape(-1)
-            base_logits = baseline(batch)[:, pos].float()
-            vocab = base_logits.shape[-1]
-            base_logp = torch.log_softmax(base_logits.reshape(-1, vocab), dim=-1)
-            rows = int(batch.shape[0])
-            accs["baseline"].update(base_logp, base_logits.reshape(-1, vocab), targets, rows)
-            for name, forward in candidates.items():
-                logits = forward(batch)[:, pos].float().reshape(-1, vocab)
-                accs[name].update(base_logp, logits, targets, rows)
+            outs = {"baseline": baseline(batch), **{name: forward(batch) for name, forward in candidates.items()}}
+            with contextlib.ExitStack() as held:
+                for out in outs.values():
+                    if isinstance(out, HiddenStates):
+                        held.enter_context(out.hold())
+                vocab = _logits(outs["baseline"], 0, slice(pos.start, pos.start + 1)).shape[-1]
+                step = max(1, CHUNK_ELEMENTS // vocab)
+                for row in range(int(batch.shape[0])):
+                    for first in range(pos.start, pos.stop, step):
+                        piece = slice(first, min(first + step, pos.stop))
+                        targets = batch[row, piece.start + 1 : piece.stop + 1]
+                        base_logits = _logits(outs["baseline"], row, piece)
+                        base_logp = torch.log_softmax(base_logits, dim=-1)
+                        accs["baseline"].update(base_logp, base_logits, targets)
+                        del base_logits
+                        for name in candidates:
+                            accs[name].update(base_logp, _logits(outs[name], row, piece).to(base_logp.device), targets)
+                    for acc in accs.values():
+                        acc.end_row()
+            del outs
     scores = {name: acc.result() for name, acc in accs.items()}
     base = scores["baseline"]  # its KL (0) and top-1 agreement (1) hold by definition: no interval
     base.intervals = {k: v for k, v in base.intervals.items() if k == "perplexity"}
@@ -165,12 +217,30 @@ def compare(
 
 
 def torch_forward(model: torch.nn.Module, device: torch.device) -> Forward:
-    """Forward function for an in-memory transformers causal LM."""
+    """Forward function for an in-memory (or streamed) transformers causal LM: its final hidden
+    states, and its output head (with Gemma 2's logit soft-capping) to make logits a few positions
+    at a time."""
 
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids.to(device), use_cache=False).logits.cpu()
+    def forward(ids: torch.Tensor) -> HiddenStates:
+        hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        return HiddenStates(hidden, output_head(model), lambda: streaming.resident(model.get_output_embeddings(), device))
 
     return forward
+
+
+def output_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The map from final hidden states to logits: the output embedding, then the model's logit
+    soft-capping when its config has one (Gemma 2)."""
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def apply(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return apply
 
 
 @dataclass

@@ -22,9 +22,10 @@ PARITY_TEXTS = (
 
 @dataclass
 class VerifyInputs:
-    """What the verifier scores against: the torch baseline and the in-memory compressed model."""
+    """What the verifier scores against: the baseline (its forward: the run's cached hidden states of
+    the source, eval/baseline.py) and the in-memory compressed model."""
 
-    baseline: nn.Module
+    baseline: Callable[[torch.Tensor], Any]
     compressed: nn.Module
     chunks: torch.Tensor | None  # evaluation chunks [n, seq_len]; None: no evaluation data in the recipe
     min_context: int

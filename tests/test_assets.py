@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from compress import assets
+from compress import assets, streaming
 from compress.errors import AssetError
 from compress.export.gguf import file as G
 from compress.export.gguf.source import convert
@@ -129,8 +129,9 @@ def test_fetch_writes_a_tied_bfloat16_folder_that_recipes_load(fake_split_asset:
     assert config["tie_word_embeddings"] is True and "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert asset.meta["joined_file"]["sha256"] == hashlib.sha256(fake_split_asset.read_bytes()).hexdigest()
 
-    loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
-    model = loaded.model
+    loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}"), ROOT, QUIET)  # dtype auto: the folder's bfloat16
+    assert loaded.facts["dtype"] == "bfloat16" and loaded.facts["streamed"] == "streamed from the checkpoint"
+    model = streaming.materialize(loaded.model)
     assert next(model.parameters()).dtype == torch.bfloat16 and loaded.facts["license"].startswith("Apache-2.0")
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
     gguf_model = AutoModelForCausalLM.from_pretrained(fake_split_asset.parent, gguf_file=fake_split_asset.name, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ import torch
 from compress import streaming
 from compress.data import Chunks
 from compress.eval.kv_eval import evaluate_kv
-from compress.eval.metrics import Evaluation, Scores, compare, torch_forward
+from compress.eval.metrics import Evaluation, Forward, Scores, compare, torch_forward
 from compress.progress import Reporter
 from compress.recipe import KV_CACHE_ARTIFACT, Recipe
 from compress.steps.load import Run, Source
@@ -31,7 +31,9 @@ def in_memory(run: Run, source: Source, staged: Staged) -> InMemory:
     if source.eval_chunks is not None:
         with run.timed("evaluate_s"):
             compressed = staged.model if staged.changed else None
-            found.evaluations += compare_models(source.baseline, compressed, source.eval_chunks, run.recipe, run.device, run.reporter)
+            found.evaluations += compare_models(
+                source.baseline_forward, compressed, source.eval_chunks, run.recipe, run.device, run.reporter
+            )
     if staged.ctx.kv_cache is not None:
         with run.timed("evaluate_kv_cache_s"):
             kv_eval, found.kv_cache = evaluate_kv_stage(run, source, staged)
@@ -40,23 +42,21 @@ def in_memory(run: Run, source: Source, staged: Staged) -> InMemory:
 
 
 def compare_models(
-    baseline: torch.nn.Module,
+    baseline: Forward,
     compressed: torch.nn.Module | None,
     chunks: Chunks,
     recipe: Recipe,
     device: torch.device,
     reporter: Reporter,
 ) -> list[Evaluation]:
-    """Baseline and compressed model on the evaluation chunks, with torch on ``device``."""
+    """The baseline (its forward: cached hidden states) and the compressed model on the evaluation
+    chunks, with torch on ``device``."""
     spec = recipe.data.evaluation
     assert spec is not None
-    streaming.to_device(baseline, device)
     if compressed is not None:
         streaming.to_device(compressed, device)
     candidates = {"compressed": torch_forward(compressed, device)} if compressed is not None else {}
-    metrics = compare(
-        torch_forward(baseline, device), candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track
-    )
+    metrics = compare(baseline, candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
     if "compressed" not in metrics:  # no stages: the compressed model is the baseline
         metrics["compressed"] = Scores(metrics["baseline"], metrics["baseline"].intervals)
     details = {"chunks": int(chunks.tokens.shape[0]), "seq_len": spec.seq_len, "min_context": spec.min_context}

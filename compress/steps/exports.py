@@ -35,11 +35,10 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
     deployable's size (the KL-against-size plot), and each entry what it does not carry."""
     recipe = run.recipe
     with run.timed("exports_s", record=bool(recipe.exports)):
-        streaming.to_device(source.baseline, "cpu")
         streaming.to_device(staged.model, "cpu")
         evaluation = recipe.data.evaluation
         inputs = VerifyInputs(
-            source.baseline,
+            source.baseline_forward,
             staged.model,
             None if source.eval_chunks is None else source.eval_chunks.tokens,
             evaluation.min_context if evaluation else 1,

@@ -17,7 +17,9 @@ import torch
 from compress.data import Chunks, DataPlan
 from compress.distill.train import process_rank
 from compress.errors import CompressError
+from compress.eval.baseline import CachedBaseline
 from compress.eval.devices import LOCAL, get_profile, load_profiles
+from compress.eval.metrics import Forward
 from compress.eval.performance import baseline_timed, wanted_devices
 from compress.fsutil import check_target
 from compress.models import LoadedModel, load_model
@@ -68,6 +70,8 @@ class Source:
     data: DataPlan
     eval_chunks: Chunks | None
     reporter: Reporter
+    baseline_forward: Forward
+    """The baseline's side of every comparison: its final hidden states, computed once per row (eval/baseline.py)."""
     calibration: Chunks | None = None
 
     @property
@@ -80,6 +84,12 @@ class Source:
             with self.reporter.status("tokenizing calibration text"):
                 self.calibration = self.data.chunks("calibration", self.lm.tokenizer)
         return self.calibration.tokens
+
+
+def work_dir_for(out_dir: Path) -> Path:
+    """A run's scratch and resumable state (training checkpoints, the stages' changed weights, the
+    baseline's cached hidden states) lives next to its artifact until it is written."""
+    return out_dir.with_name(out_dir.name + ".work")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -158,7 +168,8 @@ def load(run: Run) -> Source:
     with run.timed("prepare_data_s"):
         data = DataPlan.load(recipe.data, run.base_dir, run.reporter)
         eval_chunks = data.chunks("evaluation", lm.tokenizer) if recipe.data.evaluation else None
-    return Source(lm, data, eval_chunks, run.reporter)
+    cached = CachedBaseline(lm.model, run.device, work_dir_for(run.out_dir) / "baseline", lm.facts.get("sha256"))
+    return Source(lm, data, eval_chunks, run.reporter, cached)
 
 
 def baseline_directory(model_facts: dict[str, Any]) -> str:

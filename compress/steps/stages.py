@@ -6,7 +6,6 @@ import copy
 import hashlib
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -15,7 +14,7 @@ from compress.context import RunContext, Stage, StageRecord
 from compress.distill.train import end_processes
 from compress.plugins import quant_method, stage_kind
 from compress.recipe import Recipe, StageSpec
-from compress.steps.load import Run, Source, load_teacher
+from compress.steps.load import Run, Source, load_teacher, work_dir_for  # noqa: F401 - work_dir_for re-exported
 
 
 @dataclass
@@ -46,18 +45,16 @@ def streams(spec: StageSpec) -> bool:
     return kind.streams
 
 
-def work_dir_for(out_dir: Path) -> Path:
-    """Resumable state of a run (training checkpoints) lives next to its artifact until it is written."""
-    return out_dir.with_name(out_dir.name + ".work")
-
-
 def apply(run: Run, source: Source) -> Staged | None:
     """Run the stages. Under ``accelerate launch`` every process runs them up to the last training
     stage (which trains in all of them); a process other than the main one then returns None."""
     recipe = run.recipe
     stages = build_stages(recipe)
     last_trained = max((i for i, st in enumerate(recipe.stages) if stage_kind(st.kind).trains), default=None)
-    model = copy.deepcopy(source.baseline) if stages else source.baseline
+    model = copy.deepcopy(source.baseline) if stages else source.baseline  # a streamed model copies its skeleton only
+    store = streaming.store_of(model)
+    if stages and store is not None:
+        store.root = work_dir_for(run.out_dir) / "overlay"  # what the stages change, next to the artifact
     ctx = RunContext(
         seed=recipe.seed,
         device=run.device,
@@ -104,6 +101,8 @@ def remove_checkpoints(run: Run) -> None:
     """Delete the training checkpoints of a run whose artifact is complete: only the stage folders
     this run writes, then the work directory if nothing else is in it."""
     work_dir = work_dir_for(run.out_dir)
+    for scratch in ("overlay", "baseline"):  # the stages' changed weights, the baseline's cached hidden states
+        shutil.rmtree(work_dir / scratch, ignore_errors=True)
     for i, st in enumerate(run.recipe.stages):
         if stage_kind(st.kind).keeps_checkpoints:
             shutil.rmtree(work_dir / f"stages[{i}]", ignore_errors=True)

@@ -233,7 +233,7 @@ def verify(
                     f"> same_weights_max_kl {spec.same_weights_max_kl}: a layout bug, or set the tolerance higher"
                 )
         metrics = compare(
-            torch_forward(inputs.baseline, torch.device("cpu")),
+            inputs.baseline,
             {"gguf": runtime.forward},
             chunks,
             inputs.min_context,

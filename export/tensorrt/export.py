@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.eval.metrics import Evaluation, compare, torch_forward
+from compress.eval.metrics import Evaluation, compare
 from compress.export.onnx import builder as onnx_builder
 from compress.export.parity import VerifyInputs
 from compress.export.specs import TensorRTExport
@@ -112,9 +112,7 @@ def export(
     runner = tensorrt.EngineRunner(directory / tensorrt.ENGINE_FILE)
     chunks = inputs.chunks[: min(len(inputs.chunks), spec.engine.batch.max)]
     with reporter.status(f"{label} scoring the evaluation chunks with the TensorRT engine"):
-        metrics = compare(
-            torch_forward(inputs.baseline, torch.device("cpu")), {"engine": engine_forward(runner)}, chunks, inputs.min_context
-        )["engine"]
+        metrics = compare(inputs.baseline, {"engine": engine_forward(runner)}, chunks, inputs.min_context)["engine"]
     return entry, [
         Evaluation(
             artifact=spec.name,

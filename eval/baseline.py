@@ -1,0 +1,57 @@
+"""The baseline's side of every comparison in a run, computed once.
+
+Every comparison a run makes — the in-memory compressed model, and each export's verifier on its
+own runtime — scores against the source model on the same evaluation rows. Instead of running the
+source again for each (a whole streamed pass over the checkpoint), the source's final hidden states
+(the output of its last norm: the head's input) are computed the first time a row is asked for and
+kept on disk, one file per row, named by the SHA-256 of the row's token ids, in a folder keyed by the
+source's SHA-256, its dtype and the device. The logits are then the source's own head applied to
+them, a chunk of positions at a time (``HiddenStates``): the same numbers as a live pass, at the
+cost of the head alone, and hidden-size rather than vocabulary-size files (1,536 vs 151,936 values
+a position for Qwen2.5-1.5B).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from compress import streaming
+from compress.eval.metrics import HiddenStates, output_head
+
+
+class CachedBaseline:
+    """A ``Forward`` over the baseline whose final hidden states are computed once per row and read
+    back from ``directory`` after that. ``computed`` and ``reused`` count rows."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, directory: Path, source_sha256: str | None) -> None:
+        self.model, self.device = model, torch.device(device)
+        key = hashlib.sha256(f"{source_sha256}|{model.dtype}|{self.device.type}".encode()).hexdigest()[:24]
+        self.directory = Path(directory) / key
+        self.computed = 0
+        self.reused = 0
+
+    def _file(self, row: torch.Tensor) -> Path:
+        return self.directory / f"{hashlib.sha256(row.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:32]}.safetensors"
+
+    def __call__(self, ids: torch.Tensor) -> HiddenStates:
+        from safetensors.torch import load_file, save_file
+
+        files = [self._file(row) for row in ids]
+        missing = [i for i, f in enumerate(files) if not f.is_file()]
+        if missing:
+            streaming.to_device(self.model, self.device)
+            with torch.inference_mode():
+                hidden = self.model.base_model(input_ids=ids[missing].to(self.device), use_cache=False).last_hidden_state
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for i, h in zip(missing, hidden, strict=True):
+                tmp = files[i].with_suffix(".tmp")
+                save_file({"hidden": h.detach().contiguous().cpu()}, str(tmp))
+                tmp.replace(files[i])
+            self.computed += len(missing)
+        self.reused += len(files) - len(missing)
+        rows = torch.stack([load_file(str(f))["hidden"] for f in files]).to(self.device)
+        head = self.model.get_output_embeddings()
+        return HiddenStates(rows, output_head(self.model), lambda: streaming.resident(head, self.device))
