@@ -42,13 +42,16 @@ class PlanStep:
     """The model as this stage sees it (``compress.eval.plan_sizes.ModelShape``: ``params``,
     ``text`` config, ``config``, the meta-device ``model``, ``frozen_params()``)."""
     held_bytes: float
-    """Baseline + working copy at the model dtype: what is in memory before the stage adds its own."""
+    """What is in memory before the stage adds its own: the libraries and, for a stage that streams,
+    one unit (the largest of a decoder block and the embedding), else the whole model at the model dtype."""
     calibration: Any
     """The recipe's ``data.calibration`` (``samples``, ``seq_len``), or None."""
     kv_bytes_per_token: int
     """KV-cache bytes one token adds to the model as this stage sees it, at the model dtype."""
     records: dict[str, Any]
     """The plan's quantized Linear layers of the final model (``Record``: ``out_f``, ``in_f``, ``scheme``)."""
+    dtype_bytes: int = 4
+    """Bytes per value at the run's compute dtype (``model.dtype``, ``auto`` resolved)."""
 
     @property
     def cal_tokens(self) -> int:
@@ -57,6 +60,34 @@ class PlanStep:
     @property
     def cal_seq_len(self) -> int:
         return self.calibration.seq_len if self.calibration else 0
+
+
+LIBRARY_BYTES = 0.5e9
+"""Resident memory of the libraries a run imports: 481 MB measured after importing torch,
+transformers and compress's CLI and pipeline, 506 MB with onnxruntime, llama_cpp and gguf
+(torch 2.13 CPU, transformers 5.17, VmRSS of a fresh process)."""
+
+
+def largest_unit_bytes(shape: Any, dtype_bytes: int) -> float:
+    """The largest unit a streamed model reads at once: one decoder block, or the token embedding
+    (the output head, when untied, is the same size)."""
+    t = shape.text
+    tied = getattr(shape.config, "tie_word_embeddings", getattr(t, "tie_word_embeddings", True))
+    per_block = (shape.params - t.vocab_size * t.hidden_size * (1 if tied else 2)) / max(t.num_hidden_layers, 1)
+    return max(per_block, t.vocab_size * t.hidden_size) * dtype_bytes
+
+
+def eval_bytes(shape: Any, batch: int, seq: int, dtype_bytes: int) -> float:
+    """Evaluating one batch on a streamed model: one block's live tensors at the compute dtype, the
+    batch's hidden states for the baseline and the compressed model, and logits built a chunk of
+    positions at a time (about five float32 buffers of CHUNK_ELEMENTS values: logits, log-probs of
+    both models, their difference, the exponent)."""
+    from compress.eval.metrics import CHUNK_ELEMENTS
+
+    t = shape.text
+    block = batch * seq * (4 * t.hidden_size + 3 * t.intermediate_size) * dtype_bytes
+    scores = batch * t.num_attention_heads * seq * seq * 4
+    return block + scores + 2 * batch * seq * t.hidden_size * 4 + 5 * CHUNK_ELEMENTS * 4
 
 
 def forward_s(params: int, tokens: float) -> float:

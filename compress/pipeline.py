@@ -46,6 +46,13 @@ def run_recipe(
     (which trains in all of them); only the main process goes on, and the others return a
     result with no evaluations (``secondary_process``)."""
     run = load.prepare(loaded, out_dir, overwrite, reporter)  # everything the recipe alone can fail on
+    try:
+        return _run(run, loaded, overwrite, step_summary)
+    finally:
+        stages.remove_scratch(run)  # the stages' changed weights, records, cached baseline: done or failed
+
+
+def _run(run: load.Run, loaded: LoadedRecipe, overwrite: bool, step_summary: bool) -> RunResult:
     source = load.load(run)  # the source model (the baseline), tokenizer, data
     staged = stages.apply(run, source)  # prune, quantize, distill, … on a copy
     if staged is None:

@@ -40,9 +40,10 @@ class MethodSpec:
     not_carried: str | None = None
     """What no export format holds of this method (said on every export of a run that used it),
     or None when the QuantizedWeight records carry all of it."""
-    streams: bool = False
+    streams: bool | Callable[[Any], bool] = False
     """True: the stage reads and changes the model one streamed unit (decoder block, head) at a time
-    (compress/streaming.py); False: the run reads the whole model into memory before the stage."""
+    (compress/streaming.py); False: the run reads the whole model into memory before the stage; or a
+    function of the stage's config saying which (a method with a backend that needs the whole model)."""
 
     def build(self, config: Any, label: str) -> Stage:
         """The stage that runs ``config`` at recipe place ``label`` (``stages[0]``)."""

@@ -15,6 +15,7 @@ needs them (`compress validate` and `import compress` stay light; tests/test_sch
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from compress.distill.spec import DISTILL
 from compress.errors import CompressError
@@ -97,6 +98,16 @@ def stage_kind(name: str, label: str = "") -> StageKindSpec:
             f"known: {', '.join(STAGE_KINDS) or '(none)'}"
         )
     return spec
+
+
+def stage_streams(stage: Any) -> bool:
+    """Whether a recipe stage works on a streamed model one unit at a time (for ``quantize``: when
+    its method's spec streams); else the run reads the whole model into memory before it."""
+    kind = stage_kind(stage.kind)
+    if kind.quantizes_weights:
+        method = quant_method(stage.config.method).streams
+        return kind.streams and (method(stage.config) if callable(method) else method)
+    return kind.streams
 
 
 def export_format(name: str) -> ExportFormat:

@@ -318,3 +318,11 @@ def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
         set_device(model, torch.device(device))
         return model
     return model.to(device)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where the model computes: its units' device when streamed, else its first parameter's."""
+    found = units(model)
+    if found:
+        return unit_of(found[0][1]).device  # type: ignore[union-attr]
+    return next(model.parameters()).device

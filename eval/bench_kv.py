@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from compress import streaming
 from compress.eval.bench_quant import load_bench_inputs, write_results
 from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
@@ -88,7 +89,7 @@ def run_kv_bench(
     assert data.evaluation is not None
     long_data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": samples, "seq_len": context})})
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, long_data, threads, reporter)
-    model = lm.model.eval()
+    model = streaming.materialize(lm.model).eval()  # decoding token by token: the model stays in memory
     layers, kv_heads, head_dim = kv_geometry(model.config)
     fp16_per_token = float_cache_bytes_per_token(model.config)
     prefill_ids = evaluation.tokens[:1, :decode_prefill]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from compress import streaming
 from compress.context import RunContext
 from compress.data import DataPlan
 from compress.distill.distill import DistillConfig, DistillStage
@@ -68,6 +69,7 @@ def run_prune_bench(
 ) -> dict[str, Any]:
     device = torch.device("cpu")
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
+    streaming.materialize(lm.model, device)  # pruning and training need the whole model in memory
     plan = DataPlan.load(data, Path.cwd(), reporter)
     texts = {"held_out": evaluation.tokens}
     unseen_facts = {}

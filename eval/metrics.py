@@ -151,6 +151,11 @@ class HiddenStates:
     def logits(self, row: int, positions: slice) -> torch.Tensor:
         return self.head(self.hidden[row : row + 1, positions]).squeeze(0)
 
+    def full(self) -> torch.Tensor:
+        """Every position's logits at once [batch, seq, vocab] (tests and small models; ``compare`` chunks)."""
+        with self.hold():
+            return self.head(self.hidden)
+
     def hold(self) -> Any:
         """A context that keeps the head's weights in memory while chunks are made (streamed heads)."""
         return self._hold() if self._hold is not None else contextlib.nullcontext()

@@ -17,14 +17,16 @@ from compress.estimates import (
     CPU_FORWARD_FLOPS,
     DISTILL_TOKENS_PER_S,
     EXPORT_BUILD_S,
+    LIBRARY_BYTES,
     LOAD_BYTES_PER_S,
     REF_PARAMS,
     REFERENCE,
     RTN_WEIGHTS_PER_S,
     TORCH_DECODE_TOKENS_PER_S,
     PlanStep,
+    eval_bytes,
+    largest_unit_bytes,
 )
-from compress.estimates import activation_bytes as _activation_bytes
 from compress.estimates import forward_s as _forward_s
 from compress.eval.devices import LOCAL, DeviceProfile, estimate_latency, fit_check, get_profile, kv_bytes_per_token
 from compress.eval.plan_sizes import (
@@ -34,11 +36,12 @@ from compress.eval.plan_sizes import (
     Record,
     artifacts,
     check_group_sizes,
+    compute_dtype,
     final_shape,
     model_shape,
     quantized_layers,
 )
-from compress.plugins import EXPORT_FORMATS, stage_kind
+from compress.plugins import EXPORT_FORMATS, stage_kind, stage_streams
 from compress.recipe import LoadedRecipe, Recipe
 
 # --------------------------------------------------------------------------- stages: memory and time
@@ -49,28 +52,35 @@ def stage_estimates(
 ) -> list[dict[str, Any]]:
     """One row per step of the run: load, each stage, evaluation, each export (``export_rows``:
     the artifacts rows, which end with the exports in recipe order)."""
-    dtype = DTYPE_BYTES[recipe.model.dtype]
-    base = shape.params * dtype  # the baseline stays in memory for the whole run
+    dtype_name = compute_dtype(recipe.model, shape.config)
+    dtype = DTYPE_BYTES[dtype_name]
+    whole = shape.params * dtype
+    unit = largest_unit_bytes(shape, dtype)
     cal = recipe.data.calibration
-    copies = "baseline + working copy" if recipe.stages else "the model"
     rows = [
         {
             "step": "load model",
-            "peak_memory_gb": (2 if recipe.stages else 1) * base / GB,
-            "time_s": base / LOAD_BYTES_PER_S,
-            "basis": f"{copies} at {recipe.model.dtype} ({shape.params:,} parameters); reading at ~{LOAD_BYTES_PER_S / GB:.1f} GB/s",
+            "peak_memory_gb": (LIBRARY_BYTES + unit) / GB,
+            "time_s": whole / LOAD_BYTES_PER_S,
+            "basis": f"the libraries (~{LIBRARY_BYTES / GB:.1f} GB) and one streamed unit at {dtype_name} (the largest, "
+            f"{unit / GB:.2f} GB): weights stay on disk; reading the checkpoint's digest at ~{LOAD_BYTES_PER_S / GB:.1f} GB/s",
         }
     ]
     cur = shape
+    streamed = True  # the model streams until a stage that needs it whole reads it into memory
     for i, stage in enumerate(recipe.stages):
         cfg = stage.config
         label = f"stages[{i}] {stage.kind}" + (f" {cfg.method}" if hasattr(cfg, "method") else "")
         kind = stage_kind(stage.kind, f"stages[{i}]")  # each kind (and quantization method) holds its own formula
-        step = PlanStep(cfg, cur, base + cur.params * dtype, cal, kv_bytes_per_token(cur.config, dtype), records)
+        streamed = streamed and stage_streams(stage)
+        held = LIBRARY_BYTES + (largest_unit_bytes(cur, dtype) if streamed else cur.params * dtype)
+        step = PlanStep(cfg, cur, held, cal, kv_bytes_per_token(cur.config, dtype), records, dtype)
         est = kind.estimate(step)
         if kind.plan_shape is not None:
             cur = kind.plan_shape(cur, cfg)
         rows.append({"step": label, "peak_memory_gb": est.memory_bytes / GB, "time_s": est.seconds, "basis": est.basis})
+    held = LIBRARY_BYTES + (largest_unit_bytes(cur, dtype) if streamed else cur.params * dtype)
+    where = "one streamed unit at a time" if streamed else "the compressed model in memory (a stage read it whole)"
     ev = recipe.data.evaluation
     if ev is not None:
         tokens = ev.samples * ev.seq_len
@@ -78,10 +88,10 @@ def stage_estimates(
         rows.append(
             {
                 "step": "evaluate",
-                "peak_memory_gb": (base + cur.params * dtype + _activation_bytes(cur, ev.batch_size, ev.seq_len)) / GB,
+                "peak_memory_gb": (held + eval_bytes(cur, ev.batch_size, ev.seq_len, dtype)) / GB,
                 "time_s": _forward_s(shape.params, tokens) + (_forward_s(cur.params, tokens) if recipe.stages else 0),
-                "basis": f"{models} model(s) x {ev.samples} x {ev.seq_len} tokens at 2 x params FLOPs/token, "
-                f"~{CPU_FORWARD_FLOPS / GB:.0f} GFLOPS",
+                "basis": f"the libraries, {where}, one batch's activations and hidden states, and logits a chunk of positions at "
+                f"a time; {models} model(s) x {ev.samples} x {ev.seq_len} tokens at 2 x params FLOPs/token, ~{CPU_FORWARD_FLOPS / GB:.0f} GFLOPS",
             }
         )
     for spec, art in zip(recipe.exports, export_rows[len(export_rows) - len(recipe.exports) :], strict=False):  # exports come last
@@ -89,9 +99,9 @@ def stage_estimates(
         rows.append(
             {
                 "step": f"export {spec.name} ({spec.format})",
-                "peak_memory_gb": (base + cur.params * dtype + 2 * art["size_bytes"]) / GB,
+                "peak_memory_gb": (held + 2 * art["size_bytes"]) / GB,
                 "time_s": EXPORT_BUILD_S * cur.params / REF_PARAMS + _forward_s(cur.params, tokens),
-                "basis": f"baseline + working copy + the file twice (written, then loaded by its runtime); ~{EXPORT_BUILD_S:.0f} s "
+                "basis": f"the libraries, {where}, and the file twice (built in memory, then loaded by its runtime); ~{EXPORT_BUILD_S:.0f} s "
                 f"per 135M parameters to write and prove it + scoring {tokens:,} tokens on its runtime",
             }
         )
@@ -161,7 +171,7 @@ def plan_recipe(
             "architecture": type(shape.model).__name__,
             "parameters": shape.params,
             "parameters_after_stages": final.params,
-            "dtype": recipe.model.dtype,
+            "dtype": compute_dtype(recipe.model, shape.config),
             "quantized_layers": len(records),
         },
         "steps": steps,

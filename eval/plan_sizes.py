@@ -18,6 +18,16 @@ from compress.sizes import DTYPE_BYTES, GB, ModelShape, Record, packed_bytes, sh
 # --------------------------------------------------------------------------- the model's shape
 
 
+def compute_dtype(spec: ModelSpec, config: Any) -> str:
+    """The recipe's ``model.dtype`` with ``auto`` resolved as the loader resolves it: the dtype the
+    model's config records (bfloat16 for most Hugging Face models; float32 for a GGUF source, which
+    is converted to float32), float32 when it records none."""
+    if spec.dtype != "auto":
+        return spec.dtype
+    stored = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+    return stored if stored in DTYPE_BYTES else "float32"
+
+
 def model_shape(spec: ModelSpec, base_dir: Path) -> ModelShape:
     config, origin = source_config(spec, base_dir)
     return shape_of(config, spec.trust_remote_code, origin)
@@ -115,7 +125,8 @@ def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
 def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: dict[str, Record]) -> list[dict[str, Any]]:
     """The run's artifacts (the baseline of shape ``source``, the others of ``shape``, after the
     stages) with format, runtime, estimated size and the KV-cache bytes per element they use."""
-    dtype_bits = 8 * DTYPE_BYTES[recipe.model.dtype]
+    dtype_name = compute_dtype(recipe.model, source.config)
+    dtype_bits = 8 * DTYPE_BYTES[dtype_name]
     rows = []
 
     def add(name: str, fmt: str, runtime: str, size: int, kv_bytes: float, basis: str) -> None:
@@ -132,7 +143,7 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
             }
         )
 
-    add("baseline", HF_FORMAT, TORCH_RUNTIME, source.params * dtype_bits // 8, dtype_bits / 8, f"every parameter at {recipe.model.dtype}")
+    add("baseline", HF_FORMAT, TORCH_RUNTIME, source.params * dtype_bits // 8, dtype_bits / 8, f"every parameter at {dtype_name}")
     if not recipe.stages:
         return rows
     packed = packed_bytes(shape, records, dtype_bits)
@@ -144,7 +155,7 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
         packed,
         dtype_bits / 8,
         f"{len(records)} quantized layers ({scheme_note}) packed: bits + scale bits / group (+ zero-point bits when asymmetric); "
-        f"the rest at {recipe.model.dtype}",
+        f"the rest at {dtype_name}",
     )
     kv = next((s.config for s in recipe.stages if stage_kind(s.kind).quantizes_kv_cache), None)
     if kv is not None and kv.evaluate is not None:

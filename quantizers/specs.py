@@ -35,15 +35,20 @@ def _weights(layers: dict[str, Any]) -> int:
 
 def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, how: str) -> Estimate:
     """Memory of a layer-wise calibrated method (block inputs and outputs of every calibration
-    token, one block's Hessians, half a forward's activations), with the method's own time."""
+    token at the compute dtype, one block's Hessians in float32, half a forward's activations), with
+    the method's own time. The records wait on disk (compress.quantizers.core.RecordStore)."""
     t = step.shape.text
     cal_tokens = step.cal_tokens
-    codes = _weights(layers)  # one uint8 per weight, unpacked
-    hidden_states = 2 * cal_tokens * t.hidden_size * 4
+    hidden_states = 2 * cal_tokens * t.hidden_size * step.dtype_bytes
     hessians = sum(r.in_f**2 for n, r in layers.items() if re.search(r"\.0\.", n)) * 4  # the first block's Linears
-    mem = step.held_bytes + codes + hidden_states + hessians + activation_bytes(step.shape, step.config.batch_size, step.cal_seq_len) / 2
-    basis = f"baseline + working copy + codes + block inputs/outputs of {cal_tokens:,} tokens (float32) + one block's Hessians; {how}"
+    mem = step.held_bytes + hidden_states + hessians + activation_bytes(step.shape, step.config.batch_size, step.cal_seq_len) / 2
+    basis = f"the libraries + one block + block inputs/outputs of {cal_tokens:,} tokens + one block's Hessians; {how}"
     return Estimate(mem, seconds, basis)
+
+
+def _streams_unless_llmcompressor(config: Any) -> bool:
+    """Our layer-wise driver streams; the llmcompressor backend needs the model whole in memory."""
+    return config.backend != "llmcompressor"
 
 
 # --------------------------------------------------------------------------- rtn
@@ -57,10 +62,11 @@ def _rtn_stage() -> type:
 
 def _rtn_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     weights = _weights(layers)
+    widest = max((r.out_f * r.in_f for r in layers.values()), default=0)
     return Estimate(
-        step.held_bytes + weights,  # + one uint8 code per weight
+        step.held_bytes + 6 * widest,  # the largest layer's float32 work copy and uint8 codes
         weights / RTN_WEIGHTS_PER_S,
-        f"baseline + working copy + uint8 codes of {weights:,} weights; ~{RTN_WEIGHTS_PER_S:.0e} weights/s",
+        f"the libraries + one unit + the largest layer's float32 copy and codes (records wait on disk); ~{RTN_WEIGHTS_PER_S:.0e} weights/s",
     )
 
 
@@ -96,7 +102,7 @@ GPTQ = MethodSpec(
     config=GPTQConfig,
     load_stage=_gptq_stage,
     estimate=_gptq_estimate,
-    streams=True,
+    streams=_streams_unless_llmcompressor,
     cost=3,
     description="GPTQ, column by column, each rounding error pushed onto the columns not yet quantized through the inverse Hessian of the inputs",
 )
@@ -126,7 +132,7 @@ AWQ = MethodSpec(
     config=AWQConfig,
     load_stage=_awq_stage,
     estimate=_awq_estimate,
-    streams=True,
+    streams=_streams_unless_llmcompressor,
     cost=2,
     description="AWQ, activation-aware per-input-channel scales folded into the previous layer, then a clipping search per group",
 )

@@ -87,7 +87,7 @@ def test_decoding_through_a_float_cache_equals_the_full_forward() -> None:
     model = tiny()
     x = ids(200)
     with torch.no_grad():
-        full = torch_forward(model, CPU)(x)
+        full = torch_forward(model, CPU)(x).full()
         stepped = cached_forward(model, CPU, lambda: DynamicCache(config=model.config), step=1)(x)
         prefilled = cached_forward(model, CPU, lambda: DynamicCache(config=model.config), step=7, prefill=50)(x)
     assert (stepped - full).abs().max() < 1e-4

@@ -12,8 +12,9 @@ import torch
 from compress import streaming
 from compress.context import RunContext, Stage, StageRecord
 from compress.distill.train import end_processes
-from compress.plugins import quant_method, stage_kind
-from compress.recipe import Recipe, StageSpec
+from compress.plugins import quant_method, stage_kind, stage_streams
+from compress.quantizers.core import RecordStore
+from compress.recipe import Recipe
 from compress.steps.load import Run, Source, load_teacher, work_dir_for  # noqa: F401 - work_dir_for re-exported
 
 
@@ -35,14 +36,6 @@ def build_stages(recipe: Recipe) -> list[Stage]:
     """One Stage per recipe stage, built by its kind's spec (compress.plugins.STAGE_KINDS); a kind
     or quantization method missing from the tables is a CompressError naming the known ones."""
     return [stage_kind(spec.kind, f"stages[{i}]").build(spec.config, f"stages[{i}]") for i, spec in enumerate(recipe.stages)]
-
-
-def streams(spec: StageSpec) -> bool:
-    """Whether a recipe stage works on a streamed model unit by unit (else the model is read whole first)."""
-    kind = stage_kind(spec.kind)
-    if kind.quantizes_weights:
-        return kind.streams and quant_method(spec.config.method).streams
-    return kind.streams
 
 
 def apply(run: Run, source: Source) -> Staged | None:
@@ -67,11 +60,13 @@ def apply(run: Run, source: Source) -> Staged | None:
         load_teacher=lambda name: load_teacher(run, name),
         run_id=hashlib.sha256(f"{recipe.sha256()}|{source.lm.facts.get('sha256')}".encode()).hexdigest(),
     )
+    if store is not None:  # a streamed model's records wait on disk too, not in memory
+        ctx.quantized = RecordStore(work_dir_for(run.out_dir) / "records")
     ctx.quantized.update(source.lm.quantized)  # layers of an imported quantized checkpoint are quantized already
     ctx.quantized_by.update(dict.fromkeys(source.lm.quantized, "model.source"))
     records: list[StageRecord] = []
     for i, stage in enumerate(stages):
-        if streaming.is_streamed(model) and not streams(recipe.stages[i]):
+        if streaming.is_streamed(model) and not stage_streams(recipe.stages[i]):
             with run.reporter.status(f"reading the whole model into memory for stages[{i}] ({recipe.stages[i].kind})"):
                 streaming.materialize(model, run.device)
         records.append(stage.apply(model, ctx))
@@ -97,12 +92,27 @@ def not_carried(staged: Staged) -> list[str]:
     return list(dict.fromkeys(notes))
 
 
+SCRATCH = ("overlay", "records", "baseline")
+"""Folders of the work directory a run needs only while it runs: the weights the stages changed,
+the quantized records, the baseline's cached hidden states."""
+
+
+def remove_scratch(run: Run) -> None:
+    """Delete a run's scratch folders whether it completed or failed (training checkpoints stay, so a
+    failed run resumes), then the work directory if nothing else is in it."""
+    work_dir = work_dir_for(run.out_dir)
+    for name in SCRATCH:
+        shutil.rmtree(work_dir / name, ignore_errors=True)
+    try:
+        work_dir.rmdir()
+    except OSError:  # absent, or holds checkpoints or something that is not ours
+        pass
+
+
 def remove_checkpoints(run: Run) -> None:
     """Delete the training checkpoints of a run whose artifact is complete: only the stage folders
     this run writes, then the work directory if nothing else is in it."""
     work_dir = work_dir_for(run.out_dir)
-    for scratch in ("overlay", "baseline"):  # the stages' changed weights, the baseline's cached hidden states
-        shutil.rmtree(work_dir / scratch, ignore_errors=True)
     for i, st in enumerate(run.recipe.stages):
         if stage_kind(st.kind).keeps_checkpoints:
             shutil.rmtree(work_dir / f"stages[{i}]", ignore_errors=True)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compress import streaming
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare
 from compress.export.onnx import builder as onnx_builder
@@ -42,6 +43,8 @@ def converted_model(model: nn.Module, plans: list[onnx_qdq.LayerPlan], dtype: to
     if not changed:
         return None
     copy_ = copy.deepcopy(model)
+    if streaming.is_streamed(copy_):  # its weights are changed in place below: read into memory
+        streaming.materialize(copy_, "cpu")
     modules = dict(copy_.named_modules())
     with torch.no_grad():
         for p in changed:

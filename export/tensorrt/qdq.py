@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compress import streaming
 from compress.errors import FormatError
 from compress.export.specs import BATCH, PAST, SEQUENCE, TOTAL
 from compress.quantizers.core import QuantizedWeight, QuantScheme
@@ -254,7 +255,7 @@ def export_program(model: nn.Module, quantized: list[str]) -> Any:
     kv_heads, head_dim = kv_shape(model)
     wrapper = PastPresentLM(model)
     batch, seq, past = 3, 7, 5
-    device = next(model.parameters()).device
+    device = streaming.compute_device(model)
     dtype = next(model.parameters()).dtype
     vocab = int(text_config(model).vocab_size)
     args = (
@@ -362,7 +363,10 @@ def write_qdq_onnx(
     torch_dtype = GRAPH_DTYPES[dtype]
     if plans is None:
         plans = plan_layers(records, fallback, fp8, torch_dtype)  # errors before exporting
-    source = model if next(model.parameters()).dtype == torch_dtype else copy.deepcopy(model).to(torch_dtype)
+    if streaming.is_streamed(model):  # torch.export traces the whole model: a copy read into memory (peak: the float model)
+        source = streaming.materialize(copy.deepcopy(model), "cpu").to(torch_dtype)
+    else:
+        source = model if next(model.parameters()).dtype == torch_dtype else copy.deepcopy(model).to(torch_dtype)
     program = export_program(source, [p.name for p in plans])
     for plan in plans:
         insert_dequantize(program.model.graph, plan, torch_dtype)
@@ -468,7 +472,7 @@ def check_qdq_onnx(directory: Path, model: nn.Module, input_ids: torch.Tensor) -
             step[name] = prefill[name.replace("past_key_values.", "present.")]
     decode = dict(zip(out_names, session.run(None, step), strict=True))
     with torch.no_grad():
-        full = torch.cat([input_ids.cpu(), torch.from_numpy(next_ids)], dim=1).to(next(model.parameters()).device)
+        full = torch.cat([input_ids.cpu(), torch.from_numpy(next_ids)], dim=1).to(streaming.compute_device(model))
         ref = model(input_ids=full, use_cache=False).logits.float().cpu()
     got = torch.cat([torch.from_numpy(prefill["logits"]), torch.from_numpy(decode["logits"])], dim=1).float()
     return {
