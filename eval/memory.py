@@ -130,6 +130,12 @@ class PhaseMemory:
     overall_cuda_mb: float | None = None
     _open: list[_Open] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        """The run starts here: an earlier peak of the process (a previous run in it, as a search's
+        candidates) is not this run's."""
+        if not _reset_high_water():
+            self.method = "ru_maxrss"
+
     def _reading(self, reset: bool) -> float:
         """The peak since the last reset, folded into every open phase and the overall peak; then reset."""
         value = _high_water_mb() if self.method == "vmhwm" else None
