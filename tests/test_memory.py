@@ -57,6 +57,32 @@ def test_without_a_resettable_mark_phases_read_the_process_peak(monkeypatch: pyt
     assert meter.phases["a"]["peak_rss_mb"] == pytest.approx(memory.maxrss_mb(), rel=0.05)
 
 
+def test_cuda_phases_read_and_reset_torchs_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA device each phase resets torch's peak counter at its start and reads it at its end
+    (torch.cuda stubbed: no GPU here); a CPU phase has no CUDA entry; a parent keeps its child's peak."""
+    import torch
+
+    state = {"peak": 0.0, "resets": 0}
+
+    def reset(device: object) -> None:
+        state["peak"], state["resets"] = 0.0, state["resets"] + 1
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    cuda, meter = torch.device("cuda", 0), PhaseMemory()
+    with meter.phase("outer", cuda):
+        with meter.phase("inner", cuda):
+            state["peak"] = 300 * MB
+        with meter.phase("later", cuda):
+            state["peak"] = 100 * MB
+    with meter.phase("cpu", torch.device("cpu")):
+        pass
+    assert state["resets"] == 3
+    assert meter.phases["inner"]["peak_cuda_mb"] == 300 and meter.phases["later"]["peak_cuda_mb"] == 100
+    assert meter.phases["outer"]["peak_cuda_mb"] == 300 and "peak_cuda_mb" not in meter.phases["cpu"]
+    assert meter.result()["peak_cuda_mb"] == 300
+
+
 def test_memory_section_against_the_plan_and_without_it() -> None:
     meter = PhaseMemory()
     with meter.phase("load_model"):
