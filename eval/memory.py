@@ -66,11 +66,6 @@ CLEAR_REFS = Path("/proc/self/clear_refs")
 RESET_HIGH_WATER_MARK = "5"  # proc(5): writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its current RSS
 MIB = 2**20
 
-METHODS = {
-    "vmhwm": "VmHWM of /proc/self/status, reset at the start of each phase (clear_refs)",
-    "ru_maxrss": "ru_maxrss of getrusage: the process's peak so far at the end of each phase (its high-water mark cannot be reset here)",
-}
-
 
 def _high_water_mb() -> float | None:
     """The process's peak resident memory since the last reset (VmHWM), in MiB; None where unreadable."""
