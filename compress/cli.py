@@ -668,6 +668,40 @@ def bench_kv(
     _print_results(markdown_table(result), output)
 
 
+@bench_app.command("memory")
+@guarded
+def bench_memory(
+    output: Path = typer.Option(Path("bench-memory"), "-o", "--output", help="Directory for results.json and results.md."),
+    model: str = typer.Option(
+        "reference:smollm2-135m", help="Model source: reference:smollm2-135m, reference:qwen2.5-coder-1.5b, or a Hugging Face folder."
+    ),
+    calibration: str = _CALIBRATION_OPTION,
+    cal_samples: int = _CAL_SAMPLES_OPTION,
+    cal_seq_len: int = _CAL_SEQ_LEN_OPTION,
+    evaluation: str = _EVALUATION_OPTION,
+    eval_samples: int = _EVAL_SAMPLES_OPTION,
+    eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
+    methods: str = typer.Option("rtn,gptq", help="Comma-separated methods, each run at W4 g128 symmetric."),
+    cut_blocks: int = typer.Option(4, min=1, help="Blocks of the cut copy the model is compared with."),
+    threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads of each run."),
+    set_: list[str] | None = SetOption,
+    keep_files: bool = typer.Option(False, help="Keep the cut copy and the runs' artifacts under OUTPUT/files."),
+) -> None:
+    """Peak RSS per phase, peak RSS / checkpoint size and seconds per block of `compress run` (a fresh
+    process each) on the model and on a copy cut to --cut-blocks blocks: does memory grow with depth?"""
+    from compress.eval.bench_memory import markdown_table, run_memory_bench
+    from compress.plugins import QUANT_METHODS
+    from compress.progress import Reporter
+
+    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in QUANT_METHODS]
+    if unknown or not chosen:
+        raise CompressError(f"--methods: unknown or none ({', '.join(unknown)}); known: {', '.join(QUANT_METHODS)}")
+    data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
+    result = run_memory_bench(model, data, chosen, cut_blocks, output, threads, Reporter(err), set_ or [], keep_files)
+    _print_results(markdown_table(result), output)
+
+
 @bench_app.command("latency")
 @guarded
 def bench_latency(

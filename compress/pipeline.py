@@ -54,7 +54,8 @@ def run_recipe(
 
 def _run(run: load.Run, loaded: LoadedRecipe, overwrite: bool, step_summary: bool) -> RunResult:
     source = load.load(run)  # the source model (the baseline), tokenizer, data
-    staged = stages.apply(run, source)  # prune, quantize, distill, … on a copy
+    with run.timed("stages_s"):
+        staged = stages.apply(run, source)  # prune, quantize, distill, … on a copy
     if staged is None:
         return RunResult(run.out_dir, {}, {"secondary_process": run.rank}, [], [])
     exports.check(run, source, staged)  # an export that cannot hold the records fails before the evaluation
@@ -62,7 +63,8 @@ def _run(run: load.Run, loaded: LoadedRecipe, overwrite: bool, step_summary: boo
     evaluations = list(in_memory.evaluations)
     manifest = write.build_manifest(run, source, staged)
     with atomic_directory(run.out_dir, overwrite=overwrite) as root:
-        write.write_model_files(root, run, source, staged)
+        with run.timed("write_model_s"):
+            write.write_model_files(root, run, source, staged)
         exported = exports.write(root, run, source, staged)  # each export verified on its own runtime
         evaluations += exported.evaluations
         host = None

@@ -111,6 +111,37 @@ def stage_estimates(
 # --------------------------------------------------------------------------- the plan
 
 
+def _estimate(loaded: LoadedRecipe) -> tuple[ModelShape, ModelShape, dict[str, Record], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The model's shape before and after the stages, the quantized layers, the artifacts and the step rows."""
+    recipe = loaded.recipe
+    shape = model_shape(recipe.model, loaded.base_dir)
+    final = final_shape(recipe, shape)
+    check_group_sizes(recipe, final)
+    records = quantized_layers(recipe, final)
+    arts = artifacts(recipe, shape, final, records)
+    return shape, final, records, arts, stage_estimates(recipe, shape, records, arts)
+
+
+def run_estimate(loaded: LoadedRecipe) -> dict[str, Any]:
+    """What `compress plan` predicts for a run of the recipe, from the model's config alone: peak
+    host memory and time in total and for each phase of the run as ``compress run`` names them
+    (load_model, stages, evaluate, exports: the peak of the phase's rows). The plan estimates host
+    memory only (a CPU run), no device memory. Raises CompressError where `compress plan` would."""
+    recipe = loaded.recipe
+    steps = _estimate(loaded)[-1]
+    n = len(recipe.stages)
+    groups = {"load_model": steps[:1], "stages": steps[1 : 1 + n]}
+    rest = steps[1 + n :]
+    if recipe.data.evaluation is not None:
+        groups["evaluate"], rest = rest[:1], rest[1:]
+    groups["exports"] = rest
+    return {
+        "peak_memory_gb": max(r["peak_memory_gb"] for r in steps),
+        "time_s": sum(r["time_s"] for r in steps),
+        "phases": {phase: max(r["peak_memory_gb"] for r in rows) for phase, rows in groups.items() if rows},
+    }
+
+
 def plan_recipe(
     loaded: LoadedRecipe, devices: dict[str, DeviceProfile], targets: list[str], context: int | None = None, batch: int | None = None
 ) -> dict[str, Any]:
@@ -125,12 +156,7 @@ def plan_recipe(
         named = [t.device for t in recipe.targets]
         targets = ([LOCAL] if LOCAL in devices and LOCAL not in named else []) + named if named else list(devices)
     chosen = [get_profile(devices, n) for n in dict.fromkeys(targets)]
-    shape = model_shape(recipe.model, loaded.base_dir)
-    final = final_shape(recipe, shape)
-    check_group_sizes(recipe, final)
-    records = quantized_layers(recipe, final)
-    arts = artifacts(recipe, shape, final, records)
-    steps = stage_estimates(recipe, shape, records, arts)
+    shape, final, records, arts, steps = _estimate(loaded)
     fits = []
     for dev in chosen:
         ctx, n = _serving(recipe, dev.name, context, batch)

@@ -293,6 +293,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
         )
     lines += _search_lines(report.get("search"))
     lines += _export_lines(report.get("exports"))
+    lines += _run_memory_lines(report.get("memory"))
     if estimated:
         lines += [f"[^estimated]: {ESTIMATED_NOTE}", ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -330,6 +331,41 @@ def _export_lines(exports: list[dict[str, Any]] | None) -> list[str]:
         for e in exports
     ]
     return ["### Exports", "", *table_lines(["Export", "Format", "Verified", "Evaluated as"], rows)]
+
+
+MEMORY_METHODS = {
+    "vmhwm": "each phase's own peak (the kernel's high-water mark, reset when the phase starts)",
+    "ru_maxrss": "the process's peak so far at the end of each phase (its high-water mark could not be reset)",
+}
+
+
+def _run_memory_lines(memory: dict[str, Any] | None) -> list[str]:
+    """The run's peak memory per phase against `compress plan`'s prediction (report.json's ``memory``)."""
+    if not memory:
+        return []
+    cuda = "peak_cuda_mb" in memory or any("peak_cuda_mb" in p for p in memory.get("phases", {}).values())
+    predicted = memory.get("predicted") or {}
+    ratios = memory.get("measured_over_predicted") or {}
+
+    def row(name: str, item: dict[str, Any], plan: Any, ratio: Any) -> list[Any]:
+        cells = [name, _fmt(item.get("peak_rss_mb"), 6)]
+        return cells + ([_fmt(item.get("peak_cuda_mb"), 6)] if cuda else []) + [_fmt(plan, 6), _fmt(ratio, 3)]
+
+    rows = [row(k, p, p.get("predicted_rss_mb"), p.get("measured_over_predicted")) for k, p in memory.get("phases", {}).items()]
+    rows.append(row("**run**", memory, predicted.get("peak_rss_mb"), ratios.get("peak_rss")))
+    header = ["Phase", "Peak RSS (MiB)", *(["Peak CUDA (MiB)"] if cuda else []), "Plan (MiB)", "Measured / plan"]
+    notes = [f"Peak RSS: {MEMORY_METHODS.get(memory.get('method'), memory.get('method'))}."]
+    notes.append(
+        f"Child processes' peak: {_fmt(memory.get('children_peak_rss_mb'), 6)} MiB (an upper bound: a child counts this "
+        "process's memory at its start)."
+    )
+    if "error" in predicted:
+        notes.append(f"No plan: {predicted['error']}")
+    else:
+        notes.append(
+            f"Wall time {_fmt(memory.get('wall_s'), 6)} s, plan {_fmt(predicted.get('time_s'), 6)} s (measured / plan {_fmt(ratios.get('time'), 3)})."
+        )
+    return ["### Peak memory per phase", "", *table_lines(header, rows), " ".join(notes), ""]
 
 
 def append_github_summary(markdown: str) -> bool:

@@ -77,6 +77,20 @@ def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text
     assert set(manifest["files"]) == set(checksums(out)) - {"manifest.json"}
     assert not list(tmp_path.glob(".out.partial-*"))
 
+    # peak memory per phase: each phase the run timed, positive, none above the run's peak; the plan's prediction beside it
+    memory = report["memory"]
+    assert memory["method"] == "vmhwm"  # Linux: each phase's own peak
+    assert set(memory["phases"]) == {k.removesuffix("_s") for k in timings} - {"total"}
+    assert {"load_model", "prepare_data", "stages", "evaluate", "write_model"} <= set(memory["phases"])
+    for phase in memory["phases"].values():
+        assert 0 < phase["peak_rss_mb"] <= memory["peak_rss_mb"]
+    assert 0 < memory["wall_s"] <= timings["total_s"]
+    predicted = memory["predicted"]
+    assert predicted["peak_rss_mb"] > 0 and predicted["time_s"] > 0 and predicted["peak_cuda_mb"] is None
+    assert memory["measured_over_predicted"]["peak_rss"] == pytest.approx(memory["peak_rss_mb"] / predicted["peak_rss_mb"], rel=1e-2)
+    assert memory["phases"]["stages"]["predicted_rss_mb"] > 0
+    assert "### Peak memory per phase" in (out / "summary.md").read_text()
+
 
 def test_artifact_reloads_to_the_same_model(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, bits=3, group_size=64, symmetric=False))

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 from pydantic.json_schema import SkipJsonSchema
 from typing_extensions import TypeAliasType
 
-REPORT_VERSION = 3
+REPORT_VERSION = 4
 """report.json's schema_version (the one place it is defined)."""
 
 SOURCES = ("measured", "estimated")  # where an evaluation's numbers came from
@@ -149,6 +149,52 @@ class Search(Open):
     chosen: str | None
 
 
+class PhaseMemory(Closed):
+    """Peak memory of one phase of a run."""
+
+    peak_rss_mb: Number = Field(description="Peak resident memory of the process during the phase, MiB (see the section's method).")
+    peak_cuda_mb: Number | SkipJsonSchema[None] = Field(
+        None, description="Peak CUDA memory allocated by torch during the phase, MiB (phases on a CUDA device only)."
+    )
+    predicted_rss_mb: Number | SkipJsonSchema[None] = Field(
+        None, description="`compress plan`'s estimate of the phase's peak memory (the peak of its rows), MiB."
+    )
+    measured_over_predicted: Number | SkipJsonSchema[None] = Field(None, description="peak_rss_mb / predicted_rss_mb.")
+
+
+class MemoryPrediction(Closed):
+    """What `compress plan` predicts for the same recipe, from the model's config alone."""
+
+    peak_rss_mb: Number | SkipJsonSchema[None] = Field(None, description="Peak host memory, MiB.")
+    peak_cuda_mb: Number | None | SkipJsonSchema[None] = Field(None, description="Peak device memory, MiB (null: not predicted).")
+    time_s: Number | SkipJsonSchema[None] = Field(None, description="Wall time, seconds.")
+    error: str | SkipJsonSchema[None] = Field(None, description="Why there is no prediction (the plan could not be computed).")
+
+
+class RunMemory(Closed):
+    """Peak memory of `compress run`, per phase and in total, against `compress plan`'s prediction."""
+
+    method: Literal["vmhwm", "ru_maxrss"] = Field(
+        description="vmhwm: each phase's own peak (VmHWM of /proc/self/status, reset when the phase starts); "
+        "ru_maxrss: the process's peak so far at the end of each phase (where the peak cannot be reset)."
+    )
+    phases: dict[str, PhaseMemory] = Field(
+        description="Phase (load_model, prepare_data, stages, evaluate, write_model, exports, ...) -> peaks."
+    )
+    peak_rss_mb: Number = Field(description="Peak resident memory of the run's process, MiB, up to the writing of report.json.")
+    peak_cuda_mb: Number | SkipJsonSchema[None] = Field(None, description="Peak CUDA memory over the phases on a CUDA device, MiB.")
+    children_peak_rss_mb: Number = Field(
+        description="The largest peak resident memory of a child process the run waited for (latency workers, runtimes), MiB; "
+        "0 if none. An upper bound: Linux counts a child's peak from before it starts its program, while it still shares "
+        "the run's memory, so every child reads at least the run's resident memory when it was started."
+    )
+    wall_s: Number = Field(description="Seconds from the start of the run to the writing of report.json.")
+    predicted: MemoryPrediction
+    measured_over_predicted: dict[str, Number] | SkipJsonSchema[None] = Field(
+        None, description="peak_rss: peak_rss_mb / predicted peak; time: wall_s / predicted time."
+    )
+
+
 class Report(Closed):
     """report.json."""
 
@@ -174,4 +220,7 @@ class Report(Closed):
     kv_cache: dict[str, Any] | SkipJsonSchema[None] = None
     artifact: dict[str, Any] | SkipJsonSchema[None] = Field(
         None, description="compress gate: the artifact under test, its kind, baseline and gates file"
+    )
+    memory: RunMemory | SkipJsonSchema[None] = Field(
+        None, description="compress run: peak memory per phase and in total, against compress plan's prediction (version 4)"
     )

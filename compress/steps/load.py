@@ -19,6 +19,7 @@ from compress.distill.train import process_rank
 from compress.errors import CompressError
 from compress.eval.baseline import CachedBaseline
 from compress.eval.devices import LOCAL, get_profile, load_profiles
+from compress.eval.memory import PhaseMemory
 from compress.eval.metrics import Forward
 from compress.eval.performance import baseline_timed, wanted_devices
 from compress.fsutil import check_target
@@ -43,6 +44,7 @@ class Run:
     threads: int
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
+    memory: PhaseMemory = field(default_factory=PhaseMemory)
 
     @property
     def recipe(self) -> Recipe:
@@ -54,11 +56,15 @@ class Run:
 
     @contextmanager
     def timed(self, key: str, record: bool = True) -> Iterator[None]:
-        """Time the block into ``timings[key]`` (the manifest's timings) when ``record``."""
+        """Time the block into ``timings[key]`` (the manifest's timings) and measure its peak memory
+        (report.json's ``memory``, phase ``key`` without ``_s``) when ``record``."""
+        if not record:
+            yield
+            return
         t = time.perf_counter()
-        yield
-        if record:
-            self.timings[key] = time.perf_counter() - t
+        with self.memory.phase(key.removesuffix("_s"), self.device):
+            yield
+        self.timings[key] = time.perf_counter() - t
 
 
 @dataclass

@@ -17,6 +17,8 @@ import torch
 
 from compress.artifact import WEIGHTS_FORMAT, checksums, stored_as, write_model
 from compress.documents import json_safe, library_versions, write_document
+from compress.eval.memory import memory_section
+from compress.eval.plan import run_estimate
 from compress.eval.reports import write_reports
 from compress.schema.manifest import MANIFEST_VERSION, Manifest
 from compress.schema.report import Report
@@ -97,13 +99,15 @@ def write_interim_manifest(root: Path, manifest: dict[str, Any]) -> None:
 
 
 def write_documents(root: Path, run: Run, manifest: dict[str, Any], report: dict[str, Any], exported: Exported, step_summary: bool) -> None:
-    """report.json and its JUnit/Markdown/plot renderings, then manifest.json last, with the
-    exports, the timings and the SHA-256 of every other file in the artifact."""
+    """report.json (with the run's peak memory per phase against `compress plan`'s prediction) and its
+    JUnit/Markdown/plot renderings, then manifest.json last, with the exports, the timings and the
+    SHA-256 of every other file in the artifact."""
     recipe = run.recipe
     if "kv_cache" in report:
         manifest["kv_cache"] = report["kv_cache"]
     manifest["exports"] = exported.entries
     with run.reporter.status(f"writing artifact {run.out_dir}"):
+        report["memory"] = memory_section(run.memory, time.perf_counter() - run.started, lambda: run_estimate(run.loaded))
         write_document(root / "report.json", report, Report)
         write_reports(root, json_safe(report), suite=recipe.name or run.loaded.path.stem, step_summary=step_summary)
         run.timings["total_s"] = time.perf_counter() - run.started
