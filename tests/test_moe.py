@@ -1,18 +1,26 @@
 """Mixture-of-experts (Qwen3-MoE) quantization with every expert calibrated: one record per expert matrix,
-routed tokens counted, the min-tokens rule (quantizers/moe.py)."""
+routed tokens counted, the min-tokens rule, the coverage in the manifest and a gate on it (quantizers/moe.py)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
+from compress.artifact import load_artifact
 from compress.context import RunContext
 from compress.errors import CompressError
+from compress.eval.gates import evaluate_gates
 from compress.experts import PROJECTIONS, expert_view
 from compress.progress import Reporter
 from compress.quantizers.awq import AWQConfig, AWQStage
 from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.moe import unfused
+from compress.recipe import GateSpec
+from compress.steps.evaluate import expert_coverage
+from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_model
 
 EXPERTS, TOP_K = 8, 2  # tests/tiny.py ARCH_DEFAULTS["qwen3_moe"]
@@ -121,6 +129,48 @@ def test_min_tokens_rule_counts_the_experts_below_it() -> None:
     moe = record.summary["moe"]
     assert moe["experts_under_min"] == 2 * EXPERTS and moe["min_tokens"] == 10_000 and moe["under_min"] == "all_tokens"
     assert all(info["calibration_tokens"] == tokens.numel() for name, info in record.layers.items() if ".experts." in name)
+
+
+def test_a_gate_reads_the_expert_coverage() -> None:
+    model = tiny_model("qwen3_moe")
+    never_route(model, 1, 2)
+    record = stage("gptq").apply(model, ctx_for(calibration()))
+    [evaluation] = expert_coverage([record], "cpu")
+    assert evaluation.kind == "calibration" and evaluation.metrics["experts_under_min"] >= 1
+    assert evaluation.metrics["min_expert_tokens"] == 0
+    gates = [
+        GateSpec(metric="experts_under_min", max=0),
+        GateSpec(metric="experts_under_min", max=2 * EXPERTS),
+        GateSpec(metric="min_expert_tokens", min=1),
+    ]
+    assert [g.passed for g in evaluate_gates(gates, [evaluation])] == [False, True, False]
+    assert expert_coverage([stage("gptq").apply(tiny_model("llama"), ctx_for(calibration()))], "cpu") == []  # dense: none
+
+
+def test_moe_recipe_end_to_end(tmp_path: Path, tiny_moe_model_dir: Path, text_dir: Path) -> None:
+    gates = "  - {metric: experts_under_min, max: 0}\n  - {metric: min_expert_tokens, min: 1}\n"
+    text = recipe_text(tiny_moe_model_dir, text_dir, group_size=32, gates=gates).replace("method: rtn", "method: awq")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    manifest = json.loads((out / "manifest.json").read_text())
+    moe = manifest["stages"][0]["summary"]["moe"]
+    assert moe["experts_under_min"] > 0  # 4 x 64 tokens x top-2 over 8 experts: about 64 each, some fewer (min_tokens 64)
+    assert result.exit_code == 1, result.output  # the first gate fails, the second passes
+    report = json.loads((out / "report.json").read_text())
+    assert [g["passed"] for g in report["gates"]] == [False, True]
+    layers = manifest["quantization"]["layers"]
+    assert layers["model.layers.1.mlp.experts.7.down_proj"]["stored_as"] == "records"
+    model, _, records = load_artifact(out)  # the records read back into the fused parameters
+    for name in [n for n in records if ".experts." in n]:
+        assert torch.equal(expert_view(model, name), records[name].dequantize(torch.float32)), name
+
+
+def test_exports_refuse_moe_records(tmp_path: Path, tiny_moe_model_dir: Path, text_dir: Path) -> None:
+    text = recipe_text(tiny_moe_model_dir, text_dir, group_size=32).replace("method: rtn", "method: gptq")
+    text = text.replace("exports: []", "exports:\n  - {format: gguf, name: q4, type: q4_0}")
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", tmp_path / "out"])
+    assert result.exit_code == 2 and "exports[0] (q4): the gguf export cannot carry the quantized experts" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_unfused_experts_compute_what_the_fused_ones_do() -> None:

@@ -18,6 +18,7 @@ import torch
 from compress.artifact import WEIGHTS_FORMAT, checksums, stored_as, write_model
 from compress.documents import json_safe, library_versions, write_document
 from compress.eval.reports import write_reports
+from compress.experts import expert_view
 from compress.schema.manifest import MANIFEST_VERSION, Manifest
 from compress.schema.report import Report
 from compress.steps.exports import Exported
@@ -65,7 +66,7 @@ def build_manifest(run: Run, source: Source, staged: Staged) -> dict[str, Any]:
                     "scheme": rec.scheme.model_dump(mode="json"),
                     "shape": list(rec.shape),
                     "stage": ctx.quantized_by[name],
-                    "stored_as": stored_as(rec),
+                    "stored_as": stored_as(rec, expert_view(staged.model, name) is not None),
                 }
                 for name, rec in ctx.quantized.items()
             },
