@@ -12,6 +12,7 @@ import torch
 from compress.artifact import load_artifact
 from compress.context import RunContext
 from compress.errors import CompressError
+from compress.eval.coverage import expert_coverage
 from compress.eval.gates import evaluate_gates
 from compress.experts import PROJECTIONS, expert_view
 from compress.progress import Reporter
@@ -19,7 +20,6 @@ from compress.quantizers.awq import AWQConfig, AWQStage
 from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.moe import unfused
 from compress.recipe import GateSpec
-from compress.steps.evaluate import expert_coverage
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_model
 
@@ -135,7 +135,7 @@ def test_a_gate_reads_the_expert_coverage() -> None:
     model = tiny_model("qwen3_moe")
     never_route(model, 1, 2)
     record = stage("gptq").apply(model, ctx_for(calibration()))
-    [evaluation] = expert_coverage([record], "cpu")
+    [evaluation] = expert_coverage([("stages[0]", record.summary)], "cpu")
     assert evaluation.kind == "calibration" and evaluation.metrics["experts_under_min"] >= 1
     assert evaluation.metrics["min_expert_tokens"] == 0
     gates = [
@@ -144,7 +144,8 @@ def test_a_gate_reads_the_expert_coverage() -> None:
         GateSpec(metric="min_expert_tokens", min=1),
     ]
     assert [g.passed for g in evaluate_gates(gates, [evaluation])] == [False, True, False]
-    assert expert_coverage([stage("gptq").apply(tiny_model("llama"), ctx_for(calibration()))], "cpu") == []  # dense: none
+    dense = stage("gptq").apply(tiny_model("llama"), ctx_for(calibration()))
+    assert expert_coverage([("stages[0]", dense.summary)], "cpu") == []  # a dense model: no coverage to gate
 
 
 def test_moe_recipe_end_to_end(tmp_path: Path, tiny_moe_model_dir: Path, text_dir: Path) -> None:
@@ -163,6 +164,11 @@ def test_moe_recipe_end_to_end(tmp_path: Path, tiny_moe_model_dir: Path, text_di
     model, _, records = load_artifact(out)  # the records read back into the fused parameters
     for name in [n for n in records if ".experts." in n]:
         assert torch.equal(expert_view(model, name), records[name].dequantize(torch.float32)), name
+    gates = tmp_path / "gates.yaml"  # compress gate reads the coverage from the artifact's manifest
+    gates.write_text("gates:\n  - {metric: experts_under_min, max: 1000}\n  - {metric: min_expert_tokens, min: 100000}\n")
+    gated = run_cli(["gate", out, "--gates", gates, "-o", tmp_path / "r", "-q"])
+    assert gated.exit_code == 1, gated.output
+    assert [g["passed"] for g in json.loads((tmp_path / "r" / "report.json").read_text())["gates"]] == [True, False]
 
 
 def test_exports_refuse_moe_records(tmp_path: Path, tiny_moe_model_dir: Path, text_dir: Path) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from compress.data import Chunks
+from compress.eval.coverage import expert_coverage
 from compress.eval.kv_eval import evaluate_kv
 from compress.eval.metrics import Evaluation, Scores, compare, torch_forward
 from compress.progress import Reporter
@@ -31,7 +32,7 @@ def in_memory(run: Run, source: Source, staged: Staged) -> InMemory:
         with run.timed("evaluate_s"):
             compressed = staged.model if staged.changed else None
             found.evaluations += compare_models(source.baseline, compressed, source.eval_chunks, run.recipe, run.device, run.reporter)
-    found.evaluations += expert_coverage(staged.records, run.device.type)
+    found.evaluations += expert_coverage([(f"stages[{i}]", r.summary) for i, r in enumerate(staged.records)], run.device.type)
     if staged.ctx.kv_cache is not None:
         with run.timed("evaluate_kv_cache_s"):
             kv_eval, found.kv_cache = evaluate_kv_stage(run, source, staged)
@@ -64,23 +65,6 @@ def compare_models(
         Evaluation(artifact=name, runtime="torch", device=device.type, metrics=metrics[name], details=details)
         for name in ("baseline", "compressed")
     ]
-
-
-def expert_coverage(records: list[Any], device: str) -> list[Evaluation]:
-    """The compressed model's mixture-of-experts calibration coverage (the stages' ``summary.moe``,
-    quantizers/moe.py) as a ``calibration`` evaluation gates can read; none for a dense model."""
-    stages = [(f"stages[{i}]", r.summary["moe"]) for i, r in enumerate(records) if "moe" in r.summary]
-    if not stages:
-        return []
-    metrics = {
-        "experts_under_min": float(sum(moe["experts_under_min"] for _, moe in stages)),
-        "min_expert_tokens": float(min(moe["min_expert_tokens"] for _, moe in stages)),
-    }
-    details = {
-        "stages": {label: {k: moe[k] for k in ("min_tokens", "under_min", "experts", "experts_under_min")} for label, moe in stages},
-        "counted": "calibration tokens routed to each expert by its block's router (top-k), per quantize stage",
-    }
-    return [Evaluation(artifact="compressed", runtime="torch", device=device, metrics=metrics, details=details, kind="calibration")]
 
 
 def evaluate_kv_stage(run: Run, source: Source, staged: Staged) -> tuple[list[Evaluation], dict[str, Any]]:
