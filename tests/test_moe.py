@@ -203,3 +203,30 @@ def test_ignored_experts_are_neither_unfused_nor_counted() -> None:
     record = GPTQStage(cfg, "stages[0]").apply(model, ctx)
     assert "moe" not in record.summary and not any(".experts." in n for n in ctx.quantized)
     assert record.summary["layers_quantized"] == 2 * 4  # attention only
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_dense_blocks_of_an_moe_model_are_quantized_as_dense(method: str) -> None:
+    model = tiny_model("qwen3_moe", mlp_only_layers=[1])  # block 1 has a plain MLP (gate/up/down Linears)
+    ctx = ctx_for(calibration())
+    record = stage(method).apply(model, ctx)
+    assert [b["block"] for b in record.summary["moe"]["blocks"]] == [0]
+    assert {"model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"} <= set(ctx.quantized)
+    assert len(ctx.quantized) == 4 + 3 * EXPERTS + 7
+    if method == "awq":  # the dense block's MLP mappings ran (norm -> gate/up scaled, not skipped)
+        assert record.layers["model.layers.1.mlp.gate_proj"]["awq_alpha"] is not None
+        assert record.layers["model.layers.0.mlp.experts.0.gate_proj"]["awq_alpha"] is not None
+
+
+def test_awq_calibrates_an_unrouted_expert_on_all_tokens() -> None:
+    tokens = calibration()
+    model = tiny_model("qwen3_moe")
+    never_route(model, 0, 3)
+    ctx = ctx_for(tokens)
+    record = stage("awq").apply(model, ctx)
+    assert record.summary["moe"]["blocks"][0]["calibrated_on_all_tokens"] == [3]
+    for p in PROJECTIONS:
+        name = f"model.layers.0.mlp.experts.3.{p}"
+        assert record.layers[name]["calibration_tokens"] == tokens.numel()
+        assert torch.equal(expert_view(model, name), ctx.quantized[name].dequantize(torch.float32))
+    assert record.layers["model.layers.0.mlp.experts.3.down_proj"]["awq_alpha"] is not None  # its up -> down mapping ran
