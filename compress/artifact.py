@@ -17,6 +17,9 @@ Layout (written atomically by the pipeline)::
         size): their records in the internal layout, ``<name>.weight_codes`` (uint8, one per weight),
         ``<name>.weight_scale``, ``<name>.weight_zero_point``. model.safetensors holds those layers'
         dequantized weights as float Linears (so model/ still loads and computes the same model).
+        The experts of a fused mixture-of-experts block (compress/experts.py) are always stored here:
+        pack-quantized targets Linear layers, and model.safetensors holds the fused ``gate_up_proj`` /
+        ``down_proj`` parameters with every expert's dequantized weights.
 
 manifest.json ``quantization`` names the layout (``weights_format``: WEIGHTS_FORMAT) and, per
 quantized layer, its scheme and where it is stored (``stored_as``). The records read back from
@@ -39,6 +42,7 @@ import torch
 from torch import nn
 
 from compress.errors import ArtifactError, CompressError
+from compress.experts import expert_view
 from compress.hf_model import assemble_model, checksums, embeddings_tied, float_tensors, write_config_and_tokenizer  # noqa: F401 - re-exported (they lived here)
 from compress.inputs import check_json, check_model_directory, check_safetensors
 from compress.quantizers.core import QuantizedWeight, QuantScheme
@@ -63,11 +67,12 @@ class StoredAs:
     RECORDS = "records"  # in RECORDS_FILE, the internal layout
 
 
-def stored_as(record: QuantizedWeight) -> str:
-    """Where write_model stores ``record``: packed in model/, or in the fallback records file."""
+def stored_as(record: QuantizedWeight, fused_expert: bool = False) -> str:
+    """Where write_model stores ``record``: packed in model/, or in the fallback records file (a scheme
+    pack-quantized cannot hold, or a slice of a fused-experts parameter)."""
     from compress.export.checkpoint.compressed_tensors import stored_scheme
 
-    return StoredAs.RECORDS if stored_scheme(record.scheme, record.shape) is None else StoredAs.PACKED
+    return StoredAs.RECORDS if fused_expert or stored_scheme(record.scheme, record.shape) is None else StoredAs.PACKED
 
 
 def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
@@ -85,7 +90,7 @@ def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: dict[st
     fallback: dict[str, QuantizedWeight] = {}
     for name, record in quantized.items():
         scheme = compressed_tensors.stored_scheme(record.scheme, record.shape)
-        if scheme is None:
+        if scheme is None or expert_view(model, name) is not None:
             fallback[name] = record.cpu()
         else:
             packed[name] = compressed_tensors.split_groups(record.cpu(), scheme)

@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 
 from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
+from compress.eval.coverage import expert_coverage
 from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
 from compress.eval.latency import LatencySettings, Target, load_torch_model, tree_size
@@ -95,6 +96,7 @@ class Subject:
     data: dict[str, Any] | None  # the run's data spec (artifact directories)
     base_dir: Path
     stand_ins: list[str]  # checkpoint exports that hold the compressed records
+    stages: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)  # (label, summary) from the manifest
 
 
 def inspect(path: Path) -> Subject:
@@ -128,7 +130,8 @@ def inspect(path: Path) -> Subject:
                 stand_ins.append(export["name"])  # holds the compressed records: gated on the compressed evaluation
             elif (where := fmt.timed_path(path / export["path"], export)) is not None:
                 timed.append(Timed(export["name"], Target(fmt.runtime, str(where[0]), where[1])))
-        return Subject("artifact", timed, source, data, Path(recipe_path).expanduser().parent, stand_ins)
+        stages = [(s.get("label", f"stages[{i}]"), s.get("summary")) for i, s in enumerate(manifest.get("stages") or [])]
+        return Subject("artifact", timed, source, data, Path(recipe_path).expanduser().parent, stand_ins, stages)
     if (path / "config.json").is_file():
         check_model_directory(path)
         return Subject("hf", [Timed("compressed", Target("torch", str(path)))], None, None, Path.cwd(), [])
@@ -242,6 +245,7 @@ def run_gate(
         evaluations += device_evaluations(profiles, devices, timed, measured, settings, _params(timed))
     compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind == "accuracy"]
     evaluations += [dataclasses.replace(e, artifact=name) for name in subject.stand_ins for e in compressed]
+    evaluations += expert_coverage(subject.stages, "cpu")  # an MoE artifact's calibration coverage, from its manifest
     results = evaluate_gates(gates, evaluations)
     report = {
         "schema_version": REPORT_VERSION,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from compress.errors import ArtifactError
+from compress.experts import expert_view
 from compress.fsutil import sha256_file
 from compress.quantizers.core import QuantizedWeight
 
@@ -75,6 +76,10 @@ def assemble_model(
     modules = dict(model.named_modules())
     for name, record in records.items():
         module = modules.get(name)
+        expert = expert_view(model, name) if module is None else None  # a slice of a fused-experts parameter
+        if expert is not None and tuple(expert.shape) == record.shape:
+            expert.copy_(record.dequantize(dtype))
+            continue
         if module is None or tuple(module.weight.shape) != record.shape:
             found = "no such layer" if module is None else f"the model's layer is {tuple(module.weight.shape)}"
             raise ArtifactError(f"{where}: quantized layer {name} {record.shape} does not fit the model's config ({found})")

@@ -258,7 +258,7 @@ class Evaluation:
     metrics: dict[str, float | int]
     source: str = "measured"  # or "estimated"
     details: dict[str, Any] | None = None
-    kind: str = "accuracy"  # accuracy | latency | memory | kv_cache
+    kind: str = "accuracy"  # accuracy | latency | memory | kv_cache | calibration
     profile: str | None = None  # the device profile it stands for (None: this machine)
     intervals: dict[str, dict[str, Any]] | None = None  # metric -> {lower, upper, level, method, samples}
 

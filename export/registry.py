@@ -16,6 +16,7 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation
+from compress.experts import expert_view
 from compress.export.parity import VerifyInputs
 from compress.export.specs import EXPORTS_DIR
 from compress.hf_model import checksums
@@ -27,7 +28,15 @@ from compress.quantizers.kv_cache import KVCacheScheme
 
 def check_exports(specs: list[Any], model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool = True) -> None:
     """Fail fast, before evaluation, when an export cannot hold the records exactly (or cannot be verified)."""
+    experts = [name for name in records if expert_view(model, name) is not None]
     for i, spec in enumerate(specs):
+        if experts:  # no format writes fused mixture-of-experts records yet (compress/experts.py)
+            raise FormatError(
+                f"exports[{i}] ({spec.name}): the {spec.format} export cannot carry the quantized experts of a mixture-of-experts "
+                f"model ({experts[0]} and {len(experts) - 1} more expert matrices): its writer packs Linear layers, and these "
+                "are slices of fused expert parameters. Remove the export: the artifact itself holds the records "
+                "(fallback-records.safetensors) and the in-memory evaluation and gates run without it."
+            )
         try:
             EXPORT_FORMATS[spec.format].check(spec, model, records, has_eval)
         except FormatError as exc:

@@ -19,8 +19,10 @@ from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantCo
 from compress.quantizers.targets import select_linears
 
 
-def select_or_fail(model: nn.Module, cfg: WeightQuantConfig, label: str) -> tuple[list[tuple[str, nn.Linear]], list[str]]:
-    chosen, unused_ignore = select_linears(model, cfg.targets, cfg.ignore)
+def select_or_fail(
+    model: nn.Module, cfg: WeightQuantConfig, label: str, extra: list[tuple[str, nn.Linear]] = ()
+) -> tuple[list[tuple[str, nn.Linear]], list[str]]:
+    chosen, unused_ignore = select_linears(model, cfg.targets, cfg.ignore, extra)
     if not chosen:
         names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:6]
         raise CompressError(

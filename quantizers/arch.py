@@ -22,6 +22,18 @@ class AWQMapping:
     prev: str  # module name relative to the block
     linears: tuple[str, ...]  # module names relative to the block
     parent: str  # the module whose output the scale search compares (attention, MLP, or the Linear)
+    inputs: str | None = None  # the module whose input is the mapping's input on every token (default: linears[0])
+    scaled_too: tuple[str, ...] = ()  # modules that also read prev's output and are not quantized (an MoE router)
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """Where a mixture-of-experts block keeps its parts (relative to the decoder block)."""
+
+    experts: str  # the fused experts (compress/experts.py), one Linear per expert matrix while calibrating
+    router: str  # the router: a weight [experts, hidden] read by F.linear, kept float
+    norm: str  # the norm whose output feeds the router and every expert
+    parent: str  # the MoE module whose output the norm mapping's scale search compares
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,27 @@ class Architecture:
     """RMSNorm computes ``x_hat * (norm_offset + weight)`` (Gemma uses 1 + weight)."""
     final_norm: str = "model.norm"
     """Dotted path of the norm between the last block and the output head: the head's input is its output."""
+    moe: MoELayout | None = None
+    """Mixture-of-experts blocks (quantizers/moe.py); blocks without ``moe.experts`` use ``awq`` as dense ones."""
+
+    def awq_mappings(self, block: nn.Module) -> tuple[AWQMapping, ...]:
+        """The AWQ mappings of ``block``: ``awq``, or for an MoE block (its experts unfused into a ModuleList)
+        the attention mappings, the norm -> every expert's gate/up (the router's columns scaled too,
+        unquantized), and each expert's up -> down."""
+        experts = _get(block, self.moe.experts) if self.moe else None
+        if self.moe is None or not isinstance(experts, nn.ModuleList):
+            return self.awq
+        moe, n = self.moe, len(experts)
+        gate_up = tuple(f"{moe.experts}.{e}.{p}" for e in range(n) for p in ("gate_proj", "up_proj"))
+        return (
+            _ATTN,
+            _V_O,
+            AWQMapping(moe.norm, gate_up, moe.parent, inputs=moe.router, scaled_too=(moe.router,)),
+            *(
+                AWQMapping(f"{moe.experts}.{e}.up_proj", (f"{moe.experts}.{e}.down_proj",), f"{moe.experts}.{e}.down_proj")
+                for e in range(n)
+            ),
+        )
 
 
 _ATTN = AWQMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn")
@@ -50,6 +83,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": Architecture("mistral", "model.layers", LLAMA_LIKE),
     "qwen2": Architecture("qwen2", "model.layers", LLAMA_LIKE),
     "qwen3": Architecture("qwen3", "model.layers", LLAMA_LIKE),
+    # Qwen3-MoE: fused routed experts, no shared expert; blocks in mlp_only_layers are dense (LLAMA_LIKE).
+    "qwen3_moe": Architecture(
+        "qwen3_moe", "model.layers", LLAMA_LIKE, moe=MoELayout("mlp.experts", "mlp.gate", "post_attention_layernorm", "mlp")
+    ),
     "gemma2": Architecture("gemma2", "model.layers", GEMMA_LIKE, norm_offset=1.0),
     "gemma3_text": Architecture("gemma3_text", "model.layers", GEMMA_LIKE, norm_offset=1.0),
 }
@@ -67,6 +104,13 @@ def architecture_of(model: nn.Module) -> Architecture:
             "tests/test_calibrated.py. Until then, use method: rtn."
         )
     return arch
+
+
+def _get(block: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def submodule(model: nn.Module, path: str) -> nn.Module:

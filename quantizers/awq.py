@@ -139,11 +139,12 @@ def fold_scales(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, norm
 
 
 class _InputSampler:
-    """Forward hook on a Linear: per-channel mean |x| over all tokens, plus a fixed random sample of tokens."""
+    """Forward hook on a Linear: per-channel mean |x| over all its rows, plus the rows ``keep`` names
+    (sorted indices into every row it sees, in order: tokens, or an MoE expert's routed tokens)."""
 
-    def __init__(self, keep: list[torch.Tensor]) -> None:
-        self.keep = keep  # per batch: flat token indices to keep
-        self.batch = 0
+    def __init__(self, keep: torch.Tensor) -> None:
+        self.keep = keep
+        self.offset = 0
         self.abs_sum: torch.Tensor | None = None
         self.count = 0
         self.samples: list[torch.Tensor] = []
@@ -153,8 +154,10 @@ class _InputSampler:
         total = x.abs().sum(dim=0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
         self.count += x.shape[0]
-        self.samples.append(x[self.keep[self.batch].to(x.device)])
-        self.batch += 1
+        lo = self.offset
+        picked = self.keep[(self.keep >= lo) & (self.keep < lo + x.shape[0])] - lo
+        self.samples.append(x[picked.to(x.device)])
+        self.offset += x.shape[0]
 
     @property
     def mean(self) -> torch.Tensor:
@@ -193,15 +196,9 @@ class _ParentRecorder:
         return total / count
 
 
-def _sample_plan(job: BlockJob, n: int, seed: int) -> list[torch.Tensor]:
-    sizes = [h.shape[0] * h.shape[1] for h in job.inputs.hidden]
-    total = sum(sizes)
-    chosen = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[: min(n, total)].sort().values
-    plan, offset = [], 0
-    for size in sizes:
-        plan.append(chosen[(chosen >= offset) & (chosen < offset + size)] - offset)
-        offset += size
-    return plan
+def _sample_plan(rows: int, n: int, seed: int) -> torch.Tensor:
+    """``n`` of ``rows`` row indices (all when fewer), drawn with ``seed``, sorted."""
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(seed))[: min(n, rows)].sort().values
 
 
 class AWQStage:
@@ -222,16 +219,20 @@ class AWQStage:
 
         def process(job: BlockJob, arch: Architecture) -> None:
             mappings = []
-            for mapping in arch.awq:
+            for mapping in arch.awq_mappings(job.block):
                 reason = _mapping_problem(job, mapping)
                 if reason:
                     skipped[f"{job.prefix}{mapping.prev}"] = reason
                 else:
                     mappings.append(mapping)
-            plan = _sample_plan(job, cfg.clip_tokens, ctx.seed * 1_000_003 + job.index)
-            samplers = {name: _InputSampler(plan) for name in job.linears}
+            seed = ctx.seed * 1_000_003 + job.index
+            samplers = {
+                name: _InputSampler(_sample_plan(job.rows.get(name, job.inputs.tokens), cfg.clip_tokens, seed)) for name in job.linears
+            }
+            inputs = {m.inputs: _InputSampler(torch.empty(0, dtype=torch.long)) for m in mappings if m.inputs}  # mean |x| only
             parents = {m.parent: _ParentRecorder(cfg.search_tokens) for m in mappings}
             handles = [m.register_forward_hook(samplers[n]) for n, m in job.linears.items()]
+            handles += [job.block.get_submodule(n).register_forward_hook(r) for n, r in inputs.items()]
             handles += [job.block.get_submodule(p).register_forward_hook(r, with_kwargs=True) for p, r in parents.items()]
             try:
                 job.inputs.run(job.block)
@@ -256,13 +257,13 @@ class AWQStage:
                     return parents[mapping.parent].loss(parent)
 
                 try:
-                    s, info = search_scales(
-                        samplers[mapping.linears[0]].mean, torch.cat(originals), scheme, cfg.grid, cfg.duo_scaling, loss_of
-                    )
+                    x_mean = (inputs[mapping.inputs] if mapping.inputs else samplers[mapping.linears[0]]).mean
+                    s, info = search_scales(x_mean, torch.cat(originals), scheme, cfg.grid, cfg.duo_scaling, loss_of)
                 finally:
                     for lin, w0 in zip(linears, originals, strict=True):
                         lin.weight.data = w0
-                fold_scales(job.block.get_submodule(mapping.prev), linears, s, arch.norm_offset)
+                readers = linears + [job.block.get_submodule(n) for n in mapping.scaled_too]  # the router reads x / s too
+                fold_scales(job.block.get_submodule(mapping.prev), readers, s, arch.norm_offset)
                 for n in mapping.linears:
                     xs[n] = xs[n] / s  # the linears now see inputs divided by s
                     scaled[n] = {

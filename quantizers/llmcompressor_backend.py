@@ -258,6 +258,12 @@ def apply_llmcompressor(model: nn.Module, ctx: RunContext, cfg: GPTQConfig | AWQ
     method = METHODS[cfg.method]
     scheme = cfg.scheme()
     selected, unused_ignore = select_block_linears(model, cfg, label, f"{cfg.method} (backend: llmcompressor)")
+    experts = [n for n, m in selected.items() if m.weight.is_meta]  # fused MoE experts (quantizers/moe.py)
+    if experts:
+        raise CompressError(
+            f"{label}: backend llmcompressor is not wired for fused mixture-of-experts weights ({experts[0]} and "
+            f"{len(experts) - 1} more expert matrices); use backend: compress, or add the experts to `ignore`"
+        )
     check_whole_groups(selected, scheme, label)
     floats = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in selected]
     groups = {"group_0": {"targets": [ct_format.LINEAR_TARGET], "weights": _weight_args(scheme)}}

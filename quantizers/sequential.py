@@ -31,7 +31,8 @@ from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize
 from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks, output_head, submodule
-from compress.schema.quantize import CalibratedConfig, WeightQuantConfig  # noqa: F401 - CalibratedConfig re-exported
+from compress.quantizers.moe import calibration_rows, coverage_summary, expert_linears, experts_as_linears
+from compress.schema.quantize import CalibratedConfig, MoECalibration, WeightQuantConfig  # noqa: F401 - CalibratedConfig re-exported
 
 
 class StopForward(Exception):
@@ -135,6 +136,8 @@ class BlockJob:
     prefix: str  # e.g. "model.layers.3."
     inputs: BlockInputs
     layer_info: dict[str, dict] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    """Calibration rows of the linears that do not see every token (an MoE expert's: its routed tokens)."""
 
 
 class HeadInput(nn.Module):
@@ -156,10 +159,12 @@ def select_block_linears(
     model: nn.Module, cfg: WeightQuantConfig, label: str, method: str, quantizes_head: bool = False
 ) -> tuple[dict[str, nn.Linear], list[str]]:
     """The Linear layers ``cfg`` selects (inside decoder blocks, and the output head when the method
-    ``quantizes_head``; anything else is an error) and the unused ignore patterns."""
+    ``quantizes_head``; anything else is an error) and the unused ignore patterns. The experts of a
+    fused mixture-of-experts block count as one (weightless, meta) Linear per expert matrix
+    (quantizers/moe.py), named ``<experts>.<e>.<gate_proj|up_proj|down_proj>``."""
     arch = architecture_of(model)
     blocks = decoder_blocks(model, arch)
-    chosen, unused_ignore = select_or_fail(model, cfg, label)
+    chosen, unused_ignore = select_or_fail(model, cfg, label, extra=expert_linears(model))
     block_names = {f"{arch.blocks}.{i}." for i in range(len(blocks))}
     head = output_head(model)
     head_name = head[0] if head else None
@@ -213,17 +218,22 @@ def run_layerwise(
         hidden, kwargs = capture_block_inputs(model, blocks, tokens, batch_size, device)
     per_block: list[dict[str, Any]] = []
     layer_info: dict[str, dict] = {}
+    coverage: list[dict[str, Any]] = []  # routed tokens per expert of each MoE block
+    moe = getattr(cfg, "moe", None) or MoECalibration()
     for i in ctx.reporter.track(range(len(blocks)), f"{label} {method} {cfg.scheme().describe()}", total=len(blocks)):
         t0 = time.perf_counter()
         prefix = f"{arch.blocks}.{i}."
-        linears_of = {n[len(prefix) :]: n for n in selected if n.startswith(prefix)}
+        quantizes = any(n.startswith(prefix) for n in selected)
         # A streamed block is read from disk here, and what the method changed is written back on the way out.
-        with streaming.resident(blocks[i], device, write_back=bool(linears_of)) as block:
+        with streaming.resident(blocks[i], device, write_back=quantizes) as block:
             block.to(device)
-            modules = dict(block.named_modules())
-            job = BlockJob(i, block, {rel: modules[rel] for rel in linears_of}, prefix, BlockInputs(hidden, kwargs[i]))
-            if job.linears:
-                process_block(job, arch)
+            inputs = BlockInputs(hidden, kwargs[i])
+            with experts_as_linears(block, prefix, i, inputs, moe, label, coverage, selected):
+                linears = {n[len(prefix) :]: block.get_submodule(n[len(prefix) :]) for n in selected if n.startswith(prefix)}
+                rows = {rel: n for rel in linears if (n := calibration_rows(coverage, prefix + rel)) is not None}
+                job = BlockJob(i, block, linears, prefix, inputs, rows=rows)
+                if linears:
+                    process_block(job, arch)
             hidden = job.inputs.run(block)  # the quantized block feeds the next one
             if streaming.unit_of(block) is None:
                 block.to(home)
@@ -252,6 +262,12 @@ def run_layerwise(
     )
     if head_step is not None:
         summary["head"] = head_step
+    if coverage:
+        summary["moe"] = coverage_summary(coverage, moe)
+        for name, info in layer_info.items():
+            rows = calibration_rows(coverage, name)
+            if rows is not None:
+                info["calibration_tokens"] = rows
     return StageRecord(
         kind="quantize",
         method=method,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_text
-from tests.tiny import tiny_llama_dir, train_tiny
+from tests.tiny import tiny_llama_dir, tiny_moe_dir, train_tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the registry tests' client and server: no usage reports
@@ -43,6 +43,12 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
     """A random 2-block Llama (width 96, tied embeddings) and its BPE tokenizer trained on the generated text."""
     return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama", texts_of(text_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
+    """A random 2-block Qwen3-MoE (8 experts, top-2) and its BPE tokenizer trained on the generated text."""
+    return tiny_moe_dir(tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", texts_of(text_dir))
 
 
 @pytest.fixture(scope="session")

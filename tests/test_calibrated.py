@@ -12,11 +12,13 @@ import torch
 from compress.context import RunContext
 from compress.errors import CompressError
 from compress.eval.metrics import compare, torch_forward
+from compress.experts import expert_view
 from compress.progress import Reporter
 from compress.quantizers.arch import ARCHITECTURES, architecture_of, decoder_blocks
 from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales, search_clip, search_scales
 from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, quantize_codes
 from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
+from compress.quantizers.moe import unfused
 from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_model
@@ -92,14 +94,15 @@ def test_awq_scale_folding_keeps_the_float_model(model_type: str) -> None:
         before = model(ids).logits
     folded = 0
     for block in decoder_blocks(model, arch):
-        for mapping in arch.awq:
-            prev = block.get_submodule(mapping.prev)
-            linears = [block.get_submodule(n) for n in mapping.linears]
-            if isinstance(prev, torch.nn.Linear) and prev.out_features != linears[0].in_features:
-                continue  # grouped-query attention: v_proj -> o_proj cannot be scaled
-            s = torch.rand(linears[0].in_features, generator=torch.Generator().manual_seed(folded)) * 3 + 0.2
-            fold_scales(prev, linears, s, arch.norm_offset)
-            folded += 1
+        with unfused(block):  # an MoE block's experts as one Linear per expert matrix (a dense block: as it is)
+            for mapping in arch.awq_mappings(block):
+                prev = block.get_submodule(mapping.prev)
+                linears = [block.get_submodule(n) for n in mapping.linears]
+                if isinstance(prev, torch.nn.Linear) and prev.out_features != linears[0].in_features:
+                    continue  # grouped-query attention: v_proj -> o_proj cannot be scaled
+                s = torch.rand(linears[0].in_features, generator=torch.Generator().manual_seed(folded)) * 3 + 0.2
+                fold_scales(prev, linears + [block.get_submodule(n) for n in mapping.scaled_too], s, arch.norm_offset)
+                folded += 1
     with torch.no_grad():
         after = model(ids).logits
     assert folded >= 2 * 3
@@ -117,7 +120,8 @@ def test_calibrated_methods_run_on_every_architecture(model_type: str, method: s
         else AWQStage(AWQConfig(bits=4, group_size=32), "stages[0]")
     )
     record = stage.apply(model, ctx)
-    assert record.summary["layers_quantized"] == 2 * 7
+    experts = model.config.num_experts * 3 if model_type == "qwen3_moe" else 0  # an MoE block: 3 matrices per expert, no MLP
+    assert record.summary["layers_quantized"] == 2 * (7 - 3 * bool(experts) + experts)
     assert len(record.summary["blocks"]) == 2
     blocks = record.summary["blocks"]
     assert [b["block"] for b in blocks] == [0, 1] and all(b["peak_memory_mb"] > 0 for b in blocks)
@@ -127,7 +131,8 @@ def test_calibrated_methods_run_on_every_architecture(model_type: str, method: s
         record.duration_s,
     )
     for name, rec in ctx.quantized.items():
-        assert torch.equal(model.get_submodule(name).weight, rec.dequantize(model.get_submodule(name).weight.dtype))
+        weight = expert_view(model, name) if "experts" in name else model.get_submodule(name).weight
+        assert torch.equal(weight, rec.dequantize(weight.dtype)), name
     with torch.no_grad():
         assert torch.isfinite(model(tokens(1, 16)).logits).all()
 

@@ -7,7 +7,8 @@ or :func:`perturb_norms`, or is written to a directory with a tokenizer trained 
 builds the model; the numbers its assertions depend on (seeds, widths) stay with the test.
 
 Defaults: 2 blocks of width 64 (MLP 128), 4 query heads over 2 KV heads, a 300-token vocabulary,
-128 positions, the architecture's own default for tied embeddings (Llama, Qwen: untied; Gemma: tied).
+128 positions, the architecture's own default for tied embeddings (Llama, Qwen: untied; Gemma: tied);
+Qwen3-MoE: 8 routed experts of MLP width 32, top-2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     "qwen3": {"head_dim": 16},
+    # Qwen3-MoE: 8 routed experts of width 32, each token to 2 of them (its default is 128 experts of 768).
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
 }
 
 
@@ -129,6 +132,17 @@ def tiny_llama_dir(directory: Path, texts: list[str], *, tie: bool = True, hidde
     tokenizer = train_tokenizer(texts)
     shape = {"intermediate": 160, "positions": 512, **shape}
     model = tiny_model("llama", vocab=len(tokenizer), hidden=hidden, layers=layers, tie=tie, **shape)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def tiny_moe_dir(directory: Path, texts: list[str], **shape: Any) -> Path:
+    """A random Qwen3-MoE (2 blocks of width 64, 8 experts of width 32, top-2; ARCH_DEFAULTS) and its tokenizer
+    (BPE trained on ``texts``) saved in ``directory``: the mixture-of-experts model source for recipes."""
+    tokenizer = train_tokenizer(texts)
+    model = tiny_model("qwen3_moe", vocab=len(tokenizer), positions=512, **shape)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -33,6 +33,11 @@ METRICS: dict[str, MetricInfo] = {
     "size_mb": MetricInfo("artifact size on disk, MiB", "lower", True),
     "bandwidth_utilization": MetricInfo("bytes read per decoded token / time per token / memory bandwidth", "higher", False),
     "memory_fraction": MetricInfo("weights + KV cache at the target context and batch / the device's usable memory", "lower", False),
+    # Calibration coverage of mixture-of-experts models (quantizers/moe.py), over every gptq / awq stage.
+    "experts_under_min": MetricInfo(
+        "MoE experts the router sent fewer calibration tokens than their stage's moe.min_tokens", "lower", False
+    ),
+    "min_expert_tokens": MetricInfo("fewest calibration tokens the router sent to any MoE expert", "higher", False),
 }
 ACCURACY_METRICS = ("perplexity", "kl_divergence", "kl_divergence_p99", "top1_agreement")
 LATENCY_METRICS = (
@@ -46,6 +51,7 @@ LATENCY_METRICS = (
     "gpu_peak_mb",
     "bandwidth_utilization",
 )
+CALIBRATION_METRICS = ("experts_under_min", "min_expert_tokens")  # of the compressed model, from its stage records
 INTERVAL_METRICS = ("perplexity", "kl_divergence", "top1_agreement")  # with a 95% interval (compress/eval/metrics.py)
 GATE_BOUNDS = ("value", "lower_95", "upper_95")  # what a gate compares: the value, or an end of its interval
 DEVICE_METRICS = (*LATENCY_METRICS, "memory_fraction", "size_mb")  # the metrics a gate may ask of a named device

@@ -110,6 +110,39 @@ class RTNConfig(WeightQuantConfig):
         return False
 
 
+class MoECalibration(Strict):
+    """How a mixture-of-experts block's routed experts are calibrated (docs/quantization.md, "Mixture of experts").
+
+    Each expert's matrices are calibrated on the calibration tokens the router sends to it (its top-k
+    choices); the routed tokens are counted per block and expert and written to the stage record.
+    """
+
+    min_tokens: int = Field(
+        64,
+        ge=1,
+        description="Fewest routed calibration tokens an expert is calibrated on as routed; an expert the router sends "
+        "fewer is handled by `under_min`.",
+    )
+    under_min: Literal["all_tokens", "fail"] = Field(
+        "all_tokens",
+        description="all_tokens: an expert routed fewer than min_tokens tokens is calibrated on every calibration token "
+        "of its block (its output still uses its routed tokens only); fail: the run stops (exit 2) naming those experts "
+        "and their counts.",
+    )
+
+
+class ExpertCoverage(Strict):
+    """Routed calibration tokens of one MoE block (a quantize stage's ``summary.moe.blocks[i]``)."""
+
+    block: int = Field(ge=0, description="Decoder block index.")
+    experts: str = Field(description="The fused experts' module name, e.g. model.layers.0.mlp.experts.")
+    tokens: int = Field(ge=0, description="Calibration tokens that entered the block.")
+    top_k: int = Field(ge=1, description="Experts each token is routed to.")
+    tokens_per_expert: list[int] = Field(description="Routed tokens per expert (index = expert); they sum to tokens x top_k.")
+    under_min: list[int] = Field(description="Experts routed fewer than min_tokens tokens.")
+    calibrated_on_all_tokens: list[int] = Field(description="Experts calibrated on every token of the block (under_min: all_tokens).")
+
+
 class CalibratedConfig(WeightQuantConfig):
     """Fields shared by the layer-wise, calibrated methods (GPTQ, AWQ)."""
 
@@ -118,6 +151,11 @@ class CalibratedConfig(WeightQuantConfig):
         "compress",
         description="compress (ours) or llmcompressor (its GPTQModifier, or AWQModifier + QuantizationModifier; "
         "extra `llmcompressor`, see quantizers/llmcompressor_backend.py).",
+    )
+    moe: MoECalibration = Field(
+        default_factory=MoECalibration,
+        description="Mixture-of-experts models: the fewest routed tokens an expert is calibrated on, and what happens "
+        "below it (ignored by dense models).",
     )
 
     @property

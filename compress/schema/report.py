@@ -20,7 +20,7 @@ REPORT_VERSION = 4
 
 SOURCES = ("measured", "estimated")  # where an evaluation's numbers came from
 GATE_SOURCES = (*SOURCES, "missing")  # a gate can also find no measurement at all
-EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache")
+EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache", "calibration")
 THRESHOLD_KINDS = ("max", "min", "max_increase_pct", "max_decrease_pct")  # compress.schema.recipe.THRESHOLD_KEYS
 NON_FINITE = ("nan", "inf", "-inf")  # how compress.documents.json_safe writes non-finite floats
 
@@ -32,7 +32,7 @@ Metrics = TypeAliasType("Metrics", dict[str, Number])
 
 Source = Literal["measured", "estimated"]
 GateSource = Literal["measured", "estimated", "missing"]
-EvaluationKind = Literal["accuracy", "latency", "memory", "kv_cache"]
+EvaluationKind = Literal["accuracy", "latency", "memory", "kv_cache", "calibration"]
 ThresholdKind = Literal["max", "min", "max_increase_pct", "max_decrease_pct"]
 GateBound = Literal["value", "lower_95", "upper_95"]
 

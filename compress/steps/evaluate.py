@@ -10,6 +10,7 @@ import torch
 
 from compress import streaming
 from compress.data import Chunks
+from compress.eval.coverage import expert_coverage
 from compress.eval.kv_eval import evaluate_kv
 from compress.eval.metrics import Evaluation, Forward, Scores, compare, torch_forward
 from compress.progress import Reporter
@@ -34,6 +35,7 @@ def in_memory(run: Run, source: Source, staged: Staged) -> InMemory:
             found.evaluations += compare_models(
                 source.baseline_forward, compressed, source.eval_chunks, run.recipe, run.device, run.reporter
             )
+    found.evaluations += expert_coverage([(f"stages[{i}]", r.summary) for i, r in enumerate(staged.records)], run.device.type)
     if staged.ctx.kv_cache is not None:
         with run.timed("evaluate_kv_cache_s"):
             kv_eval, found.kv_cache = evaluate_kv_stage(run, source, staged)

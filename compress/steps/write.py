@@ -20,6 +20,7 @@ from compress.documents import json_safe, library_versions, write_document
 from compress.eval.memory import memory_section
 from compress.eval.plan import run_estimate
 from compress.eval.reports import write_reports
+from compress.experts import expert_view
 from compress.schema.manifest import MANIFEST_VERSION, Manifest
 from compress.schema.report import Report
 from compress.steps.exports import Exported
@@ -67,7 +68,7 @@ def build_manifest(run: Run, source: Source, staged: Staged) -> dict[str, Any]:
                     "scheme": rec.scheme.model_dump(mode="json"),
                     "shape": list(rec.shape),
                     "stage": ctx.quantized_by[name],
-                    "stored_as": stored_as(rec),
+                    "stored_as": stored_as(rec, expert_view(staged.model, name) is not None),
                 }
                 for name, rec in ctx.quantized.items()
             },
