@@ -24,6 +24,7 @@ in-memory model from then on).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import shutil
@@ -94,6 +95,13 @@ class TensorStore:
         os.replace(tmp, path)
         self.overlay.update(dict.fromkeys(tensors, path))
 
+    def location(self, name: str) -> tuple[str, str]:
+        """Where ``name`` is read from: (file, key in it)."""
+        if name in self.overlay:
+            return str(self.overlay[name]), name
+        file, key = self.source[self.aliases.get(name, name)]
+        return str(file), key
+
     def fork(self) -> TensorStore:
         """A store that sees what this one sees now and writes its own overlay from here on.
         Overlay files stay while any store that reads them lives (each store's folder is removed
@@ -115,6 +123,8 @@ class Unit:
     prefix: str
     device: torch.device
     holds: int = 0
+    shared: list[tuple[str, ...]] = field(default_factory=list)
+    """Keys of the tensors this unit holds from ``_SHARED``."""
 
     def names(self, module: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor, bool]]:
         """(full name, owning submodule, attribute, tensor, is_parameter) of every weight in the unit."""
@@ -140,28 +150,79 @@ def _swap(sub: nn.Module, attr: str, tensor: torch.Tensor, value: torch.Tensor, 
         sub._buffers[attr] = value
 
 
-def load(module: nn.Module) -> None:
-    """Read the unit's weights from its store onto its device (the ones still on ``meta``)."""
+_SHARED: dict[tuple[str, ...], list] = {}
+"""Tensors read for a forward, by (file, key, dtype, device) -> [tensor, units holding it]: while one
+is in memory, another model that reads the same stored tensor (the baseline's head and the compressed
+model's unchanged head, during evaluation) uses it instead of a second copy. Only read-only loads
+share; the entry goes when the last unit holding it drops it."""
+
+
+def load(module: nn.Module, share: bool = False) -> None:
+    """Read the unit's weights from its store onto its device (the ones still on ``meta``). With
+    ``share`` (a forward's read-only load), a stored tensor another unit holds now is reused."""
     unit = unit_of(module)
     assert unit is not None
     wanted = [(full, sub, attr, t, p) for full, sub, attr, t, p in unit.names(module) if t.device.type == "meta"]
     if not wanted:
         return
-    values = unit.store.read([w[0] for w in wanted])
+    keys = {full: (*unit.store.location(full), str(t.dtype), str(unit.device)) for full, _, _, t, _ in wanted}
+    held = {full: key for full, key in keys.items() if share and key in _SHARED}
+    values = unit.store.read([w[0] for w in wanted if w[0] not in held])
     for full, sub, attr, t, is_param in wanted:
+        if full in held:
+            entry = _SHARED[held[full]]
+            entry[1] += 1
+            unit.shared.append(held[full])
+            _swap(sub, attr, t, entry[0], is_param)
+            continue
         value = values[full]
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"{full}: the stored tensor is {tuple(value.shape)}, the model expects {tuple(t.shape)}")
-        _swap(sub, attr, t, value.to(device=unit.device, dtype=t.dtype), is_param)
+        value = value.to(device=unit.device, dtype=t.dtype)
+        _swap(sub, attr, t, value, is_param)
+        if share:
+            _SHARED[keys[full]] = [value, 1]
+            unit.shared.append(keys[full])
 
 
 def drop(module: nn.Module) -> None:
     """Let go of the unit's weights: back to ``meta`` (the store still has them)."""
     unit = unit_of(module)
     assert unit is not None
+    for key in unit.shared:  # let go of shared tensors: the last holder removes the entry
+        entry = _SHARED.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _SHARED[key]
+    unit.shared.clear()
+    freed = 0
     for _, sub, attr, t, is_param in unit.names(module):
         if t.device.type != "meta":
+            freed += t.numel() * t.element_size() if t.device.type == "cpu" else 0
             _swap(sub, attr, t, torch.empty(t.shape, dtype=t.dtype, device="meta"), is_param)
+    if freed > TRIM_AFTER_BYTES:
+        _return_to_os()
+
+
+TRIM_AFTER_BYTES = 16 * 2**20
+"""glibc keeps freed blocks of up to 32 MiB in its heap (its mmap threshold grows with each large
+free), so the tensors of dropped units would stay resident: after a unit of more than this many
+bytes is dropped, ``malloc_trim`` hands the free pages back to the OS."""
+
+
+def _return_to_os() -> None:
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+        except OSError:  # not glibc
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: ctypes.CDLL | bool | None = None
 
 
 def save(module: nn.Module) -> None:
@@ -174,7 +235,7 @@ def save(module: nn.Module) -> None:
 def _pre_forward(module: nn.Module, args: tuple) -> None:
     unit = unit_of(module)
     if unit is not None and unit.holds == 0:
-        load(module)
+        load(module, share=True)
 
 
 def _post_forward(module: nn.Module, args: tuple, output: object) -> None:
@@ -186,7 +247,8 @@ def _post_forward(module: nn.Module, args: tuple, output: object) -> None:
 @contextmanager
 def resident(module: nn.Module, device: torch.device | None = None, write_back: bool = False) -> Iterator[nn.Module]:
     """Hold a streamed unit's weights in memory for the block (its forward does not reload or
-    drop them); with ``write_back``, what the block changed goes to the overlay on the way out.
+    drop them); with ``write_back``, what the block changed goes to the overlay on the way out
+    (and the weights are the unit's own: never shared with another model's, since they may change).
     A module that is not streamed is yielded as it is (moved to ``device`` when given)."""
     unit = unit_of(module)
     if unit is None:
@@ -199,7 +261,7 @@ def resident(module: nn.Module, device: torch.device | None = None, write_back: 
         unit.device = torch.device(device)
     unit.holds += 1
     try:
-        load(module)
+        load(module, share=not write_back)
         yield module
         if write_back:
             save(module)

@@ -1,0 +1,128 @@
+"""Models streamed from disk (compress/streaming.py), the baseline's cached hidden states
+(eval/baseline.py), chunked scoring (eval/metrics.py) and records kept on disk (RecordStore)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compress import streaming
+from compress.eval import metrics
+from compress.eval.baseline import CachedBaseline
+from compress.eval.metrics import compare, torch_forward
+from compress.models import load_model
+from compress.progress import Reporter
+from compress.quantizers.core import QuantScheme, RecordStore
+from compress.quantizers.rtn import rtn_quantize
+from compress.recipe import ModelSpec
+
+CPU = torch.device("cpu")
+QUIET = Reporter(quiet=True)
+
+
+def ids(n: int = 2, seq: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 200, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def resident_tensors(model: torch.nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.device.type != "meta"]
+
+
+def test_a_streamed_model_computes_what_the_loaded_model_computes_and_holds_no_unit_after(tiny_model_dir: Path) -> None:
+    lm = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET)
+    model = lm.model
+    assert lm.facts["streamed"] == "streamed from the checkpoint" and lm.facts["dtype"] == "float32"
+    assert resident_tensors(model) == []  # nothing read yet
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    x = ids()
+    with torch.no_grad():
+        got = model(input_ids=x, use_cache=False).logits
+        want = reference(input_ids=x, use_cache=False).logits
+    assert torch.equal(got, want)
+    assert resident_tensors(model) == []  # every unit dropped after its forward
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # ties survive loading and dropping
+    names = [n for n, _ in streaming.units(model)]
+    assert sorted(names) == ["lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
+
+
+def test_changes_go_to_the_overlay_and_a_fork_made_before_does_not_see_them(tiny_model_dir: Path) -> None:
+    baseline = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    work = copy.deepcopy(baseline)
+    block = work.model.layers[0]
+    with streaming.resident(block, CPU, write_back=True):
+        block.mlp.down_proj.weight.mul_(0.0)
+    assert resident_tensors(work) == []
+    with streaming.resident(block, CPU):
+        assert float(block.mlp.down_proj.weight.abs().sum()) == 0.0  # read back from the overlay
+    with streaming.resident(baseline.model.layers[0], CPU):
+        assert float(baseline.model.layers[0].mlp.down_proj.weight.abs().sum()) > 0  # the source is untouched
+    source_files = {p.name: p.stat().st_mtime_ns for p in tiny_model_dir.iterdir()}
+    assert source_files == {p.name: p.stat().st_mtime_ns for p in tiny_model_dir.iterdir()}
+
+
+def test_materialize_gives_an_ordinary_model(tiny_model_dir: Path) -> None:
+    model = streaming.materialize(load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model)
+    assert not streaming.is_streamed(model) and len(resident_tensors(model)) == len(list(model.parameters()))
+    model.to(torch.float64)  # an in-memory model moves like any other
+
+
+def test_auto_dtype_is_the_checkpoints_and_an_explicit_dtype_wins(tmp_path: Path, tiny_model_dir: Path) -> None:
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(bf16)
+    for f in tiny_model_dir.glob("tokenizer*"):
+        shutil.copy(f, bf16)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    auto = load_model(ModelSpec(source=str(bf16)), Path("."), QUIET)
+    assert auto.model.dtype == torch.bfloat16 and auto.facts["dtype"] == "bfloat16"
+    wide = load_model(ModelSpec(source=str(bf16), dtype="float32"), Path("."), QUIET)
+    assert wide.model.dtype == torch.float32
+    with streaming.resident(wide.model.model.layers[0], CPU):
+        assert wide.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+
+
+def test_the_cached_baseline_equals_a_live_pass_and_computes_each_row_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    model = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    cached = CachedBaseline(model, CPU, tmp_path / "baseline", "sha")
+    x = ids(3)
+    live = torch_forward(model, CPU)(x).full()
+    assert torch.equal(cached(x).full(), live) and (cached.computed, cached.reused) == (3, 0)
+    assert torch.equal(cached(x[1:]).full(), live[1:]) and (cached.computed, cached.reused) == (3, 2)
+    scores = compare(cached, {"same": torch_forward(model, CPU)}, x, 4)
+    assert scores["same"]["kl_divergence"] == pytest.approx(0.0, abs=1e-9) and scores["same"]["top1_agreement"] == 1.0
+
+
+def test_chunked_scoring_gives_the_numbers_of_whole_rows(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    model = streaming.materialize(load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    x = ids(4, 40)
+    whole = compare(torch_forward(model, CPU), {"o": torch_forward(other, CPU)}, x, 4, batch_size=2)["o"]
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 5 * vocab)  # 5 positions at a time
+    chunked = compare(torch_forward(model, CPU), {"o": torch_forward(other, CPU)}, x, 4, batch_size=2)["o"]
+    for key in ("kl_divergence", "perplexity", "top1_agreement", "tokens_scored"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-5), key
+    assert chunked.intervals["kl_divergence"]["lower"] == pytest.approx(whole.intervals["kl_divergence"]["lower"], rel=1e-3)
+    # logits as a plain tensor (a runtime's forward) score as hidden states and a head do (the head's
+    # matmul over a whole row rounds a little differently from one over 5 positions)
+    as_logits = compare(lambda b: torch_forward(model, CPU)(b).full(), {"o": torch_forward(other, CPU)}, x, 4, batch_size=2)["o"]
+    assert as_logits["kl_divergence"] == pytest.approx(whole["kl_divergence"], rel=1e-3)
+
+
+def test_records_wait_on_disk_and_come_back_exactly(tmp_path: Path) -> None:
+    store = RecordStore(tmp_path / "records")
+    scheme = QuantScheme(bits=4, group_size=32, symmetric=False)
+    record = rtn_quantize(torch.randn(8, 70), scheme)
+    store["a.b"] = record
+    back = store["a.b"]
+    assert torch.equal(back.codes, record.codes) and torch.equal(back.scale, record.scale) and back.scheme == scheme
+    assert list(store) == ["a.b"] and len(store) == 1 and len(list((tmp_path / "records").rglob("*.safetensors"))) == 1
+    del store["a.b"]
+    assert "a.b" not in store
