@@ -34,7 +34,7 @@ model/weights.safetensors in the internal layout; they are still read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,39 +75,99 @@ def stored_as(record: QuantizedWeight, fused_expert: bool = False) -> str:
     return StoredAs.RECORDS if fused_expert or stored_scheme(record.scheme, record.shape) is None else StoredAs.PACKED
 
 
-def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+class _SplitRecords(Mapping):
+    """``quantized`` as the compressed-tensors writer stores it (each record split into the groups
+    pack-quantized holds), made one record at a time as the writer asks (records may wait on disk)."""
+
+    def __init__(self, quantized: Mapping[str, QuantizedWeight], names: list[str]) -> None:
+        self.quantized, self.names, self._set = quantized, names, set(names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        from compress.export.checkpoint import compressed_tensors
+
+        if name not in self._set:
+            raise KeyError(name)
+        record = self.quantized[name].cpu()
+        scheme = compressed_tensors.stored_scheme(record.scheme, record.shape)
+        assert scheme is not None
+        return compressed_tensors.split_groups(record, scheme)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: Mapping[str, QuantizedWeight]) -> None:
     """Write ``root/model/`` (config, tokenizer, weights: quantized layers packed by the
-    compressed-tensors writer) and, when some layers cannot be packed, ``root/RECORDS_FILE``.
-    Returns the records read back from those files, proven identical to ``quantized``."""
+    compressed-tensors writer) and, when some layers cannot be packed, ``root/RECORDS_FILE``; then
+    read every layer back, one at a time, and prove it identical to ``quantized`` (the exports pack
+    ``quantized``, which is therefore what model/ holds). Records are handled one at a time: only
+    the packed layers and the float tensors are in memory together, while the file is written."""
     from safetensors.torch import save_file
 
     from compress.export.checkpoint import compressed_tensors
-    from compress.export.checkpoint.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE, records_identical
+    from compress.export.checkpoint.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE
 
     assert WEIGHTS_FILE == CHECKPOINT_FILE, "model/'s weights file is the one the checkpoint writer writes"
 
-    packed: dict[str, QuantizedWeight] = {}
-    fallback: dict[str, QuantizedWeight] = {}
+    packed: list[str] = []
+    fallback: list[str] = []
+    schemes: dict[str, QuantScheme] = {}
     for name, record in quantized.items():
+        schemes[name] = record.scheme
         scheme = compressed_tensors.stored_scheme(record.scheme, record.shape)
-        if scheme is None or expert_view(model, name) is not None:
-            fallback[name] = record.cpu()
-        else:
-            packed[name] = compressed_tensors.split_groups(record.cpu(), scheme)
+        (fallback if scheme is None or expert_view(model, name) is not None else packed).append(name)
     directory = root / MODEL_DIR
     if packed:
-        compressed_tensors.write(directory, model, tokenizer, packed)
+        compressed_tensors.write(directory, model, tokenizer, _SplitRecords(quantized, packed))
     else:  # nothing to pack: a float checkpoint (fallback layers dequantized, as in the model)
         write_config_and_tokenizer(directory, model, tokenizer)
         save_file(float_tensors(model, {}), str(directory / CHECKPOINT_FILE), metadata=SAFETENSORS_METADATA)
     if fallback:
-        tensors = {k: v for name, record in fallback.items() for k, v in record.tensors(name).items()}
+        tensors = {k: v for name in fallback for k, v in quantized[name].cpu().tensors(name).items()}
         save_file(tensors, str(root / RECORDS_FILE), metadata={"format": RECORDS_FORMAT})
-    written = _read_packed(root, {name: record.scheme for name, record in quantized.items()})[1]
-    problems = records_identical(quantized, written)
+    problems = _verify_written(root, quantized, schemes, packed)
     if problems:  # a packing bug: the artifact is abandoned rather than written with other weights
         raise ArtifactError(f"{root / MODEL_DIR}: reading the weights back does not give the records written: {'; '.join(problems[:5])}")
-    return written
+
+
+def _verify_written(root: Path, quantized: Mapping[str, QuantizedWeight], schemes: dict[str, QuantScheme], packed: list[str]) -> list[str]:
+    """Read each written layer back on its own (packed ones from model/, the rest from RECORDS_FILE)
+    and compare it with its record: the differences, empty when every layer is identical."""
+    from safetensors import safe_open
+
+    from compress.export.checkpoint import compressed_tensors
+    from compress.export.checkpoint.hf_checkpoint import records_identical
+
+    model_dir = root / MODEL_DIR
+    where = f"{root}: {MODEL_DIR}/{CHECKPOINT_FILE}"
+    problems: list[str] = []
+    if packed:
+        qcfg = check_json(model_dir / "config.json").get("quantization_config") or {}
+        with safe_open(str(model_dir / CHECKPOINT_FILE), framework="pt") as f:
+            keys = set(f.keys())
+            stored = {k.rsplit(".", 1)[0] for k in keys if k.endswith(".weight_packed")}
+            if stored != set(packed):
+                return [f"packed layers differ: missing {sorted(set(packed) - stored)[:3]}, unexpected {sorted(stored - set(packed))[:3]}"]
+            for name in packed:
+                layer = {k: f.get_tensor(k) for k in keys if k.startswith(name + ".") and "." not in k[len(name) + 1 :]}
+                found = compressed_tensors.read(qcfg, layer, where).records[name]
+                back = compressed_tensors.merge_groups(found, schemes[name], f"{where}: layer {name}")
+                problems += records_identical({name: quantized[name]}, {name: back})
+    rest = [name for name in schemes if name not in set(packed)]
+    if rest:
+        from safetensors.torch import load_file
+
+        fallback = load_file(str(root / RECORDS_FILE))
+        problems += records_identical(
+            {n: quantized[n] for n in rest}, {n: QuantizedWeight.from_tensors(fallback, n, schemes[n]) for n in rest}
+        )
+    return problems
 
 
 def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, Any, dict[str, QuantizedWeight]]:

@@ -77,10 +77,10 @@ def build_manifest(run: Run, source: Source, staged: Staged) -> dict[str, Any]:
 
 
 def write_model_files(root: Path, run: Run, source: Source, staged: Staged) -> None:
-    """model/ (the records packed as compressed-tensors; the exports then pack the records read back
-    from it), the recipe text as given, and the files the stages asked to keep."""
+    """model/ (the records packed as compressed-tensors, each read back and proven identical, so the
+    exports pack what model/ holds), the recipe text as given, and the files the stages asked to keep."""
     with run.reporter.status(f"writing artifact {run.out_dir}"):
-        staged.ctx.quantized.update(write_model(root, staged.model, source.lm.tokenizer, staged.ctx.quantized))
+        write_model(root, staged.model, source.lm.tokenizer, staged.ctx.quantized)  # read back and proven identical
         (root / "recipe.yaml").write_text(run.loaded.text)
         write_stage_files(root, staged.ctx.files)
 
