@@ -59,10 +59,8 @@ class TensorStore:
     def __contains__(self, name: str) -> bool:
         return name in self.overlay or self.aliases.get(name, name) in self.source
 
-    def read(self, names: list[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The tensors ``names`` as stored (their own dtype), one ``safe_open`` per file."""
-        from safetensors import safe_open
-
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` as stored (their own dtype), read into memory (``read_tensors``)."""
         by_file: dict[Path, list[tuple[str, str]]] = {}
         for name in names:
             if name in self.overlay:
@@ -71,11 +69,9 @@ class TensorStore:
                 file, key = self.source[self.aliases.get(name, name)]
                 by_file.setdefault(file, []).append((name, key))
         out: dict[str, torch.Tensor] = {}
-        where = str(device) if torch.device(device).type != "cuda" else f"cuda:{torch.device(device).index or 0}"
         for file, pairs in by_file.items():
-            with safe_open(file, framework="pt", device=where) as f:
-                for name, key in pairs:
-                    out[name] = f.get_tensor(key)
+            found = read_tensors(file, [key for _, key in pairs])
+            out.update({name: found[key] for name, key in pairs})
         return out
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -112,6 +108,36 @@ class TensorStore:
 
     def __deepcopy__(self, memo: dict) -> TensorStore:
         return self.fork()
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+
+
+def read_tensors(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file read with plain reads into fresh memory, rather than through a
+    memory map: a mapped file's pages count as this process's resident memory while it is mapped
+    (a 467 MB embedding would be counted twice while copied out), read pages stay in the page cache.
+    The header (names, dtypes, shapes, offsets) is what ``safetensors.safe_open`` checks; a file
+    whose header does not fit its size was refused when the model was opened (compress/inputs.py)."""
+    import json
+    import struct
+
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        out = {}
+        for key in keys:
+            info = header[key]
+            start, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            if end > start:
+                f.seek(8 + size + start)
+                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+                if f.readinto(view) != end - start:
+                    raise OSError(f"{file}: {key} is cut short")
+            out[key] = tensor
+        return out
 
 
 @dataclass
