@@ -176,3 +176,17 @@ def atomic_directory(target: Path, overwrite: bool = False, owned: bool = True) 
 def tree_size(path: Path) -> int:
     """Bytes on disk of a file, or of every file under a folder."""
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def scratch_dir(owner: object, root: Path | None, prefix: str) -> Path:
+    """A new folder under ``root`` (made if missing; None: the system temp dir), removed with
+    everything in it when ``owner`` is garbage-collected (or the process exits)."""
+    import shutil
+    import tempfile
+    import weakref
+
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    weakref.finalize(owner, shutil.rmtree, str(path), True)
+    return path

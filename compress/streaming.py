@@ -27,9 +27,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-import shutil
-import tempfile
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils import swap_tensors
+
+from compress.fsutil import scratch_dir
 
 _ATTR = "_compress_stream"
 
@@ -81,10 +80,7 @@ class TensorStore:
         if not tensors:
             return
         if self._dir is None:
-            if self.root is not None:
-                self.root.mkdir(parents=True, exist_ok=True)
-            self._dir = Path(tempfile.mkdtemp(prefix="overlay-", dir=self.root))
-            weakref.finalize(self, shutil.rmtree, str(self._dir), True)
+            self._dir = scratch_dir(self, self.root, "overlay-")
         path = self._dir / f"{next(self._count):06d}.safetensors"
         tmp = path.with_suffix(".tmp")
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))

@@ -235,7 +235,7 @@ class AWQStage:
             handles += [job.block.get_submodule(n).register_forward_hook(r) for n, r in inputs.items()]
             handles += [job.block.get_submodule(p).register_forward_hook(r, with_kwargs=True) for p, r in parents.items()]
             try:
-                job.inputs.run(job.block)
+                job.inputs.run(job.block, keep=False)
             finally:
                 for handle in handles:
                     handle.remove()

@@ -19,9 +19,6 @@ re-quantizing. The convention:
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
-import weakref
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from compress.fsutil import scratch_dir
 from compress.schema.quantize import QuantScheme, ScaleDType, WeightQuantConfig
 
 __all__ = [
@@ -149,10 +147,7 @@ class RecordStore(MutableMapping):
         from safetensors.torch import save_file
 
         if self._dir is None:
-            if self.root is not None:
-                self.root.mkdir(parents=True, exist_ok=True)
-            self._dir = Path(tempfile.mkdtemp(prefix="records-", dir=self.root))
-            weakref.finalize(self, shutil.rmtree, str(self._dir), True)
+            self._dir = scratch_dir(self, self.root, "records-")
         path = self._dir / f"{self._count:06d}.safetensors"
         self._count += 1
         save_file(record.cpu().tensors("r"), str(path))

@@ -66,12 +66,15 @@ class BlockInputs:
     hidden: list[torch.Tensor]
     kwargs: list[dict[str, Any]]
 
-    def run(self, block: nn.Module) -> list[torch.Tensor]:
+    def run(self, block: nn.Module, keep: bool = True) -> list[torch.Tensor]:
+        """The block's outputs per batch; ``keep=False`` runs it for its hooks only and keeps none
+        (every calibration token's hidden state again: 201 MB at 128 x 512 x 1536 in bfloat16)."""
         outs = []
         with torch.no_grad():
             for h, kw in zip(self.hidden, self.kwargs, strict=True):
                 out = block(h, **kw)
-                outs.append((out[0] if isinstance(out, tuple) else out).detach())
+                if keep:
+                    outs.append((out[0] if isinstance(out, tuple) else out).detach())
         return outs
 
     @property
