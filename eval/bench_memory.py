@@ -28,9 +28,10 @@ from typing import Any
 from compress.errors import CompressError
 from compress.fsutil import atomic_directory
 from compress.progress import Reporter
+from compress.quantizers.specs import GPTQ, RTN
 
 MIB = 2**20
-DEFAULT_METHODS = ("rtn", "gptq")
+DEFAULT_METHODS = (RTN.name, GPTQ.name)  # the quantization methods (GPTQ is also an export format's name)
 SCHEME = {"bits": 4, "group_size": 128, "symmetric": True}
 """The weights every run quantizes to (as `compress bench quant`'s W4g128s), the output head kept in float."""
 TARGET_RATIO = 1.15
