@@ -40,6 +40,7 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError, FormatError
+from compress.experts import expert_view
 from compress.export.checkpoint import compressed_tensors as ct_format
 from compress.export.checkpoint.hf_checkpoint import QUANTIZATION_CONFIG
 from compress.quantizers.apply import install_record, summarize
@@ -258,7 +259,7 @@ def apply_llmcompressor(model: nn.Module, ctx: RunContext, cfg: GPTQConfig | AWQ
     method = METHODS[cfg.method]
     scheme = cfg.scheme()
     selected, unused_ignore = select_block_linears(model, cfg, label, f"{cfg.method} (backend: llmcompressor)")
-    experts = [n for n, m in selected.items() if m.weight.is_meta]  # fused MoE experts (quantizers/moe.py)
+    experts = [n for n in selected if expert_view(model, n) is not None]  # fused MoE experts (quantizers/moe.py)
     if experts:
         raise CompressError(
             f"{label}: backend llmcompressor is not wired for fused mixture-of-experts weights ({experts[0]} and "

@@ -69,15 +69,20 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The reference model (SmolLM2-135M-Instruct) for the real-model tests, loaded once."""
+    """The reference model (SmolLM2-135M-Instruct) for the real-model tests, loaded once, in memory."""
     import torch
 
+    from compress import streaming
     from compress.models import load_model
     from compress.progress import Reporter
     from compress.recipe import ModelSpec
 
     torch.set_num_threads(2)
-    return load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
+    lm = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
+    # Read into memory once: the method tests apply stages to copies of it directly, and stages that
+    # do not stream expect an in-memory model (a run reads it whole for them: compress/steps/stages.py).
+    lm.model = streaming.materialize(lm.model)
+    return lm
 
 
 def reference_chunks(tokenizer, cal: tuple[int, int], ev: tuple[int, int]):

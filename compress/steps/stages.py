@@ -69,6 +69,8 @@ def apply(run: Run, source: Source) -> Staged | None:
         if streaming.is_streamed(model) and not stage_streams(recipe.stages[i]):
             with run.reporter.status(f"reading the whole model into memory for stages[{i}] ({recipe.stages[i].kind})"):
                 streaming.materialize(model, run.device)
+                # the model as loaded (a distillation teacher, pruning's reference) in memory too, not re-read per step
+                ctx.original = streaming.materialize(copy.deepcopy(ctx.original), run.device)
         records.append(stage.apply(model, ctx))
         ctx.applied.append(recipe.stages[i].kind)
         if i == last_trained and run.world > 1:
