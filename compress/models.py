@@ -223,7 +223,8 @@ def open_streamed(path: Path, config: Any, spec: ModelSpec, weights: list[Path])
         return _spilled(path, config, spec, dtype, weights), (
             f"loaded whole once (the checkpoint names its tensors differently, e.g. {missing[0]}), streamed from the work directory"
         )
-    streaming.attach(model, streaming.TensorStore(source, aliases), stream_units(model), torch.device("cpu"))
+    stamps = {file: (file.stat().st_size, file.stat().st_mtime_ns) for file in weights}
+    streaming.attach(model, streaming.TensorStore(source, aliases, stamps=stamps), stream_units(model), torch.device("cpu"))
     return model, "streamed from the checkpoint"
 
 

@@ -7,9 +7,8 @@ final norm, the output head). Running a unit's ``forward`` reads its tensors fro
 compute device just before, and drops them (back to ``meta``) just after, so a whole-model
 forward holds one unit's weights at a time and memory does not grow with depth.
 
-Where each tensor lives is a ``TensorStore``: the source's safetensors files, read through
-``safetensors.safe_open`` (memory-mapped, opened per read and closed after, so the mapping never
-keeps pages resident), or the run's *overlay*: the tensors a stage changed, written unit by unit to
+Where each tensor lives is a ``TensorStore``: the source's safetensors files, read with plain reads
+(``read_tensors``: no memory map, whose pages would count as resident), or the run's *overlay*: the tensors a stage changed, written unit by unit to
 new files in a work directory (files are never rewritten, so a fork of the store — the baseline,
 a distillation teacher — keeps seeing what it saw).
 
@@ -36,7 +35,13 @@ import torch
 from torch import nn
 from torch.utils import swap_tensors
 
+from compress.errors import ModelLoadError
 from compress.fsutil import scratch_dir
+
+
+class ChangedFileError(ModelLoadError):
+    """A source file changed after the run opened it (exit 2, naming the file)."""
+
 
 _ATTR = "_compress_stream"
 
@@ -52,6 +57,9 @@ class TensorStore:
     overlay: dict[str, Path] = field(default_factory=dict)
     root: Path | None = None
     """Where overlay files go (a folder is made inside it on the first write); None: the system temp dir."""
+    stamps: dict[Path, tuple[int, int]] = field(default_factory=dict)
+    """(size, mtime_ns) of each source file when it was opened: a file changed since is refused on
+    the next read, since the digests in the manifest would no longer describe what the run read."""
     _dir: Path | None = None
     _count: itertools.count = field(default_factory=itertools.count)
 
@@ -69,6 +77,11 @@ class TensorStore:
                 by_file.setdefault(file, []).append((name, key))
         out: dict[str, torch.Tensor] = {}
         for file, pairs in by_file.items():
+            stamp = self.stamps.get(file)
+            if stamp is not None:
+                now = os.stat(file)
+                if (now.st_size, now.st_mtime_ns) != stamp:
+                    raise ChangedFileError(f"{file} changed while the run was reading it; run again on a file that stays put")
             found = read_tensors(file, [key for _, key in pairs])
             out.update({name: found[key] for name, key in pairs})
         return out
@@ -98,7 +111,7 @@ class TensorStore:
         """A store that sees what this one sees now and writes its own overlay from here on.
         Overlay files stay while any store that reads them lives (each store's folder is removed
         when that store is garbage-collected, so a fork keeps a reference to its parent)."""
-        child = TensorStore(dict(self.source), dict(self.aliases), dict(self.overlay), self.root)
+        child = TensorStore(dict(self.source), dict(self.aliases), dict(self.overlay), self.root, dict(self.stamps))
         child._parent = self  # type: ignore[attr-defined]  # keeps the parent's overlay folder alive
         return child
 

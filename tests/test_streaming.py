@@ -126,3 +126,18 @@ def test_records_wait_on_disk_and_come_back_exactly(tmp_path: Path) -> None:
     assert list(store) == ["a.b"] and len(store) == 1 and len(list((tmp_path / "records").rglob("*.safetensors"))) == 1
     del store["a.b"]
     assert "a.b" not in store
+
+
+def test_a_source_file_changed_while_the_run_reads_it_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
+    source = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, source)
+    model = load_model(ModelSpec(source=str(source)), Path("."), QUIET).model
+    with torch.no_grad():
+        model(input_ids=ids(), use_cache=False)  # reads fine
+    weights = source / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor
+    weights.write_bytes(bytes(data))
+    with pytest.raises(streaming.ChangedFileError, match="changed while the run was reading it"):
+        with torch.no_grad():
+            model(input_ids=ids(), use_cache=False)
