@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -102,23 +103,21 @@ the quantized records, the baseline's cached hidden states."""
 def remove_scratch(run: Run) -> None:
     """Delete a run's scratch folders whether it completed or failed (training checkpoints stay, so a
     failed run resumes), then the work directory if nothing else is in it."""
-    work_dir = work_dir_for(run.out_dir)
-    for name in SCRATCH:
-        shutil.rmtree(work_dir / name, ignore_errors=True)
-    try:
-        work_dir.rmdir()
-    except OSError:  # absent, or holds checkpoints or something that is not ours
-        pass
+    _remove_work(run, SCRATCH)
 
 
 def remove_checkpoints(run: Run) -> None:
     """Delete the training checkpoints of a run whose artifact is complete: only the stage folders
     this run writes, then the work directory if nothing else is in it."""
+    _remove_work(run, [f"stages[{i}]" for i, st in enumerate(run.recipe.stages) if stage_kind(st.kind).keeps_checkpoints])
+
+
+def _remove_work(run: Run, names: Iterable[str]) -> None:
+    """Delete the named folders of the run's work directory, then the directory if it is empty."""
     work_dir = work_dir_for(run.out_dir)
-    for i, st in enumerate(run.recipe.stages):
-        if stage_kind(st.kind).keeps_checkpoints:
-            shutil.rmtree(work_dir / f"stages[{i}]", ignore_errors=True)
+    for name in names:
+        shutil.rmtree(work_dir / name, ignore_errors=True)
     try:
         work_dir.rmdir()
-    except OSError:  # absent, or holds something that is not ours
+    except OSError:  # absent, or holds checkpoints or something that is not ours
         pass
