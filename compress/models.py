@@ -154,15 +154,13 @@ def from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, sour
 
 def stored_dtype(weights: list[Path]) -> str:
     """The dtype the checkpoint's floating-point tensors are stored in (the first one found)."""
-    from safetensors import safe_open
+    from compress.streaming import safetensors_header
 
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     for file in weights:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                kind = f.get_slice(key).get_dtype()
-                if kind in names:
-                    return names[kind]
+        for key, entry in safetensors_header(file)[0].items():
+            if key != "__metadata__" and entry["dtype"] in names:
+                return names[entry["dtype"]]
     return "float32"
 
 
@@ -192,7 +190,6 @@ def open_streamed(path: Path, config: Any, spec: ModelSpec, weights: list[Path])
     written to the run's overlay, and streamed from there. Returns the model and how it was opened."""
     import torch
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from compress import streaming
@@ -206,8 +203,7 @@ def open_streamed(path: Path, config: Any, spec: ModelSpec, weights: list[Path])
     model.eval().requires_grad_(False)
     source: dict[str, tuple[Path, str]] = {}
     for file in weights:
-        with safe_open(file, framework="pt") as f:
-            source.update({key: (file, key) for key in f.keys()})
+        source.update({key: (file, key) for key in streaming.safetensors_header(file)[0] if key != "__metadata__"})
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
     missing = []

@@ -24,6 +24,7 @@ in-memory model from then on).
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from torch.utils import swap_tensors
 
 from compress.errors import ModelLoadError
 from compress.fsutil import scratch_dir
+from compress.inputs import check_safetensors
 
 
 class ChangedFileError(ModelLoadError):
@@ -123,30 +125,38 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "
            "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
 
 
+def safetensors_header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's header, checked against the file (``compress.inputs.check_safetensors``),
+    and where its data section starts; read once per version of the file (size and mtime)."""
+    stat = os.stat(file)
+    return _header(str(file), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _header(path: str, size: int, mtime_ns: int) -> tuple[dict, int]:
+    header = check_safetensors(Path(path))
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    return header, size - max(ends, default=0)  # the tensors tile the data section, which ends the file
+
+
 def read_tensors(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file read with plain reads into fresh memory, rather than through a
     memory map: a mapped file's pages count as this process's resident memory while it is mapped
-    (a 467 MB embedding would be counted twice while copied out), read pages stay in the page cache.
-    The header (names, dtypes, shapes, offsets) is what ``safetensors.safe_open`` checks; a file
-    whose header does not fit its size was refused when the model was opened (compress/inputs.py)."""
-    import json
-    import struct
-
+    (a 467 MB embedding would be counted twice while copied out), read pages stay in the page cache."""
+    header, data_start = safetensors_header(file)
+    out = {}
     with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        out = {}
         for key in keys:
             info = header[key]
             start, end = info["data_offsets"]
             tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
             if end > start:
-                f.seek(8 + size + start)
+                f.seek(data_start + start)
                 view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
                 if f.readinto(view) != end - start:
                     raise OSError(f"{file}: {key} is cut short")
             out[key] = tensor
-        return out
+    return out
 
 
 @dataclass
