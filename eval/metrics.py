@@ -35,7 +35,8 @@ from compress.schema.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_ME
 
 Forward = Callable[[torch.Tensor], Any]
 """Maps token ids [batch, seq] to logits [batch, seq, vocab] for one artifact on its runtime, or to
-its final ``HiddenStates`` and head (torch models: logits are then made a chunk at a time)."""
+``Logits`` that make them a row and a chunk of positions at a time: a torch model's final
+``HiddenStates`` and head, or a runtime's ``RowLogits``."""
 
 
 INTERVAL_LEVEL = 0.95
@@ -140,7 +141,36 @@ CHUNK_ELEMENTS = 2**23
 per-batch vocabulary buffers stay bounded on large vocabularies (151,936 tokens: 55 positions)."""
 
 
-class HiddenStates:
+class Logits:
+    """The logits of a batch, made on demand: ``logits(row, positions)`` [positions, vocab], asked
+    row by row in order; ``hold()`` brackets all the asks of one batch."""
+
+    def logits(self, row: int, positions: slice) -> torch.Tensor:
+        raise NotImplementedError
+
+    def hold(self) -> Any:
+        return contextlib.nullcontext()
+
+
+class RowLogits(Logits):
+    """A runtime's logits one sequence at a time: ``run(row)`` computes row ``row`` of the batch and
+    returns its logits [seq, vocab], which may be a view of the runtime's own buffer (llama.cpp's
+    scores): valid until the next ``run``, so no copy of a whole row is made."""
+
+    def __init__(self, run: Callable[[int], torch.Tensor]) -> None:
+        self.run = run
+        self._row: int | None = None
+        self._logits: torch.Tensor | None = None
+
+    def logits(self, row: int, positions: slice) -> torch.Tensor:
+        if row != self._row:
+            self._logits = None  # drop the reference to the old row before computing the next
+            self._logits, self._row = self.run(row), row
+        assert self._logits is not None
+        return self._logits[positions]
+
+
+class HiddenStates(Logits):
     """A model's final hidden states [batch, seq, hidden] and the head that turns some of them into
     logits: ``compare`` makes the logits a chunk of positions at a time instead of a whole batch of
     batch x seq x vocab floats."""
@@ -161,8 +191,8 @@ class HiddenStates:
         return self._hold() if self._hold is not None else contextlib.nullcontext()
 
 
-def _logits(out: torch.Tensor | HiddenStates, row: int, positions: slice) -> torch.Tensor:
-    if isinstance(out, HiddenStates):
+def _logits(out: torch.Tensor | Logits, row: int, positions: slice) -> torch.Tensor:
+    if isinstance(out, Logits):
         return out.logits(row, positions).float()
     return out[row, positions].float()
 
@@ -198,7 +228,7 @@ def compare(
             outs = {"baseline": baseline(batch), **{name: forward(batch) for name, forward in candidates.items()}}
             with contextlib.ExitStack() as held:
                 for out in outs.values():
-                    if isinstance(out, HiddenStates):
+                    if isinstance(out, Logits):
                         held.enter_context(out.hold())
                 vocab = _logits(outs["baseline"], 0, slice(pos.start, pos.start + 1)).shape[-1]
                 step = max(1, CHUNK_ELEMENTS // vocab)

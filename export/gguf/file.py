@@ -165,6 +165,21 @@ class TensorPlan:
     type_name: str  # f32 | f16 | bf16 | q8_0 | q4_0 | q4_1
     source: str  # "record" (exact), "requantized" (fallback from a record), "float"
     permute_heads: int | None = None  # Q/K row permutation with this many heads
+    shape: tuple[int, ...] = ()  # the tensor's shape (rows, columns) as the state dict holds it
+
+    def info(self) -> tuple[tuple[int, ...], Any, int, Any]:
+        """What the GGUF tensor-info table says of this tensor before its data is made: (shape as
+        gguf-py's writer takes it, numpy dtype, bytes, ggml type or None for plain f32/f16)."""
+        import gguf
+
+        numel = int(np.prod(self.shape))
+        if self.type_name == "f32":
+            return self.shape, np.dtype(np.float32), numel * 4, None
+        if self.type_name == "f16":
+            return self.shape, np.dtype(np.float16), numel * 2, None
+        raw = _ggml_type(self.type_name)
+        byte_shape = tuple(int(n) for n in gguf.quant_shape_to_byte_shape(self.shape, raw))
+        return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw
 
 
 @dataclass
@@ -226,6 +241,7 @@ def plan_tensors(
         if gguf_name is None:
             raise FormatError(f"no GGUF name for {hf_name} in llama.cpp's '{arch.name}' tensor map")
         module = hf_name.rsplit(".", 1)[0]
+        shape = tuple(int(n) for n in tensor.shape)
         heads = None
         if arch.permute_qk and hf_name.endswith((".q_proj.weight", ".q_proj.bias")):
             heads = cfg.num_attention_heads
@@ -235,10 +251,10 @@ def plan_tensors(
             record = records[module]
             problem = record_problem(record, type_name) if type_name in GGUF_EXACT_TYPES else f"type {type_name} is a float type"
             if problem is None:
-                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "record", heads))
+                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "record", heads, shape))
                 continue
             if type_name in GGUF_FLOAT_TYPES:
-                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads))
+                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads, shape))
                 continue
             if fallback is None:
                 raise FormatError(
@@ -247,14 +263,14 @@ def plan_tensors(
                 )
             exact_fallback = fallback in GGUF_EXACT_TYPES and record_problem(record, fallback) is None
             plan.fallbacks[module] = problem
-            plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads))
+            plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads, shape))
         elif tensor.dim() == 1:
-            plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads))
+            plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads, shape))
         else:
             usable = matrix_default
             if usable in GGUF_EXACT_TYPES and tensor.shape[-1] % BLOCK:
                 usable = "f16"
-            plan.tensors.append(TensorPlan(hf_name, gguf_name, usable, "float", heads))
+            plan.tensors.append(TensorPlan(hf_name, gguf_name, usable, "float", heads, shape))
     return plan
 
 
@@ -524,6 +540,14 @@ def write_gguf(
         tok_facts = add_tokenizer(writer, tokenizer, n_vocab, pre_tokenizer)
     for key, value in (extra_metadata or {}).items():
         writer.add_string(f"{METADATA_NAMESPACE}.{key}", value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+    # Two passes, so that only one tensor's bytes are in memory at a time: the tensor-info table
+    # from the plan's shapes and types, then each tensor's data as it is made.
+    for t in plan.tensors:
+        info_shape, dtype, nbytes, raw = t.info()
+        writer.add_tensor_info(t.gguf_name, info_shape, dtype, nbytes, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
     floats = {t.hf_name for t in plan.tensors if t.source not in ("record", "dequantized", "fallback")}
     # The plan follows the state dict's order; the float tensors are read one streamed unit at a time.
     streamed = ((name, tensor) for name, tensor in tensors(model, keep_tied=True) if name in floats)
@@ -535,16 +559,17 @@ def write_gguf(
                 name, tensor = next(streamed)
                 pending[name] = tensor
         if t.source == "record":
-            data, raw = PACKERS[t.type_name](permuted_record(records[module].cpu(), t.permute_heads)), _ggml_type(t.type_name)
+            data = PACKERS[t.type_name](permuted_record(records[module].cpu(), t.permute_heads))
         else:
             tensor = records[module].dequantize() if t.source in ("dequantized", "fallback") else pending.pop(t.hf_name)
             if t.permute_heads is not None:
                 tensor = permute_rows(tensor, t.permute_heads)
-            data, raw = float_bytes(tensor, t.type_name)
-        writer.add_tensor(t.gguf_name, data, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
+            data, _ = float_bytes(tensor, t.type_name)
+            del tensor
+        if data.nbytes != t.info()[2]:  # a packer and the tensor table disagree: our bug, caught before the file is used
+            raise FormatError(f"{t.hf_name}: {data.nbytes} bytes made for GGUF {t.type_name}, the tensor table says {t.info()[2]}")
+        writer.write_tensor_data(data)
+        del data
     writer.close()
     return {
         "architecture": plan.arch.name,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from compress.errors import FormatError
+from compress.eval.metrics import RowLogits
 from compress.export.specs import GGUF_LLAMA_CPP_TYPES
 
 INSTALL_HINT = "pip install 'compress[gguf]' (llama-cpp-python builds from source: about 17 minutes on 2 cores the first time)"
@@ -169,18 +170,20 @@ class LlamaCppModel:
         self.n_ctx = n_ctx
         self.last_decode_seconds = 0.0
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        """Logits [len(ids), vocab] for one sequence, from an empty cache."""
+    def scores(self, ids: list[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] for one sequence, from an empty cache: a view of llama-cpp-python's
+        own scores buffer, valid until the next evaluation (a row is n_vocab x 4 bytes a token)."""
         if len(ids) > self.n_ctx:
             raise FormatError(f"a sequence of {len(ids)} tokens exceeds the llama.cpp context of {self.n_ctx}")
         self.llm.reset()
         with _quiet_stderr():
             self.llm.eval(ids)
-        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+        return self.llm.scores[: len(ids)]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``Forward``: token ids [batch, seq] -> logits [batch, seq, vocab]."""
-        return torch.from_numpy(np.stack([self.logits(row.tolist()) for row in ids]))
+    def forward(self, ids: torch.Tensor) -> RowLogits:
+        """``Forward``: token ids [batch, seq] -> logits made a row at a time, read from llama.cpp's
+        buffer without copying (a 152k vocabulary makes a 512-token row 311 MB)."""
+        return RowLogits(lambda row: torch.from_numpy(self.scores(ids[row].tolist())))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))  # HF parses added tokens in text too
