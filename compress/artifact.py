@@ -34,6 +34,7 @@ model/weights.safetensors in the internal layout; they are still read.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,7 @@ def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: Mapping
     from safetensors.torch import save_file
 
     from compress.export.checkpoint import compressed_tensors
-    from compress.export.checkpoint.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE
+    from compress.export.checkpoint.hf_checkpoint import WEIGHTS_FILE, save_sharded
 
     assert WEIGHTS_FILE == CHECKPOINT_FILE, "model/'s weights file is the one the checkpoint writer writes"
 
@@ -127,7 +128,7 @@ def write_model(root: Path, model: nn.Module, tokenizer: Any, quantized: Mapping
         compressed_tensors.write(directory, model, tokenizer, _SplitRecords(quantized, packed))
     else:  # nothing to pack: a float checkpoint (fallback layers dequantized, as in the model)
         write_config_and_tokenizer(directory, model, tokenizer)
-        save_file(float_tensors(model, {}), str(directory / CHECKPOINT_FILE), metadata=SAFETENSORS_METADATA)
+        save_sharded(directory, float_tensors(model, {}))
     if fallback:
         tensors = {k: v for name in fallback for k, v in quantized[name].cpu().tensors(name).items()}
         save_file(tensors, str(root / RECORDS_FILE), metadata={"format": RECORDS_FORMAT})
@@ -142,20 +143,21 @@ def _verify_written(root: Path, quantized: Mapping[str, QuantizedWeight], scheme
     from safetensors import safe_open
 
     from compress.export.checkpoint import compressed_tensors
-    from compress.export.checkpoint.hf_checkpoint import records_identical
+    from compress.export.checkpoint.hf_checkpoint import records_identical, weight_files
 
     model_dir = root / MODEL_DIR
     where = f"{root}: {MODEL_DIR}/{CHECKPOINT_FILE}"
     problems: list[str] = []
     if packed:
         qcfg = check_json(model_dir / "config.json").get("quantization_config") or {}
-        with safe_open(str(model_dir / CHECKPOINT_FILE), framework="pt") as f:
-            keys = set(f.keys())
-            stored = {k.rsplit(".", 1)[0] for k in keys if k.endswith(".weight_packed")}
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(safe_open(str(path), framework="pt")) for path in weight_files(model_dir)]
+            where_is = {k: f for f in files for k in f.keys()}
+            stored = {k.rsplit(".", 1)[0] for k in where_is if k.endswith(".weight_packed")}
             if stored != set(packed):
                 return [f"packed layers differ: missing {sorted(set(packed) - stored)[:3]}, unexpected {sorted(stored - set(packed))[:3]}"]
             for name in packed:
-                layer = {k: f.get_tensor(k) for k in keys if k.startswith(name + ".") and "." not in k[len(name) + 1 :]}
+                layer = {k: f.get_tensor(k) for k, f in where_is.items() if k.startswith(name + ".") and "." not in k[len(name) + 1 :]}
                 found = compressed_tensors.read(qcfg, layer, where).records[name]
                 back = compressed_tensors.merge_groups(found, schemes[name], f"{where}: layer {name}")
                 problems += records_identical({name: quantized[name]}, {name: back})
@@ -224,10 +226,13 @@ def _read_packed(directory: Path, schemes: dict[str, QuantScheme]) -> tuple[Tens
     from safetensors.torch import load_file
 
     from compress.export.checkpoint import compressed_tensors
+    from compress.export.checkpoint.hf_checkpoint import weight_files
 
     model_dir = directory / MODEL_DIR
     where = f"{directory}: {MODEL_DIR}/{CHECKPOINT_FILE}"
-    tensors = load_file(str(model_dir / CHECKPOINT_FILE))
+    tensors: Tensors = {}
+    for path in weight_files(model_dir):
+        tensors.update(load_file(str(path)))
     qcfg = check_json(model_dir / "config.json").get("quantization_config")
     records: dict[str, QuantizedWeight] = {}
     consumed: set[str] = set()

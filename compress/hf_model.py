@@ -6,6 +6,7 @@ SHA-256 checksums. Shared by the artifact (compress/artifact.py) and the checkpo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,13 @@ def write_config_and_tokenizer(
     tokenizer.save_pretrained(directory)
 
 
-def float_tensors(model: nn.Module, quantized: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
-    """The state dict without the weights of quantized layers and without tied copies (a streamed
-    model's tensors are read from its store, one unit at a time)."""
+def float_tensors(model: nn.Module, quantized: Mapping[str, QuantizedWeight]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict without the weights of quantized layers and without tied copies, as (name,
+    tensor) pairs: a streamed model's tensors are read from its store one unit at a time."""
     from compress.streaming import tensors
 
     skip = {f"{name}.weight" for name in quantized}
-    return {name: t.contiguous().cpu() for name, t in tensors(model) if name not in skip}
+    return ((name, t.contiguous().cpu()) for name, t in tensors(model) if name not in skip)
 
 
 def checksums(root: Path) -> dict[str, str]:

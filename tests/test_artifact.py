@@ -110,6 +110,40 @@ def test_stored_scheme_splits_partial_groups_exactly_or_falls_back(bits, group, 
             merge_groups(split, scheme, "w")
 
 
+def test_model_dir_is_written_shard_by_shard_and_every_reader_takes_the_shards(
+    tmp_path: Path, tiny_model_dir: Path, text_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shards of at most 64 KB: the tiny model's tensors spread over many files, as a 1.5B model's
+    # do over 512 MB ones; only one shard is held while writing.
+    from compress.export.checkpoint import hf_checkpoint
+
+    monkeypatch.setattr(hf_checkpoint, "SHARD_BYTES", 64 * 1024)
+    out = run(tmp_path, tiny_model_dir, text_dir, bits=4, group_size=32, symmetric=True)
+    model, expected = expected_model(tiny_model_dir, 4, 32, True)
+    model_dir = out / "model"
+    index = json.loads((model_dir / hf_checkpoint.INDEX_FILE).read_text())
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    assert len(files) > 2 and not (model_dir / CHECKPOINT_FILE).exists()
+    assert sorted(set(index["weight_map"].values())) == files
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    sizes = [payload_bytes(model_dir / f) for f in files]
+    largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert max(sizes) <= max(64 * 1024, largest) and index["metadata"]["total_size"] == sum(sizes)
+    assert not list(model_dir.glob(".shard-*"))
+
+    # transformers loads the sharded folder; our reader gives back the records exactly
+    assert logits_diff(out, model) <= LOGITS_ATOL
+    _, _, records = load_artifact(out)
+    assert records_identical(expected, records) == []
+
+
+def test_save_sharded_refuses_a_tensor_name_twice(tmp_path: Path) -> None:
+    from compress.export.checkpoint.hf_checkpoint import save_sharded
+
+    with pytest.raises(FormatError, match="two tensors named a.weight"):
+        save_sharded(tmp_path, [("a.weight", torch.zeros(2)), ("b.weight", torch.zeros(2)), ("a.weight", torch.ones(2))])
+
+
 def test_model_dir_is_compressed_tensors_at_the_packed_size_and_reads_back_exactly(
     tmp_path: Path, tiny_model_dir: Path, text_dir: Path
 ) -> None:
@@ -134,7 +168,7 @@ def test_model_dir_is_compressed_tensors_at_the_packed_size_and_reads_back_exact
     assert {r.scheme.group_size for r in records.values()} == {64}
 
     # the size the bits imply: packed layers + float tensors, nothing else (the header aside)
-    floats = sum(t.numel() * t.element_size() for t in float_tensors(model, expected).values())
+    floats = sum(t.numel() * t.element_size() for _, t in float_tensors(model, expected))
     implied = floats + sum(packed_bytes(r) for r in expected.values())
     weights = out / "model" / CHECKPOINT_FILE
     assert payload_bytes(weights) == implied
@@ -182,7 +216,7 @@ def write_legacy_layout(out: Path) -> None:
         path.unlink()
     (out / RECORDS_FILE).unlink(missing_ok=True)
     write_config_and_tokenizer(out / "model", model, tokenizer)
-    tensors = float_tensors(model, records)
+    tensors = dict(float_tensors(model, records))
     for name, record in records.items():
         tensors.update(record.tensors(name))
     save_file(tensors, str(out / "model" / LEGACY_WEIGHTS_FILE), metadata={"format": LEGACY_WEIGHTS_FORMAT})

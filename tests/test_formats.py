@@ -163,7 +163,7 @@ def test_compressed_tensors_refuses_partial_groups_and_other_bit_widths(tmp_path
 
     # Not an arbitrary rule: compressed-tensors itself cannot dequantize a partial group.
     tensors = {f"{n}.{s}": t for n, r in records.items() for s, t in compressed_tensors.pack_record(r).items()}
-    write_checkpoint(tmp_path / "b", model, tokenizer, records, tensors, compressed_tensors.quantization_config(model, records))
+    write_checkpoint(tmp_path / "b", model, tokenizer, records, tensors.items(), compressed_tensors.quantization_config(model, records))
     partial = AutoModelForCausalLM.from_pretrained(tmp_path / "b")  # weights are decompressed at the first forward
     with pytest.raises(ValueError, match="divisble by the given group_size"), torch.no_grad():
         partial(token_ids(len(tokenizer)))

@@ -37,6 +37,7 @@ from compress.export.checkpoint.hf_checkpoint import (
     ImportedRecords,
     build_record,
     layers_with,
+    packed_tensors,
     scale_dtype_name,
     write_checkpoint,
 )
@@ -180,9 +181,8 @@ def write(
     """Write a v1 GPTQ HF directory (config.json ``quantization_config`` plus ``quantize_config.json``).
     The format has no KV-cache field: with a KV scheme, returns why it is not carried."""
     check(model, records)
-    tensors = {f"{name}.{suffix}": t for name, rec in records.items() for suffix, t in pack_record(rec).items()}
     config = quantization_config(model, records)
-    write_checkpoint(directory, model, tokenizer, records, tensors, config)
+    write_checkpoint(directory, model, tokenizer, records, packed_tensors(records, pack_record), config)
     (directory / QUANTIZE_CONFIG_FILE).write_text(json.dumps({**config, "model_file_base_name": "model"}, indent=2) + "\n")
     return None if kv is None else {"carried": False, "why": "the gptq checkpoint format has no KV-cache field"}
 

@@ -24,6 +24,7 @@ differently depending on the reader's version; vLLM's int kernels take 4 and 8).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -38,6 +39,7 @@ from compress.export.checkpoint.hf_checkpoint import (
     ImportedRecords,
     build_record,
     layers_with,
+    packed_tensors,
     scale_dtype_name,
     write_checkpoint,
 )
@@ -248,13 +250,12 @@ def write(
     """Write a pack-quantized HF directory that transformers (with compressed-tensors) and vLLM load;
     with a KV scheme, also its ``kv_cache_scheme`` and scales. Returns what was carried of the KV scheme."""
     check(model, records)
-    tensors = {f"{name}.{suffix}": t for name, rec in records.items() for suffix, t in pack_record(rec).items()}
     qcfg = quantization_config(model, records)
     carried = None
+    kv_tensors: dict[str, torch.Tensor] = {}
     if kv is not None:
         qcfg["kv_cache_scheme"], kv_tensors, carried = kv_cache_tensors(model, kv)
-        tensors.update(kv_tensors)
-    write_checkpoint(directory, model, tokenizer, records, tensors, qcfg)
+    write_checkpoint(directory, model, tokenizer, records, itertools.chain(packed_tensors(records, pack_record), kv_tensors.items()), qcfg)
     return carried
 
 

@@ -8,6 +8,7 @@ records plus the names of the tensors they consumed, and the float model is asse
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ CONFIG_FILE = "config.json"
 QUANTIZATION_CONFIG = "quantization_config"
 QUANT_METHOD = "quant_method"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map (Hugging Face's layout)
+SHARD_BYTES = 512 * 2**20
+"""The most tensor bytes per safetensors file a writer holds before writing it: checkpoints are
+written shard by shard, so writing one costs at most a shard of memory (and safetensors' copy of
+it), not the model; a tensor larger than this (a big vocabulary's embedding) is a shard alone."""
 SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 SCALE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -36,24 +42,87 @@ class ImportedRecords:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
+def save_sharded(directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], shard_bytes: int | None = None) -> list[str]:
+    """Write ``tensors`` as they come into safetensors files of at most ``shard_bytes`` each: one
+    file is WEIGHTS_FILE, several are ``model-0000i-of-0000n.safetensors`` with INDEX_FILE, as
+    transformers writes them. Only one shard's tensors are held at a time. Returns the file names."""
+    from safetensors.torch import save_file
+
+    limit = SHARD_BYTES if shard_bytes is None else shard_bytes
+    shards: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    held = total = 0
+    seen: set[str] = set()
+
+    def flush() -> None:
+        save_file(current, str(directory / f".shard-{len(shards):05d}.safetensors"), metadata=SAFETENSORS_METADATA)
+        shards.append(list(current))
+        current.clear()
+
+    for name, tensor in tensors:
+        if name in seen:
+            raise FormatError(f"{directory}: two tensors named {name} (packed tensors would overwrite model tensors)")
+        seen.add(name)
+        size = tensor.numel() * tensor.element_size()
+        if current and held + size > limit:
+            flush()
+            held = 0
+        current[name] = tensor.contiguous().cpu()
+        held += size
+        total += size
+    if current or not shards:
+        flush()
+    if len(shards) == 1:
+        (directory / ".shard-00000.safetensors").rename(directory / WEIGHTS_FILE)
+        return [WEIGHTS_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for i, name in enumerate(names):
+        (directory / f".shard-{i:05d}.safetensors").rename(directory / name)
+    weight_map = {tensor: names[i] for i, keys in enumerate(shards) for tensor in keys}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """A checkpoint's safetensors files: those INDEX_FILE names (a sharded checkpoint), else WEIGHTS_FILE."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return [directory / WEIGHTS_FILE]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise FormatError(f"{index}: not a safetensors index (a JSON object with a weight_map): {exc}") from exc
+
+
+def packed_tensors(
+    records: Mapping[str, QuantizedWeight], pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each record's tensors as a format's ``pack`` makes them (``<layer>.<suffix>``), a record at a time."""
+    for name in records:
+        for suffix, tensor in pack(records[name]).items():
+            yield f"{name}.{suffix}", tensor
+
+
 def write_checkpoint(
     directory: Path,
     model: nn.Module,
     tokenizer: Any,
-    records: dict[str, QuantizedWeight],
-    layer_tensors: dict[str, torch.Tensor],
+    records: Mapping[str, QuantizedWeight],
+    layer_tensors: Iterable[tuple[str, torch.Tensor]],
     quantization_config: dict[str, Any],
 ) -> None:
-    """A loadable HF directory: config (with ``quantization_config``), tokenizer, one safetensors file."""
-    from safetensors.torch import save_file
-
+    """A loadable HF directory: config (with ``quantization_config``), tokenizer, safetensors written
+    shard by shard: the float tensors (read a streamed unit at a time), then ``layer_tensors`` as the
+    format's writer makes them, a layer at a time."""
     write_config_and_tokenizer(directory, model, tokenizer, quantization_config)
-    tensors = float_tensors(model, records)
-    clash = sorted(set(tensors) & set(layer_tensors))
-    if clash:
-        raise FormatError(f"{directory}: packed tensors would overwrite model tensors: {clash[:3]}")
-    tensors.update({k: v.contiguous().cpu() for k, v in layer_tensors.items()})
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata=SAFETENSORS_METADATA)
+
+    def every() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from float_tensors(model, records)
+        yield from layer_tensors
+
+    save_sharded(directory, every())
 
 
 def read_config(directory: Path) -> dict[str, Any]:

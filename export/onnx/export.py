@@ -22,7 +22,7 @@ from torch import nn
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, torch_forward
 from compress.export.checkpoint import autogptq
-from compress.export.checkpoint.hf_checkpoint import SAFETENSORS_METADATA, WEIGHTS_FILE
+from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
 from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
 from compress.export.specs import ONNXExport
@@ -100,11 +100,10 @@ def builder_options(
 
 
 def _save_float(directory: Path, model: nn.Module, tokenizer: Any) -> None:
-    """The model as a float Hugging Face directory (quantized layers hold their dequantized records)."""
-    from safetensors.torch import save_file
-
+    """The model as a float Hugging Face directory (quantized layers hold their dequantized records),
+    written shard by shard (hf_checkpoint.SHARD_BYTES) as the streamed model's units are read."""
     write_config_and_tokenizer(directory, model, tokenizer)
-    save_file(float_tensors(model, {}), str(directory / WEIGHTS_FILE), metadata=SAFETENSORS_METADATA)
+    save_sharded(directory, float_tensors(model, {}))
 
 
 def _fresh(directory: Path) -> None:
