@@ -22,53 +22,63 @@ from compress.schema.quantize import GPTQConfig
 
 def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor) -> int:
     """Fold ``inputs`` [..., in] into the running ``H = 2/n · Σ x xᵀ`` (in place); returns the new n."""
-    x = inputs.reshape(-1, inputs.shape[-1]).to(torch.float32)
+    x = inputs.reshape(-1, inputs.shape[-1])
     new = count + x.shape[0]
     hessian.mul_(count / new)
-    x = x * (2.0 / new) ** 0.5
+    scale = (2.0 / new) ** 0.5
+    # Scaled in place when the float32 copy is ours (bf16/fp16 inputs): one [tokens, in] buffer, not two.
+    x = x.to(torch.float32).mul_(scale) if x.dtype != torch.float32 else x * scale
     hessian.addmm_(x.t(), x)
     return new
 
 
-def _inverse_cholesky(hessian: torch.Tensor, dampening: float) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of H⁻¹ after dampening; raises dampening tenfold until H is positive definite.
-    At most two [in, in] matrices live besides ``hessian`` (8960 wide: 321 MB each in float32)."""
-    mean_diag = float(torch.diag(hessian).mean())
-    damp = dampening
+def _inverse_cholesky(box: list[torch.Tensor], dampening: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of H⁻¹ after dampening; raises dampening tenfold until H is positive
+    definite. Takes H out of ``box`` and dampens it in place, so that at most two [in, in] matrices
+    live at once (8960 wide: 321 MB each in float32)."""
+    h = box.pop()
+    mean_diag = float(torch.diag(h).mean())
+    damp, added = dampening, 0.0
     for _ in range(5):
-        try:
-            damped = hessian.clone()
-            damped.diagonal().add_(damp * mean_diag)  # H + damp * mean(diag H) * I, without the identity matrix
-            chol = torch.linalg.cholesky(damped)
-            del damped
+        h.diagonal().add_((damp - added) * mean_diag)  # H + damp * mean(diag H) * I, without the identity matrix
+        added = damp
+        chol, info = torch.linalg.cholesky_ex(h)
+        if int(info) == 0:
+            del h
             inverse = torch.cholesky_inverse(chol)
             del chol
             return torch.linalg.cholesky(inverse, upper=True), damp
-        except torch.linalg.LinAlgError:
-            damp *= 10
+        del chol
+        damp *= 10
     raise torch.linalg.LinAlgError(f"Hessian is not positive definite even with dampening {damp / 10:g}")
 
 
 def gptq_quantize(
     weight: torch.Tensor,
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | list[torch.Tensor],
     scheme: QuantScheme,
     dampening: float = 0.01,
     block_size: int = 128,
     act_order: bool = True,
 ) -> tuple[QuantizedWeight, dict[str, float]]:
-    """Quantize ``weight`` [out, in] with GPTQ given its input Hessian [in, in]."""
+    """Quantize ``weight`` [out, in] with GPTQ given its input Hessian [in, in]. A Hessian handed over
+    in a one-element list (``[h]``) is taken out of it and overwritten, so no copy of it is kept
+    (the stage's way: a down_proj Hessian is 321 MB); a bare tensor is left as it is."""
+    box = hessian if isinstance(hessian, list) else [hessian.to(torch.float32).clone()]
+    if isinstance(hessian, list) and box[0].dtype != torch.float32:
+        box[0] = box[0].to(torch.float32)
+    del hessian
     if weight.device.type == "cpu":
         with one_cpu_thread():
-            return _gptq(weight, hessian, scheme, dampening, block_size, act_order)
-    return _gptq(weight, hessian, scheme, dampening, block_size, act_order)
+            return _gptq(weight, box, scheme, dampening, block_size, act_order)
+    return _gptq(weight, box, scheme, dampening, block_size, act_order)
 
 
 def _gptq(
-    weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, dampening: float, block_size: int, act_order: bool
+    weight: torch.Tensor, box: list[torch.Tensor], scheme: QuantScheme, dampening: float, block_size: int, act_order: bool
 ) -> tuple[QuantizedWeight, dict[str, float]]:
     w = weight.detach().to(torch.float32).clone()
-    h = hessian.to(torch.float32).clone()
+    h = box.pop()
     out_f, in_f = w.shape
     g = scheme.group_width(in_f)
     n_groups = scheme.n_groups(in_f)
@@ -87,7 +97,9 @@ def _gptq(
     w = w[:, perm]
     h = h[perm[:, None], perm]  # one gather, not two
     group_of = (perm // g).tolist()
-    hinv, used_damp = _inverse_cholesky(h, dampening)
+    box.append(h)
+    del h
+    hinv, used_damp = _inverse_cholesky(box, dampening)
 
     codes = torch.empty(out_f, in_f, dtype=torch.float32, device=w.device)
     loss = torch.zeros(out_f, dtype=torch.float32, device=w.device)
@@ -156,7 +168,7 @@ class GPTQStage:
                 for handle in handles:
                     handle.remove()
             for name, module in job.linears.items():
-                record, info = gptq_quantize(module.weight, hessians.pop(name), scheme, cfg.dampening, cfg.block_size, cfg.act_order)
+                record, info = gptq_quantize(module.weight, [hessians.pop(name)], scheme, cfg.dampening, cfg.block_size, cfg.act_order)
                 full = job.prefix + name
                 job.layer_info[full] = {
                     **install_record(model, full, module, record, ctx, self.label),
