@@ -77,6 +77,13 @@ def largest_unit_bytes(shape: Any, dtype_bytes: int) -> float:
     return max(per_block, t.vocab_size * t.hidden_size) * dtype_bytes
 
 
+def block_bytes(shape: Any, batch: int, seq: int, dtype_bytes: int) -> float:
+    """One decoder block's live tensors in a forward pass of ``batch`` x ``seq`` tokens at the compute
+    dtype (its inputs, attention projections and MLP intermediates), plus the float32 attention scores."""
+    t = shape.text
+    return batch * seq * (4 * t.hidden_size + 3 * t.intermediate_size) * dtype_bytes + batch * t.num_attention_heads * seq * seq * 4
+
+
 def eval_bytes(shape: Any, batch: int, seq: int, dtype_bytes: int) -> float:
     """Evaluating one batch on a streamed model: one block's live tensors at the compute dtype, the
     batch's hidden states for the baseline and the compressed model, and logits built a chunk of
@@ -85,9 +92,7 @@ def eval_bytes(shape: Any, batch: int, seq: int, dtype_bytes: int) -> float:
     from compress.eval.metrics import CHUNK_ELEMENTS
 
     t = shape.text
-    block = batch * seq * (4 * t.hidden_size + 3 * t.intermediate_size) * dtype_bytes
-    scores = batch * t.num_attention_heads * seq * seq * 4
-    return block + scores + 2 * batch * seq * t.hidden_size * 4 + 5 * CHUNK_ELEMENTS * 4
+    return block_bytes(shape, batch, seq, dtype_bytes) + 2 * batch * seq * t.hidden_size * 4 + 5 * CHUNK_ELEMENTS * 4
 
 
 def forward_s(params: int, tokens: float) -> float:
@@ -96,12 +101,9 @@ def forward_s(params: int, tokens: float) -> float:
 
 
 def activation_bytes(shape: Any, batch: int, seq: int) -> float:
-    """One inference forward pass of ``batch`` x ``seq`` tokens: one block's live tensors, its
-    attention scores, and float32 logits + log-probabilities."""
-    t = shape.text
-    block = batch * seq * (4 * t.hidden_size + 3 * t.intermediate_size) * 4
-    scores = batch * t.num_attention_heads * seq * seq * 4
-    return block + scores + 2 * batch * seq * t.vocab_size * 4
+    """One inference forward pass of ``batch`` x ``seq`` tokens in float32: one block's live tensors,
+    its attention scores, and float32 logits + log-probabilities."""
+    return block_bytes(shape, batch, seq, 4) + 2 * batch * seq * shape.text.vocab_size * 4
 
 
 def training_bytes(shape: Any, batch: int, seq: int, bf16: bool) -> float:

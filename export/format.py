@@ -169,6 +169,11 @@ class ExportFormat:
         meta device, ``records`` the planned quantized layers)."""
         raise NotImplementedError(f"export format {self.name} has no size estimate")
 
+    def planned_memory_bytes(self, spec: Any, size_bytes: float, shape: Any, seq_len: int) -> tuple[float, str]:
+        """What writing and verifying the export adds to the run's held memory (the libraries and a
+        streamed unit), and how it is reckoned; by default the file twice (built, then loaded)."""
+        return 2 * size_bytes, "the file twice (built in memory, then loaded by its runtime)"
+
     def planned_verify_tokens(self, spec: Any, samples: int, seq_len: int) -> int:
         """Tokens its verifier scores on its runtime, for the plan's time estimate."""
         if not getattr(spec, "verify", False):

@@ -19,7 +19,7 @@ from compress.estimates import (
     TORCH_DECODE_TOKENS_PER_S,
     Estimate,
     PlanStep,
-    activation_bytes,
+    block_bytes,
     forward_s,
 )
 from compress.plugin_types import MethodSpec, StageKindSpec
@@ -34,15 +34,25 @@ def _weights(layers: dict[str, Any]) -> int:
 
 
 def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, how: str) -> Estimate:
-    """Memory of a layer-wise calibrated method (block inputs and outputs of every calibration
-    token at the compute dtype, one block's Hessians in float32, half a forward's activations), with
-    the method's own time. The records wait on disk (compress.quantizers.core.RecordStore)."""
+    """Memory of a layer-wise calibrated method: block inputs and outputs of every calibration token
+    at the compute dtype, and one block's Hessians in float32 (all accumulated in one pass), plus the
+    larger of a calibration batch's forward (the block's live tensors and the float32 copy of the
+    widest Linear's input that a Hessian update makes) and the solve of the widest Linear (its
+    Hessian's second [in, in] matrix while it is factored). The records wait on disk
+    (compress.quantizers.core.RecordStore); no logits are made."""
     t = step.shape.text
     cal_tokens = step.cal_tokens
+    batch = step.config.batch_size
     hidden_states = 2 * cal_tokens * t.hidden_size * step.dtype_bytes
-    hessians = sum(r.in_f**2 for n, r in layers.items() if re.search(r"\.0\.", n)) * 4  # the first block's Linears
-    mem = step.held_bytes + hidden_states + hessians + activation_bytes(step.shape, step.config.batch_size, step.cal_seq_len) / 2
-    basis = f"the libraries + one block + block inputs/outputs of {cal_tokens:,} tokens + one block's Hessians; {how}"
+    first = [r for n, r in layers.items() if re.search(r"\.0\.", n)]  # the first block's Linears
+    hessians = sum(r.in_f**2 for r in first) * 4
+    widest = max((r.in_f for r in first), default=0)
+    forward = block_bytes(step.shape, batch, step.cal_seq_len, step.dtype_bytes) + batch * step.cal_seq_len * widest * 4
+    mem = step.held_bytes + hidden_states + hessians + max(forward, widest**2 * 4)
+    basis = (
+        f"the libraries + one unit + block inputs/outputs of {cal_tokens:,} tokens + one block's Hessians + "
+        f"a batch's forward or the widest solve; {how}"
+    )
     return Estimate(mem, seconds, basis)
 
 
