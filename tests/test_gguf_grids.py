@@ -225,3 +225,51 @@ def test_q6_k_without_a_quantizer_packs_records_on_its_grid_else_asks_llama_cpp(
     assert with_records_quantizer(spec, rtn_records(model, "q6_k")).quantizer == "records"
     assert with_records_quantizer(spec, rtn_records(tiny_llama(len(tokenizer)), "q4_0")).quantizer == "llama.cpp"
     assert with_records_quantizer(GGUFExport(type="q6_k", quantizer="llama.cpp"), rtn_records(model, "q6_k")).quantizer == "llama.cpp"
+
+
+@pytest.mark.runtime
+@pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed")
+def test_llama_cpp_pure_quantizer_makes_one_k_quant_type_and_the_bench_names_both_sides(tmp_path: Path, tokenizer) -> None:
+    """`compress bench gguf` compares GPTQ on a type's grid with llama.cpp's own quantizer at that one type (--pure)."""
+    from compress.eval.bench_gguf import Candidate
+
+    model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
+    f16 = tmp_path / "f16.gguf"
+    G.write_gguf(f16, model, tokenizer, {}, "f16")
+    out = tmp_path / "q4k.gguf"
+    gguf_runtime.quantize(f16, out, "q4_k", threads=2, token_embedding_type="q8_0", pure=True)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors if t.name.startswith("blk.") and "norm" not in t.name}
+    assert types and set(types.values()) == {"Q4_K"}
+    with pytest.raises(FormatError, match="not offered pure"):
+        gguf_runtime.quantize(f16, out, "q4_k_m", threads=2, pure=True)
+    ours, theirs = Candidate.parse("gptq:Q4_K"), Candidate.parse("llama.cpp-pure:q4_k")
+    assert (ours.gguf_type, ours.type_name, theirs.type_name) == ("q4_k", "q4_k", "q4_k") and theirs.llama_cpp and not ours.llama_cpp
+    with pytest.raises(ValueError, match="llama.cpp-pure type must be one of"):
+        Candidate.parse("llama.cpp-pure:q4_k_m")
+
+
+def test_pipeline_gptq_on_the_q4_k_grid_exports_an_exact_gguf_with_its_fallbacks_stated(tmp_path: Path, text_dir: Path) -> None:
+    """`compress run`: GPTQ with gguf_type Q4_K, the records kept in the artifact's records file (model/
+    cannot hold them), read back and packed exactly; down_proj's 320-wide rows become Q5_0, said in the manifest."""
+    import json
+
+    from tests.conftest import texts_of
+    from tests.tiny import tiny_llama_dir
+
+    model_dir = tiny_llama_dir(tmp_path / "m", texts_of(text_dir), hidden=256, intermediate=320)
+    text = recipe_text(model_dir, text_dir).replace(
+        "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n", "      method: gptq\n      gguf_type: Q4_K\n"
+    )
+    text = text.replace("exports: []\n", "exports:\n  - format: gguf\n    type: Q4_K\n    verify: false\n")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["exports"][0]
+    assert (entry["type"], entry["quantizer"], entry["records_exact"]) == ("q4_k", "records", 14)
+    assert entry["tensor_types"]["q4_k (record)"] == 12 and entry["tensor_types"]["q5_0 (record)"] == 2
+    assert sorted(entry["type_fallbacks"]) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    layers = manifest["quantization"]["layers"]
+    assert layers["model.layers.0.self_attn.q_proj"]["scheme"]["gguf_type"] == "q4_k"
+    assert layers["model.layers.0.mlp.down_proj"]["scheme"]["gguf_type"] == "q5_0"
+    assert layers["model.layers.0.self_attn.q_proj"]["stored_as"] == "records"

@@ -60,6 +60,11 @@ class GGUFGrid:
     def bits_per_weight(self) -> float:
         return 8 * self.block_bytes / self.block_weights
 
+    @property
+    def family(self) -> tuple[str, ...]:
+        """This type and the fallback types its rows may get."""
+        return (self.name, *(GGUF_GRIDS[self.fallback].family if self.fallback else ()))
+
     def for_width(self, in_features: int) -> GGUFGrid:
         """The grid a row of ``in_features`` weights is stored on: this one, or its fallback."""
         if in_features % self.block_weights == 0 or self.fallback is None:

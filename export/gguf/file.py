@@ -363,8 +363,8 @@ def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
     if not schemes:
         return "f16"
     grids = {r.scheme.gguf_type for r in records.values()}
-    for name in grids - {None}:  # records on a type's grid (and its fallbacks): that type
-        if all(r.scheme.gguf_type == GGUF_GRIDS[name].for_width(r.shape[1]).name for r in records.values()):
+    for name in grids - {None}:  # records on a type's grid (and its fallbacks'): that type
+        if grids <= set(GGUF_GRIDS[name].family):
             return name
     if schemes == {(4, True)}:
         return "q4_0"
