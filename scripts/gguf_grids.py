@@ -10,8 +10,9 @@ stays short on a small shared machine (``compress bench gguf`` does both in one 
 grid, packed exactly and read back bit for bit with gguf-py) or llama.cpp's (``llama.cpp:TYPE``, its
 mixes; ``llama.cpp-pure:TYPE``, every tensor in that one type, as ``llama-quantize --pure``); the token
 embedding is Q8_0 in every file. ``score`` runs every file in DIR in llama.cpp on held-out evaluation
-text (the calibration text's held-out part: the same DataPlan split as every benchmark) and writes
-DIR/results.json and DIR/results.md: file size, tensor types, KL vs F16, top-1 agreement, perplexity.
+text (the calibration text's held-out part: the same DataPlan split as every benchmark), the files
+named by --files (default all) in one pass, each to DIR/<file>.score.json, and writes DIR/results.json
+and DIR/results.md from every score so far: file size, tensor types, KL vs F16, top-1 agreement, perplexity.
 """
 
 from __future__ import annotations
@@ -87,29 +88,28 @@ def score(args: argparse.Namespace, reporter: Reporter) -> None:
     lm, _, evaluation, spec = load_bench_inputs(MODEL, data_spec(args.cal, args.eval), args.threads, reporter)
     seq_len = int(evaluation.tokens.shape[1])
     reference = gguf_runtime.LlamaCppModel(out / "f16.gguf", n_ctx=seq_len, threads=args.threads)
-    rows = []
-    try:
-        for path in sorted(out.glob("*.gguf")):
-            if path.name == "f16.gguf":
-                continue
-            made = json.loads((out / (path.name + ".json")).read_text())
-            runtime = gguf_runtime.LlamaCppModel(path, n_ctx=seq_len, threads=args.threads)
-            try:
-                metrics = compare(reference.forward, {path.name: runtime.forward}, evaluation.tokens, spec.min_context)
-            finally:
-                runtime.close()
-            rows.append(
-                {
-                    **made,
-                    "file": path.name,
-                    "size_bytes": path.stat().st_size,
-                    "tensor_types": gguf_writer.stored_type_counts(path),
-                    "metrics": metrics[path.name],
-                    "reference": metrics["baseline"],
-                }
-            )
+    names = args.files.split(",") if args.files else [p.name for p in sorted(out.glob("*.gguf")) if p.name != "f16.gguf"]
+    runtimes = {name: gguf_runtime.LlamaCppModel(out / name, n_ctx=seq_len, threads=args.threads) for name in names}
+    try:  # one pass: the F16 reference runs once per chunk for every candidate
+        metrics = compare(reference.forward, {n: r.forward for n, r in runtimes.items()}, evaluation.tokens, spec.min_context)
     finally:
         reference.close()
+        for runtime in runtimes.values():
+            runtime.close()
+    for name in names:
+        path = out / name
+        row = {
+            **json.loads((out / (name + ".json")).read_text()),
+            "file": name,
+            "size_bytes": path.stat().st_size,
+            "tensor_types": gguf_writer.stored_type_counts(path),
+            "eval": args.eval,
+            "metrics": metrics[name],
+            "reference": metrics["baseline"],
+        }
+        (out / (name + ".score.json")).write_text(json.dumps(row, indent=2) + "\n")
+        reporter.info(f"{name}: KL {row['metrics']['kl_divergence']:.4f}")
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.score.json"))]
     result = {"model": MODEL, "evaluation": evaluation.facts, "llama_cpp_python": library_versions()["llama_cpp_python"], "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["| candidate | file, MiB | tensor types | KL vs F16 | top-1 agreement | perplexity |", "|---|---|---|---|---|---|"]
@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--cal", default="32x512", help="calibration chunks x tokens (the evaluation text is held out from it)")
     parser.add_argument("--eval", default="16x512", help="evaluation chunks x tokens")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--files", help="score: comma-separated candidate files in DIR (default: all), scored in one pass")
     args = parser.parse_args()
     reporter = Reporter()
     if args.step == "make":

@@ -72,7 +72,9 @@ class GGUFGrid:
         return GGUF_GRIDS[self.fallback].for_width(in_features)
 
 
-_Q2_Q3_NOTE = "llama.cpp writes IQ4_NL there (4.5 bits/weight, a non-linear grid); ours is Q4_0, the same size"
+_Q2_Q3_NOTE = (
+    "llama.cpp's mixes write IQ4_NL there (4.5 bits/weight, a non-linear grid), its --pure Q2_K / Q3_K Q4_0; ours is Q4_0, the same size"
+)
 
 GGUF_GRIDS: dict[str, GGUFGrid] = {
     g.name: g
