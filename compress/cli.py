@@ -522,7 +522,8 @@ def bench_gguf(
     candidates: str = typer.Option(
         ",".join(_GGUF_CANDIDATES),
         help="Comma-separated: METHOD:SETTING (ours, e.g. gptq:W4g32s -> Q4_0, "
-        "awq:W4g128a -> Q4_1) or llama.cpp:TYPE (its quantizer on our F16 file).",
+        "awq:W4g128a -> Q4_1), METHOD:TYPE (ours on llama.cpp's grid of that type, e.g. gptq:Q4_K, rtn:Q6_K), "
+        "llama.cpp:TYPE (its quantizer on our F16 file, mixes such as Q4_K_M) or llama.cpp-pure:TYPE (every tensor in that one type).",
     ),
     embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),

@@ -26,28 +26,47 @@ from compress.export.specs import GGUF_LLAMA_CPP_TYPES
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
 from compress.recipe import DataSpec
+from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
 
 LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_PURE = "llama.cpp-pure"
 
 
 @dataclass(frozen=True)
 class Candidate:
-    source: str  # a quantize method (ours) or "llama.cpp"
-    setting: Setting | None  # ours
+    source: str  # a quantize method (ours), "llama.cpp" or "llama.cpp-pure"
+    setting: Setting | None  # ours, on our integer grid
     type_name: str  # GGUF type: auto-resolved for ours, llama.cpp's for theirs
+    gguf_type: str | None = None  # ours, on llama.cpp's grid of this type
+
+    @property
+    def llama_cpp(self) -> bool:
+        return self.source in (LLAMA_CPP, LLAMA_CPP_PURE)
 
     @classmethod
     def parse(cls, text: str) -> Candidate:
-        """``gptq:W4g32s`` (ours; Q4_0 for symmetric, Q4_1 for asymmetric) or ``llama.cpp:q4_k_m``."""
+        """``gptq:W4g32s`` (ours; Q4_0 for symmetric, Q4_1 for asymmetric), ``gptq:Q4_K`` (ours on that
+        type's own grid, packed exactly), ``llama.cpp:q4_k_m`` or ``llama.cpp-pure:q4_k`` (every tensor in
+        that one type, as llama-quantize --pure; rows it cannot hold get its fallback)."""
         source, sep, rest = text.strip().partition(":")
+        rest = str(normalize_type(rest))
         if not sep:
-            raise ValueError(f"candidate '{text}': expected METHOD:SETTING (gptq:W4g32s) or llama.cpp:TYPE (llama.cpp:q4_k_m)")
+            raise ValueError(
+                f"candidate '{text}': expected METHOD:SETTING (gptq:W4g32s), METHOD:TYPE (gptq:q4_k), llama.cpp:TYPE "
+                "(llama.cpp:q4_k_m) or llama.cpp-pure:TYPE (llama.cpp-pure:q4_k)"
+            )
         if source == LLAMA_CPP:
             if rest not in GGUF_LLAMA_CPP_TYPES:
                 raise ValueError(f"candidate '{text}': llama.cpp type must be one of {', '.join(GGUF_LLAMA_CPP_TYPES)}")
             return cls(source, None, rest)
+        if source == LLAMA_CPP_PURE:
+            if rest not in GGUF_GRIDS:
+                raise ValueError(f"candidate '{text}': llama.cpp-pure type must be one of {', '.join(GGUF_GRIDS)}")
+            return cls(source, None, rest)
         if source not in QUANT_METHODS:
             raise ValueError(f"candidate '{text}': unknown method '{source}'; known: {', '.join(QUANT_METHODS)}")
+        if rest in GGUF_GRIDS:
+            return cls(source, None, rest, gguf_type=rest)
         setting = Setting.parse(rest)
         if setting.bits != 4:
             raise ValueError(f"candidate '{text}': exact GGUF blocks here are 4-bit (Q4_0 / Q4_1)")
@@ -55,8 +74,12 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        if self.setting is None:
+        if self.source == LLAMA_CPP:
             return f"llama.cpp {self.type_name.upper()}"
+        if self.source == LLAMA_CPP_PURE:
+            return f"llama.cpp {self.type_name.upper()} (pure)"
+        if self.gguf_type is not None:
+            return f"{self.source} on the {self.type_name.upper()} grid -> {self.type_name.upper()}"
         return f"{self.source} {self.setting.label} -> {self.type_name.upper()}"
 
 
@@ -117,12 +140,14 @@ def run_gguf_bench(
             reporter.info(f"[bold]{cand.name}[/]")
             path = files / f"{cand.name.split(' ->')[0].replace(' ', '_')}.{cand.type_name}.gguf"
             seconds = 0.0
-            if cand.setting is None:
+            if cand.llama_cpp:
                 with reporter.status(f"llama.cpp quantizing to {cand.type_name}"):
-                    gguf_runtime.quantize(f16, path, cand.type_name, threads, token_embedding_type=embedding_type)
+                    gguf_runtime.quantize(
+                        f16, path, cand.type_name, threads, token_embedding_type=embedding_type, pure=cand.source == LLAMA_CPP_PURE
+                    )
                 exact = 0
             else:
-                model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter)
+                model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type)
                 facts = gguf_writer.write_gguf(
                     path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type, tokenizer_from=tokenizer_from
                 )
@@ -144,8 +169,9 @@ def run_gguf_bench(
                 {
                     "name": cand.name,
                     "source": cand.source,
-                    "setting": cand.setting.label if cand.setting else None,
+                    "setting": cand.setting.label if cand.setting else cand.gguf_type,
                     "type": cand.type_name,
+                    "tensor_types": gguf_writer.stored_type_counts(path),
                     "size_bytes": path.stat().st_size,
                     "records_exact": exact,
                     "quantize_seconds": round(seconds, 1),

@@ -56,9 +56,11 @@ def write_results(out_dir: Path, result: dict[str, Any], table: str) -> None:
     (out_dir / "results.md").write_text(table + "\n")
 
 
-def quantize_copy(lm: Any, calibration: Any, method: str, setting: Setting, reporter: Reporter) -> tuple[Any, dict[str, Any], float]:
-    """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` on the calibration chunks:
-    (model, records, seconds)."""
+def quantize_copy(
+    lm: Any, calibration: Any, method: str, setting: Setting | None, reporter: Reporter, gguf_type: str | None = None
+) -> tuple[Any, dict[str, Any], float]:
+    """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` (or on llama.cpp's ``gguf_type``
+    grid) on the calibration chunks: (model, records, seconds)."""
     import copy
     import time
 
@@ -67,7 +69,10 @@ def quantize_copy(lm: Any, calibration: Any, method: str, setting: Setting, repo
     if calibration is None:
         raise ValueError(f"{method} needs calibration data")
     spec = quant_method(method)
-    config = spec.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
+    if setting is None:
+        config = spec.config(method=method, gguf_type=gguf_type)
+    else:
+        config = spec.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
     model = copy.deepcopy(lm.model)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
     started = time.perf_counter()

@@ -14,12 +14,19 @@ re-quantizing. The convention:
 * scales are rounded up to ``scale_dtype`` (float16 by default) before the codes are computed
   with them, so formats that store fp16 scales carry the record exactly;
 * a row whose width is not a multiple of ``group_size`` ends in a shorter, partial group.
+
+Records on a llama.cpp block type's own grid (``scheme.gguf_type``, quantizers/gguf_grid.py) add
+what that type stores: ``offset``, a float minimum per group (``w = (code - zero_point) * scale +
+offset``; Q4_1 / Q5_1's fp16 ``m``, a K-quant's ``-dmin * m``), and for K-quants ``super_blocks``:
+the fp16 super-block scales ``d``, ``dmin`` and the integer sub-block scales and mins, of which
+``scale`` and ``offset`` are the float32 products. Formats other than GGUF refuse such records
+(``QuantizedWeight.plain``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +40,7 @@ __all__ = [
     "QuantScheme",
     "QuantizedWeight",
     "ScaleDType",
+    "SuperBlocks",
     "WeightQuantConfig",
     "compute_qparams",
     "group_rows",
@@ -52,6 +60,24 @@ def scale_torch_dtype(scheme: QuantScheme) -> torch.dtype:
 
 
 @dataclass
+class SuperBlocks:
+    """A K-quant record's stored scales: per super-block of 256 weights the fp16 ``d`` and ``dmin``
+    [out, n_super], per sub-block the integer scale and min [out, n_groups] (int16; scales may be
+    negative where the type stores them signed)."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return {"d": self.d, "dmin": self.dmin, "scales": self.scales, "mins": self.mins}
+
+    def map(self, fn) -> SuperBlocks:  # noqa: ANN001 - a tensor -> tensor function
+        return SuperBlocks(**{k: fn(v) for k, v in self.named().items()})
+
+
+@dataclass
 class QuantizedWeight:
     """A quantized weight matrix: unpacked codes plus per-group scale and zero point.
 
@@ -63,6 +89,14 @@ class QuantizedWeight:
     scale: torch.Tensor
     zero_point: torch.Tensor
     scheme: QuantScheme
+    offset: torch.Tensor | None = None  # [out, n_groups] float32: the float minimum (GGUF grids only)
+    super_blocks: SuperBlocks | None = None  # K-quant grids only
+
+    @property
+    def plain(self) -> bool:
+        """The record is ``(code - zero_point) * scale`` per group with nothing else stored (every
+        format can hold it); False for float minimums and K-quant scales (GGUF only)."""
+        return self.offset is None and self.super_blocks is None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,9 +125,50 @@ class QuantizedWeight:
             raise ValueError(f"zero points exceed {s.qmax} for {s.bits}-bit scheme")
         if s.symmetric and bool((self.zero_point != s.symmetric_zero).any()):
             raise ValueError(f"symmetric scheme requires every zero point to be {s.symmetric_zero}")
+        self._validate_grid()
+
+    def _validate_grid(self) -> None:
+        grid = self.scheme.gguf_grid
+        if grid is None or not grid.float_min:
+            if self.offset is not None:
+                raise ValueError(f"only float-minimum GGUF grids carry an offset, not {self.scheme.describe()}")
+        else:
+            if self.offset is None or tuple(self.offset.shape) != tuple(self.scale.shape) or self.offset.dtype != torch.float32:
+                raise ValueError(f"{self.scheme.describe()} records need a float32 offset shaped like the scales")
+            if bool((self.zero_point != 0).any()):
+                raise ValueError(f"{self.scheme.describe()} records keep their minimum in offset; zero points must be 0")
+        if grid is None or not grid.k_quant:
+            if self.super_blocks is not None:
+                raise ValueError(f"only K-quant grids carry super-block scales, not {self.scheme.describe()}")
+            return
+        out_f, in_f = self.shape
+        sb = self.super_blocks
+        if sb is None or in_f % grid.block_weights:
+            raise ValueError(f"{self.scheme.describe()} records need super_blocks and rows a multiple of {grid.block_weights}")
+        per = grid.block_weights // grid.group
+        if tuple(sb.d.shape) != (out_f, in_f // grid.block_weights) or sb.d.dtype != torch.float16 or sb.dmin.shape != sb.d.shape:
+            raise ValueError(f"super-block d/dmin must be float16 [{out_f}, {in_f // grid.block_weights}]")
+        d = sb.d.to(torch.float32).repeat_interleave(per, dim=1)
+        if not torch.equal(self.scale, d * sb.scales.to(torch.float32)):
+            raise ValueError(f"{self.scheme.describe()}: scale must equal d x the sub-block scales")
+        if grid.float_min and not torch.equal(
+            self.offset, -(sb.dmin.to(torch.float32).repeat_interleave(per, dim=1) * sb.mins.to(torch.float32))
+        ):
+            raise ValueError(f"{self.scheme.describe()}: offset must equal -dmin x the sub-block mins")
+
+    def map_rows(self, fn) -> QuantizedWeight:  # noqa: ANN001 - a tensor -> tensor function on the row axis
+        """The record with ``fn`` applied to every per-row tensor (device moves, row permutations)."""
+        return QuantizedWeight(
+            fn(self.codes),
+            fn(self.scale),
+            fn(self.zero_point),
+            self.scheme,
+            None if self.offset is None else fn(self.offset),
+            None if self.super_blocks is None else self.super_blocks.map(fn),
+        )
 
     def cpu(self) -> QuantizedWeight:
-        return QuantizedWeight(self.codes.cpu(), self.scale.cpu(), self.zero_point.cpu(), self.scheme)
+        return self.map_rows(lambda t: t.cpu())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Return the float weight ``(codes - zero_point) * scale`` with shape [out, in]."""
@@ -101,31 +176,44 @@ class QuantizedWeight:
         g = self.scheme.group_width(in_f)
         scale = self.scale.to(torch.float32).repeat_interleave(g, dim=1)[:, :in_f]
         zero = self.zero_point.to(torch.float32).repeat_interleave(g, dim=1)[:, :in_f]
-        return ((self.codes.to(torch.float32) - zero) * scale).to(dtype)
+        w = (self.codes.to(torch.float32) - zero) * scale
+        if self.offset is not None:  # one float32 addition, as llama.cpp's d·q + m
+            w = w + self.offset.repeat_interleave(g, dim=1)[:, :in_f]
+        return w.to(dtype)
 
     @property
     def bits_per_weight(self) -> float:
         """Storage cost per weight, including scales (and zero points when asymmetric)."""
         out_f, in_f = self.shape
+        if self.scheme.gguf_grid is not None:
+            return self.scheme.gguf_grid.bits_per_weight
         scale_bits = torch.finfo(scale_torch_dtype(self.scheme)).bits
         overhead = scale_bits + (0 if self.scheme.symmetric else self.scheme.bits)
         return self.scheme.bits + overhead * self.scheme.n_groups(in_f) / in_f
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """The record as named tensors for a safetensors file (scheme goes to the manifest)."""
-        return {
+        out = {
             f"{prefix}.weight_codes": self.codes.contiguous(),
             f"{prefix}.weight_scale": self.scale.contiguous(),
             f"{prefix}.weight_zero_point": self.zero_point.contiguous(),
         }
+        if self.offset is not None:
+            out[f"{prefix}.weight_offset"] = self.offset.contiguous()
+        if self.super_blocks is not None:
+            out.update({f"{prefix}.weight_super_{k}": v.contiguous() for k, v in self.super_blocks.named().items()})
+        return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, scheme: QuantScheme) -> QuantizedWeight:
+        sb = {k: tensors.get(f"{prefix}.weight_super_{k}") for k in ("d", "dmin", "scales", "mins")}
         return cls(
             codes=tensors[f"{prefix}.weight_codes"],
             scale=tensors[f"{prefix}.weight_scale"],
             zero_point=tensors[f"{prefix}.weight_zero_point"],
             scheme=scheme,
+            offset=tensors.get(f"{prefix}.weight_offset"),
+            super_blocks=SuperBlocks(**sb) if sb["d"] is not None else None,
         )
 
 
@@ -236,6 +324,20 @@ def pack_record(
         zero_point=zero.to(torch.uint8).contiguous(),
         scheme=scheme,
     )
+
+
+def refuse_gguf_grids(records: Mapping[str, QuantizedWeight], fmt: str) -> None:
+    """Raise FormatError when a record carries what only GGUF stores (a float minimum, K-quant scales)."""
+    from compress.errors import FormatError
+
+    bad = sorted(n for n, r in records.items() if not r.plain)
+    if bad:
+        scheme = records[bad[0]].scheme.describe()
+        raise FormatError(
+            f"{fmt} export: {len(bad)} layer(s) ({', '.join(bad[:3])}) are quantized on llama.cpp's {scheme}, whose float "
+            f"minimums / quantized sub-block scales only GGUF stores; export them as gguf, or quantize without gguf_type "
+            f"(or with gguf_type q4_0 / q5_0 / q8_0, which are plain symmetric grids) for {fmt}"
+        )
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

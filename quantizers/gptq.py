@@ -5,7 +5,9 @@ columns not yet quantized, weighted by the inverse Hessian of the layer's inputs
 Groups stay contiguous in the original column order, also with act-order: group scales and
 zero points are computed up front from the original weights ("static groups"), then columns
 are visited in order of decreasing Hessian diagonal. The records therefore map onto Q4_0/Q4_1
-blocks and MatMulNBits without any reordering.
+blocks and MatMulNBits without any reordering. On a llama.cpp type's grid (``scheme.gguf_type``,
+gguf_grid.py) the unit of parameters is the type's block (a K-quant's super-block of 256), fixed to
+its stored values (fp16 minimum, quantized sub-block scales) before the loop rounds its columns.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
-from compress.quantizers.core import QuantizedWeight, QuantScheme, compute_qparams, one_cpu_thread, pack_record
+from compress.quantizers.core import QuantizedWeight, QuantScheme, one_cpu_thread
+from compress.quantizers.gguf_grid import GridParams
 from compress.quantizers.sequential import BlockJob, run_layerwise
 from compress.schema.quantize import GPTQConfig
 
@@ -80,17 +83,18 @@ def _gptq(
     w = weight.detach().to(torch.float32).clone()
     h = box.pop()
     out_f, in_f = w.shape
+    scheme = scheme.for_width(in_f)
     g = scheme.group_width(in_f)
-    n_groups = scheme.n_groups(in_f)
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
 
-    scale = torch.empty(out_f, n_groups, dtype=torch.float32, device=w.device)
-    zero = torch.empty_like(scale)
+    # Each unit's (group's; a K-quant super-block's) parameters are fixed to the values the record
+    # (and a GGUF file) holds before any of its columns is rounded: the error feedback sees that grid.
+    params = GridParams(out_f, in_f, scheme, w.device)
+    unit = params.unit
     if act_order:  # static groups from the original weights, then columns by decreasing diag(H)
-        for k in range(n_groups):
-            scale[:, k], zero[:, k] = compute_qparams(w[:, k * g : (k + 1) * g], scheme)
+        params.fix_all(w)
         perm = torch.argsort(torch.diag(h), descending=True)
     else:
         perm = torch.arange(in_f, device=w.device)
@@ -103,7 +107,6 @@ def _gptq(
 
     codes = torch.empty(out_f, in_f, dtype=torch.float32, device=w.device)
     loss = torch.zeros(out_f, dtype=torch.float32, device=w.device)
-    qmax = scheme.qmax
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         w1 = w[:, i1:i2].clone()
@@ -112,14 +115,12 @@ def _gptq(
         for i in range(i2 - i1):
             col = i1 + i
             k = group_of[col]
-            if not act_order and col % g == 0:  # first column of a group: params from the current weights
-                end = min(col + g, in_f)
-                group_w = w1[:, i : end - i1] if end <= i2 else torch.cat([w1[:, i:], w[:, i2:end]], dim=1)
-                scale[:, k], zero[:, k] = compute_qparams(group_w, scheme)
-            s, z = scale[:, k], zero[:, k]
+            if not act_order and col % unit == 0:  # first column of a unit: params from the current weights
+                end = min(col + unit, in_f)
+                unit_w = w1[:, i : end - i1] if end <= i2 else torch.cat([w1[:, i:], w[:, i2:end]], dim=1)
+                params.fix(col // unit, unit_w)
             col_w = w1[:, i]
-            q = torch.clamp(torch.round(col_w / s) + z, 0, qmax)
-            deq = (q - z) * s
+            q, deq = params.round(col_w, k)
             codes[:, col] = q
             d = hinv1[i, i]
             err = (col_w - deq) / d
@@ -129,10 +130,7 @@ def _gptq(
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     inverse = torch.argsort(perm)
-    codes = codes[:, inverse]
-    padded = torch.zeros(out_f, n_groups * g, dtype=torch.float32, device=w.device)
-    padded[:, :in_f] = codes
-    record = pack_record(padded.reshape(out_f, n_groups, g), scale, zero, in_f, scheme)
+    record = params.record(codes[:, inverse])
     return record, {"gptq_loss": float(loss.sum()), "dampening": used_damp}
 
 

@@ -13,11 +13,15 @@ from compress.quantizers.core import (
     pack_record,
     quantize_codes,
 )
+from compress.quantizers.gguf_grid import grid_quantize
 from compress.schema.quantize import RTNConfig
 
 
 def rtn_quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
-    """Quantize ``weight`` [out, in] to the nearest grid point of each group's min/max grid."""
+    """Quantize ``weight`` [out, in] to the nearest grid point of each group's min/max grid (on a
+    llama.cpp type's own grid when ``scheme.gguf_type`` is set: gguf_grid.py)."""
+    if scheme.gguf_type is not None:
+        return grid_quantize(weight, scheme)
     groups = group_rows(weight, scheme)
     scale, zero = compute_qparams(groups, scheme)
     codes = quantize_codes(groups, scale, zero, scheme)

@@ -247,6 +247,8 @@ def test_gguf_export_specs() -> None:
     assert GGUFExport(type="q4_k_m").quantizer == "llama.cpp"
     assert GGUFExport().quantizer == "records" and GGUFExport(type="q4_0", quantizer="llama.cpp").type == "q4_0"
     with pytest.raises(ValueError, match="with quantizer records: expected one of auto, f32"):
+        GGUFExport(type="iq4_xs", quantizer="records")
+    with pytest.raises(ValueError, match="Q4_K_M is llama.cpp's per-tensor mix"):
         GGUFExport(type="q4_k_m", quantizer="records")
     with pytest.raises(ValueError, match="fallback applies to quantizer records"):
         GGUFExport(type="q6_k", fallback="f16")

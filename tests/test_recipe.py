@@ -99,7 +99,7 @@ def test_invalid_yaml_names_line(tmp_path: Path) -> None:
         (("gates:", "exports:\n  - format: openvino\ngates:"), "export format 'openvino' is not available"),
         (
             ("gates:", "exports:\n  - format: gguf\n    type: q4_k_m\n    quantizer: records\ngates:"),
-            "gguf type 'q4_k_m' with quantizer records",
+            "gguf type Q4_K_M is llama.cpp's per-tensor mix",
         ),
         (("version: 1", "version: 2"), "version: Input should be 1"),
         (("      group_size: 128", "      group_size: 0"), "group_size must be a positive integer"),

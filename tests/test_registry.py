@@ -544,7 +544,7 @@ def test_model_card_says_where_each_gate_was_measured_and_what_each_export_is_fo
     assert "| kl | q4 | kl_divergence | 0.27 | max 0.35 | PASS | measured: llama.cpp on cpu |" in card
     assert "| pi5 | q4 | decode_tokens_per_s | 101.7 | min 200 | FAIL | estimated for raspberry-pi-5-8gb (llama.cpp) |" in card
     assert "**Published with `--force` although a gate failed.**" in card and "1 of 2 gates passed." in card
-    assert "| q4 | gguf q4_1 | llama.cpp" in card and "| 1.0 | 1 | yes |" in card and "| 3.0 | 1 | –" in card
+    assert "| q4 | gguf Q4_1 | llama.cpp" in card and "| 1.0 | 1 | yes |" in card and "| 3.0 | 1 | –" in card
     assert "decode tok/s 80.7; TTFT ms 537" in card
     assert "Public domain (Project Gutenberg texts)" in card and "not recorded (your own text" in card
     assert '"group_size": 32' in card and "bits_per_weight 4.625" in card and "134,515,008" in card

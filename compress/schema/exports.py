@@ -21,14 +21,17 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializeAsAny,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
     model_validator,
 )
 
 from compress.schema.base import Strict
+from compress.schema.gguf_types import GGUF_GRID_TYPES, normalize_type
 
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
@@ -78,8 +81,11 @@ class GPTQExport(_Export):
 
 
 GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
-GGUF_EXACT_TYPES = ("q8_0", "q4_0", "q4_1")  # blocks our records map into exactly
+GGUF_EXACT_TYPES = GGUF_GRID_TYPES  # blocks our records map into exactly (K-quants: records on their grid)
 GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)
+# Types llama.cpp's quantizer also makes that were exported by it before our quantizers had their grids: without
+# `quantizer:` they stay llama.cpp's unless the records lie on the type's grid (GGUFExport.records_by_default).
+GGUF_LLAMA_CPP_ONLY_BY_DEFAULT = ("q5_0", "q5_1", "q2_k", "q6_k")
 # llama.cpp's file types made by its quantizer, by our lower-case names (gguf.LlamaFileType members).
 GGUF_LLAMA_CPP_TYPES = (
     "q4_0",
@@ -112,14 +118,17 @@ class GGUFExport(_Export):
     format: Literal["gguf"] = Field("gguf", description=FORMATS_DOC)
     type: str = Field(
         "auto",
-        description="Block type. With quantizer records: auto (q4_0 for symmetric 4-bit records, q4_1 for other 4-bit, q8_0 for "
-        "8-bit symmetric, f16 without records), q4_0, q4_1, q8_0 (records packed exactly), f32, f16, bf16. With quantizer "
-        "llama.cpp: " + ", ".join(GGUF_LLAMA_CPP_TYPES) + " (llama.cpp re-quantizes our F16 file).",
+        description="Block type, in our or llama.cpp's spelling (q4_k, Q4_K_M, F16; any case). With quantizer records: auto "
+        "(the records' gguf_type; else q4_0 for symmetric 4-bit records, q4_1 for other 4-bit, q8_0 for 8-bit symmetric, f16 "
+        "without records), " + ", ".join(GGUF_EXACT_TYPES) + " (records packed exactly; K-quants from records quantized "
+        "with that gguf_type, rows not a multiple of 256 in llama.cpp's fallback type), f32, f16, bf16. With quantizer "
+        "llama.cpp: " + ", ".join(GGUF_LLAMA_CPP_TYPES) + " (llama.cpp re-quantizes our F16 file; the _S/_M/_L mixes only here).",
     )
     quantizer: Literal["records", "llama.cpp"] | None = Field(
         None,
-        description="records: pack our records exactly; llama.cpp: llama.cpp's own quantizer from our F16 file. "
-        "Default: records for the types it writes, llama.cpp for the others (K-quants …).",
+        description="records: pack our records exactly; llama.cpp: llama.cpp's own quantizer from our F16 file. Default: "
+        "records for auto, the float types, q4_0, q4_1, q8_0, q3_k, q4_k, q5_k; for q2_k, q5_0, q5_1, q6_k records when "
+        "they lie on that type's grid (gguf_type), else llama.cpp; llama.cpp for the mixes (q4_k_m …).",
     )
     float_type: GGUFFloat | None = Field(
         None,
@@ -146,11 +155,34 @@ class GGUFExport(_Export):
         "the same weights; llama.cpp quantizes activations internally, so it is small but not zero. A larger value is a layout bug.",
     )
 
+    _quantizer_defaulted: bool = PrivateAttr(False)
+
+    @field_validator("type", "float_type", "fallback", mode="before")
+    @classmethod
+    def _llama_cpp_spelling(cls, v: object) -> object:
+        """llama.cpp's spellings (Q4_K_M, F16) are accepted in any case."""
+        return normalize_type(v)
+
+    @property
+    def records_by_default(self) -> bool:
+        """No quantizer was named and llama.cpp's quantizer also makes this type (q2_k, q5_0, q5_1,
+        q6_k): the export packs the records when they lie on the type's grid, else uses llama.cpp's."""
+        return self._quantizer_defaulted and self.type in GGUF_RECORD_TYPES
+
     @model_validator(mode="after")
     def _check_type(self) -> GGUFExport:
         if self.quantizer is None:
-            self.quantizer = "records" if self.type == "auto" or self.type in GGUF_RECORD_TYPES else "llama.cpp"
+            self._quantizer_defaulted = True
+            ours = self.type == "auto" or (self.type in GGUF_RECORD_TYPES and self.type not in GGUF_LLAMA_CPP_ONLY_BY_DEFAULT)
+            self.quantizer = "records" if ours else "llama.cpp"
         allowed = ("auto", *GGUF_RECORD_TYPES) if self.quantizer == "records" else GGUF_LLAMA_CPP_TYPES
+        base, _, mix = self.type.rpartition("_")
+        if self.quantizer == "records" and mix in ("s", "m", "l") and base in GGUF_EXACT_TYPES:
+            raise ValueError(
+                f"gguf type {self.type.upper()} is llama.cpp's per-tensor mix (its rule gives some tensors other types, "
+                f"e.g. Q6_K for attn_v / ffn_down in Q4_K_M); quantizer records writes every record on one grid: use type "
+                f"{base} with records quantized on gguf_type: {base}, or quantizer: llama.cpp to make the mix from our F16 file"
+            )
         if self.type not in allowed:
             raise ValueError(f"gguf type '{self.type}' with quantizer {self.quantizer}: expected one of {', '.join(allowed)}")
         if self.quantizer == "llama.cpp" and self.fallback is not None:

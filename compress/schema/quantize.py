@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from compress.schema.base import StageConfig, Strict
+from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS, GGUFGrid, llama_cpp_spelling, normalize_type
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 
@@ -35,6 +36,32 @@ class QuantScheme(Strict):
         description="Symmetric: fixed zero point 2**(bits-1). Asymmetric: one integer zero point per group.",
     )
     scale_dtype: ScaleDType = Field(default="float16", description="Precision the scales are rounded to and stored in.")
+    gguf_type: str | None = Field(
+        default=None,
+        description="Quantize on llama.cpp's own grid of this GGUF block type ("
+        + ", ".join(GGUF_GRID_TYPES)
+        + "; llama.cpp's spellings such as Q4_K accepted): its block or sub-block groups, fp16 minimum (q4_1, q5_1) "
+        "and, for K-quants, the quantized sub-block scales under fp16 super-block scales, exactly as the GGUF export "
+        "stores them. Fixes bits, group_size, symmetric and scale_dtype (leave them out). Rows whose width is not a "
+        "multiple of 256 use llama.cpp's fallback type (q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0; q2_k, q3_k -> q4_0).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_gguf_type(cls, data: object) -> object:
+        if not isinstance(data, dict) or data.get("gguf_type") is None:
+            return data
+        name = normalize_type(data["gguf_type"])
+        if name not in GGUF_GRIDS:
+            raise ValueError(f"gguf_type '{data['gguf_type']}': expected one of {', '.join(GGUF_GRID_TYPES)} (any case)")
+        grid = GGUF_GRIDS[name]
+        fixed = {"bits": grid.bits, "group_size": grid.group, "symmetric": grid.symmetric, "scale_dtype": grid.scale_dtype}
+        for key, value in fixed.items():
+            if key in data and data[key] != value:
+                raise ValueError(
+                    f"gguf_type {llama_cpp_spelling(name)} fixes {key} to {value} (got {data[key]}); remove {key} from the recipe"
+                )
+        return {**data, **fixed, "gguf_type": name}
 
     @field_validator("group_size")
     @classmethod
@@ -57,7 +84,22 @@ class QuantScheme(Strict):
     def n_groups(self, in_features: int) -> int:
         return math.ceil(in_features / self.group_width(in_features))
 
+    @property
+    def gguf_grid(self) -> GGUFGrid | None:
+        """The llama.cpp block type whose grid the codes lie on, or None (our plain integer grid)."""
+        return None if self.gguf_type is None else GGUF_GRIDS[self.gguf_type]
+
+    def for_width(self, in_features: int) -> QuantScheme:
+        """The scheme a row of ``in_features`` weights is quantized with: this one, or, on a GGUF grid
+        whose blocks do not divide the row, llama.cpp's fallback type's."""
+        grid = self.gguf_grid
+        if grid is None or grid.for_width(in_features) is grid:
+            return self
+        return QuantScheme(gguf_type=grid.for_width(in_features).name)
+
     def describe(self) -> str:
+        if self.gguf_grid is not None:
+            return f"{llama_cpp_spelling(self.gguf_type)} grid"
         group = "per-channel" if self.group_size is None else f"g{self.group_size}"
         return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
 
@@ -164,6 +206,8 @@ class CalibratedConfig(WeightQuantConfig):
 
     @model_validator(mode="after")
     def _backend_keeps_head_float(self) -> CalibratedConfig:
+        if self.gguf_type is not None and self.backend == "llmcompressor":
+            raise ValueError("gguf_type needs backend: compress (llmcompressor quantizes on its own integer grids)")
         if self.selects_head and self.backend == "llmcompressor":
             raise ValueError(
                 f"backend llmcompressor does not quantize the output head ({HEAD}); keep {HEAD} in `ignore` (the default), "
@@ -207,6 +251,8 @@ class AWQConfig(CalibratedConfig):
 
     @model_validator(mode="after")
     def _head_stays_float(self) -> AWQConfig:
+        if self.gguf_type is not None:
+            raise ValueError("gguf_type is supported by methods rtn and gptq; awq quantizes on its own integer grid (omit gguf_type)")
         if self.selects_head and self.backend == "compress":  # llmcompressor: refused by CalibratedConfig
             raise ValueError(
                 f"awq does not quantize the output head ({HEAD}) yet: its scales would have to fold into the final norm. "
@@ -240,6 +286,13 @@ class LLMInt8Config(WeightQuantConfig):
         description="The int8 GEMM. auto: bitsandbytes' int8_linear_matmul on CUDA when bitsandbytes is installed, "
         "torch._int_mm otherwise; torch: always torch; bitsandbytes: always bitsandbytes (its CPU kernels off CUDA).",
     )
+
+    @field_validator("gguf_type")
+    @classmethod
+    def _no_gguf_type(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("llm_int8 has a fixed int8 scheme; gguf_type applies to methods rtn and gptq")
+        return v
 
     @field_validator("bits")
     @classmethod

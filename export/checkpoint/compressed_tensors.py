@@ -335,8 +335,10 @@ sharing only a small divisor) would cost more in scales than the internal record
 
 def stored_scheme(scheme: QuantScheme, shape: tuple[int, int]) -> QuantScheme | None:
     """The scheme a record of ``scheme`` and ``shape`` is stored with in pack-quantized exactly
-    (itself, or its groups split into equal pieces), or None when pack-quantized cannot hold it."""
-    if scheme.bits not in SUPPORTED_BITS:
+    (itself, or its groups split into equal pieces), or None when pack-quantized cannot hold it
+    (nor a GGUF grid's float minimum or K-quant scales: those records stay in the records file)."""
+    grid = scheme.gguf_grid
+    if scheme.bits not in SUPPORTED_BITS or (grid is not None and (grid.float_min or grid.k_quant)):
         return None
     in_f = shape[1]
     if scheme.group_size is None or in_f % scheme.group_size == 0:

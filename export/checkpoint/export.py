@@ -13,7 +13,7 @@ from compress.export.checkpoint.hf_checkpoint import QUANTIZATION_CONFIG, read_c
 from compress.export.checkpoint.readers import CHECKPOINT_FORMATS, read_records
 from compress.hf_model import checksums
 from compress.progress import Reporter
-from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.exports import EXPORTS_DIR
 
@@ -26,6 +26,7 @@ def check(spec: Any, model: nn.Module, records: dict[str, QuantizedWeight]) -> N
             f"a {spec.format} checkpoint packs quantized layers, and no layer is "
             "quantized; add a quantize stage, or load a quantized checkpoint as model.source"
         )
+    refuse_gguf_grids(records, spec.format)
     fmt = CHECKPOINT_FORMATS[spec.format]
     if fmt.check is not None:
         fmt.check(model, records)

@@ -182,6 +182,12 @@ def import_float_model(
     return assemble_model(config, floats, found.records, dtype, str(directory), trust_remote_code)
 
 
+def _same_extras(a: QuantizedWeight, b: QuantizedWeight) -> bool:
+    """The GGUF-grid parts of two records (float minimum, K-quant super-block scales) are identical."""
+    ta, tb = a.tensors("r"), b.tensors("r")
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k].cpu(), tb[k].cpu()) for k in ta)
+
+
 def records_identical(expected: dict[str, QuantizedWeight], actual: dict[str, QuantizedWeight]) -> list[str]:
     """Differences between two record sets (empty when codes, scales, zero points and schemes match exactly)."""
     problems = []
@@ -200,4 +206,6 @@ def records_identical(expected: dict[str, QuantizedWeight], actual: dict[str, Qu
             problems.append(f"{name}: scales differ")
         elif not torch.equal(a.zero_point.cpu(), b.zero_point.cpu()):
             problems.append(f"{name}: zero points differ")
+        elif not _same_extras(a, b):
+            problems.append(f"{name}: offsets or super-block scales differ")
     return problems

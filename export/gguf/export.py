@@ -23,13 +23,26 @@ from compress.export.specs import GGUFExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
+from compress.schema.gguf_types import GGUF_GRIDS
 
 SAME_WEIGHTS_CHUNKS = 2
 GENERATION_PROMPT = "The quick brown fox"
 
 
+def with_records_quantizer(spec: GGUFExport, records: dict[str, QuantizedWeight]) -> GGUFExport:
+    """The spec with quantizer records where none was named for a type llama.cpp's quantizer also
+    makes (q2_k, q5_0, q5_1, q6_k) and every record lies on that type's grid (or its fallback's)."""
+    if spec.quantizer != "llama.cpp" or not spec.records_by_default or not records:
+        return spec
+    grid = GGUF_GRIDS[spec.type]
+    if all(r.scheme.gguf_type == grid.for_width(r.shape[1]).name for r in records.values()):
+        return spec.model_copy(update={"quantizer": "records"})
+    return spec
+
+
 def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation) on an export that cannot be made."""
+    spec = with_records_quantizer(spec, records)
     gguf_writer.architecture_of(model)
     if spec.quantizer == "records":
         gguf_writer.plan_tensors(model, records, gguf_writer.resolve_type(spec.type, records), spec.float_type, spec.fallback)
@@ -55,6 +68,7 @@ def export(
 ) -> tuple[dict[str, Any], list[Evaluation]]:
     """Write, read back and verify one GGUF export; return its manifest entry and evaluations.
     With a KV-cache scheme, the matching llama.cpp cache types go into ``compress.kv_cache.*`` metadata."""
+    spec = with_records_quantizer(spec, records)
     directory.mkdir(parents=True, exist_ok=True)
     kv_hint = kv_cache_hint(kv)
     metadata = {f"kv_cache.{k}": v for k, v in kv_hint.items()} if kv_hint else None
@@ -88,6 +102,7 @@ def export(
         "layers": len(records),
         "records_exact": exact,
         "fallbacks": facts["fallbacks"],
+        "type_fallbacks": facts["type_fallbacks"],
         "tensor_types": facts["tensor_types"],
         "tokenizer": facts["tokenizer"],
         "architecture": facts["architecture"],

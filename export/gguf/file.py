@@ -1,7 +1,8 @@
-"""GGUF export for llama.cpp: the records packed into Q4_0 / Q4_1 / Q8_0 blocks without
-re-quantizing, float tensors as F32 / F16 / BF16, and the tokenizer and hyperparameters
-llama.cpp needs. llama.cpp's own quantizer types (K-quants …) are made from our F16 file by
-``runtime.py``; so is the verification in llama.cpp (``export.py``).
+"""GGUF export for llama.cpp: the records packed into Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, and
+records quantized on a K-quant's own grid (``gguf_type``, quantizers/gguf_grid.py) into Q2_K … Q6_K
+super-blocks, without re-quantizing; float tensors as F32 / F16 / BF16, and the tokenizer and
+hyperparameters llama.cpp needs. llama.cpp's own quantizer (its mixes, Q4_K_M …) makes files from
+our F16 file in ``runtime.py``; the verification in llama.cpp is in ``export.py``.
 
 Block layouts (ggml, 32 weights a block, little-endian):
 
@@ -13,6 +14,11 @@ Block layouts (ggml, 32 weights a block, little-endian):
   only difference from the record (zero when ``z · s`` is representable).
 * Q8_0 — fp16 ``d``, 32 int8; ``w = i · d``. A record with ``|q - z| ≤ 127`` everywhere (any
   record of at most 7 bits, or 8-bit symmetric) is exactly ``d = s``, ``i = q - z``.
+* Q5_0 / Q5_1 — as Q4_0 / Q4_1 with the fifth bit of the 32 codes in 4 bytes ``qh``.
+* K-quants (256 weights, compress/schema/gguf_types.py) hold only records on their own grid, which
+  carry the stored fp16 ``d`` / ``dmin`` and integer sub-block scales (``record.super_blocks``);
+  the packers below only lay those values and the codes out in llama.cpp's byte order. A row whose
+  width is not a multiple of 256 gets llama.cpp's fallback type (the quantizer already used its grid).
 
 A group of our records may span several blocks (its scale is repeated), so any group size that
 is a multiple of 32 maps exactly, including a partial last group. Rows are permuted for
@@ -37,6 +43,7 @@ from compress.errors import FormatError
 from compress.export.gguf.names import GGUF_FILE  # noqa: F401 - the writer's file name
 from compress.export.specs import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.quantizers.core import QuantizedWeight
+from compress.schema.gguf_types import GGUF_GRIDS, QK_K
 from compress.streaming import tensors
 
 BLOCK = 32
@@ -104,13 +111,12 @@ def pack_q4_1(record: QuantizedWeight) -> np.ndarray:
     if record.scheme.bits != 4:
         raise FormatError(f"Q4_1 holds 4-bit records exactly, not {record.scheme.describe()}")
     codes, scale, zero = block_params(record)
-    d = scale.astype(np.float16).astype(np.float32)  # already fp16-representable for fp16 scales
-    out = np.concatenate([_f16_bytes(scale), _f16_bytes(-zero * d), _nibbles(codes)], axis=-1)
+    out = np.concatenate([_f16_bytes(scale), _f16_bytes(_minimum(record, scale, zero)), _nibbles(codes)], axis=-1)
     return out.reshape(codes.shape[0], -1)
 
 
 def q8_0_exact(record: QuantizedWeight) -> bool:
-    return record.scheme.bits <= 7 or record.scheme.symmetric
+    return record.plain and (record.scheme.bits <= 7 or record.scheme.symmetric)
 
 
 def pack_q8_0(record: QuantizedWeight) -> np.ndarray:
@@ -123,17 +129,177 @@ def pack_q8_0(record: QuantizedWeight) -> np.ndarray:
     return out.reshape(codes.shape[0], -1)
 
 
-PACKERS = {"q4_0": pack_q4_0, "q4_1": pack_q4_1, "q8_0": pack_q8_0}
+def _minimum(record: QuantizedWeight, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """Per 32-block fp16 minimum ``m`` of ``w = d·q + m``: the record's own offset (float-minimum
+    grids) or ``fp16(-z · d)`` for an integer zero point."""
+    if record.offset is not None:
+        return record.offset.to(torch.float32)[:, _group_of_block(record)].cpu().numpy()
+    return -zero * scale.astype(np.float16).astype(np.float32)
+
+
+def _group_of_block(record: QuantizedWeight) -> torch.Tensor:
+    in_f = record.shape[1]
+    return torch.arange(in_f // BLOCK) * BLOCK // record.scheme.group_width(in_f)
+
+
+def _high_bits(codes: np.ndarray, bit: int) -> np.ndarray:
+    """Bit ``bit`` of each weight of a 32-block, packed little-endian into 4 bytes (Q5_0 / Q5_1's qh)."""
+    blocks = codes.reshape(codes.shape[0], -1, BLOCK)
+    return np.packbits((blocks >> bit) & 1, axis=-1, bitorder="little")
+
+
+def pack_q5_0(record: QuantizedWeight) -> np.ndarray:
+    """Q5_0 bytes [out, blocks * 22] of a symmetric 5-bit record (exact): fp16 d, qh (bit 4 of each
+    code), 16 nibble bytes as Q4_0; ``w = (q - 16) · d``."""
+    if record.scheme.bits != 5 or not record.scheme.symmetric:
+        raise FormatError(f"Q5_0 holds symmetric 5-bit records exactly, not {record.scheme.describe()}")
+    codes, scale, _ = block_params(record)
+    out = np.concatenate([_f16_bytes(scale), _high_bits(codes, 4), _nibbles(codes & 0x0F)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+def pack_q5_1(record: QuantizedWeight) -> np.ndarray:
+    """Q5_1 bytes [out, blocks * 24] of a 5-bit record: fp16 d and m, qh, nibbles; ``w = d·q + m``."""
+    if record.scheme.bits != 5:
+        raise FormatError(f"Q5_1 holds 5-bit records exactly, not {record.scheme.describe()}")
+    codes, scale, zero = block_params(record)
+    m = _minimum(record, scale, zero)
+    out = np.concatenate([_f16_bytes(scale), _f16_bytes(m), _high_bits(codes, 4), _nibbles(codes & 0x0F)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+# ---- K-quants: super-blocks of QK_K weights; arrays below are [rows, super-blocks, ...]
+
+
+def _k_params(record: QuantizedWeight, type_name: str) -> tuple[np.ndarray, ...]:
+    """codes [rows, n, 256] uint8, d and dmin [rows, n] fp16 bytes' values, sub-block scales and mins [rows, n, subs] int."""
+    grid = GGUF_GRIDS[type_name]
+    if record.scheme.gguf_type != type_name or record.super_blocks is None:
+        raise FormatError(f"{type_name.upper()} blocks hold records on the {type_name.upper()} grid, not {record.scheme.describe()}")
+    rows, in_f = record.shape
+    n = in_f // QK_K
+    sb = record.super_blocks
+    codes = record.codes.cpu().numpy().reshape(rows, n, QK_K)
+    subs = QK_K // grid.group
+    scales = sb.scales.cpu().numpy().astype(np.int16).reshape(rows, n, subs)
+    mins = sb.mins.cpu().numpy().astype(np.int16).reshape(rows, n, subs)
+    return codes, sb.d.cpu().numpy(), sb.dmin.cpu().numpy(), scales, mins
+
+
+def _f16_raw(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16)[..., None].view(np.uint8)
+
+
+def _crumbs(values: np.ndarray) -> np.ndarray:
+    """2-bit fields of 256 weights in 64 bytes (Q2_K, Q3_K): weight 128h + 32t + b in byte 32h + b, bits 2t."""
+    v = (values & 3).astype(np.uint8).reshape(*values.shape[:-1], 2, 4, 32)
+    return (v[..., 0, :] | v[..., 1, :] << 2 | v[..., 2, :] << 4 | v[..., 3, :] << 6).reshape(*values.shape[:-1], 64)
+
+
+def _bit_planes(values: np.ndarray, bit: int) -> np.ndarray:
+    """Bit ``bit`` of 256 weights in 32 bytes: weight 32j + b in byte b, bit j (Q3_K's hmask, Q5_K's qh)."""
+    v = ((values >> bit) & 1).astype(np.uint8).reshape(*values.shape[:-1], 8, 32)
+    return np.bitwise_or.reduce(v << np.arange(8, dtype=np.uint8)[:, None], axis=-2)
+
+
+def _k_nibbles(values: np.ndarray) -> np.ndarray:
+    """Low nibbles of 256 weights in 128 bytes (Q4_K, Q5_K): sub-blocks 2c and 2c+1 share bytes 32c..32c+31."""
+    v = (values & 0x0F).astype(np.uint8).reshape(*values.shape[:-1], 4, 2, 32)
+    return (v[..., 0, :] | v[..., 1, :] << 4).reshape(*values.shape[:-1], 128)
+
+
+def _k_scales_6bit(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and eight 6-bit mins in 12 bytes (Q4_K, Q5_K)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    low = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    mid = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    high = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    return np.concatenate([low, mid, high], axis=-1)
+
+
+def pack_q4_k(record: QuantizedWeight) -> np.ndarray:
+    """Q4_K bytes [out, n * 144]: fp16 d, dmin, 12 bytes of 6-bit scales and mins, 128 nibble bytes."""
+    codes, d, dmin, sc, mn = _k_params(record, "q4_k")
+    out = np.concatenate([_f16_raw(d), _f16_raw(dmin), _k_scales_6bit(sc, mn), _k_nibbles(codes)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+def pack_q5_k(record: QuantizedWeight) -> np.ndarray:
+    """Q5_K bytes [out, n * 176]: as Q4_K with 32 bytes of fifth bits before the nibbles."""
+    codes, d, dmin, sc, mn = _k_params(record, "q5_k")
+    out = np.concatenate([_f16_raw(d), _f16_raw(dmin), _k_scales_6bit(sc, mn), _bit_planes(codes, 4), _k_nibbles(codes)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+def pack_q6_k(record: QuantizedWeight) -> np.ndarray:
+    """Q6_K bytes [out, n * 210]: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d.
+    Weight 128h + p: low nibble in byte 64h + p % 64 (nibble p // 64), high bits in byte 32h + p % 32 (bits 2·(p // 32))."""
+    codes, d, _, sc, _ = _k_params(record, "q6_k")
+    rows, n = codes.shape[:2]
+    halves = codes.reshape(rows, n, 2, 128)
+    low = (halves & 0x0F).reshape(rows, n, 2, 2, 64)
+    ql = (low[..., 0, :] | low[..., 1, :] << 4).reshape(rows, n, 128)
+    high = (halves >> 4).reshape(rows, n, 2, 4, 32)
+    qh = (high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6).reshape(rows, n, 64)
+    out = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16_raw(d)], axis=-1)
+    return out.reshape(rows, -1)
+
+
+def pack_q3_k(record: QuantizedWeight) -> np.ndarray:
+    """Q3_K bytes [out, n * 110]: 32 bytes of third bits (hmask), 64 of 2-bit pairs, 12 of 6-bit
+    scales (stored + 32), fp16 d. Scale k: low nibble in byte k % 8 (nibble k // 8), high 2 bits in
+    byte 8 + k % 4 (bits 2·(k // 4))."""
+    codes, d, _, sc, _ = _k_params(record, "q3_k")
+    stored = (sc + 32).astype(np.uint8)
+    low = (stored & 0x0F).reshape(*stored.shape[:-1], 2, 8)
+    high = (stored >> 4).reshape(*stored.shape[:-1], 4, 4)
+    scales = np.concatenate(
+        [low[..., 0, :] | low[..., 1, :] << 4, high[..., 0, :] | high[..., 1, :] << 2 | high[..., 2, :] << 4 | high[..., 3, :] << 6],
+        axis=-1,
+    )
+    out = np.concatenate([_bit_planes(codes, 2), _crumbs(codes), scales, _f16_raw(d)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+def pack_q2_k(record: QuantizedWeight) -> np.ndarray:
+    """Q2_K bytes [out, n * 84]: 16 bytes of 4-bit scale (low) and min (high), 64 of 2-bit codes, fp16 d, dmin."""
+    codes, d, dmin, sc, mn = _k_params(record, "q2_k")
+    scales = (sc.astype(np.uint8) & 0x0F) | (mn.astype(np.uint8) << 4)
+    out = np.concatenate([scales, _crumbs(codes), _f16_raw(d), _f16_raw(dmin)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
+PACKERS = {
+    "q4_0": pack_q4_0,
+    "q4_1": pack_q4_1,
+    "q5_0": pack_q5_0,
+    "q5_1": pack_q5_1,
+    "q8_0": pack_q8_0,
+    "q2_k": pack_q2_k,
+    "q3_k": pack_q3_k,
+    "q4_k": pack_q4_k,
+    "q5_k": pack_q5_k,
+    "q6_k": pack_q6_k,
+}
 
 
 def record_problem(record: QuantizedWeight, type_name: str) -> str | None:
     """Why ``record`` cannot become ``type_name`` blocks exactly, or None when it can."""
     s, (_, in_f) = record.scheme, record.shape
     width = s.group_width(in_f)
+    grid = GGUF_GRIDS[type_name]
+    if grid.k_quant or not record.plain:  # only records on this very grid
+        if s.gguf_type != type_name:
+            return f"{s.describe()} records are not on the {type_name.upper()} grid (quantize with gguf_type: {type_name})"
+        return None if in_f % grid.block_weights == 0 else f"rows of {in_f} are not a multiple of {grid.block_weights}"
     if in_f % BLOCK:
         return f"rows of {in_f} are not a multiple of {BLOCK}"
     if width % BLOCK:
         return f"group size {width} is not a multiple of {BLOCK}"
+    if type_name in ("q4_0", "q5_0") and (s.bits != grid.bits or not s.symmetric):
+        return f"{s.describe()} is not symmetric {grid.bits}-bit"
+    if type_name in ("q4_1", "q5_1") and s.bits != grid.bits:
+        return f"{s.describe()} is not {grid.bits}-bit"
     if type_name == "q4_0" and (s.bits != 4 or not s.symmetric):
         return f"{s.describe()} is not symmetric 4-bit"
     if type_name == "q4_1" and s.bits != 4:
@@ -162,7 +328,7 @@ def float_bytes(weight: torch.Tensor, type_name: str) -> tuple[np.ndarray, Any]:
 class TensorPlan:
     hf_name: str
     gguf_name: str
-    type_name: str  # f32 | f16 | bf16 | q8_0 | q4_0 | q4_1
+    type_name: str  # f32 | f16 | bf16 | a block type of GGUF_GRIDS
     source: str  # "record" (exact), "requantized" (fallback from a record), "float"
     permute_heads: int | None = None  # Q/K row permutation with this many heads
     shape: tuple[int, ...] = ()  # the tensor's shape (rows, columns) as the state dict holds it
@@ -187,6 +353,8 @@ class GGUFPlan:
     arch: GGUFArch
     tensors: list[TensorPlan] = field(default_factory=list)
     fallbacks: dict[str, str] = field(default_factory=dict)  # record name -> why it fell back
+    # record name -> the type llama.cpp's rule gives a row the export's K-quant blocks do not divide, and why
+    type_fallbacks: dict[str, str] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(f"{t.type_name} ({t.source})" for t in self.tensors))
@@ -209,6 +377,10 @@ def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
     schemes = {(r.scheme.bits, r.scheme.symmetric) for r in records.values()}
     if not schemes:
         return "f16"
+    grids = {r.scheme.gguf_type for r in records.values()}
+    for name in grids - {None}:  # records on a type's grid (and its fallbacks'): that type
+        if grids <= set(GGUF_GRIDS[name].family):
+            return name
     if schemes == {(4, True)}:
         return "q4_0"
     if {b for b, _ in schemes} == {4}:
@@ -249,9 +421,17 @@ def plan_tensors(
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         if hf_name.endswith(".weight") and module in records:
             record = records[module]
-            problem = record_problem(record, type_name) if type_name in GGUF_EXACT_TYPES else f"type {type_name} is a float type"
+            tensor_type = type_name
+            if type_name in GGUF_GRIDS and GGUF_GRIDS[type_name].for_width(record.shape[1]).name != type_name:
+                grid = GGUF_GRIDS[type_name]
+                tensor_type = grid.for_width(record.shape[1]).name
+                plan.type_fallbacks[module] = (
+                    f"rows of {record.shape[1]} are not a multiple of {grid.block_weights}: {tensor_type.upper()}, "
+                    + (grid.fallback_note or "llama.cpp's fallback for " + type_name.upper())
+                )
+            problem = record_problem(record, tensor_type) if tensor_type in GGUF_EXACT_TYPES else f"type {type_name} is a float type"
             if problem is None:
-                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "record", heads, shape))
+                plan.tensors.append(TensorPlan(hf_name, gguf_name, tensor_type, "record", heads, shape))
                 continue
             if type_name in GGUF_FLOAT_TYPES:
                 plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads, shape))
@@ -284,9 +464,7 @@ def permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
 def permuted_record(record: QuantizedWeight, heads: int | None) -> QuantizedWeight:
     if heads is None:
         return record
-    return QuantizedWeight(
-        permute_rows(record.codes, heads), permute_rows(record.scale, heads), permute_rows(record.zero_point, heads), record.scheme
-    )
+    return record.map_rows(lambda t: permute_rows(t, heads))
 
 
 # --------------------------------------------------------------------------- metadata
@@ -502,6 +680,31 @@ def tokenizer_metadata(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- writing
 
 
+# The file type llama.cpp records for a file mostly of one block type (K-quants: the _S mix, the one
+# whose tensors are mostly that type; metadata only, readers go by each tensor's own type).
+FILE_TYPES = {
+    "f32": "ALL_F32",
+    "f16": "MOSTLY_F16",
+    "bf16": "MOSTLY_BF16",
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_0": "MOSTLY_Q4_0",
+    "q4_1": "MOSTLY_Q4_1",
+    "q5_0": "MOSTLY_Q5_0",
+    "q5_1": "MOSTLY_Q5_1",
+    "q2_k": "MOSTLY_Q2_K",
+    "q3_k": "MOSTLY_Q3_K_S",
+    "q4_k": "MOSTLY_Q4_K_S",
+    "q5_k": "MOSTLY_Q5_K_S",
+    "q6_k": "MOSTLY_Q6_K",
+}
+
+
+def file_type(type_name: str) -> Any:
+    import gguf
+
+    return gguf.LlamaFileType[FILE_TYPES[type_name]]
+
+
 def write_gguf(
     path: Path,
     model: nn.Module,
@@ -523,15 +726,7 @@ def write_gguf(
     writer = gguf.GGUFWriter(path, plan.arch.name)
     writer.add_name(str(getattr(model.config, "_name_or_path", "") or plan.arch.name))
     add_hyperparameters(writer, model, plan.arch)
-    ftype = {
-        "f32": gguf.LlamaFileType.ALL_F32,
-        "f16": gguf.LlamaFileType.MOSTLY_F16,
-        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-    }
-    writer.add_file_type(ftype[type_name])
+    writer.add_file_type(file_type(type_name))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     n_vocab = int(model.config.vocab_size)
     if tokenizer_from is not None:
@@ -576,6 +771,7 @@ def write_gguf(
         "type": type_name,
         "tensor_types": plan.counts(),
         "fallbacks": plan.fallbacks,
+        "type_fallbacks": plan.type_fallbacks,
         "tokenizer": tok_facts,
         "plan": plan,
     }
@@ -606,10 +802,15 @@ def check_gguf_records(path: Path, plan: GGUFPlan, records: dict[str, QuantizedW
             continue
         record = permuted_record(records[t.hf_name.rsplit(".", 1)[0]].cpu(), t.permute_heads)
         got = quants.dequantize(np.asarray(stored.data), stored.tensor_type).reshape(record.shape)
+        if not record.plain:  # on the type's own grid: the record's values exactly
+            want = record.dequantize().numpy()
+            if not np.array_equal(got, want):
+                problems.append(f"{t.gguf_name}: {int((got != want).sum())} values differ from the record")
+            continue
         codes, scale, zero = block_params(record)
         d = scale.astype(np.float16).astype(np.float32)[..., None]
         q = codes.reshape(codes.shape[0], -1, BLOCK).astype(np.float32)
-        if t.type_name == "q4_1":
+        if t.type_name in ("q4_1", "q5_1"):
             want = q * d + (-zero[..., None] * d).astype(np.float16).astype(np.float32)
         else:
             want = (q - zero[..., None]) * d

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from compress.export.format import PlannedSize
+from compress.schema.gguf_types import GGUF_GRIDS
 from compress.sizes import ModelShape, Record, packed_bytes, uniform_bytes
 
 # llama.cpp's bits per weight: exact block sizes, and its published averages for the K-quant mixes.
@@ -45,8 +46,13 @@ def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
         )
     kind = _gguf_type(spec.type, records)
     float_type = spec.float_type or ("q8_0" if kind.startswith("q") else kind)
-    size = packed_bytes(shape, records, GGUF_BITS[float_type], code_bits=GGUF_BITS[kind], scale_bits=0, zero_bits=0)
-    return size, 2.0, f"records as {kind} blocks ({GGUF_BITS[kind]} bits/weight), other tensors {float_type}"
+    bits = GGUF_GRIDS[kind].bits_per_weight if kind in GGUF_GRIDS else GGUF_BITS[kind]  # one block type, not a mix
+    size = packed_bytes(shape, records, GGUF_BITS[float_type], code_bits=bits, scale_bits=0, zero_bits=0)
+    return (
+        size,
+        2.0,
+        f"records as {kind} blocks ({bits:g} bits/weight; K-quant rows not a multiple of 256: its fallback), other tensors {float_type}",
+    )
 
 
 def _gguf_type(spec_type: str, records: dict[str, Record]) -> str:

@@ -63,16 +63,28 @@ def ggml_type_id(name: str) -> int:
 
 
 def quantize(
-    source: Path, target: Path, type_name: str, threads: int, token_embedding_type: str | None = None, output_type: str | None = None
+    source: Path,
+    target: Path,
+    type_name: str,
+    threads: int,
+    token_embedding_type: str | None = None,
+    output_type: str | None = None,
+    pure: bool = False,
 ) -> None:
-    """llama.cpp's own quantizer: ``source`` (our F16/F32 GGUF) -> ``target`` in ``type_name``."""
+    """llama.cpp's own quantizer: ``source`` (our F16/F32 GGUF) -> ``target`` in ``type_name``. ``pure``:
+    every tensor in the one block type ``type_name`` (llama-quantize --pure; q2_k … q6_k as single types,
+    not mixes), the token embedding in ``token_embedding_type``."""
     import gguf
 
+    from compress.export.gguf.file import FILE_TYPES
+
     lib = llama_cpp()
-    if type_name not in GGUF_LLAMA_CPP_TYPES:
-        raise FormatError(f"llama.cpp type '{type_name}' is not offered; known: {', '.join(GGUF_LLAMA_CPP_TYPES)}")
+    offered = tuple(FILE_TYPES) if pure else GGUF_LLAMA_CPP_TYPES
+    if type_name not in offered:
+        raise FormatError(f"llama.cpp type '{type_name}' is not offered{' pure' if pure else ''}; known: {', '.join(offered)}")
     params = lib.llama_model_quantize_default_params()
-    params.ftype = int(gguf.LlamaFileType[f"MOSTLY_{type_name.upper()}"])
+    params.ftype = int(gguf.LlamaFileType[FILE_TYPES[type_name] if pure else f"MOSTLY_{type_name.upper()}"])
+    params.pure = pure
     params.nthread = threads
     if token_embedding_type is not None:
         params.token_embedding_type = ggml_type_id(token_embedding_type)

@@ -9,6 +9,7 @@ from typing import Any
 from compress.export.format import ExportFormat, PlannedSize, Runner
 from compress.export.gguf.names import GGUF_FILE, GGUF_MAGIC  # noqa: F401 - re-exported
 from compress.schema.exports import GGUFExport
+from compress.schema.gguf_types import llama_cpp_spelling
 
 SUFFIX = ".gguf"
 
@@ -18,8 +19,8 @@ class GGUFFormat(ExportFormat):
     """A GGUF file for llama.cpp, packed from the records, verified and timed in llama.cpp."""
 
     def describe_entry(self, entry: dict[str, Any]) -> str:
-        """'gguf q4_1': the block type the file was written in."""
-        return f"{self.name} {entry['type']}" if entry.get("type") else self.name
+        """'gguf Q4_1': the block type the file was written in, spelt as llama.cpp writes it."""
+        return f"{self.name} {llama_cpp_spelling(entry['type'])}" if entry.get("type") else self.name
 
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder / GGUF_FILE, "cpu"

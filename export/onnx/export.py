@@ -28,7 +28,7 @@ from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mism
 from compress.export.specs import ONNXExport
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
-from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry
 
 BUILDER_LOG = "builder.log"
@@ -71,6 +71,7 @@ def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight
         )
     precision, quantizer = resolve(spec, records)
     if quantizer == "records":
+        refuse_gguf_grids(records, "onnx")
         if not records:
             raise FormatError("quantizer records: no layer is quantized; add a quantize stage or use quantizer: builder")
         bits = {r.scheme.bits for r in records.values()}

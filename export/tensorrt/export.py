@@ -22,13 +22,14 @@ from compress.export.specs import TensorRTExport
 from compress.export.tensorrt import engine as tensorrt
 from compress.export.tensorrt import qdq as onnx_qdq
 from compress.progress import Reporter
-from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme
 
 
 def check(spec: TensorRTExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation): onnx/onnxruntime/onnxscript present, every record has a Q/DQ form."""
     onnx_builder.require(("onnx", "onnxruntime", "onnxscript"), "the TensorRT-ready ONNX")
+    refuse_gguf_grids(records, "tensorrt")
     if not spec.fp8 and spec.fallback is None:
         for name, record in records.items():
             if onnx_qdq.exact_precision(record.scheme) is None:

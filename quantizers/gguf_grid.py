@@ -1,0 +1,152 @@
+"""Quantization parameters on a llama.cpp block type's own grid (``scheme.gguf_type``): pure math
+shared by RTN and GPTQ, so the values a quantizer rounds to are the values the GGUF file will hold.
+
+The unit of parameters is the block whose scales are fixed together: a group for our plain schemes
+and the legacy types (32 weights), a super-block of 256 weights for K-quants (its fp16 ``d`` and
+``dmin`` depend on all its sub-blocks). ``GridParams.fix(u, weights)`` sets unit ``u`` from the
+weights it covers: GPTQ calls it when its column loop reaches the unit (or up front with act-order),
+RTN for every unit at once; both then round each weight to ``(code - zero) * scale + offset``.
+
+Per type (the search is the simple min/max one; the stored values are exactly what llama.cpp reads):
+
+* plain schemes and Q4_0 / Q5_0 / Q8_0: ``compute_qparams`` (core.py), as before;
+* Q4_1 / Q5_1: ``m`` = the group's minimum rounded down to fp16, ``d`` = (max - m) / qmax rounded up;
+* Q2_K / Q4_K / Q5_K: per sub-block the range [min(w, 0), max(w)]; ``d`` = the largest sub-block
+  step / scale_levels and ``dmin`` = the largest -min / scale_levels, rounded up to fp16; integer
+  sub-block scale and min = nearest multiple of ``d`` / ``dmin``;
+* Q3_K / Q6_K: per sub-block the scale that maps the largest-magnitude weight onto the lowest
+  code (-2**(bits-1), the grid's one extra level: llama.cpp's choice too), signed; ``d`` = the
+  largest |scale| / scale_levels rounded up to fp16, integer sub-block scale = nearest multiple.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compress.quantizers.core import QuantizedWeight, QuantScheme, SuperBlocks, compute_qparams, scale_torch_dtype
+
+
+def unit_width(scheme: QuantScheme, in_features: int) -> int:
+    """Columns whose parameters are fixed together (a K-quant super-block, else a group)."""
+    grid = scheme.gguf_grid
+    return grid.block_weights if grid is not None and grid.k_quant else scheme.group_width(in_features)
+
+
+def f16_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 value >= ``x`` (x >= 0; fp16 subnormals kept, as llama.cpp stores them), as float32."""
+    stored = x.to(torch.float16)
+    below = stored.to(torch.float32) < x
+    stored = torch.where(below, torch.nextafter(stored, torch.full_like(stored, float("inf"))), stored)
+    return stored.to(torch.float32)
+
+
+def f16_down(x: torch.Tensor) -> torch.Tensor:
+    """The largest fp16 value <= ``x``, as float32."""
+    stored = x.to(torch.float16)
+    above = stored.to(torch.float32) > x
+    stored = torch.where(above, torch.nextafter(stored, torch.full_like(stored, float("-inf"))), stored)
+    return stored.to(torch.float32)
+
+
+def _safe(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x == 0, torch.ones_like(x), x)
+
+
+class GridParams:
+    """Every group's scale, zero point and offset of one weight [out, in], filled unit by unit."""
+
+    def __init__(self, out_f: int, in_f: int, scheme: QuantScheme, device: torch.device) -> None:
+        self.scheme, self.in_f = scheme, in_f
+        self.grid = scheme.gguf_grid
+        self.unit = unit_width(scheme, in_f)
+        self.per_unit = self.unit // scheme.group_width(in_f) if self.grid is not None and self.grid.k_quant else 1
+        n = scheme.n_groups(in_f)
+        self.scale = torch.zeros(out_f, n, dtype=torch.float32, device=device)
+        self.zero = torch.zeros_like(self.scale)
+        self.offset = torch.zeros_like(self.scale)
+        self.k_quant = self.grid is not None and self.grid.k_quant
+        if self.k_quant:
+            units = in_f // self.unit
+            self.d = torch.zeros(out_f, units, dtype=torch.float32, device=device)
+            self.dmin = torch.zeros_like(self.d)
+            self.sub_scales = torch.zeros_like(self.scale)
+            self.sub_mins = torch.zeros_like(self.scale)
+
+    @property
+    def n_units(self) -> int:
+        return -(-self.in_f // self.unit)
+
+    def fix(self, u: int, weights: torch.Tensor) -> None:
+        """Set unit ``u``'s parameters from ``weights`` [out, columns of unit u]."""
+        groups = slice(u * self.per_unit, (u + 1) * self.per_unit)
+        grid = self.grid
+        if grid is None or (grid.symmetric and not grid.k_quant):
+            self.scale[:, groups], self.zero[:, groups] = (t.unsqueeze(1) for t in compute_qparams(weights, self.scheme))
+        elif not grid.k_quant:  # Q4_1 / Q5_1: fp16 d and float minimum m
+            m = f16_down(weights.amin(dim=-1))
+            self.offset[:, u] = m
+            self.scale[:, u] = f16_up((weights.amax(dim=-1) - m).clamp(min=0) / self.scheme.qmax)
+        else:
+            self._fix_k(u, groups, weights.reshape(weights.shape[0], self.per_unit, -1))
+
+    def _fix_k(self, u: int, groups: slice, sub: torch.Tensor) -> None:
+        grid, levels = self.grid, float(self.grid.scale_levels)
+        if grid.symmetric:  # Q3_K, Q6_K: signed sub-block scales, the extreme weight on the lowest code
+            half = float(self.scheme.symmetric_zero)
+            extreme = sub.gather(-1, sub.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+            want = -extreme / half
+            d = f16_up(want.abs().amax(dim=-1) / levels)
+            sc = torch.round(want / _safe(d).unsqueeze(1)).clamp(-levels, levels)
+            self.zero[:, groups] = half
+        else:  # Q2_K, Q4_K, Q5_K: unsigned sub-block scales and mins, w = d·sc·q - dmin·m
+            lo = sub.amin(dim=-1).clamp(max=0.0)
+            step = (sub.amax(dim=-1) - lo).clamp(min=0.0) / self.scheme.qmax
+            d = f16_up(step.amax(dim=-1) / levels)
+            dmin = f16_up((-lo).amax(dim=-1) / levels)
+            sc = torch.round(step / _safe(d).unsqueeze(1)).clamp(0, levels)
+            mn = torch.round(-lo / _safe(dmin).unsqueeze(1)).clamp(0, levels)
+            self.dmin[:, u], self.sub_mins[:, groups] = dmin, mn
+            self.offset[:, groups] = -(dmin.unsqueeze(1) * mn)
+        self.d[:, u], self.sub_scales[:, groups] = d, sc
+        self.scale[:, groups] = d.unsqueeze(1) * sc
+
+    def fix_all(self, weight: torch.Tensor) -> None:
+        for u in range(self.n_units):
+            self.fix(u, weight[:, u * self.unit : (u + 1) * self.unit])
+
+    def round(self, w: torch.Tensor, k: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and dequantized values of ``w``: a column [out] in group ``k``, or columns [out, cols]
+        in the groups ``k`` [cols]."""
+        s, z, o = self.scale[:, k], self.zero[:, k], self.offset[:, k]
+        q = torch.clamp(torch.round((w - o) / _safe(s)) + z, 0, self.scheme.qmax)
+        q = torch.where(s == 0, z.expand_as(q), q)
+        return q, (q - z) * s + o
+
+    def record(self, codes: torch.Tensor) -> QuantizedWeight:
+        """The record of ``codes`` [out, in] (float holding integers) with these parameters."""
+        scheme, grid = self.scheme, self.grid
+        offset = self.offset.contiguous() if grid is not None and grid.float_min else None
+        super_blocks = None
+        if self.k_quant:
+            super_blocks = SuperBlocks(
+                self.d.to(torch.float16), self.dmin.to(torch.float16), self.sub_scales.to(torch.int16), self.sub_mins.to(torch.int16)
+            )
+        return QuantizedWeight(
+            codes=codes.to(torch.uint8).contiguous(),
+            scale=self.scale.to(scale_torch_dtype(scheme)).contiguous(),
+            zero_point=self.zero.to(torch.uint8).contiguous(),
+            scheme=scheme,
+            offset=offset,
+            super_blocks=super_blocks,
+        )
+
+
+def grid_quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+    """Round-to-nearest of ``weight`` [out, in] on ``scheme``'s grid (its fallback's where the row
+    does not hold the type's blocks)."""
+    w = weight.detach().to(torch.float32)
+    scheme = scheme.for_width(w.shape[1])
+    params = GridParams(w.shape[0], w.shape[1], scheme, w.device)
+    params.fix_all(w)
+    group_of = torch.arange(w.shape[1], device=w.device) // scheme.group_width(w.shape[1])
+    return params.record(params.round(w, group_of)[0])
