@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from compress import streaming
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.pruning.arch import PrunableModel
@@ -127,7 +128,7 @@ class PruneStage:
         tokens = self._tokens(ctx)
         batches = list(tokens.split(self.config.batch_size))
         device = ctx.device
-        model.to(device)
+        streaming.to_device(model, device)  # a streamed model scores one block at a time
         obs = self.config.mlp_method == "obs"
         imp = collect(
             pm,
@@ -145,6 +146,9 @@ class PruneStage:
                 "(give data: more samples)"
             )
         cut_started = time.perf_counter()
+        if streaming.is_streamed(model):  # slicing changes shapes: done on the model in memory (docs/pruning.md)
+            with ctx.reporter.status(f"{self.label} (prune): reading the whole model into memory to slice it"):
+                streaming.materialize(model, device)
         kept, obs_removed = self._cut(pm, imp, sizes, self.config.obs_damp if obs else None, ctx.reporter.track)
         cut_seconds = time.perf_counter() - cut_started
         imp.mlp_gram = []  # 30 x 1536² float64 for SmolLM2: not kept past the cut

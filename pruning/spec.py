@@ -70,4 +70,5 @@ PRUNE = StageKindSpec(
     summary=_summary,
     description="structured pruning (Minitron): importance from calibration activations, sliced to a smaller dense model",
     plan_shape=pruned_shape,
+    streams=True,  # the importance pass streams block by block; the slicing reads the model whole (prune.py)
 )

@@ -144,6 +144,39 @@ def test_importance_ranks_a_dead_neuron_group_and_identity_block_last():
     assert {"mlp.layers.0", "heads.layers.3", "hidden", "layers.cosine"} <= names
 
 
+def test_importance_on_a_streamed_model_equals_the_materialized_model_and_holds_one_block_at_a_time(tiny_model_dir):
+    from compress import streaming
+    from compress.models import load_model
+    from compress.progress import Reporter
+    from compress.recipe import ModelSpec
+
+    streamed = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), Reporter(quiet=True)).model
+    loaded = streaming.materialize(copy.deepcopy(streamed))
+    batches = [torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    held: list[int] = []
+
+    def count_blocks(_m, _a):
+        held.append(sum(any(p.device.type != "meta" for p in b.parameters()) for b in streamed.model.layers))
+
+    hooks = [b.register_forward_pre_hook(count_blocks) for b in streamed.model.layers]
+    cpu = torch.device("cpu")
+    for metric in ("cosine", "kl"):
+        got = collect(PrunableModel.of(streamed), batches, cpu, want_hidden=True, layer_metric=metric, want_gram=True)
+        want = collect(PrunableModel.of(loaded), batches, cpu, want_hidden=True, layer_metric=metric, want_gram=True)
+        assert got.tokens == want.tokens == 64
+        pairs = [(got.hidden, want.hidden)]
+        for name in ("mlp", "heads", "mlp_gram"):
+            pairs += zip(getattr(got, name), getattr(want, name), strict=True)
+        for a, b in pairs:
+            assert torch.equal(a, b)  # the same weights and the same operations in the same order: exactly equal
+        layer_scores = (got.layers_cosine, want.layers_cosine) if metric == "cosine" else (got.layers_kl, want.layers_kl)
+        assert torch.equal(*layer_scores) and bool((layer_scores[0] > 0).all())
+    for h in hooks:
+        h.remove()
+    assert held and max(held) == 1  # one decoder block in memory at a time, during every forward of the pass
+    assert streaming.is_streamed(streamed) and all(p.device.type == "meta" for p in streamed.parameters())
+
+
 def test_score_math():
     x = torch.tensor([[3.0, 4.0, 0.0, 1.0]])  # two heads of dim 2
     assert head_norms(x, 2).tolist() == [[5.0, 1.0]]
