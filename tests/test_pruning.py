@@ -222,6 +222,14 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
     assert streamed.config.to_dict() == loaded.config.to_dict()
 
 
+def test_a_prune_stage_streams_unless_it_cuts_embedding_channels():
+    from compress.plugins import stage_streams
+    from compress.schema.recipe import StageSpec
+
+    assert stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "heads": 0.5, "layers": {"drop": 2}}}))
+    assert not stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "hidden": 0.25}}))
+
+
 def test_score_math():
     x = torch.tensor([[3.0, 4.0, 0.0, 1.0]])  # two heads of dim 2
     assert head_norms(x, 2).tolist() == [[5.0, 1.0]]
