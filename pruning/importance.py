@@ -139,7 +139,7 @@ def collect(
     try:
         with torch.inference_mode():
             for ids in progress(batches, "pruning: importance", len(batches)) if progress else batches:
-                model(input_ids=ids.to(device), use_cache=False)
+                model.base_model(input_ids=ids.to(device), use_cache=False)  # every hook is before the head: no logits
                 tokens += ids.numel()
     finally:
         for h in handles:
