@@ -74,6 +74,8 @@ class RunContext:
     """Where a stage keeps resumable state (training checkpoints) across a killed run; removed when the artifact is written."""
     run_id: str = ""
     """Identifies the run's inputs (recipe and model); a checkpoint of another run is refused."""
+    source_sha256: str | None = None
+    """The SHA-256 of the source model's files (keys what a stage stores about the source across runs)."""
     load_teacher: Callable[[str], nn.Module] | None = None
     """Loads another model by a model.source-style string (a named distillation teacher)."""
 

@@ -67,9 +67,10 @@ class StageKindSpec:
     duration_s, summary) and the report."""
     description: str
     """One line for people: what the stage does."""
-    streams: bool = False
+    streams: bool | Callable[[Any], bool] = False
     """True: the stage works on a streamed model one unit at a time (for ``quantize``: when its
-    method's spec streams); False: the run reads the whole model into memory before the stage."""
+    method's spec streams); False: the run reads the whole model into memory before the stage; or a
+    function of the stage's config saying which (prune: unless it cuts embedding channels)."""
     quantizes_weights: bool = False
     """True: the config is a ``WeightQuantConfig`` (``targets``, ``ignore``, ``scheme()``,
     ``method``: a key of QUANT_METHODS) and the stage leaves a QuantizedWeight record for every

@@ -107,7 +107,7 @@ def stage_streams(stage: Any) -> bool:
     if kind.quantizes_weights:
         method = quant_method(stage.config.method).streams
         return kind.streams and (method(stage.config) if callable(method) else method)
-    return kind.streams
+    return kind.streams(stage.config) if callable(kind.streams) else kind.streams
 
 
 def export_format(name: str) -> ExportFormat:

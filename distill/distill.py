@@ -20,9 +20,13 @@ distill stage only the main process goes on to quantize, export, evaluate and wr
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +37,7 @@ from compress.context import RunContext, StageRecord
 from compress.distill import checkpoint
 from compress.distill.losses import CosineSchedule
 from compress.distill.refit import refit_down_proj, refit_targets
+from compress.distill.teacher_store import FOLDER, TeacherLogits
 from compress.distill.train import Processes, Trainer, eval_min_context, sample_order
 from compress.errors import CompressError
 from compress.schema.distill import ORIGINAL, DistillConfig, DistillData, DistillEval, DistillRefit  # noqa: F401 - re-exported
@@ -80,6 +85,20 @@ class DistillStage:
         device = ctx.device
         use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
 
+        stored, scratch = None, None
+        if cfg.stored_teacher is not None:  # the teacher's top-k log-probs, once, one block at a time; then it only scores
+            teacher_id = ctx.source_sha256 if teacher is ctx.original and ctx.source_sha256 else f"{ctx.run_id}|{self.label}"
+            if ctx.work_dir is None:  # outside a run: a folder of its own, removed after the stage
+                scratch = Path(tempfile.mkdtemp(prefix="compress-teacher-"))
+            work = ctx.work_dir / self.label if ctx.work_dir is not None else scratch
+            stored = TeacherLogits(teacher, teacher_id, work / FOLDER, device, cfg.stored_teacher.top_k, cfg.temperature, use_bf16)
+            stored.fill(train_tokens, cfg.batch_size, ctx.reporter.track)
+        elif streaming.is_streamed(teacher):  # a live teacher runs every step: read into memory once, beside the student
+            with ctx.reporter.status(f"{self.label} (distill): reading the teacher into memory"):
+                in_memory = streaming.materialize(copy.deepcopy(teacher), device)
+            if ctx.teacher is teacher:
+                ctx.teacher = in_memory  # the same model: the block mapping of a prune stage still applies
+            teacher = in_memory
         streaming.to_device(teacher, device).eval()
         model.to(device)
         trainable = self._trainable(model)
@@ -114,8 +133,13 @@ class DistillStage:
             fingerprint,
             ctx.reporter,
             self._refit(model, teacher, ctx, train_tokens, use_bf16) if found is None else None,
+            stored,
         )
-        trainer.run()
+        try:
+            trainer.run()
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         full = procs.full_state(trainer.wrapped)
         if full is not None:
             model.load_state_dict(full)
@@ -127,6 +151,7 @@ class DistillStage:
         refitted = next((point for point in state.history if "refit" in point), None)
         summary = {
             "teacher": teacher_desc,
+            "stored_teacher": None if stored is None else stored.facts(),
             "steps": state.step,
             "max_steps": cfg.steps,
             "max_minutes": cfg.max_minutes,
@@ -207,7 +232,7 @@ class DistillStage:
     ) -> Callable[[], dict[str, Any]] | None:
         """The least-squares refit as the trainer runs it before step 1, or None when it has nothing to do."""
         cfg = self.config
-        if cfg.refit is None:
+        if cfg.refit is None or cfg.stored_teacher is not None:  # a stored teacher has no hidden states to fit to
             return None
         mapping = self._block_mapping(model, teacher, ctx)
         if mapping is None:

@@ -24,7 +24,7 @@ def _estimate(step: PlanStep) -> Estimate:
     rate = DISTILL_TOKENS_PER_S["bf16" if bf16 else "fp32"] * REF_PARAMS / cur.params
     mem = step.held_bytes + 12 * trainable + training_bytes(cur, cfg.batch_size, cfg.seq_len, bf16)
     basis = (
-        f"teacher (the baseline) + student + fp32 grads and AdamW moments of {trainable:,} trainable parameters + activations "
+        f"{'student (the teacher one block at a time: stored_teacher)' if cfg.stored_teacher else 'teacher + student'} + fp32 grads and AdamW moments of {trainable:,} trainable parameters + activations "
         f"of {cfg.batch_size} x {cfg.seq_len} tokens; {tokens:,} tokens at ~{rate:,.0f} tokens/s "
         f"({'bf16 autocast' if bf16 else 'float32'}, scaled from the 135M model)"
     )

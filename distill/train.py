@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from compress.distill import checkpoint
-from compress.distill.losses import CosineSchedule, hidden_loss, kl_loss
+from compress.distill.losses import CosineSchedule, hidden_loss, kl_loss, topk_kl_loss
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
 
 if TYPE_CHECKING:
     from compress.distill.distill import DistillConfig
+    from compress.distill.teacher_store import TeacherLogits
 
 
 def process_rank() -> tuple[int, int]:
@@ -127,6 +128,7 @@ class Trainer:
     fingerprint: str
     reporter: Reporter
     refit: Callable[[], dict[str, Any]] | None = None  # the closed-form first phase (distill/refit.py), before step 1
+    stored: TeacherLogits | None = None  # the teacher's stored top-k log-probs, read instead of running the teacher
     wrapped: nn.Module = field(init=False)  # the student as trained (DDP/FSDP wrapper in a multi-process run), set by run()
 
     @property
@@ -162,6 +164,11 @@ class Trainer:
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.config
+        if self.stored is not None:
+            values, indices, rest = self.stored(ids)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                s_out = self.wrapped(input_ids=ids, use_cache=False)
+            return topk_kl_loss(s_out.logits, values, indices, rest, c.temperature)
         hidden = bool(self.pairs)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             with torch.no_grad():

@@ -15,7 +15,9 @@ unpruned model, every score read from what the model actually computes).
   block changes the residual stream; small means it can go); ``kl`` = the mean KL divergence of
   the model with that block skipped against the full model (one extra forward per block).
 
-All math here is on tensors; :func:`collect` runs the model with hooks.
+All math here is on tensors; :func:`collect` runs the model with hooks. On a streamed model
+(compress/streaming.py) the pass reads one decoder block at a time: the hooks keep only the
+per-block sums above (and, for ``kl``, one batch's reference log-probs), never a block's weights.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def collect(
     try:
         with torch.inference_mode():
             for ids in progress(batches, "pruning: importance", len(batches)) if progress else batches:
-                model(input_ids=ids.to(device), use_cache=False)
+                model.base_model(input_ids=ids.to(device), use_cache=False)  # every hook is before the head: no logits
                 tokens += ids.numel()
     finally:
         for h in handles:
@@ -155,25 +157,28 @@ def collect(
 def skip_kl(
     pm: PrunableModel, batches: list[torch.Tensor], device: torch.device, progress: Callable[..., Iterable] | None = None
 ) -> torch.Tensor:
-    """[num_layers]: mean KL(full || model with block i skipped) over every token of ``batches``."""
+    """[num_layers]: mean KL(full || model with block i skipped) over every token of ``batches``.
+
+    Batch by batch: the full model's log-probs of one batch are held while every block is skipped
+    in turn, so what stays in memory is one batch's [tokens, vocab], never all of them (a streamed
+    model reads one block at a time in each forward). Each block's sum runs over the batches in
+    order, so the scores are the same as block by block."""
     model = pm.model
-    with torch.inference_mode():
-        reference = [torch.log_softmax(model(input_ids=ids.to(device), use_cache=False).logits.float(), -1).cpu() for ids in batches]
-    scores = torch.zeros(len(pm.blocks), dtype=torch.float64)
-    layers = range(len(pm.blocks))
-    for i in progress(layers, "pruning: block skip KL", len(layers)) if progress else layers:
-        handle = pm.blocks[i].register_forward_hook(_identity_hook, with_kwargs=True)
-        try:
-            total, count = 0.0, 0
-            with torch.inference_mode():
-                for ids, ref in zip(batches, reference, strict=True):
+    n = len(pm.blocks)
+    totals, count = [0.0] * n, 0
+    for ids in progress(batches, "pruning: block skip KL", len(batches)) if progress else batches:
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(input_ids=ids.to(device), use_cache=False).logits.float(), -1).cpu()
+        for i in range(n):
+            handle = pm.blocks[i].register_forward_hook(_identity_hook, with_kwargs=True)
+            try:
+                with torch.inference_mode():
                     logp = torch.log_softmax(model(input_ids=ids.to(device), use_cache=False).logits.float(), -1).cpu()
-                    total += float((ref.exp() * (ref - logp)).sum(-1).clamp(min=0).sum())
-                    count += ids.numel()
-        finally:
-            handle.remove()
-        scores[i] = total / count
-    return scores
+            finally:
+                handle.remove()
+            totals[i] += float((ref.exp() * (ref - logp)).sum(-1).clamp(min=0).sum())
+        count += ids.numel()
+    return torch.tensor([t / count for t in totals], dtype=torch.float64)
 
 
 def _identity_hook(_m: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor | tuple) -> torch.Tensor | tuple:

@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
+from compress import streaming
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.pruning.arch import PrunableModel
 from compress.pruning.importance import Importance, collect, top_indices
 from compress.pruning.obs import obs_cut
-from compress.pruning.slicing import drop_layers, prune_hidden, prune_kv_groups, prune_mlp
+from compress.pruning.slicing import drop_layers, kv_groups_config, prune_hidden, slice_block_kv_groups, slice_block_mlp
 from compress.schema.prune import LayerTarget, PruneConfig, PruneData, Share, SizeTarget, Target  # noqa: F401 - re-exported
 
 
@@ -127,7 +128,7 @@ class PruneStage:
         tokens = self._tokens(ctx)
         batches = list(tokens.split(self.config.batch_size))
         device = ctx.device
-        model.to(device)
+        streaming.to_device(model, device)  # a streamed model scores one block at a time
         obs = self.config.mlp_method == "obs"
         imp = collect(
             pm,
@@ -145,10 +146,13 @@ class PruneStage:
                 "(give data: more samples)"
             )
         cut_started = time.perf_counter()
-        kept, obs_removed = self._cut(pm, imp, sizes, self.config.obs_damp if obs else None, ctx.reporter.track)
+        if streaming.is_streamed(model) and "hidden" in sizes:  # channels cross every unit: cut in memory (_cut)
+            with ctx.reporter.status(f"{self.label} (prune): reading the whole model into memory to cut embedding channels"):
+                streaming.materialize(model, device)
+        kept, obs_removed = self._cut(pm, imp, sizes, self.config.obs_damp if obs else None, ctx.reporter.track, device)
         cut_seconds = time.perf_counter() - cut_started
         imp.mlp_gram = []  # 30 x 1536² float64 for SmolLM2: not kept past the cut
-        model.to("cpu")
+        streaming.to_device(model, "cpu")
         ctx.mapping = kept  # student -> teacher indices, for a hidden-state distillation loss
         ctx.files[f"pruning/{self.label}.safetensors"] = {
             **imp.tensors(),
@@ -200,11 +204,19 @@ class PruneStage:
         sizes: dict[str, int],
         obs_damp: float | None = None,
         progress: Callable[..., Iterable] | None = None,
+        device: torch.device | None = None,
     ) -> tuple[KeptIndices, list[torch.Tensor]]:
         """Cut every axis; returns what was kept and, with ``obs_damp`` (mlp_method obs), each kept
-        block's MLP neurons in the order the search removed them."""
+        block's MLP neurons in the order the search removed them.
+
+        Blocks, MLP neurons and KV groups are cut one block at a time: on a streamed model each
+        block is read, sliced and written to the overlay under its new name (its place after the
+        dropped blocks) with ``streaming.resident(..., write_back=True)``, so only one block is in
+        memory; embedding channels touch every unit and the tied head, and are cut on the model
+        in memory (the stage reads it whole first)."""
         n = len(pm.blocks)
         layers = list(range(n))
+        prefixes = [streaming.unit_of(b).prefix if streaming.unit_of(b) else None for b in pm.blocks]  # type: ignore[union-attr]
         if "layers" in sizes:
             scores = imp.layers_cosine if imp.layers_cosine is not None else imp.layers_kl
             assert scores is not None
@@ -212,27 +224,38 @@ class PruneStage:
             drop_layers(pm, [i for i in range(n) if i not in layers])
         kept = KeptIndices(layers=layers)
         removed: list[torch.Tensor] = []
-        if "mlp" in sizes and obs_damp is not None:
-            cuts = [
-                obs_cut(imp.mlp_gram[i], pm.down_proj(block).weight, sizes["mlp"], obs_damp)
-                for i, block in zip(
-                    layers, progress(pm.blocks, "pruning: OBS selection", len(layers)) if progress else pm.blocks, strict=False
-                )
-            ]
-            kept.mlp, removed, kept.mlp_refitted = [c.kept for c in cuts], [c.removed for c in cuts], True
-            prune_mlp(pm, kept.mlp)
-            with torch.no_grad():
-                for block, c in zip(pm.blocks, cuts, strict=False):
+        hd, per_group = pm.head_dim, pm.num_heads // pm.kv_heads
+        groups = sizes["heads"] // per_group if "heads" in sizes else 0
+        obs = "mlp" in sizes and obs_damp is not None
+        kept.mlp_refitted = obs
+        positions = list(zip(layers, pm.blocks, strict=True))
+        label = "pruning: OBS selection" if obs else "pruning: slicing"
+        for j, (i, block) in enumerate(progress(positions, label, len(positions)) if progress else positions):
+            unit = streaming.unit_of(block)
+            renamed = unit is not None and prefixes[i] is not None and j != i
+            if not (renamed or "mlp" in sizes or "heads" in sizes):
+                continue
+            with streaming.resident(block, device, write_back=True), torch.no_grad():
+                if "mlp" in sizes and obs:
+                    assert obs_damp is not None
+                    cut = obs_cut(imp.mlp_gram[i], pm.down_proj(block).weight, sizes["mlp"], obs_damp)
+                    slice_block_mlp(block, cut.kept)
                     weight = pm.down_proj(block).weight
-                    weight.copy_(c.weight.to(weight.dtype))
-        elif "mlp" in sizes:
-            kept.mlp = [top_indices(imp.mlp[i], sizes["mlp"]) for i in layers]
-            prune_mlp(pm, kept.mlp)
+                    weight.copy_(cut.weight.to(weight.dtype))
+                    kept.mlp.append(cut.kept)
+                    removed.append(cut.removed)
+                elif "mlp" in sizes:
+                    kept.mlp.append(top_indices(imp.mlp[i], sizes["mlp"]))
+                    slice_block_mlp(block, kept.mlp[-1])
+                if "heads" in sizes:
+                    kept.kv_groups.append(top_indices(imp.group_scores(i, pm.kv_heads), groups))
+                    slice_block_kv_groups(block, kept.kv_groups[-1], hd, per_group)
+                if renamed:  # written back under the name of its new place
+                    unit.prefix = f"{prefixes[i].rsplit('.', 1)[0]}.{j}"  # type: ignore[union-attr]
+        if "mlp" in sizes:
+            pm.config.intermediate_size = sizes["mlp"]
         if "heads" in sizes:
-            kv = pm.kv_heads
-            groups = sizes["heads"] // (pm.num_heads // kv)
-            kept.kv_groups = [top_indices(imp.group_scores(i, kv), groups) for i in layers]
-            prune_kv_groups(pm, kept.kv_groups)
+            kv_groups_config(pm, groups, hd, per_group)
         if "hidden" in sizes:
             assert imp.hidden is not None
             kept.hidden = top_indices(imp.hidden, sizes["hidden"])

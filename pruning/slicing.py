@@ -42,13 +42,18 @@ def prune_mlp(pm: PrunableModel, keep: Sequence[torch.Tensor]) -> None:
     sizes = {int(k.numel()) for k in keep}
     assert len(sizes) == 1 and len(keep) == len(pm.blocks), "one index set of one size per block"
     for block, idx in zip(pm.blocks, keep, strict=True):
-        mlp = block.mlp
-        mlp.gate_proj = slice_linear(mlp.gate_proj, rows=idx)
-        mlp.up_proj = slice_linear(mlp.up_proj, rows=idx)
-        mlp.down_proj = slice_linear(mlp.down_proj, cols=idx)
-        if hasattr(mlp, "intermediate_size"):  # informational attributes kept true
-            mlp.intermediate_size = int(idx.numel())
+        slice_block_mlp(block, idx)
     pm.config.intermediate_size = int(keep[0].numel())
+
+
+def slice_block_mlp(block: nn.Module, idx: torch.Tensor) -> None:
+    """Keep neurons ``idx`` of one block's MLP (the config is the caller's: ``prune_mlp``)."""
+    mlp = block.mlp
+    mlp.gate_proj = slice_linear(mlp.gate_proj, rows=idx)
+    mlp.up_proj = slice_linear(mlp.up_proj, rows=idx)
+    mlp.down_proj = slice_linear(mlp.down_proj, cols=idx)
+    if hasattr(mlp, "intermediate_size"):  # informational attributes kept true
+        mlp.intermediate_size = int(idx.numel())
 
 
 def head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -60,16 +65,25 @@ def prune_kv_groups(pm: PrunableModel, keep: Sequence[torch.Tensor]) -> None:
     """Keep KV groups ``keep[i]`` of block ``i`` (same count everywhere): each kept key/value
     head with all the query heads that share it, so grouped-query attention stays consistent."""
     hd, per_group = pm.head_dim, pm.num_heads // pm.kv_heads
-    pm.config.head_dim = hd  # explicit: hidden_size / num_attention_heads no longer gives it
     for block, groups in zip(pm.blocks, keep, strict=True):
-        attn = block.self_attn
-        q_heads = (groups.unsqueeze(1) * per_group + torch.arange(per_group)).reshape(-1)
-        q_rows, kv_rows = head_rows(q_heads, hd), head_rows(groups, hd)
-        attn.q_proj = slice_linear(attn.q_proj, rows=q_rows)
-        attn.k_proj = slice_linear(attn.k_proj, rows=kv_rows)
-        attn.v_proj = slice_linear(attn.v_proj, rows=kv_rows)
-        attn.o_proj = slice_linear(attn.o_proj, cols=q_rows)
-    kept = int(keep[0].numel())
+        slice_block_kv_groups(block, groups, hd, per_group)
+    kv_groups_config(pm, int(keep[0].numel()), hd, per_group)
+
+
+def slice_block_kv_groups(block: nn.Module, groups: torch.Tensor, head_dim: int, per_group: int) -> None:
+    """Keep KV groups ``groups`` of one block's attention (the config: ``kv_groups_config``)."""
+    attn = block.self_attn
+    q_heads = (groups.unsqueeze(1) * per_group + torch.arange(per_group)).reshape(-1)
+    q_rows, kv_rows = head_rows(q_heads, head_dim), head_rows(groups, head_dim)
+    attn.q_proj = slice_linear(attn.q_proj, rows=q_rows)
+    attn.k_proj = slice_linear(attn.k_proj, rows=kv_rows)
+    attn.v_proj = slice_linear(attn.v_proj, rows=kv_rows)
+    attn.o_proj = slice_linear(attn.o_proj, cols=q_rows)
+
+
+def kv_groups_config(pm: PrunableModel, kept: int, head_dim: int, per_group: int) -> None:
+    """The config after every block kept ``kept`` KV groups."""
+    pm.config.head_dim = head_dim  # explicit: hidden_size / num_attention_heads no longer gives it
     pm.config.num_key_value_heads = kept
     pm.config.num_attention_heads = kept * per_group
 

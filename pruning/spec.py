@@ -16,12 +16,19 @@ def _build(config: Any, label: str) -> Any:
     return PruneStage(config, label)
 
 
+def _streams(config: Any) -> bool:
+    """The importance pass and the cuts of blocks, MLP neurons and KV groups go one block at a time;
+    embedding channels cross every unit (and a tied head), so cutting them reads the model whole."""
+    return config.hidden is None
+
+
 def _estimate(step: PlanStep) -> Estimate:
     cfg, cur = step.config, step.shape
     passes = 1 + (cur.text.num_hidden_layers if cfg.layers and cfg.layers.metric == "kl" else 0)
     mem = step.held_bytes + activation_bytes(cur, cfg.batch_size, step.cal_seq_len)
     basis = (
-        f"baseline + working copy + one forward of {cfg.batch_size} x {step.cal_seq_len} tokens; "
+        f"{'one block' if _streams(cfg) else 'the model in memory (embedding channels are cut)'} + one forward of "
+        f"{cfg.batch_size} x {step.cal_seq_len} tokens; "
         f"{passes} pass(es) over {step.cal_tokens:,} calibration tokens"
     )
     return Estimate(mem, passes * forward_s(cur.params, step.cal_tokens), basis)
@@ -70,4 +77,5 @@ PRUNE = StageKindSpec(
     summary=_summary,
     description="structured pruning (Minitron): importance from calibration activations, sliced to a smaller dense model",
     plan_shape=pruned_shape,
+    streams=_streams,
 )

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from compress.distill.distill import layer_map
-from compress.distill.losses import CosineSchedule, hidden_loss, kl_loss, lr_factor
+from compress.distill.losses import CosineSchedule, hidden_loss, kl_loss, lr_factor, topk_kl_loss, topk_log_probs
 from tests.test_pruning import prune_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +96,34 @@ def test_kl_loss_sends_no_gradient_to_the_teacher():
     s, t = torch.randn(4, 9, requires_grad=True), torch.randn(4, 9, requires_grad=True)
     kl_loss(s, t).backward()
     assert t.grad is None and s.grad is not None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_the_stored_teacher_loss_with_every_token_kept_is_the_live_kl(temperature):
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(3, 70, 50, generator=g, requires_grad=True)  # 210 positions: several blocks of KL_ROWS
+    t = 2 * torch.randn(3, 70, 50, generator=g)
+    live = kl_loss(s, t, temperature)
+    (live_grad,) = torch.autograd.grad(live, s)
+    values, indices, rest = topk_log_probs(t, 50, temperature)
+    assert values.shape == indices.shape == (3, 70, 50) and rest.shape == (3, 70) and bool(torch.isneginf(rest).all())
+    stored = topk_kl_loss(s, values, indices, rest, temperature)
+    (stored_grad,) = torch.autograd.grad(stored, s)
+    torch.testing.assert_close(stored, live, rtol=1e-6, atol=1e-7)  # float32 sums in another order
+    torch.testing.assert_close(stored_grad, live_grad, rtol=1e-5, atol=1e-9)
+    # k < vocabulary: the KL over the top k and one bucket for the rest, and its gradient, as autograd has them
+    values, indices, rest = topk_log_probs(t, 7, temperature)
+    assert bool((rest > float("-inf")).all())
+    got = topk_kl_loss(s, values, indices, rest, temperature)
+    (got_grad,) = torch.autograd.grad(got, s)
+    log_ps = torch.log_softmax(s / temperature, -1)
+    log_rs = torch.logsumexp(log_ps.scatter(-1, indices.long(), float("-inf")), -1)
+    plain = ((values.exp() * (values - log_ps.gather(-1, indices.long()))).sum(-1) + rest.exp() * (rest - log_rs)).mean()
+    plain = plain * temperature**2
+    (plain_grad,) = torch.autograd.grad(plain, s)
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got_grad, plain_grad, rtol=1e-4, atol=1e-8)
+    assert float(got) < float(live)  # the buckets merge the tail's outcomes: a coarser distribution, a smaller KL
 
 
 def test_hidden_loss_maps_layers_and_channels():
@@ -365,6 +393,54 @@ def test_distill_recipe_errors(trained_tiny_dir, text_dir, tmp_path):
     recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=", refit: {samples: 4}")))
     with pytest.raises(CompressError, match="no longer has once hidden channels are pruned"):
         run(recipe, tmp_path / "e")
+
+
+def test_a_stored_teacher_trains_like_the_live_one_and_its_logits_are_reused_then_recomputed_for_new_data(
+    trained_tiny_dir, text_dir, tmp_path, monkeypatch
+):
+    from compress.steps import exports
+
+    recipe = tmp_path / "r.yaml"
+    common = ", refit: null, checkpoint_every: 0, keep_best: false, data: {samples: 6}"
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(6, extra=common)))
+    live = run(recipe, tmp_path / "live").manifest["stages"][1]["summary"]
+    assert live["stored_teacher"] is None
+    stored_recipe = distill_stage(6, extra=common + ", stored_teacher: {top_k: 100000}")  # every token: the live KL
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + stored_recipe))
+
+    def fail(*_a, **_k):
+        raise RuntimeError("stopped after the stages")
+
+    monkeypatch.setattr(exports, "check", fail)  # a run that fails after training keeps its work folder
+    with pytest.raises(RuntimeError, match="stopped after the stages"):
+        run(recipe, tmp_path / "out")
+    stored_files = list((tmp_path / "out.work" / "stages[1]" / "teacher").glob("*/*.safetensors"))
+    assert len(stored_files) == 6  # one file per training chunk
+    monkeypatch.undo()
+    s = run(recipe, tmp_path / "out").manifest["stages"][1]["summary"]
+    t = s["stored_teacher"]
+    assert t["chunks_computed"] == 0 and t["chunks_reused"] == 6 and t["top_k"] == 400  # capped at the vocabulary
+    assert not (tmp_path / "out.work").exists()  # removed with the checkpoints once the artifact is complete
+    # the stored teacher with every token is the live teacher: the same training, up to float rounding
+    for key in ("before", "after"):
+        assert s[key]["kl_divergence"] == pytest.approx(live[key]["kl_divergence"], rel=1e-3)
+    assert s["after"]["kl_divergence"] < s["before"]["kl_divergence"]
+    recipe.write_text(recipe.read_text().replace("data: {samples: 6}", "data: {samples: 6, seed: 1}"))  # other chunks
+    t = run(recipe, tmp_path / "other").manifest["stages"][1]["summary"]["stored_teacher"]
+    assert t["chunks_computed"] == 6 and t["chunks_reused"] == 0
+
+
+def test_a_stored_teacher_with_a_hidden_state_loss_or_refit_is_refused_with_exit_2(trained_tiny_dir, text_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    for extra, named in (
+        (", hidden_loss_weight: 0.5", "hidden_loss_weight (0.5)"),
+        (", refit: {samples: 4}", "refit"),
+    ):
+        recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=", stored_teacher: {top_k: 8}" + extra)))
+        proc = cli("run", str(recipe), "-o", str(tmp_path / "out"))
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 2, out
+        assert "stored_teacher" in out and named in out and "need a live teacher" in out and "Traceback" not in out
 
 
 def test_gradient_accumulation_equals_the_larger_batch(trained_tiny_dir, text_dir, tmp_path):

@@ -144,6 +144,92 @@ def test_importance_ranks_a_dead_neuron_group_and_identity_block_last():
     assert {"mlp.layers.0", "heads.layers.3", "hidden", "layers.cosine"} <= names
 
 
+def test_importance_on_a_streamed_model_equals_the_materialized_model_and_holds_one_block_at_a_time(tiny_model_dir):
+    from compress import streaming
+    from compress.models import load_model
+    from compress.progress import Reporter
+    from compress.recipe import ModelSpec
+
+    streamed = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), Reporter(quiet=True)).model
+    loaded = streaming.materialize(copy.deepcopy(streamed))
+    batches = [torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    held: list[int] = []
+
+    def count_blocks(_m, _a):
+        held.append(sum(any(p.device.type != "meta" for p in b.parameters()) for b in streamed.model.layers))
+
+    hooks = [b.register_forward_pre_hook(count_blocks) for b in streamed.model.layers]
+    cpu = torch.device("cpu")
+    for metric in ("cosine", "kl"):
+        got = collect(PrunableModel.of(streamed), batches, cpu, want_hidden=True, layer_metric=metric, want_gram=True)
+        want = collect(PrunableModel.of(loaded), batches, cpu, want_hidden=True, layer_metric=metric, want_gram=True)
+        assert got.tokens == want.tokens == 64
+        pairs = [(got.hidden, want.hidden)]
+        for name in ("mlp", "heads", "mlp_gram"):
+            pairs += zip(getattr(got, name), getattr(want, name), strict=True)
+        for a, b in pairs:
+            assert torch.equal(a, b)  # the same weights and the same operations in the same order: exactly equal
+        layer_scores = (got.layers_cosine, want.layers_cosine) if metric == "cosine" else (got.layers_kl, want.layers_kl)
+        assert torch.equal(*layer_scores) and bool((layer_scores[0] > 0).all())
+    for h in hooks:
+        h.remove()
+    assert held and max(held) == 1  # one decoder block in memory at a time, during every forward of the pass
+    assert streaming.is_streamed(streamed) and all(p.device.type == "meta" for p in streamed.parameters())
+
+
+@pytest.mark.parametrize("mlp_method", ["activation", "obs"])
+def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it_cuts_in_memory(trained_tiny_dir, mlp_method):
+    from compress import streaming
+    from compress.context import RunContext
+    from compress.models import load_model
+    from compress.progress import Reporter
+    from compress.pruning.prune import PruneStage
+    from compress.recipe import ModelSpec
+
+    quiet = Reporter(quiet=True)
+    streamed = load_model(ModelSpec(source=str(trained_tiny_dir)), Path("."), quiet).model
+    loaded = streaming.materialize(copy.deepcopy(streamed))
+    calibration = torch.randint(0, 200, (8, 32), generator=torch.Generator().manual_seed(0))
+    config = PruneConfig.model_validate(
+        {"mlp": 0.25, "heads": 0.5, "layers": {"drop": 2}, "multiple_of": 8, "mlp_method": mlp_method, "obs_damp": 0.1}
+    )
+    held: list[int] = []
+    original_resident = streaming.resident
+
+    def counting_resident(module, *args, **kwargs):  # how many blocks are in memory while one is held to be cut
+        held.append(sum(any(p.device.type != "meta" for p in b.parameters()) for b in streamed.model.layers))
+        return original_resident(module, *args, **kwargs)
+
+    records = {}
+    for name, model in (("streamed", streamed), ("loaded", loaded)):
+        ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=quiet, calibration=lambda: calibration)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(streaming, "resident", counting_resident)
+            records[name] = PruneStage(config, "stages[0]").apply(model, ctx).summary
+    for r in records.values():
+        r.get("obs", {}).pop("seconds", None)  # a timing
+    assert records["streamed"] == records["loaded"]
+    assert streaming.is_streamed(streamed) and all(p.device.type == "meta" for p in streamed.parameters())
+    assert held and max(held) == 0  # no block in memory when the next is read: one block at a time
+    assert records["streamed"]["dropped_layers"] != [2, 3]  # a kept block moved to a new place (renamed in the overlay)
+    want = dict(loaded.state_dict())
+    got = dict(streaming.tensors(streamed, keep_tied=True))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    x = ids(seed=3) % 200
+    assert torch.equal(logits(streamed, x), logits(loaded, x))
+    assert streamed.config.to_dict() == loaded.config.to_dict()
+
+
+def test_a_prune_stage_streams_unless_it_cuts_embedding_channels():
+    from compress.plugins import stage_streams
+    from compress.schema.recipe import StageSpec
+
+    assert stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "heads": 0.5, "layers": {"drop": 2}}}))
+    assert not stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "hidden": 0.25}}))
+
+
 def test_score_math():
     x = torch.tensor([[3.0, 4.0, 0.0, 1.0]])  # two heads of dim 2
     assert head_norms(x, 2).tolist() == [[5.0, 1.0]]

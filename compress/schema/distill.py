@@ -48,6 +48,16 @@ class DistillRefit(_Strict):
     damp: float = Field(0.1, gt=0, description="Ridge towards the pruned weights, as a share of the mean squared activation.")
 
 
+class StoredTeacher(_Strict):
+    top_k: int = Field(
+        64,
+        ge=1,
+        description="Teacher log-probs kept per position: the k most likely tokens (values and token ids) and the "
+        "log of the probability left over the rest of the vocabulary (one bucket). A k at least the vocabulary keeps "
+        "every token: the loss is then the full KL.",
+    )
+
+
 class DistillConfig(StageConfig):
     """`distill: {teacher, steps, batch_size, seq_len, lr, temperature, loss, hidden_loss_weight, data, ...}`."""
 
@@ -59,6 +69,14 @@ class DistillConfig(StageConfig):
         ORIGINAL,
         description="original: the model before the prune stage (or as loaded when no stage "
         "changed it); otherwise a model source like model.source (same tokenizer).",
+    )
+    stored_teacher: StoredTeacher | None = Field(
+        None,
+        description="Train on the teacher's top-k log-probs, computed once on the training chunks (the teacher read "
+        "one block at a time from disk) and kept under OUTPUT.work/teacher/, instead of running the teacher beside the "
+        "student each step: for a teacher that does not fit in memory beside the student. The KL is taken over the "
+        "top_k tokens plus one bucket for the rest (distill/losses.py). Needs hidden_loss_weight 0 and no refit (both "
+        "read the teacher's hidden states live). null: the live teacher, in memory beside the student.",
     )
     steps: int = Field(ge=1, description="Optimizer steps (at most this many under max_minutes).")
     max_minutes: float | None = Field(
@@ -117,6 +135,22 @@ class DistillConfig(StageConfig):
     def _warmup_fits(self) -> DistillConfig:
         if self.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be fewer than steps ({self.steps})")
+        return self
+
+    @model_validator(mode="after")
+    def _stored_teacher_is_logits_only(self) -> DistillConfig:
+        if self.stored_teacher is None:
+            return self
+        live = []
+        if self.hidden_loss_weight > 0:
+            live.append(f"hidden_loss_weight ({self.hidden_loss_weight:g})")
+        if "refit" in self.model_fields_set and self.refit is not None:
+            live.append("refit")
+        if live:
+            raise ValueError(
+                f"stored_teacher keeps only the teacher's log-probs, but {' and '.join(live)} read the teacher's hidden "
+                "states, which need a live teacher; set hidden_loss_weight: 0 and refit: null, or remove stored_teacher"
+            )
         return self
 
     @property

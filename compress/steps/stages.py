@@ -59,6 +59,7 @@ def apply(run: Run, source: Source) -> Staged | None:
         original=source.baseline,
         work_dir=work_dir_for(run.out_dir),
         load_teacher=lambda name: load_teacher(run, name),
+        source_sha256=source.lm.facts.get("sha256"),
         run_id=hashlib.sha256(f"{recipe.sha256()}|{source.lm.facts.get('sha256')}".encode()).hexdigest(),
     )
     if store is not None:  # a streamed model's records wait on disk too, not in memory
@@ -70,8 +71,8 @@ def apply(run: Run, source: Source) -> Staged | None:
         if streaming.is_streamed(model) and not stage_streams(recipe.stages[i]):
             with run.reporter.status(f"reading the whole model into memory for stages[{i}] ({recipe.stages[i].kind})"):
                 streaming.materialize(model, run.device)
-                # the model as loaded (a distillation teacher, pruning's reference) in memory too, not re-read per step
-                ctx.original = streaming.materialize(copy.deepcopy(ctx.original), run.device)
+            # ctx.original (the source) stays streamed: a live distillation teacher reads itself into memory
+            # (distill/distill.py), a stored one reads one block at a time once (distill/teacher_store.py)
         records.append(stage.apply(model, ctx))
         ctx.applied.append(recipe.stages[i].kind)
         if i == last_trained and run.world > 1:
