@@ -71,7 +71,13 @@ def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text
     assert stage["summary"]["layers_quantized"] == 2 * 7  # q k v o gate up down per layer; lm_head ignored
     layers = manifest["quantization"]["layers"]
     assert "lm_head" not in layers
-    assert layers["model.layers.0.mlp.down_proj"]["scheme"] == {"bits": 4, "group_size": 64, "symmetric": True, "scale_dtype": "float16"}
+    assert layers["model.layers.0.mlp.down_proj"]["scheme"] == {
+        "bits": 4,
+        "group_size": 64,
+        "symmetric": True,
+        "scale_dtype": "float16",
+        "gguf_type": None,
+    }
     for rel, digest in manifest["files"].items():
         assert sha256_file(out / rel) == digest
     assert set(manifest["files"]) == set(checksums(out)) - {"manifest.json"}
