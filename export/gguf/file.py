@@ -309,16 +309,17 @@ def record_problem(record: QuantizedWeight, type_name: str) -> str | None:
     return None
 
 
-def float_bytes(weight: torch.Tensor, type_name: str) -> tuple[np.ndarray, Any]:
-    """A float tensor in ``type_name`` (f32 | f16 | bf16 | q8_0 by llama.cpp's reference rounding)."""
+def float_bytes(weight: torch.Tensor, type_name: str) -> np.ndarray:
+    """A float tensor in ``type_name`` (f32 | f16 | bf16 | q8_0 by llama.cpp's reference rounding);
+    its ggml type is ``TensorPlan.info``'s."""
     from gguf import quants
 
     w = weight.detach().to(torch.float32).cpu().numpy()
     if type_name == "f32":
-        return w, None
+        return w
     if type_name == "f16":
-        return w.astype(np.float16), None
-    return quants.quantize(w, _ggml_type(type_name)), _ggml_type(type_name)
+        return w.astype(np.float16)
+    return quants.quantize(w, _ggml_type(type_name))
 
 
 # --------------------------------------------------------------------------- the plan
@@ -759,10 +760,11 @@ def write_gguf(
             tensor = records[module].dequantize() if t.source in ("dequantized", "fallback") else pending.pop(t.hf_name)
             if t.permute_heads is not None:
                 tensor = permute_rows(tensor, t.permute_heads)
-            data, _ = float_bytes(tensor, t.type_name)
+            data = float_bytes(tensor, t.type_name)
             del tensor
-        if data.nbytes != t.info()[2]:  # a packer and the tensor table disagree: our bug, caught before the file is used
-            raise FormatError(f"{t.hf_name}: {data.nbytes} bytes made for GGUF {t.type_name}, the tensor table says {t.info()[2]}")
+        expected = t.info()[2]
+        if data.nbytes != expected:  # a packer and the tensor table disagree: our bug, caught before the file is used
+            raise FormatError(f"{t.hf_name}: {data.nbytes} bytes made for GGUF {t.type_name}, the tensor table says {expected}")
         writer.write_tensor_data(data)
         del data
     writer.close()
