@@ -264,3 +264,12 @@ def test_an_unknown_weights_format_is_refused_with_how_to_recreate(tmp_path: Pat
     gated = run_cli(["gate", out, "--gates", gates, "-o", tmp_path / "gate", "-q"])
     assert gated.exit_code == 2, gated.output
     assert "--overwrite" in gated.output and "Traceback" not in gated.output
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"weight_map": 3}', "[1, 2]"])
+def test_a_corrupt_safetensors_index_is_a_format_error_naming_the_file(tmp_path: Path, text: str) -> None:
+    from compress.export.checkpoint.hf_checkpoint import INDEX_FILE, weight_files
+
+    (tmp_path / INDEX_FILE).write_text(text)
+    with pytest.raises(FormatError, match=INDEX_FILE):
+        weight_files(tmp_path)
