@@ -36,7 +36,7 @@ from compress.schema.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_ME
 Forward = Callable[[torch.Tensor], Any]
 """Maps token ids [batch, seq] to logits [batch, seq, vocab] for one artifact on its runtime, or to
 ``Logits`` that make them a row and a chunk of positions at a time: a torch model's final
-``HiddenStates`` and head, or a runtime's ``RowLogits``."""
+``HiddenStates`` and head, or a runtime's (llama.cpp's ``DecodedLogits``)."""
 
 
 INTERVAL_LEVEL = 0.95
@@ -150,24 +150,6 @@ class Logits:
 
     def hold(self) -> Any:
         return contextlib.nullcontext()
-
-
-class RowLogits(Logits):
-    """A runtime's logits one sequence at a time: ``run(row)`` computes row ``row`` of the batch and
-    returns its logits [seq, vocab], which may be a view of the runtime's own buffer (llama.cpp's
-    scores): valid until the next ``run``, so no copy of a whole row is made."""
-
-    def __init__(self, run: Callable[[int], torch.Tensor]) -> None:
-        self.run = run
-        self._row: int | None = None
-        self._logits: torch.Tensor | None = None
-
-    def logits(self, row: int, positions: slice) -> torch.Tensor:
-        if row != self._row:
-            self._logits = None  # drop the reference to the old row before computing the next
-            self._logits, self._row = self.run(row), row
-        assert self._logits is not None
-        return self._logits[positions]
 
 
 class HiddenStates(Logits):

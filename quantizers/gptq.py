@@ -12,6 +12,8 @@ its stored values (fp16 minimum, quantized sub-block scales) before the loop rou
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from compress.context import RunContext, StageRecord
@@ -22,17 +24,37 @@ from compress.quantizers.gguf_grid import GridParams
 from compress.quantizers.sequential import BlockJob, run_layerwise
 from compress.schema.quantize import GPTQConfig
 
+HESSIAN_STRIP = 1024
+"""With ``upper_only``, inputs wider than this accumulate H a strip of rows at a time over its upper
+triangle (H is symmetric): 56% of the products for the 8,960-wide down_proj, 78% at 1,536;
+``mirror_upper`` fills the lower triangle before use."""
 
-def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor) -> int:
-    """Fold ``inputs`` [..., in] into the running ``H = 2/n · Σ x xᵀ`` (in place); returns the new n."""
+
+def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor, upper_only: bool = False) -> int:
+    """Fold ``inputs`` [..., in] into the running ``H = 2/n · Σ x xᵀ`` (in place); returns the new n.
+    ``upper_only``: only the upper triangle (and the diagonal strips) is kept up to date; call
+    ``mirror_upper`` once the last inputs are in."""
     x = inputs.reshape(-1, inputs.shape[-1])
     new = count + x.shape[0]
     hessian.mul_(count / new)
     scale = (2.0 / new) ** 0.5
     # Scaled in place when the float32 copy is ours (bf16/fp16 inputs): one [tokens, in] buffer, not two.
     x = x.to(torch.float32).mul_(scale) if x.dtype != torch.float32 else x * scale
-    hessian.addmm_(x.t(), x)
+    width = x.shape[1]
+    if not upper_only or width <= HESSIAN_STRIP:
+        hessian.addmm_(x.t(), x)
+        return new
+    for i in range(0, width, HESSIAN_STRIP):
+        hessian[i : i + HESSIAN_STRIP, i:].addmm_(x[:, i : i + HESSIAN_STRIP].t(), x[:, i:])
     return new
+
+
+def mirror_upper(hessian: torch.Tensor) -> torch.Tensor:
+    """Complete a Hessian accumulated with ``upper_only``: each strip's part left of its diagonal
+    block is the transpose of the strips above it (in place; returns it)."""
+    for i in range(HESSIAN_STRIP, hessian.shape[0], HESSIAN_STRIP):
+        hessian[i : i + HESSIAN_STRIP, :i] = hessian[:i, i : i + HESSIAN_STRIP].t()
+    return hessian
 
 
 def _inverse_cholesky(box: list[torch.Tensor], dampening: float) -> tuple[torch.Tensor, float]:
@@ -71,9 +93,6 @@ def gptq_quantize(
     if isinstance(hessian, list) and box[0].dtype != torch.float32:
         box[0] = box[0].to(torch.float32)
     del hessian
-    if weight.device.type == "cpu":
-        with one_cpu_thread():
-            return _gptq(weight, box, scheme, dampening, block_size, act_order)
     return _gptq(weight, box, scheme, dampening, block_size, act_order)
 
 
@@ -107,26 +126,30 @@ def _gptq(
 
     codes = torch.empty(out_f, in_f, dtype=torch.float32, device=w.device)
     loss = torch.zeros(out_f, dtype=torch.float32, device=w.device)
+    # The factorization above and each block's update below are large products that use every
+    # thread; the column loop is thousands of tiny ops, which run on one CPU thread.
+    columns = one_cpu_thread if w.device.type == "cpu" else nullcontext
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            k = group_of[col]
-            if not act_order and col % unit == 0:  # first column of a unit: params from the current weights
-                end = min(col + unit, in_f)
-                unit_w = w1[:, i : end - i1] if end <= i2 else torch.cat([w1[:, i:], w[:, i2:end]], dim=1)
-                params.fix(col // unit, unit_w)
-            col_w = w1[:, i]
-            q, deq = params.round(col_w, k)
-            codes[:, col] = q
-            d = hinv1[i, i]
-            err = (col_w - deq) / d
-            loss += (col_w - deq) ** 2 / d**2 / 2
-            w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
-            err1[:, i] = err
+        with columns():
+            for i in range(i2 - i1):
+                col = i1 + i
+                k = group_of[col]
+                if not act_order and col % unit == 0:  # first column of a unit: params from the current weights
+                    end = min(col + unit, in_f)
+                    unit_w = w1[:, i : end - i1] if end <= i2 else torch.cat([w1[:, i:], w[:, i2:end]], dim=1)
+                    params.fix(col // unit, unit_w)
+                col_w = w1[:, i]
+                q, deq = params.round(col_w, k)
+                codes[:, col] = q
+                d = hinv1[i, i]
+                err = (col_w - deq) / d
+                loss += (col_w - deq) ** 2 / d**2 / 2
+                w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+                err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     inverse = torch.argsort(perm)
@@ -150,12 +173,25 @@ class GPTQStage:
         scheme = cfg.scheme()
 
         def process(job: BlockJob, arch: Architecture) -> None:
-            hessians = {n: torch.zeros(m.in_features, m.in_features, device=ctx.device) for n, m in job.linears.items()}
+            hessians: dict[str, torch.Tensor] = {}
             counts = dict.fromkeys(job.linears, 0)
+            # Linears fed the very same input tensor (q/k/v, gate/up) share one Hessian: the first
+            # one's, seen in the first forward, which the others alias.
+            alias: dict[str, str] = {}
+            last: list = [None, None]  # the input tensor and the name of the last linear that took it
 
             def hook(name: str):
                 def fn(_module, args, _output):
-                    counts[name] = accumulate_hessian(hessians[name], counts[name], args[0].detach())
+                    x = args[0]
+                    if name in alias:
+                        return
+                    if name not in hessians:
+                        if last[0] is x:
+                            alias[name] = last[1]
+                            return
+                        hessians[name] = torch.zeros(x.shape[-1], x.shape[-1], device=ctx.device)
+                    last[0], last[1] = x, name
+                    counts[name] = accumulate_hessian(hessians[name], counts[name], x.detach(), upper_only=True)
 
                 return fn
 
@@ -163,10 +199,21 @@ class GPTQStage:
             try:
                 job.inputs.run(job.block, keep=False)
             finally:
+                last.clear()
                 for handle in handles:
                     handle.remove()
+            for h in hessians.values():
+                mirror_upper(h)
+            owners = {name: alias.get(name, name) for name in job.linears}
+            left = {owner: list(owners.values()).count(owner) for owner in owners.values()}
             for name, module in job.linears.items():
-                record, info = gptq_quantize(module.weight, [hessians.pop(name)], scheme, cfg.dampening, cfg.block_size, cfg.act_order)
+                owner = owners[name]
+                left[owner] -= 1
+                if owner not in hessians:  # no calibration tokens reached it (an expert routing skipped)
+                    h = torch.zeros(module.in_features, module.in_features, device=ctx.device)
+                else:  # the last linear sharing a Hessian takes it, the others a copy
+                    h = hessians[owner].clone() if left[owner] else hessians.pop(owner)
+                record, info = gptq_quantize(module.weight, [h], scheme, cfg.dampening, cfg.block_size, cfg.act_order)
                 full = job.prefix + name
                 job.layer_info[full] = {
                     **install_record(model, full, module, record, ctx, self.label),

@@ -4,7 +4,9 @@ Prints the highs with the stack that reached them (frames from this repository o
 
     python scripts/peak_stacks.py run recipes/qwen-1.5b-gptq.yaml -o out --overwrite
 
-PEAK_TIMELINE=FILE also writes RSS and the innermost frames once a second.
+PEAK_TIMELINE=FILE also writes RSS and the innermost frames once a second. PEAK_TENSORS=1 also
+lists, at each new high 256 MiB above the last listed, the live torch tensors and numpy arrays of
+16 MiB or more (one line per storage): what Python holds, as against what the allocator keeps.
 
 Used to find what holds memory in the phases `compress bench memory` measures (issue 27).
 """
@@ -39,6 +41,31 @@ def frames(thread_id: int) -> list[str]:
     return out
 
 
+def big_arrays(min_bytes: int = 16 * 2**20) -> list[str]:
+    import gc
+
+    import numpy as np
+    import torch
+
+    seen, out = set(), []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                storage = obj.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                what = f"torch {tuple(obj.shape)} {obj.dtype}"
+            elif isinstance(obj, np.ndarray) and obj.base is None:
+                key, size, what = obj.ctypes.data, obj.nbytes, f"numpy {obj.shape} {obj.dtype}"
+            else:
+                continue
+        except Exception:  # tensors being freed, storages without data
+            continue
+        if size >= min_bytes and key not in seen:
+            seen.add(key)
+            out.append(f"{size / 2**20:8.0f} MiB  {what}")
+    return sorted(out, reverse=True)
+
+
 def main() -> int:
     highs: list[tuple[float, int, list[str]]] = []
     main_id = threading.get_ident()
@@ -47,8 +74,10 @@ def main() -> int:
 
     timeline: list[tuple[float, int, list[str]]] = []
 
+    want_tensors = bool(os.environ.get("PEAK_TENSORS"))
+
     def sample() -> None:
-        top, last = 0, 0.0
+        top, last, listed = 0, 0.0, 0
         while not done.is_set():
             now = rss()
             if time.monotonic() - last > 1.0:
@@ -56,7 +85,11 @@ def main() -> int:
                 timeline.append((last - start, now, frames(main_id)[-3:]))
             if now > top + STEP:
                 top = now
-                highs.append((time.monotonic() - start, now, frames(main_id)))
+                stack = frames(main_id)
+                if want_tensors and now > listed + 256 * 2**20:
+                    listed = now
+                    stack = [*stack, "live arrays:", *big_arrays()]
+                highs.append((time.monotonic() - start, now, stack))
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -78,7 +111,8 @@ def main() -> int:
                 f.write(f"{at:8.1f} {size / 2**20:7.0f}  {' < '.join(reversed(stack))}\n")
     for at, size, stack in highs:
         print(f"\n{at:8.1f} s  {size / 2**20:8.0f} MiB")
-        for line in stack[-8:]:
+        cut = stack.index("live arrays:") if "live arrays:" in stack else len(stack)
+        for line in [*stack[:cut][-8:], *stack[cut:]]:
             print(f"      {line}")
     return code
 

@@ -14,10 +14,11 @@ from compress.errors import CompressError
 from compress.eval.metrics import compare, torch_forward
 from compress.experts import expert_view
 from compress.progress import Reporter
+from compress.quantizers import gptq as gptq_module
 from compress.quantizers.arch import ARCHITECTURES, architecture_of, decoder_blocks
 from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales, search_clip, search_scales
 from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, quantize_codes
-from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize
+from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize, mirror_upper
 from compress.quantizers.moe import unfused
 from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
 from tests.helpers import recipe_text, run_cli, write_recipe
@@ -45,6 +46,52 @@ def test_hessian_accumulates_in_batches() -> None:
         n = accumulate_hessian(h, n, part)
     assert n == 300
     assert torch.allclose(h, 2 * x.t() @ x / 300, atol=1e-5)
+
+
+def test_upper_triangle_hessian_equals_the_full_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gptq_module, "HESSIAN_STRIP", 24)  # strips of 24 over 100 columns: a partial last one
+    x = torch.randn(3, 50, 100, dtype=torch.bfloat16)
+    full, upper, n, m = torch.zeros(100, 100), torch.zeros(100, 100), 0, 0
+    for part in x:
+        n = accumulate_hessian(full, n, part)
+        m = accumulate_hessian(upper, m, part, upper_only=True)
+    assert not torch.equal(upper, full)  # the lower triangle is left behind until mirrored
+    torch.testing.assert_close(mirror_upper(upper), full, rtol=1e-6, atol=1e-7)  # the same sums, blocked differently
+    assert torch.equal(upper, upper.t())
+
+
+def test_gptq_stage_shares_hessians_and_matches_each_linear_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v and gate/up take the same input tensor, so the stage accumulates one Hessian for each
+    group (upper triangle only): the first block's records equal GPTQ on each linear's own Hessian."""
+    monkeypatch.setattr(gptq_module, "HESSIAN_STRIP", 16)
+    base = tiny_model("llama", layers=2)
+    cal = tokens(16, 48)
+    block = decoder_blocks(base, architecture_of(base))[0]
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    hessians = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
+    counts = dict.fromkeys(linears, 0)
+
+    def hook(name: str):
+        def fn(_module, args, _output):
+            counts[name] = accumulate_hessian(hessians[name], counts[name], args[0])
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    with torch.no_grad():
+        for batch in cal.split(8):  # the stage's calibration batches (batch_size 8)
+            base(batch)
+    for handle in handles:
+        handle.remove()
+    config = GPTQConfig(bits=3, group_size=32)
+    model = copy.deepcopy(base)
+    ctx = ctx_for(cal)
+    GPTQStage(config, "s").apply(model, ctx)
+    prefix = next(n for n, m in model.named_modules() if m is decoder_blocks(model, architecture_of(model))[0]) + "."
+    for name, module in linears.items():
+        expected, _ = gptq_quantize(module.weight, hessians[name], config.scheme(), config.dampening, config.block_size, config.act_order)
+        got = ctx.quantized[prefix + name]
+        assert torch.equal(got.codes, expected.codes) and torch.equal(got.scale, expected.scale), name
 
 
 def test_gptq_with_uncorrelated_inputs_equals_rtn() -> None:

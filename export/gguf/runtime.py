@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from compress.errors import FormatError
-from compress.eval.metrics import RowLogits
+from compress.eval.metrics import Logits
 from compress.export.specs import GGUF_LLAMA_CPP_TYPES
 
 INSTALL_HINT = "pip install 'compress[gguf]' (llama-cpp-python builds from source: about 17 minutes on 2 cores the first time)"
@@ -146,32 +146,43 @@ class LlamaCppVocab:
         self.llm.close()
 
 
+PIECE_TOKENS = 128
+"""Tokens llama.cpp decodes in one call when scoring (its batch and micro-batch). Its logits
+buffers grow with the outputs of one call (tokens x vocab x 4 bytes, both its output buffer and
+the graph's result): 128 tokens at a 152k vocabulary are 78 MB each, where a whole 512-token row
+was 311 MB each, beside llama-cpp-python's own copy of every row's logits (no longer made).
+Measured on Qwen2.5-Coder-1.5B cut to 4 blocks, 512-token rows (scripts/llama_pieces.py): peak RSS
+864 MiB at 128 tokens a call, 1,230 MiB at 512, the same logits, 1.74 vs 1.71 s a row."""
+
+
 class LlamaCppModel:
     """A GGUF file loaded in llama.cpp, with a ``Forward`` for the metrics and a tokenizer."""
 
-    def __init__(self, path: Path, n_ctx: int, threads: int, cache_type: str | None = None) -> None:
+    def __init__(self, path: Path, n_ctx: int, threads: int, cache_type: str | None = None, piece_tokens: int = PIECE_TOKENS) -> None:
         """``cache_type`` (``f16``, ``q8_0``, ``q4_0``, ...): store the KV cache in that llama.cpp type
         (keys and values), with flash attention, which llama.cpp needs for a quantized V cache.
-        None: llama.cpp's defaults (f16 cache, flash attention off)."""
+        None: llama.cpp's defaults (f16 cache, flash attention off). ``piece_tokens``: tokens per
+        llama.cpp call (its batch and micro-batch; the latency runner decodes a prompt in one)."""
         lib = llama_cpp()
         self.path = path
+        self.piece = piece_tokens
         cache: dict[str, Any] = {}
         if cache_type is not None:
             ggml_type = getattr(lib, f"GGML_TYPE_{cache_type.upper()}", None)
             if ggml_type is None:
                 raise FormatError(f"llama.cpp has no cache type '{cache_type}'")
             cache = {"type_k": int(ggml_type), "type_v": int(ggml_type), "flash_attn": True}
-        # llama.cpp makes a context of at least 256 tokens, and llama-cpp-python sizes its logits
-        # buffer by the n_ctx asked for; asking for 256 or more keeps the two in agreement.
-        n_ctx = max(n_ctx, 256)
+        n_ctx = max(n_ctx, 256)  # llama.cpp makes a context of at least 256 tokens
         with _quiet_stderr(), _model_params(extra_buffer_types()):
             try:
+                # logits_all=False: llama-cpp-python would otherwise copy every position's logits
+                # into an n_ctx x vocab array of its own; the scores are read from llama.cpp's buffer.
                 self.llm = lib.Llama(
                     model_path=str(path),
                     n_ctx=n_ctx,
-                    n_batch=n_ctx,
-                    n_ubatch=n_ctx,
-                    logits_all=True,
+                    n_batch=piece_tokens,
+                    n_ubatch=piece_tokens,
+                    logits_all=False,
                     n_threads=threads,
                     n_threads_batch=threads,
                     verbose=False,
@@ -180,22 +191,38 @@ class LlamaCppModel:
             except (ValueError, RuntimeError) as exc:
                 raise FormatError(f"llama.cpp could not load {path}: {exc}") from exc
         self.n_ctx = n_ctx
+        self.n_vocab = int(self.llm.n_vocab())
         self.last_decode_seconds = 0.0
 
-    def scores(self, ids: list[int]) -> np.ndarray:
-        """Logits [len(ids), vocab] for one sequence, from an empty cache: a view of llama-cpp-python's
-        own scores buffer, valid until the next evaluation (a row is n_vocab x 4 bytes a token)."""
-        if len(ids) > self.n_ctx:
-            raise FormatError(f"a sequence of {len(ids)} tokens exceeds the llama.cpp context of {self.n_ctx}")
-        self.llm.reset()
+    def decode(self, ids: list[int], n_past: int, every_position: bool) -> np.ndarray:
+        """Decode ``ids`` (at most ``piece_tokens``) after the ``n_past`` tokens in the cache; returns
+        the logits of every position [len(ids), vocab], or of the last one [1, vocab]: a view of
+        llama.cpp's own output buffer, valid until the next call. (It drives llama-cpp-python's batch
+        and context objects as its own ``Llama.eval`` does, less the copy into ``Llama.scores``.)"""
+        if n_past + len(ids) > self.n_ctx:
+            raise FormatError(f"a sequence of {n_past + len(ids)} tokens exceeds the llama.cpp context of {self.n_ctx}")
+        llm = self.llm
+        if n_past == 0:
+            llm.reset()
+        llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+        llm._batch.set_batch(batch=ids, n_past=n_past, logits_all=every_position)
         with _quiet_stderr():
-            self.llm.eval(ids)
-        return self.llm.scores[: len(ids)]
+            llm._ctx.decode(llm._batch)
+        llm.input_ids[n_past : n_past + len(ids)] = ids
+        llm.n_tokens = n_past + len(ids)
+        rows = len(ids) if every_position else 1
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(rows, self.n_vocab))
 
-    def forward(self, ids: torch.Tensor) -> RowLogits:
-        """``Forward``: token ids [batch, seq] -> logits made a row at a time, read from llama.cpp's
-        buffer without copying (a 152k vocabulary makes a 512-token row 311 MB)."""
-        return RowLogits(lambda row: torch.from_numpy(self.scores(ids[row].tolist())))
+    def next_logits(self, ids: list[int], n_past: int = 0) -> np.ndarray:
+        """Logits [vocab] after ``ids`` (decoded a piece at a time after ``n_past`` cached tokens)."""
+        for start in range(0, len(ids), self.piece):
+            last = self.decode(ids[start : start + self.piece], n_past + start, every_position=False)
+        return last[0]
+
+    def forward(self, ids: torch.Tensor) -> DecodedLogits:
+        """``Forward``: token ids [batch, seq] -> logits decoded a row and ``piece_tokens`` positions at
+        a time as the metrics ask for them, read from llama.cpp's buffer without copying."""
+        return DecodedLogits(self, ids)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))  # HF parses added tokens in text too
@@ -206,18 +233,16 @@ class LlamaCppModel:
         max_tokens = min(max_tokens, self.n_ctx - len(ids))
         if max_tokens < 1:
             raise FormatError(f"a prompt of {len(ids)} tokens leaves no room in the llama.cpp context of {self.n_ctx}")
-        self.llm.reset()
-        with _quiet_stderr():
-            self.llm.eval(ids)
-            out: list[int] = []
-            started = time.perf_counter()
-            for _ in range(max_tokens):
-                nxt = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
-                if stop_at_eos and nxt == self.llm.token_eos():
-                    break
-                out.append(nxt)
-                self.llm.eval([nxt])
-            self.last_decode_seconds = time.perf_counter() - started
+        logits = self.next_logits(ids)
+        out: list[int] = []
+        started = time.perf_counter()
+        for _ in range(max_tokens):
+            nxt = int(np.argmax(logits))
+            if stop_at_eos and nxt == self.llm.token_eos():
+                break
+            out.append(nxt)
+            logits = self.next_logits([nxt], n_past=len(ids) + len(out) - 1)
+        self.last_decode_seconds = time.perf_counter() - started
         return out
 
     def generate(self, prompt: str, max_tokens: int = 48) -> str:
@@ -227,3 +252,39 @@ class LlamaCppModel:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class DecodedLogits(Logits):
+    """A batch's logits from llama.cpp, decoded as the metrics ask for them: row by row, and within
+    a row ``piece_tokens`` positions at a time (the cache keeps the earlier ones). Positions are
+    asked in increasing order within a row; asking for an earlier one decodes the row again."""
+
+    def __init__(self, model: LlamaCppModel, ids: torch.Tensor) -> None:
+        self.model, self.ids = model, ids
+        self.row: int | None = None
+        self.first = self.done = 0  # the current piece's logits hold positions first .. done - 1
+        self.piece: np.ndarray | None = None
+
+    def _next_piece(self, row: int) -> None:
+        tokens = self.ids[row, self.done : self.done + self.model.piece].tolist()
+        if not tokens:
+            raise IndexError(f"position {self.done} is past the row's {self.ids.shape[1]} tokens")
+        self.piece = self.model.decode(tokens, self.done, every_position=True)
+        self.first, self.done = self.done, self.done + len(tokens)
+
+    def logits(self, row: int, positions: slice) -> torch.Tensor:
+        start, stop = positions.start or 0, positions.stop
+        if start >= stop:
+            return torch.empty(0, self.model.n_vocab)
+        if row != self.row or start < self.first:
+            self.row, self.first, self.done, self.piece = row, 0, 0, None
+        parts = []
+        while start < stop:
+            if start >= self.done:
+                self._next_piece(row)
+            assert self.piece is not None
+            end = min(stop, self.done)
+            part = self.piece[start - self.first : end - self.first]
+            parts.append(part if end == stop else part.copy())  # the next piece overwrites the buffer
+            start = end
+        return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
