@@ -20,13 +20,21 @@ PARITY_TEXTS = (
 )
 
 
+SAME_WEIGHTS_CHUNKS = 2
+"""Evaluation rows an export's same-weights check scores (its runtime against the in-memory model
+with the same weights); the evaluation keeps the compressed model's hidden states of these rows."""
+
+
 @dataclass
 class VerifyInputs:
     """What the verifier scores against: the baseline (its forward: the run's cached hidden states of
-    the source, eval/baseline.py) and the in-memory compressed model."""
+    the source, eval/baseline.py) and the in-memory compressed model (and its forward)."""
 
     baseline: Callable[[torch.Tensor], Any]
     compressed: nn.Module
+    compressed_forward: Callable[[torch.Tensor], Any]
+    """The compressed model's forward for the same-weights checks: the rows the evaluation already
+    ran come back from memory (eval/baseline.py ``RememberedRows``)."""
     chunks: torch.Tensor | None  # evaluation chunks [n, seq_len]; None: no evaluation data in the recipe
     min_context: int
     threads: int

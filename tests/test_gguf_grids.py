@@ -273,3 +273,18 @@ def test_pipeline_gptq_on_the_q4_k_grid_exports_an_exact_gguf_with_its_fallbacks
     assert layers["model.layers.0.self_attn.q_proj"]["scheme"]["gguf_type"] == "q4_k"
     assert layers["model.layers.0.mlp.down_proj"]["scheme"]["gguf_type"] == "q5_0"
     assert layers["model.layers.0.self_attn.q_proj"]["stored_as"] == "records"
+
+
+@pytest.mark.parametrize("type_name", ["f32", "f16", "bf16", "q8_0"])
+def test_float_tensors_convert_a_piece_of_rows_at_a_time_to_the_same_bytes(monkeypatch: pytest.MonkeyPatch, type_name: str) -> None:
+    from compress.export.gguf import file as gguf_file
+
+    w = torch.randn(100, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    monkeypatch.setattr(gguf_file, "FLOAT_ROWS", 1000)
+    whole = gguf_file.float_bytes(w, type_name)
+    monkeypatch.setattr(gguf_file, "FLOAT_ROWS", 16)  # 7 pieces, the last one short
+    pieces = gguf_file.float_bytes(w, type_name)
+    assert pieces.shape == whole.shape and pieces.dtype == whole.dtype
+    assert np.array_equal(pieces.view(np.uint8), whole.view(np.uint8))
+    if type_name == "q8_0":
+        assert np.array_equal(whole, quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q8_0))

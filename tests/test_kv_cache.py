@@ -348,7 +348,7 @@ def test_llama_cpp_measures_the_cache_types_the_gguf_names(tmp_path: Path, text_
         model = AutoModelForCausalLM.from_pretrained(d).eval()
         G.write_gguf(d / "m.gguf", model, tok, {}, "f16")
         chunks = torch.randint(0, len(tok), (2, 96), generator=torch.Generator().manual_seed(0))
-        inputs = VerifyInputs(torch_forward(model, torch.device("cpu")), model, chunks, 8, 2)
+        inputs = VerifyInputs(torch_forward(model, torch.device("cpu")), model, torch_forward(model, torch.device("cpu")), chunks, 8, 2)
         for cache_type in ("q8_0", "q4_0"):
             found[hidden, cache_type] = verify_kv_cache(d / "m.gguf", cache_type, inputs, Reporter(quiet=True), "t")
     q8, q4 = found[128, "q8_0"], found[128, "q4_0"]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from compress import streaming
 from compress.eval import metrics
-from compress.eval.baseline import CachedBaseline
+from compress.eval.baseline import CachedBaseline, RememberedRows
 from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
 from compress.progress import Reporter
@@ -97,6 +97,17 @@ def test_the_cached_baseline_equals_a_live_pass_and_computes_each_row_once(tmp_p
     assert scores["same"]["kl_divergence"] == pytest.approx(0.0, abs=1e-9) and scores["same"]["top1_agreement"] == 1.0
 
 
+def test_remembered_rows_serve_the_same_weights_check_without_another_pass(tiny_model_dir: Path) -> None:
+    model = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    remembered = RememberedRows(model, CPU, limit=2)
+    x = ids(3)
+    live = torch_forward(model, CPU)(x).full()
+    assert torch.equal(remembered(x).full(), live) and (remembered.computed, remembered.reused) == (3, 0)
+    assert len(remembered.rows) == 2  # the first two rows only
+    assert torch.equal(remembered(x[:2]).full(), live[:2]) and (remembered.computed, remembered.reused) == (3, 2)
+    assert torch.equal(remembered(x[1:]).full(), live[1:]) and (remembered.computed, remembered.reused) == (5, 2)  # row 2 was not kept
+
+
 def test_chunked_scoring_gives_the_numbers_of_whole_rows(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
     model = streaming.materialize(load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model)
     other = copy.deepcopy(model)
@@ -114,6 +125,22 @@ def test_chunked_scoring_gives_the_numbers_of_whole_rows(monkeypatch: pytest.Mon
     # matmul over a whole row rounds a little differently from one over 5 positions)
     as_logits = compare(lambda b: torch_forward(model, CPU)(b).full(), {"o": torch_forward(other, CPU)}, x, 4, batch_size=2)["o"]
     assert as_logits["kl_divergence"] == pytest.approx(whole["kl_divergence"], rel=1e-3)
+
+
+def test_the_head_sees_each_chunk_as_a_plain_matrix() -> None:
+    """A row's chunk goes to the head as a 2-D [positions, hidden] tensor, not a 3-D view of a row of
+    the batch: on that view torch's CPU linear copied the whole head weight on every call."""
+    hidden = torch.randn(3, 20, 8)
+    weight = torch.randn(11, 8)
+    seen = []
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.dim())
+        return x @ weight.t()
+
+    states = metrics.HiddenStates(hidden, head)
+    assert torch.equal(states.logits(1, slice(4, 9)), hidden[1, 4:9] @ weight.t())
+    assert seen == [2]
 
 
 def test_records_wait_on_disk_and_come_back_exactly(tmp_path: Path) -> None:

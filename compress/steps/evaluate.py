@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-from compress import streaming
 from compress.data import Chunks
 from compress.eval.coverage import expert_coverage
 from compress.eval.kv_eval import evaluate_kv
-from compress.eval.metrics import Evaluation, Forward, Scores, compare, torch_forward
+from compress.eval.metrics import Evaluation, Forward, Scores, compare
 from compress.progress import Reporter
 from compress.recipe import KV_CACHE_ARTIFACT, Recipe
 from compress.steps.load import Run, Source
@@ -31,7 +30,7 @@ def in_memory(run: Run, source: Source, staged: Staged) -> InMemory:
     found = InMemory()
     if source.eval_chunks is not None:
         with run.timed("evaluate_s"):
-            compressed = staged.model if staged.changed else None
+            compressed = staged.forward(run.device) if staged.changed else None
             found.evaluations += compare_models(
                 source.baseline_forward, compressed, source.eval_chunks, run.recipe, run.device, run.reporter
             )
@@ -45,19 +44,17 @@ def in_memory(run: Run, source: Source, staged: Staged) -> InMemory:
 
 def compare_models(
     baseline: Forward,
-    compressed: torch.nn.Module | None,
+    compressed: Forward | None,
     chunks: Chunks,
     recipe: Recipe,
     device: torch.device,
     reporter: Reporter,
 ) -> list[Evaluation]:
-    """The baseline (its forward: cached hidden states) and the compressed model on the evaluation
-    chunks, with torch on ``device``."""
+    """The baseline (its forward: cached hidden states) and the compressed model (its forward) on
+    the evaluation chunks, with torch on ``device``."""
     spec = recipe.data.evaluation
     assert spec is not None
-    if compressed is not None:
-        streaming.to_device(compressed, device)
-    candidates = {"compressed": torch_forward(compressed, device)} if compressed is not None else {}
+    candidates = {"compressed": compressed} if compressed is not None else {}
     metrics = compare(baseline, candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
     if "compressed" not in metrics:  # no stages: the compressed model is the baseline
         metrics["compressed"] = Scores(metrics["baseline"], metrics["baseline"].intervals)

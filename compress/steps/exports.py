@@ -40,6 +40,7 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
         inputs = VerifyInputs(
             source.baseline_forward,
             staged.model,
+            staged.forward("cpu"),
             None if source.eval_chunks is None else source.eval_chunks.tokens,
             evaluation.min_context if evaluation else 1,
             run.threads,

@@ -6,13 +6,15 @@ import copy
 import hashlib
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from compress import streaming
 from compress.context import RunContext, Stage, StageRecord
 from compress.distill.train import end_processes
+from compress.eval.baseline import RememberedRows
+from compress.export.parity import SAME_WEIGHTS_CHUNKS
 from compress.plugins import quant_method, stage_kind, stage_streams
 from compress.quantizers.core import RecordStore
 from compress.recipe import Recipe
@@ -27,10 +29,19 @@ class Staged:
     model: torch.nn.Module
     records: list[StageRecord]
     ctx: RunContext
+    _forward: RememberedRows | None = field(default=None, repr=False)
 
     @property
     def changed(self) -> bool:
         return bool(self.records)
+
+    def forward(self, device: torch.device | str) -> RememberedRows:
+        """The compressed model's forward on ``device``, one for the whole run: the hidden states of
+        the first evaluation rows stay in memory for the exports' same-weights checks."""
+        if self._forward is None:
+            self._forward = RememberedRows(self.model, torch.device(device), SAME_WEIGHTS_CHUNKS)
+        self._forward.device = torch.device(device)
+        return self._forward
 
 
 def build_stages(recipe: Recipe) -> list[Stage]:

@@ -11,21 +11,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.eval.metrics import Evaluation, compare, torch_forward
+from compress.eval.metrics import Evaluation, compare
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.parity import VerifyInputs, compare_tokenizers, parity_corpus, tokenization_mismatches
+from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.export.specs import GGUFExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.gguf_types import GGUF_GRIDS
 
-SAME_WEIGHTS_CHUNKS = 2
 GENERATION_PROMPT = "The quick brown fox"
 
 
@@ -238,7 +236,7 @@ def verify(
         if same_weights:
             sub = chunks[:SAME_WEIGHTS_CHUNKS]
             with reporter.status(f"{label} same-weights check in llama.cpp ({sub.shape[0]} chunks)"):
-                got = compare(torch_forward(inputs.compressed, torch.device("cpu")), {"gguf": runtime.forward}, sub, inputs.min_context)
+                got = compare(inputs.compressed_forward, {"gguf": runtime.forward}, sub, inputs.min_context)
             kl = float(got["gguf"]["kl_divergence"])
             details["same_weights_kl"] = kl
             details["same_weights_top1"] = float(got["gguf"]["top1_agreement"])

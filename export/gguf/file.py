@@ -312,9 +312,28 @@ def record_problem(record: QuantizedWeight, type_name: str) -> str | None:
 def float_bytes(weight: torch.Tensor, type_name: str) -> np.ndarray:
     """A float tensor in ``type_name`` (f32 | f16 | bf16 | q8_0 by llama.cpp's reference rounding);
     its ggml type is ``TensorPlan.info``'s."""
+    w = weight.detach()
+    if w.dim() < 2 or w.shape[0] <= FLOAT_ROWS:
+        return _float_piece(w, type_name)
+    out: np.ndarray | None = None
+    for start in range(0, w.shape[0], FLOAT_ROWS):  # a piece of rows at a time: no float32 copy of the whole
+        piece = _float_piece(w[start : start + FLOAT_ROWS], type_name)
+        if out is None:
+            out = np.empty((w.shape[0], *piece.shape[1:]), dtype=piece.dtype)
+        out[start : start + piece.shape[0]] = piece
+    assert out is not None
+    return out
+
+
+FLOAT_ROWS = 8192
+"""Rows of a float tensor converted at once (the 151,936 x 1,536 token embedding of Qwen2.5-1.5B was
+an 890 MB float32 copy, and more inside gguf-py's quantizer; 8,192 rows are 48 MB)."""
+
+
+def _float_piece(weight: torch.Tensor, type_name: str) -> np.ndarray:
     from gguf import quants
 
-    w = weight.detach().to(torch.float32).cpu().numpy()
+    w = weight.to(torch.float32).cpu().numpy()
     if type_name == "f32":
         return w
     if type_name == "f16":

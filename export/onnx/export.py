@@ -16,15 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.eval.metrics import Evaluation, compare, torch_forward
+from compress.eval.metrics import Evaluation, compare
 from compress.export.checkpoint import autogptq
 from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
-from compress.export.parity import PARITY_TEXTS, VerifyInputs, tokenization_mismatches
+from compress.export.parity import PARITY_TEXTS, SAME_WEIGHTS_CHUNKS, VerifyInputs, tokenization_mismatches
 from compress.export.specs import ONNXExport
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
@@ -33,7 +32,6 @@ from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry
 
 BUILDER_LOG = "builder.log"
 LEVEL0_FILE = "model.level0.onnx"  # transient copy for the exactness check, removed after it
-SAME_WEIGHTS_CHUNKS = 2
 EXACT_MAX_KL = 1e-3  # level 0 computes in float: what is left is summation order
 GENERATION_PROMPT = "The quick brown fox"
 GENERATED_TOKENS = 32
@@ -334,7 +332,7 @@ def verify(
             f"from the Hugging Face tokenizer (first: {mismatches[0]})"
         )
     details["tokenizer_parity_texts"] = len(texts)
-    reference = torch_forward(inputs.compressed, torch.device("cpu"))
+    reference = inputs.compressed_forward
     sub = chunks[:SAME_WEIGHTS_CHUNKS]
     session = rt.OrtDecoder(directory / ob.ONNX_FILE, inputs.threads, spec.device)
     candidates = {"shipped": session.forward}
