@@ -59,9 +59,12 @@ def mirror_upper(hessian: torch.Tensor) -> torch.Tensor:
 
 def _inverse_cholesky(box: list[torch.Tensor], dampening: float) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of H⁻¹ after dampening; raises dampening tenfold until H is positive
-    definite. Takes H out of ``box`` and dampens it in place, so that at most two [in, in] matrices
-    live at once (8960 wide: 321 MB each in float32)."""
+    definite. Takes H out of ``box`` and dampens it in place: on the CPU the factor is made in H's own
+    memory (one [in, in] matrix: 321 MB for an 8,960-wide down_proj), elsewhere at most two live
+    at once."""
     h = box.pop()
+    if h.device.type == "cpu":
+        return _inverse_cholesky_in_place(h, dampening)
     mean_diag = float(torch.diag(h).mean())
     damp, added = dampening, 0.0
     for _ in range(5):
@@ -74,6 +77,38 @@ def _inverse_cholesky(box: list[torch.Tensor], dampening: float) -> tuple[torch.
             del chol
             return torch.linalg.cholesky(inverse, upper=True), damp
         del chol
+        damp *= 10
+    raise torch.linalg.LinAlgError(f"Hessian is not positive definite even with dampening {damp / 10:g}")
+
+
+def _inverse_cholesky_in_place(h: torch.Tensor, dampening: float) -> tuple[torch.Tensor, float]:
+    """``_inverse_cholesky`` on the CPU in H's own memory, with LAPACK's potrf and potri (scipy),
+    which work in place where torch's linalg allocates a second [in, in] matrix: factor, invert,
+    factor again. H is symmetric, so its row-major memory is its column-major self; LAPACK's lower
+    triangle is H's upper one here, the strictly lower part stays H until the end (restored from
+    it, with the saved diagonal, when H is not positive definite and the dampening rises)."""
+    from scipy.linalg import lapack
+
+    n = h.shape[0]
+    a = h.numpy().T  # Fortran order, the same memory
+    potrf, potri = lapack.get_lapack_funcs(("potrf", "potri"), (a,))
+    diag = h.diagonal().clone()
+    mean_diag = float(diag.mean())
+    damp = dampening
+    for _ in range(5):
+        h.diagonal().copy_(diag + damp * mean_diag)  # H + damp * mean(diag H) * I
+        c, info = potrf(a, lower=1, overwrite_a=1, clean=0)
+        if info == 0:
+            c, info = potri(c, lower=1, overwrite_c=1)
+            if info == 0:
+                c, info = potrf(c, lower=1, overwrite_a=1, clean=1)
+            if info != 0 or c.ctypes.data != a.ctypes.data:
+                raise torch.linalg.LinAlgError(f"the inverse Hessian could not be factored in place (LAPACK info {info})")
+            return h, damp  # row-major, the memory holds U with H^-1 = U^T U (upper; the rest zeroed)
+        for i in range(0, n, HESSIAN_STRIP):  # restore the upper triangle from the untouched lower one
+            block = h[i : i + HESSIAN_STRIP, i : i + HESSIAN_STRIP]
+            block.copy_(torch.tril(block, -1) + torch.tril(block, -1).t())
+            h[i : i + HESSIAN_STRIP, i + HESSIAN_STRIP :] = h[i + HESSIAN_STRIP :, i : i + HESSIAN_STRIP].t()
         damp *= 10
     raise torch.linalg.LinAlgError(f"Hessian is not positive definite even with dampening {damp / 10:g}")
 

@@ -33,6 +33,30 @@ def _weights(layers: dict[str, Any]) -> int:
     return sum(r.out_f * r.in_f for r in layers.values())
 
 
+_SHARED_INPUT = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)$")
+
+
+def hessian_inputs(layers: dict[str, Any]) -> dict[str, int]:
+    """The distinct inputs GPTQ keeps a Hessian for, with their widths: Linears fed the same tensor
+    (q/k/v, an MLP's or expert's gate/up) share one (quantizers/gptq.py)."""
+    found: dict[str, int] = {}
+    for name, r in layers.items():
+        m = _SHARED_INPUT.search(name)
+        key = name[: m.start()] + ("qkv" if m.group(1) in ("q_proj", "k_proj", "v_proj") else "gate_up") if m else name
+        found[key] = r.in_f
+    return found
+
+
+def hessian_products(width: int) -> float:
+    """Multiply-adds per token to accumulate a Hessian of ``width`` inputs: its upper triangle by
+    strips of rows past HESSIAN_STRIP columns, the whole matrix below."""
+    from compress.quantizers.gptq import HESSIAN_STRIP
+
+    if width <= HESSIAN_STRIP:
+        return float(width * width)
+    return sum(min(HESSIAN_STRIP, width - i) * (width - i) for i in range(0, width, HESSIAN_STRIP))
+
+
 def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, how: str) -> Estimate:
     """Memory of a layer-wise calibrated method: block inputs and outputs of every calibration token
     at the compute dtype, and one block's Hessians in float32 (all accumulated in one pass), plus the
@@ -45,7 +69,7 @@ def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, 
     batch = step.config.batch_size
     hidden_states = 2 * cal_tokens * t.hidden_size * step.dtype_bytes
     first = [r for n, r in layers.items() if re.search(r"\.0\.", n)]  # the first block's Linears
-    hessians = sum(r.in_f**2 for r in first) * 4
+    hessians = sum(w**2 for n, w in hessian_inputs(layers).items() if re.search(r"\.0\.", n)) * 4
     widest = max((r.in_f for r in first), default=0)
     forward = block_bytes(step.shape, batch, step.cal_seq_len, step.dtype_bytes) + batch * step.cal_seq_len * widest * 4
     mem = step.held_bytes + hidden_states + hessians + max(forward, widest**2 * 4)
@@ -101,9 +125,13 @@ def _gptq_stage() -> type:
 
 
 def _gptq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
-    weights, block_linear = _weights(layers), sum(r.in_f**2 for r in layers.values())
-    seconds = forward_s(weights, step.cal_tokens) + 2 * block_linear * step.cal_tokens / CPU_FORWARD_FLOPS
-    how = f"forward + Hessian accumulation (2 x in_features^2 per Linear per token) over {step.cal_tokens:,} calibration tokens"
+    weights = _weights(layers)
+    products = sum(hessian_products(w) for w in hessian_inputs(layers).values())
+    seconds = forward_s(weights, step.cal_tokens) + 2 * products * step.cal_tokens / CPU_FORWARD_FLOPS
+    how = (
+        f"forward + Hessian accumulation (2 x in_features^2 per distinct input per token, the upper triangle "
+        f"of wide ones) over {step.cal_tokens:,} calibration tokens"
+    )
     return calibrated_estimate(step, layers, seconds, how)
 
 

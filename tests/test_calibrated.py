@@ -302,3 +302,43 @@ def test_awq_scale_search_covers_the_families_it_is_asked_for() -> None:
         assert (info["loss"] < 1e-5) == found, (duo, info)
         if found:
             assert info["duo"] is False and info["alpha"] == 0.5 and torch.allclose(s, target)
+
+
+def test_the_plan_counts_one_hessian_per_distinct_input() -> None:
+    from compress.quantizers.specs import hessian_inputs, hessian_products
+
+    model = tiny_model("llama", layers=2)
+    layers = {
+        n: type("R", (), {"in_f": m.in_features})() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n
+    }
+    inputs = hessian_inputs(layers)
+    assert len(layers) == 14 and len(inputs) == 8  # per block: q/k/v, o, gate/up, down
+    assert hessian_products(8960) == pytest.approx(0.556 * 8960**2, rel=1e-3) and hessian_products(512) == 512**2
+
+
+@pytest.mark.parametrize("positive_definite", [True, False])
+def test_the_inverse_factor_made_in_place_equals_torchs(positive_definite: bool) -> None:
+    """On the CPU, GPTQ factors H, inverts and factors again in H's own memory (LAPACK through scipy);
+    torch's linalg (the CUDA path) gives the same factor and the same dampening, also when H needs
+    its dampening raised before it is positive definite."""
+    g = torch.Generator().manual_seed(0)
+    n = 2100  # wider than HESSIAN_STRIP: the restore after a failed factorization goes strip by strip
+    x = torch.randn(4 * n, n, generator=g) * torch.linspace(0.1, 3, n)  # well conditioned: more samples than inputs
+    h = x.t() @ x / x.shape[0]
+    if not positive_definite:
+        h[5, :], h[:, 5] = 0.0, 0.0
+        h[5, 5] = -1.0  # positive definite only once the dampening reaches 1.0 x mean(diag H)
+    expected_h, mean, damp, added = h.clone(), float(h.diagonal().mean()), 0.01, 0.0
+    while True:
+        expected_h.diagonal().add_((damp - added) * mean)
+        added = damp
+        chol, info = torch.linalg.cholesky_ex(expected_h)
+        if int(info) == 0:
+            break
+        damp *= 10
+    expected = torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
+    memory = h.clone()
+    got, used = gptq_module._inverse_cholesky([memory], 0.01)
+    assert got.data_ptr() == memory.data_ptr()  # no second matrix
+    assert used == pytest.approx(damp) and (used > 0.01) != positive_definite
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -814,28 +814,46 @@ def check_gguf_records(path: Path, plan: GGUFPlan, records: dict[str, QuantizedW
     reader = gguf.GGUFReader(path)
     by_name = {t.name: t for t in reader.tensors}
     problems = []
-    for t in plan.tensors:
-        if t.source != "record":
-            continue
-        stored = by_name.get(t.gguf_name)
-        if stored is None:
-            problems.append(f"{t.gguf_name} missing")
-            continue
-        record = permuted_record(records[t.hf_name.rsplit(".", 1)[0]].cpu(), t.permute_heads)
-        got = quants.dequantize(np.asarray(stored.data), stored.tensor_type).reshape(record.shape)
-        if not record.plain:  # on the type's own grid: the record's values exactly
-            want = record.dequantize().numpy()
-            if not np.array_equal(got, want):
-                problems.append(f"{t.gguf_name}: {int((got != want).sum())} values differ from the record")
-            continue
-        codes, scale, zero = block_params(record)
-        d = scale.astype(np.float16).astype(np.float32)[..., None]
-        q = codes.reshape(codes.shape[0], -1, BLOCK).astype(np.float32)
-        if t.type_name in ("q4_1", "q5_1"):
-            want = q * d + (-zero[..., None] * d).astype(np.float16).astype(np.float32)
-        else:
-            want = (q - zero[..., None]) * d
-        want = want.reshape(record.shape)
+    with open(path, "rb") as f:
+        for t in plan.tensors:
+            if t.source != "record":
+                continue
+            stored = by_name.get(t.gguf_name)
+            if stored is None:
+                problems.append(f"{t.gguf_name} missing")
+                continue
+            record = permuted_record(records[t.hf_name.rsplit(".", 1)[0]].cpu(), t.permute_heads)
+            got = quants.dequantize(_read_data(f, stored), stored.tensor_type).reshape(record.shape)
+            problems += _differences(t, record, got)
+    return problems
+
+
+def _read_data(f: Any, stored: Any) -> np.ndarray:
+    """A tensor's bytes read from the open file into fresh memory, shaped as the reader's memory-mapped
+    view (reading every tensor through the map kept the whole file resident until the check ended)."""
+    raw = np.empty(stored.data.shape, dtype=stored.data.dtype)
+    f.seek(int(stored.data_offset))
+    if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+        raise FormatError(f"{stored.name}: the file ends inside its data")
+    return raw
+
+
+def _differences(t: TensorPlan, record: QuantizedWeight, got: np.ndarray) -> list[str]:
+    """How the values llama.cpp's own dequantization reads back (``got``) differ from the record's."""
+    problems: list[str] = []
+    if not record.plain:  # on the type's own grid: the record's values exactly
+        want = record.dequantize().numpy()
         if not np.array_equal(got, want):
             problems.append(f"{t.gguf_name}: {int((got != want).sum())} values differ from the record")
+        return problems
+    codes, scale, zero = block_params(record)
+    d = scale.astype(np.float16).astype(np.float32)[..., None]
+    q = codes.reshape(codes.shape[0], -1, BLOCK).astype(np.float32)
+    if t.type_name in ("q4_1", "q5_1"):
+        want = q * d + (-zero[..., None] * d).astype(np.float16).astype(np.float32)
+    else:
+        want = (q - zero[..., None]) * d
+    want = want.reshape(record.shape)
+    if not np.array_equal(got, want):
+        problems.append(f"{t.gguf_name}: {int((got != want).sum())} values differ from the record")
     return problems

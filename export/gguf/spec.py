@@ -66,10 +66,13 @@ class GGUFFormat(ExportFormat):
         return source_config(path, digest, source)
 
     def planned_memory_bytes(self, spec: Any, size_bytes: float, shape: Any, seq_len: int) -> tuple[float, str]:
-        # Written a tensor at a time; llama.cpp maps the file and keeps n_ctx x vocab float32 logits
-        # twice (its output buffer and llama-cpp-python's scores, which the verifier reads in place).
-        logits = 2 * max(seq_len, 256) * shape.text.vocab_size * 4
-        basis = "the file as llama.cpp maps it and its logits twice (n_ctx x vocab float32)"
+        # Written a tensor at a time; llama.cpp maps the file and, scoring a piece of a row per call,
+        # keeps that piece's logits twice (its output buffer and its graph's result).
+        from compress.export.gguf.runtime import PIECE_TOKENS
+
+        piece = min(max(seq_len, 1), PIECE_TOKENS)
+        logits = 2 * piece * shape.text.vocab_size * 4
+        basis = f"the file as llama.cpp maps it and the logits of {piece} tokens twice (float32)"
         if spec.quantizer == "llama.cpp":  # our F16 file is what llama.cpp's quantizer reads
             return size_bytes + logits + 2 * shape.params, basis + ", and the F16 file its quantizer reads"
         return size_bytes + logits, basis
