@@ -244,11 +244,12 @@ class GPTQStage:
             for name, module in job.linears.items():
                 owner = owners[name]
                 left[owner] -= 1
+                # Handed over in a list that gptq_quantize empties: no name here keeps it alive.
                 if owner not in hessians:  # no calibration tokens reached it (an expert routing skipped)
-                    h = torch.zeros(module.in_features, module.in_features, device=ctx.device)
+                    box = [torch.zeros(module.in_features, module.in_features, device=ctx.device)]
                 else:  # the last linear sharing a Hessian takes it, the others a copy
-                    h = hessians[owner].clone() if left[owner] else hessians.pop(owner)
-                record, info = gptq_quantize(module.weight, [h], scheme, cfg.dampening, cfg.block_size, cfg.act_order)
+                    box = [hessians[owner].clone() if left[owner] else hessians.pop(owner)]
+                record, info = gptq_quantize(module.weight, box, scheme, cfg.dampening, cfg.block_size, cfg.act_order)
                 full = job.prefix + name
                 job.layer_info[full] = {
                     **install_record(model, full, module, record, ctx, self.label),

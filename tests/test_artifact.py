@@ -273,3 +273,41 @@ def test_a_corrupt_safetensors_index_is_a_format_error_naming_the_file(tmp_path:
     (tmp_path / INDEX_FILE).write_text(text)
     with pytest.raises(FormatError, match=INDEX_FILE):
         weight_files(tmp_path)
+
+
+def test_our_safetensors_writer_reads_back_with_safetensors_itself(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from compress.export.checkpoint.hf_checkpoint import write_safetensors
+    from compress.inputs import check_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w.bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "w.f32": torch.randn(3, 4, generator=g).t(),  # not contiguous
+        "w.f16": torch.randn(9, generator=g).half(),
+        "codes": torch.randint(-8, 8, (4, 3), generator=g, dtype=torch.int8),
+        "packed": torch.randint(0, 2**31 - 1, (2, 6), generator=g, dtype=torch.int32),
+        "shape": torch.tensor([4096, 1536]),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "fp8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+    }
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, tensors, {"format": "pt"})
+    check_safetensors(path)
+    back = load_file(str(path))
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert (
+            torch.equal(back[name].view(torch.uint8), t.contiguous().view(torch.uint8))
+            if t.dtype == torch.float8_e4m3fn
+            else torch.equal(back[name], t)
+        ), name
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_len % 8 == 0  # the data section starts 8-byte aligned

@@ -27,8 +27,8 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map (Hugging Face's layout)
 SHARD_BYTES = 512 * 2**20
 """The most tensor bytes per safetensors file a writer holds before writing it: checkpoints are
-written shard by shard, so writing one costs at most a shard of memory (and safetensors' copy of
-it), not the model; a tensor larger than this (a big vocabulary's embedding) is a shard alone."""
+written shard by shard, so writing one costs at most a shard of memory, not the model; a tensor
+larger than this (a big vocabulary's embedding) is a shard alone."""
 SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 SCALE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -42,12 +42,44 @@ class ImportedRecords:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written from the tensors' own memory: the 8-byte header length, the JSON
+    header (padded with spaces to 8 bytes), then each tensor's bytes in header order. safetensors'
+    ``save_file`` first copies every tensor into a bytes object, twice a shard's memory; the file is
+    the same format, read back by safetensors itself (tests) and transformers. A dtype outside the
+    table goes through ``save_file``."""
+    if any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+        from safetensors.torch import save_file
+
+        save_file(dict(tensors), str(path), metadata=metadata)
+        return
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
 def save_sharded(directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], shard_bytes: int | None = None) -> list[str]:
     """Write ``tensors`` as they come into safetensors files of at most ``shard_bytes`` each: one
     file is WEIGHTS_FILE, several are ``model-0000i-of-0000n.safetensors`` with INDEX_FILE, as
     transformers writes them. Only one shard's tensors are held at a time. Returns the file names."""
-    from safetensors.torch import save_file
-
     limit = SHARD_BYTES if shard_bytes is None else shard_bytes
     shards: list[list[str]] = []
     current: dict[str, torch.Tensor] = {}
@@ -55,7 +87,7 @@ def save_sharded(directory: Path, tensors: Iterable[tuple[str, torch.Tensor]], s
     seen: set[str] = set()
 
     def flush() -> None:
-        save_file(current, str(directory / f".shard-{len(shards):05d}.safetensors"), metadata=SAFETENSORS_METADATA)
+        write_safetensors(directory / f".shard-{len(shards):05d}.safetensors", current, SAFETENSORS_METADATA)
         shards.append(list(current))
         current.clear()
 
