@@ -57,6 +57,39 @@ def mirror_upper(hessian: torch.Tensor) -> torch.Tensor:
     return hessian
 
 
+def _permute_rows_(m: torch.Tensor, perm: list[int]) -> None:
+    """``m[:] = m[perm]`` in place, one row at a time along each cycle of the permutation."""
+    seen = [False] * len(perm)
+    for start in range(len(perm)):
+        if seen[start] or perm[start] == start:
+            continue
+        first, i = m[start].clone(), start
+        while True:
+            seen[i] = True
+            j = perm[i]
+            if j == start:
+                m[i] = first
+                break
+            m[i] = m[j]
+            i = j
+
+
+def permute_symmetric_(h: torch.Tensor, perm: list[int], tile: int = 512) -> torch.Tensor:
+    """``h[perm][:, perm]`` of a symmetric ``h``, in its own memory: permute the rows (P H), transpose
+    in place tile by tile (H Pᵀ, since H is symmetric), permute the rows again (P H Pᵀ). Returns h."""
+    _permute_rows_(h, perm)
+    n = h.shape[0]
+    for i in range(0, n, tile):
+        block = h[i : i + tile, i : i + tile]
+        block.copy_(block.t().clone())
+        for j in range(i + tile, n, tile):
+            upper = h[i : i + tile, j : j + tile].clone()
+            h[i : i + tile, j : j + tile] = h[j : j + tile, i : i + tile].t()
+            h[j : j + tile, i : i + tile] = upper.t()
+    _permute_rows_(h, perm)
+    return h
+
+
 def _inverse_cholesky(box: list[torch.Tensor], dampening: float) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of H⁻¹ after dampening; raises dampening tenfold until H is positive
     definite. Takes H out of ``box`` and dampens it in place: on the CPU the factor is made in H's own
@@ -152,8 +185,9 @@ def _gptq(
         perm = torch.argsort(torch.diag(h), descending=True)
     else:
         perm = torch.arange(in_f, device=w.device)
-    w = w[:, perm]
-    h = h[perm[:, None], perm]  # one gather, not two
+    if act_order:
+        w = w[:, perm]
+        h = permute_symmetric_(h, perm.tolist())  # in place: a gather would be a second [in, in] matrix
     group_of = (perm // g).tolist()
     box.append(h)
     del h
@@ -237,8 +271,8 @@ class GPTQStage:
                 last.clear()
                 for handle in handles:
                     handle.remove()
-            for h in hessians.values():
-                mirror_upper(h)
+            for owner in hessians:  # (no loop variable left holding the last Hessian through its solve)
+                mirror_upper(hessians[owner])
             owners = {name: alias.get(name, name) for name in job.linears}
             left = {owner: list(owners.values()).count(owner) for owner in owners.values()}
             for name, module in job.linears.items():

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -48,6 +49,7 @@ def big_arrays(min_bytes: int = 16 * 2**20) -> list[str]:
     import torch
 
     seen, out = set(), []
+    warnings.simplefilter("ignore")  # isinstance on some modules' deprecated attributes warns
     for obj in gc.get_objects():
         try:
             if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:

@@ -342,3 +342,15 @@ def test_the_inverse_factor_made_in_place_equals_torchs(positive_definite: bool)
     assert got.data_ptr() == memory.data_ptr()  # no second matrix
     assert used == pytest.approx(damp) and (used > 0.01) != positive_definite
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("n", "tile"), [(7, 3), (100, 16), (40, 64)])
+def test_symmetric_permutation_in_place_equals_the_gather(n: int, tile: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(3 * n, n, generator=g)
+    h = x.t() @ x
+    h = (h + h.t()) / 2  # exactly symmetric, as the stage's Hessians are (mirror_upper)
+    perm = torch.randperm(n, generator=g)
+    want = h[perm[:, None], perm]
+    got = gptq_module.permute_symmetric_(h, perm.tolist(), tile)
+    assert got.data_ptr() == h.data_ptr() and torch.equal(got, want)
