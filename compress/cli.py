@@ -937,6 +937,9 @@ def print_gates(report: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    from compress.heap import release_freed_memory
+
+    release_freed_memory()  # before the first large allocation: freed tensors go back to the OS
     app()
 
 

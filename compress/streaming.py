@@ -23,7 +23,6 @@ in-memory model from then on).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import os
@@ -38,6 +37,7 @@ from torch.utils import swap_tensors
 
 from compress.errors import ModelLoadError
 from compress.fsutil import scratch_dir
+from compress.heap import return_to_os as _return_to_os
 from compress.inputs import check_safetensors
 
 
@@ -254,20 +254,6 @@ TRIM_AFTER_BYTES = 16 * 2**20
 """glibc keeps freed blocks of up to 32 MiB in its heap (its mmap threshold grows with each large
 free), so the tensors of dropped units would stay resident: after a unit of more than this many
 bytes is dropped, ``malloc_trim`` hands the free pages back to the OS."""
-
-
-def _return_to_os() -> None:
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        except OSError:  # not glibc
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC: ctypes.CDLL | bool | None = None
 
 
 def save(module: nn.Module) -> None:

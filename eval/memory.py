@@ -4,7 +4,6 @@ worker), and per phase of a run, from the kernel's high-water marks (``PhaseMemo
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import sys
 import threading
@@ -19,11 +18,10 @@ def _release_freed_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``), so that
     resident memory at the start of a measurement is what is live, not what an earlier candidate
     freed but the allocator kept (without this, later rows read as 0 MB extra)."""
+    from compress.heap import return_to_os
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the start reading may include freed memory
-        pass
+    return_to_os()  # not glibc: the start reading may include freed memory
 
 
 class PeakRSS:
