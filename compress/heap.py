@@ -33,7 +33,7 @@ block is freed, after which tensors of up to 32 MiB come from its heap, whose fr
 stays with the process and grows in holes. Fixed at 1 MiB (which also stops the rising), the same
 `compress run` (Qwen2.5-1.5B cut to 4 blocks, RTN and a verified GGUF) peaked at 1,287 / 1,515 /
 1,835 MiB in evaluation / writing model/ / the export, against 2,095 / 2,091 / 2,775 MiB
-(MALLOC_MMAP_THRESHOLD_=1048576 against nothing, the same code)."""
+(MALLOC_MMAP_THRESHOLD_=1048576 against nothing, the same code; docs/models-and-data.md)."""
 
 
 def release_freed_memory() -> None:

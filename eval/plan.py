@@ -22,6 +22,7 @@ from compress.estimates import (
     REF_PARAMS,
     REFERENCE,
     RTN_WEIGHTS_PER_S,
+    RUN_STATE_BYTES,
     TORCH_DECODE_TOKENS_PER_S,
     PlanStep,
     eval_bytes,
@@ -29,6 +30,7 @@ from compress.estimates import (
 )
 from compress.estimates import forward_s as _forward_s
 from compress.eval.devices import LOCAL, DeviceProfile, estimate_latency, fit_check, get_profile, kv_bytes_per_token
+from compress.eval.metrics import CHUNK_ELEMENTS
 from compress.eval.plan_sizes import (
     DTYPE_BYTES,
     GB,
@@ -60,10 +62,11 @@ def stage_estimates(
     rows = [
         {
             "step": "load model",
-            "peak_memory_gb": (LIBRARY_BYTES + unit) / GB,
+            "peak_memory_gb": (LIBRARY_BYTES + RUN_STATE_BYTES) / GB,
             "time_s": whole / LOAD_BYTES_PER_S,
-            "basis": f"the libraries (~{LIBRARY_BYTES / GB:.1f} GB) and one streamed unit at {dtype_name} (the largest, "
-            f"{unit / GB:.2f} GB): weights stay on disk; reading the checkpoint's digest at ~{LOAD_BYTES_PER_S / GB:.1f} GB/s",
+            "basis": f"the libraries (~{LIBRARY_BYTES / GB:.1f} GB) and the run's state (~{RUN_STATE_BYTES / GB:.1f} GB): weights "
+            f"stay on disk (the largest unit read later: {unit / GB:.2f} GB at {dtype_name}); reading the checkpoint's digest "
+            f"at ~{LOAD_BYTES_PER_S / GB:.1f} GB/s",
         }
     ]
     cur = shape
@@ -73,13 +76,13 @@ def stage_estimates(
         label = f"stages[{i}] {stage.kind}" + (f" {cfg.method}" if hasattr(cfg, "method") else "")
         kind = stage_kind(stage.kind, f"stages[{i}]")  # each kind (and quantization method) holds its own formula
         streamed = streamed and stage_streams(stage)
-        held = LIBRARY_BYTES + (largest_unit_bytes(cur, dtype) if streamed else cur.params * dtype)
-        step = PlanStep(cfg, cur, held, cal, kv_bytes_per_token(cur.config, dtype), records, dtype)
+        held = LIBRARY_BYTES + RUN_STATE_BYTES + (largest_unit_bytes(cur, dtype) if streamed else cur.params * dtype)
+        step = PlanStep(cfg, cur, held, cal, kv_bytes_per_token(cur.config, dtype), records, dtype, streamed)
         est = kind.estimate(step)
         if kind.plan_shape is not None:
             cur = kind.plan_shape(cur, cfg)
         rows.append({"step": label, "peak_memory_gb": est.memory_bytes / GB, "time_s": est.seconds, "basis": est.basis})
-    held = LIBRARY_BYTES + (largest_unit_bytes(cur, dtype) if streamed else cur.params * dtype)
+    held = LIBRARY_BYTES + RUN_STATE_BYTES + (largest_unit_bytes(cur, dtype) if streamed else cur.params * dtype)
     where = "one streamed unit at a time" if streamed else "the compressed model in memory (a stage read it whole)"
     ev = recipe.data.evaluation
     if ev is not None:
@@ -98,6 +101,9 @@ def stage_estimates(
         fmt = EXPORT_FORMATS[spec.format]
         tokens = fmt.planned_verify_tokens(spec, ev.samples if ev else 0, ev.seq_len if ev else 0)
         added, how = fmt.planned_memory_bytes(spec, art["size_bytes"], cur, ev.seq_len if ev else 0)
+        if tokens:  # the verifier scores the runtime against the baseline: logits a chunk of positions at a time
+            added += 5 * CHUNK_ELEMENTS * 4
+            how += ", and the scoring's logits a chunk of positions at a time"
         rows.append(
             {
                 "step": f"export {spec.name} ({spec.format})",

@@ -20,7 +20,9 @@ from compress.estimates import (
     Estimate,
     PlanStep,
     block_bytes,
+    block_weight_bytes,
     forward_s,
+    largest_unit_bytes,
 )
 from compress.plugin_types import MethodSpec, StageKindSpec
 from compress.schema.kv_cache import KVCacheConfig
@@ -60,9 +62,9 @@ def hessian_products(width: int) -> float:
 def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, how: str) -> Estimate:
     """Memory of a layer-wise calibrated method: block inputs and outputs of every calibration token
     at the compute dtype, and one block's Hessians in float32 (all accumulated in one pass), plus the
-    larger of a calibration batch's forward (the block's live tensors and the float32 copy of the
-    widest Linear's input that a Hessian update makes) and the solve of the widest Linear (its
-    Hessian's second [in, in] matrix while it is factored). The records wait on disk
+    a calibration batch's forward (the block's live tensors and the float32 copy of the widest
+    Linear's input that a Hessian update makes); the solves factor, invert and permute each Hessian
+    in its own memory (on the CPU; elsewhere a second [in, in] matrix on the device). The records wait on disk
     (compress.quantizers.core.RecordStore); no logits are made."""
     t = step.shape.text
     cal_tokens = step.cal_tokens
@@ -72,11 +74,15 @@ def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, 
     hessians = sum(w**2 for n, w in hessian_inputs(layers).items() if re.search(r"\.0\.", n)) * 4
     widest = max((r.in_f for r in first), default=0)
     forward = block_bytes(step.shape, batch, step.cal_seq_len, step.dtype_bytes) + batch * step.cal_seq_len * widest * 4
-    mem = step.held_bytes + hidden_states + hessians + max(forward, widest**2 * 4)
-    basis = (
-        f"the libraries + one unit + block inputs/outputs of {cal_tokens:,} tokens + one block's Hessians + "
-        f"a batch's forward or the widest solve; {how}"
-    )
+    work = hidden_states + hessians + forward  # the solves work in each Hessian's own memory
+    if step.streamed:  # one block at a time; the embedding (the largest unit) only while the first inputs are captured
+        base = step.held_bytes - largest_unit_bytes(step.shape, step.dtype_bytes)
+        mem = base + max(
+            block_weight_bytes(step.shape, step.dtype_bytes) + work, largest_unit_bytes(step.shape, step.dtype_bytes) + hidden_states / 2
+        )
+    else:
+        mem = step.held_bytes + work
+    basis = f"the libraries + one unit + block inputs/outputs of {cal_tokens:,} tokens + one block's Hessians + a batch's forward; {how}"
     return Estimate(mem, seconds, basis)
 
 
