@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 
+_LIBC: ctypes.CDLL | bool | None = None
+
 
 def _libc() -> ctypes.CDLL | None:
     global _LIBC
@@ -22,8 +24,6 @@ def return_to_os() -> None:
     if libc is not None:
         libc.malloc_trim(0)
 
-
-_LIBC: ctypes.CDLL | bool | None = None
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD_BYTES = 2**20

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from compress import streaming
-from compress.eval.metrics import HiddenStates, output_head
+from compress.eval.metrics import HiddenStates, final_hidden, with_head
 
 
 class CachedBaseline:
@@ -44,7 +44,7 @@ class CachedBaseline:
         if missing:
             streaming.to_device(self.model, self.device)
             with torch.inference_mode():
-                hidden = self.model.base_model(input_ids=ids[missing].to(self.device), use_cache=False).last_hidden_state
+                hidden = final_hidden(self.model, ids[missing], self.device)
             self.directory.mkdir(parents=True, exist_ok=True)
             for i, h in zip(missing, hidden, strict=True):
                 tmp = files[i].with_suffix(".tmp")
@@ -53,8 +53,7 @@ class CachedBaseline:
             self.computed += len(missing)
         self.reused += len(files) - len(missing)
         rows = torch.stack([load_file(str(f))["hidden"] for f in files]).to(self.device)
-        head = self.model.get_output_embeddings()
-        return HiddenStates(rows, output_head(self.model), lambda: streaming.resident(head, self.device))
+        return with_head(self.model, rows, self.device)
 
 
 def _row_key(row: torch.Tensor) -> str:
@@ -82,10 +81,9 @@ class RememberedRows:
         else:
             streaming.to_device(self.model, self.device)
             with torch.inference_mode():
-                hidden = self.model.base_model(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
+                hidden = final_hidden(self.model, ids, self.device)
             for key, h in zip(keys, hidden, strict=True):
                 if len(self.rows) < self.limit and key not in self.rows:
                     self.rows[key] = h.detach().cpu().clone()
             self.computed += len(keys)
-        head = self.model.get_output_embeddings()
-        return HiddenStates(hidden, output_head(self.model), lambda: streaming.resident(head, self.device))
+        return with_head(self.model, hidden, self.device)

@@ -242,10 +242,20 @@ def torch_forward(model: torch.nn.Module, device: torch.device) -> Forward:
     at a time."""
 
     def forward(ids: torch.Tensor) -> HiddenStates:
-        hidden = model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
-        return HiddenStates(hidden, output_head(model), lambda: streaming.resident(model.get_output_embeddings(), device))
+        return with_head(model, final_hidden(model, ids, device), device)
 
     return forward
+
+
+def final_hidden(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The model's final hidden states (its last norm's output, the head's input) on ``ids``."""
+    return model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
+
+
+def with_head(model: torch.nn.Module, hidden: torch.Tensor, device: torch.device) -> HiddenStates:
+    """``hidden`` with ``model``'s output head, held on ``device`` while a batch's chunks are made."""
+    head = model.get_output_embeddings()
+    return HiddenStates(hidden, output_head(model), lambda: streaming.resident(head, device))
 
 
 def output_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

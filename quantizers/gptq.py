@@ -12,6 +12,7 @@ its stored values (fp16 minimum, quantized sub-block scales) before the loop rou
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
 
 import torch
@@ -138,10 +139,10 @@ def _inverse_cholesky_in_place(h: torch.Tensor, dampening: float) -> tuple[torch
             if info != 0 or c.ctypes.data != a.ctypes.data:
                 raise torch.linalg.LinAlgError(f"the inverse Hessian could not be factored in place (LAPACK info {info})")
             return h, damp  # row-major, the memory holds U with H^-1 = U^T U (upper; the rest zeroed)
-        for i in range(0, n, HESSIAN_STRIP):  # restore the upper triangle from the untouched lower one
-            block = h[i : i + HESSIAN_STRIP, i : i + HESSIAN_STRIP]
+        for i in range(0, n, HESSIAN_STRIP):  # restore the upper triangle from the untouched lower one:
+            block = h[i : i + HESSIAN_STRIP, i : i + HESSIAN_STRIP]  # the diagonal blocks here,
             block.copy_(torch.tril(block, -1) + torch.tril(block, -1).t())
-            h[i : i + HESSIAN_STRIP, i + HESSIAN_STRIP :] = h[i + HESSIAN_STRIP :, i : i + HESSIAN_STRIP].t()
+        mirror_upper(h.t())  # the rest as the lower triangle of the transpose
         damp *= 10
     raise torch.linalg.LinAlgError(f"Hessian is not positive definite even with dampening {damp / 10:g}")
 
@@ -274,7 +275,7 @@ class GPTQStage:
             for owner in hessians:  # (no loop variable left holding the last Hessian through its solve)
                 mirror_upper(hessians[owner])
             owners = {name: alias.get(name, name) for name in job.linears}
-            left = {owner: list(owners.values()).count(owner) for owner in owners.values()}
+            left = Counter(owners.values())
             for name, module in job.linears.items():
                 owner = owners[name]
                 left[owner] -= 1

@@ -76,10 +76,8 @@ def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, 
     forward = block_bytes(step.shape, batch, step.cal_seq_len, step.dtype_bytes) + batch * step.cal_seq_len * widest * 4
     work = hidden_states + hessians + forward  # the solves work in each Hessian's own memory
     if step.streamed:  # one block at a time; the embedding (the largest unit) only while the first inputs are captured
-        base = step.held_bytes - largest_unit_bytes(step.shape, step.dtype_bytes)
-        mem = base + max(
-            block_weight_bytes(step.shape, step.dtype_bytes) + work, largest_unit_bytes(step.shape, step.dtype_bytes) + hidden_states / 2
-        )
+        unit = largest_unit_bytes(step.shape, step.dtype_bytes)
+        mem = step.held_bytes - unit + max(block_weight_bytes(step.shape, step.dtype_bytes) + work, unit + hidden_states / 2)
     else:
         mem = step.held_bytes + work
     basis = f"the libraries + one unit + block inputs/outputs of {cal_tokens:,} tokens + one block's Hessians + a batch's forward; {how}"

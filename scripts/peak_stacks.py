@@ -49,8 +49,10 @@ def big_arrays(min_bytes: int = 16 * 2**20) -> list[str]:
     import torch
 
     seen, out = set(), []
-    warnings.simplefilter("ignore")  # isinstance on some modules' deprecated attributes warns
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance on some modules' deprecated attributes warns
+        warnings.simplefilter("ignore")
+        arrays = [o for o in gc.get_objects() if isinstance(o, (torch.Tensor, np.ndarray))]
+    for obj in arrays:
         try:
             if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
                 storage = obj.untyped_storage()

@@ -201,20 +201,20 @@ class LlamaCppModel:
         and context objects as its own ``Llama.eval`` does, less the copy into ``Llama.scores``.)"""
         if n_past + len(ids) > self.n_ctx:
             raise FormatError(f"a sequence of {n_past + len(ids)} tokens exceeds the llama.cpp context of {self.n_ctx}")
+        if not ids:
+            raise FormatError("llama.cpp was given no tokens to decode")
         llm = self.llm
-        if n_past == 0:
-            llm.reset()
-        llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+        llm._ctx.kv_cache_seq_rm(-1, n_past, -1)  # the cache keeps the first n_past positions (none: empty)
         llm._batch.set_batch(batch=ids, n_past=n_past, logits_all=every_position)
         with _quiet_stderr():
             llm._ctx.decode(llm._batch)
-        llm.input_ids[n_past : n_past + len(ids)] = ids
-        llm.n_tokens = n_past + len(ids)
         rows = len(ids) if every_position else 1
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(rows, self.n_vocab))
 
     def next_logits(self, ids: list[int], n_past: int = 0) -> np.ndarray:
         """Logits [vocab] after ``ids`` (decoded a piece at a time after ``n_past`` cached tokens)."""
+        if not ids:
+            raise FormatError("llama.cpp was given no tokens to decode")
         for start in range(0, len(ids), self.piece):
             last = self.decode(ids[start : start + self.piece], n_past + start, every_position=False)
         return last[0]
