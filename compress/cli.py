@@ -81,6 +81,14 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.ClickException, click.exceptions.Abort):
             raise
         except Exception as exc:  # a crash must not read as a failed gate (exit 1) in a pipeline
+            if _out_of_space(exc):  # the machine's state, not a bug (safetensors' Rust writer says it in its message)
+                err.print(
+                    f"[bold red]error:[/] no space left on the device while writing: {escape(str(exc))[:300]}; free some "
+                    "(the output folder, the scratch space under TMPDIR) and run again (partial output is removed on the next run)",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                raise typer.Exit(EXIT_ERROR) from None
             where = _save_traceback(exc)
             err.print(
                 f"[bold red]error:[/] unexpected failure: {escape(type(exc).__name__)}: {escape(str(exc))[:500]} "
@@ -91,6 +99,20 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(EXIT_ERROR) from None
 
     return wrapper
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """A full disk or quota, raised as an OSError or (by a library written in Rust or C++) as its own error type."""
+    import errno
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _save_traceback(exc: BaseException) -> str:

@@ -79,14 +79,24 @@ class TensorStore:
                 by_file.setdefault(file, []).append((name, key))
         out: dict[str, torch.Tensor] = {}
         for file, pairs in by_file.items():
-            stamp = self.stamps.get(file)
-            if stamp is not None:
-                now = os.stat(file)
-                if (now.st_size, now.st_mtime_ns) != stamp:
-                    raise ChangedFileError(f"{file} changed while the run was reading it; run again on a file that stays put")
+            self._check_unchanged(file)
             found = read_tensors(file, [key for _, key in pairs])
             out.update({name: found[key] for name, key in pairs})
         return out
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the stored tensor ``name`` (its first dimension), read alone: a slice
+        of an output head without the rest of it."""
+        file, key = self.location(name)
+        self._check_unchanged(Path(file))
+        return read_rows(Path(file), key, start, stop)
+
+    def _check_unchanged(self, file: Path) -> None:
+        stamp = self.stamps.get(file)
+        if stamp is not None:
+            now = os.stat(file)
+            if (now.st_size, now.st_mtime_ns) != stamp:
+                raise ChangedFileError(f"{file} changed while the run was reading it; run again on a file that stays put")
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
         """Put changed tensors in the overlay: one new file, which later reads of these names see."""
@@ -157,6 +167,25 @@ def read_tensors(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
                     raise OSError(f"{file}: {key} is cut short")
             out[key] = tensor
     return out
+
+
+def read_rows(file: Path, key: str, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of one tensor of a safetensors file (row-major: one contiguous byte range),
+    with a plain read into fresh memory."""
+    header, data_start = safetensors_header(file)
+    info = header[key]
+    shape = info["shape"]
+    if not shape or not 0 <= start <= stop <= shape[0]:
+        raise ValueError(f"{file}: {key} {shape} has no rows {start}:{stop}")
+    tensor = torch.empty([stop - start, *shape[1:]], dtype=_DTYPES[info["dtype"]])
+    row_bytes = tensor[0].numel() * tensor.element_size() if stop > start else 0
+    size = (stop - start) * row_bytes
+    if size:
+        with open(file, "rb") as f:
+            f.seek(data_start + info["data_offsets"][0] + start * row_bytes)
+            if f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != size:
+                raise OSError(f"{file}: {key} is cut short")
+    return tensor
 
 
 @dataclass

@@ -355,3 +355,19 @@ def test_an_unexpected_failure_is_one_line_with_the_traceback_in_a_file(tmp_path
     saved = Path(result.output.split("traceback in ")[1].split(")")[0].strip())
     assert "Traceback" in saved.read_text() and "simulated bug" in saved.read_text()
     saved.unlink()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(28, "No space left on device"), RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")],
+)
+def test_a_full_disk_is_an_error_that_says_so_not_a_bug(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception) -> None:
+    import compress.recipe
+
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(compress.recipe, "load_recipe", full)
+    result = run_cli(["validate", write_recipe(tmp_path, MINIMAL)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "no space left on the device while writing" in result.output and "a bug in compress" not in result.output

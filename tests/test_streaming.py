@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from compress import streaming
 from compress.eval import metrics
-from compress.eval.baseline import CachedBaseline, RememberedRows
+from compress.eval.baseline import CachedBaseline, RememberedRows, head_read_from_disk
 from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
 from compress.progress import Reporter
@@ -141,6 +141,45 @@ def test_the_head_sees_each_chunk_as_a_plain_matrix() -> None:
     states = metrics.HiddenStates(hidden, head)
     assert torch.equal(states.logits(1, slice(4, 9)), hidden[1, 4:9] @ weight.t())
     assert seen == [2]
+
+
+def test_the_head_read_from_disk_by_slices_gives_the_held_heads_logits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The exports' verifiers read the streamed head a slice of rows at a time (its last slice
+    partial) and never hold it whole; the logits are the held head's."""
+    model = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    head = model.get_output_embeddings()
+    rows, cols = head.weight.shape
+    monkeypatch.setattr(metrics, "HEAD_SLICE_BYTES", 7 * cols * head.weight.element_size())  # 7 rows a read
+    reads: list[int] = []
+    store = streaming.store_of(model)
+    real = store.read_rows
+    monkeypatch.setattr(store, "read_rows", lambda name, a, b: reads.append(b - a) or real(name, a, b))
+    x = ids(3)
+    cached = CachedBaseline(model, CPU, tmp_path / "baseline", "sha")
+    held = cached(x).full()
+    reads.clear()
+    from_disk = head_read_from_disk(cached)(x)
+    assert torch.allclose(from_disk.full(), held, rtol=1e-5, atol=1e-6)  # float32 GEMMs block a narrower slice differently
+    assert max(reads) == 7 and sum(reads) == rows and reads[-1] == (rows % 7 or 7)  # every row once, 7 at a time
+    assert resident_tensors(model) == []  # the head was never loaded whole
+    scores = compare(head_read_from_disk(cached), {"same": torch_forward(model, CPU)}, x, 4)
+    assert scores["same"]["kl_divergence"] == pytest.approx(0.0, abs=1e-6) and scores["same"]["top1_agreement"] == 1.0
+    # an in-memory model has no stored head to read: its forward is left as it is
+    in_memory = RememberedRows(streaming.materialize(copy.deepcopy(model)), CPU, limit=1)
+    assert metrics.head_from_disk(in_memory.model) is None and head_read_from_disk(in_memory) is in_memory
+
+
+def test_rows_of_a_stored_tensor_are_read_alone(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    t = torch.arange(60, dtype=torch.float32).reshape(12, 5)
+    save_file({"a": torch.ones(3), "t": t}, str(tmp_path / "x.safetensors"))
+    assert torch.equal(streaming.read_rows(tmp_path / "x.safetensors", "t", 4, 9), t[4:9])
+    assert streaming.read_rows(tmp_path / "x.safetensors", "t", 5, 5).shape == (0, 5)
+    with pytest.raises(ValueError, match="no rows 10:13"):
+        streaming.read_rows(tmp_path / "x.safetensors", "t", 10, 13)
 
 
 def test_records_wait_on_disk_and_come_back_exactly(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from compress import streaming
+from compress.eval.baseline import head_read_from_disk
 from compress.eval.latency import tree_size
 from compress.eval.metrics import Evaluation
 from compress.export.parity import VerifyInputs
@@ -37,10 +38,10 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
     with run.timed("exports_s", record=bool(recipe.exports)):
         streaming.to_device(staged.model, "cpu")
         evaluation = recipe.data.evaluation
-        inputs = VerifyInputs(
-            source.baseline_forward,
+        inputs = VerifyInputs(  # the heads read from disk by slices: each runtime holds its own copy of the model
+            head_read_from_disk(source.baseline_forward),
             staged.model,
-            staged.forward("cpu"),
+            head_read_from_disk(staged.forward("cpu")),
             None if source.eval_chunks is None else source.eval_chunks.tokens,
             evaluation.min_context if evaluation else 1,
             run.threads,

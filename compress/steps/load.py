@@ -20,7 +20,6 @@ from compress.errors import CompressError
 from compress.eval.baseline import CachedBaseline
 from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.memory import PhaseMemory
-from compress.eval.metrics import Forward
 from compress.eval.performance import baseline_timed, wanted_devices
 from compress.fsutil import check_target
 from compress.models import LoadedModel, load_model
@@ -76,7 +75,7 @@ class Source:
     data: DataPlan
     eval_chunks: Chunks | None
     reporter: Reporter
-    baseline_forward: Forward
+    baseline_forward: CachedBaseline
     """The baseline's side of every comparison: its final hidden states, computed once per row (eval/baseline.py)."""
     calibration: Chunks | None = None
 
