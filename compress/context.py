@@ -68,6 +68,10 @@ class RunContext:
     """The model before the prune stage changed it, for a later distill stage."""
     mapping: Any = None
     """What a prune stage kept (``compress.pruning.prune.KeptIndices``): student -> teacher layers and channels."""
+    input_sums: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    """What a calibrated quantizer saw of each Linear's input, by module name: the sum over the
+    calibration tokens of each input column's square (float32 [in]) and the number of tokens; the
+    GGUF export writes it as llama.cpp's importance matrix (export/gguf/imatrix.py)."""
     files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Tensors a stage leaves in the artifact: relative safetensors path -> tensors (e.g. importance scores)."""
     work_dir: Path | None = None

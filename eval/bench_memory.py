@@ -179,14 +179,15 @@ def model_directory(source: str, reporter: Reporter) -> Path:
 
 
 def recipe_yaml(model_dir: Path, method: str, data: dict[str, Any], threads: int) -> str:
-    """The recipe each measurement runs: ``method`` at W4 g128 symmetric, the head in float, no exports."""
+    """The recipe each measurement runs: ``method`` at W4 g128 symmetric in the checkpoint's own dtype,
+    the head in float, no exports."""
     import yaml
 
     recipe = {
         "version": 1,
         "name": f"bench-memory-{method}",
         "seed": 0,
-        "model": {"source": str(model_dir), "dtype": "float32"},
+        "model": {"source": str(model_dir), "dtype": "auto"},  # the checkpoint's own dtype, as every recipe's default
         "data": data,
         "compute": {"device": "cpu", "threads": threads},
         "stages": [{"quantize": {"method": method, **SCHEME, "ignore": ["lm_head"]}}],

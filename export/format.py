@@ -111,6 +111,14 @@ class ExportFormat:
             raise NotImplementedError(f"export format {self.name} has no writer")
         return importlib.import_module(self.writer).export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
 
+    def write_importance(
+        self, directory: Path, model: Any, input_sums: dict[str, Any], datasets: list[str], chunk_size: int
+    ) -> dict[str, Any] | None:
+        """Write what the run's calibration measured of each Linear's inputs (``RunContext.input_sums``)
+        beside the export, in the form its runtime's own tools read; returns the manifest entry's
+        ``importance`` facts, None when the format has no such file (the default)."""
+        return None
+
     def describe_entry(self, entry: dict[str, Any]) -> str:
         """One export as people read it, from its manifest entry (the model card's format column):
         the format's name, and what the entry says of its kind where the format records one."""

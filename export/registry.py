@@ -52,10 +52,13 @@ def write_exports(
     reporter: Reporter,
     inputs: VerifyInputs | None = None,
     kv: KVCacheScheme | None = None,
+    importance: tuple[dict[str, Any], list[str], int] | None = None,
 ) -> tuple[list[dict[str, Any]], list[Evaluation]]:
     """Write each export to ``root/<name>/`` and verify it (reloading its records; runtime exports
     also run on their runtime with ``inputs``). With a KV-cache scheme, each entry says under
-    ``kv_cache`` what its format carries of it. Returns manifest entries and runtime evaluations."""
+    ``kv_cache`` what its format carries of it. With ``importance`` (the run's input sums, where its
+    calibration text came from, the calibration sequence length), a format that has a file for them
+    writes it (``importance`` in its entry). Returns manifest entries and runtime evaluations."""
     entries: list[dict[str, Any]] = []
     evaluations: list[Evaluation] = []
     for i, spec in enumerate(specs):
@@ -64,6 +67,10 @@ def write_exports(
         if fmt.own_runtime and inputs is None and getattr(spec, "verify", False):
             raise FormatError(f"exports[{i}] ({spec.name}): verify: true needs the evaluation inputs")
         entry, found = fmt.write(directory, spec, model, tokenizer, records, inputs, reporter, f"exports[{i}]", kv)
+        if importance is not None and importance[0]:
+            facts = fmt.write_importance(directory, model, *importance)
+            if facts is not None:
+                entry["importance"] = facts
         entry.update(path=f"{EXPORTS_DIR}/{spec.name}", files=checksums(directory))
         entries.append(entry)
         evaluations.extend(found)

@@ -50,6 +50,11 @@ def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor, 
     return new
 
 
+def input_square_sums(hessian: torch.Tensor, count: int) -> torch.Tensor:
+    """Σ x² over the ``count`` tokens of each input column, from ``H = 2/n · Σ x xᵀ`` (float32, on the CPU)."""
+    return (torch.diagonal(hessian).double() * (count / 2.0)).float().cpu()
+
+
 def mirror_upper(hessian: torch.Tensor) -> torch.Tensor:
     """Complete a Hessian accumulated with ``upper_only``: each strip's part left of its diagonal
     block is the transpose of the strips above it (in place; returns it)."""
@@ -275,6 +280,9 @@ class GPTQStage:
             for owner in hessians:  # (no loop variable left holding the last Hessian through its solve)
                 mirror_upper(hessians[owner])
             owners = {name: alias.get(name, name) for name in job.linears}
+            for name, owner in owners.items():  # H = 2/n Σ x xᵀ: its diagonal is 2/n Σ x², llama.cpp's importance
+                if owner in hessians:
+                    ctx.input_sums[job.prefix + name] = (input_square_sums(hessians[owner], counts[owner]), counts[owner])
             left = Counter(owners.values())
             for name, module in job.linears.items():
                 owner = owners[name]

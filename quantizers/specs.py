@@ -38,9 +38,10 @@ def _weights(layers: dict[str, Any]) -> int:
 _SHARED_INPUT = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)$")
 
 
-def hessian_inputs(layers: dict[str, Any]) -> dict[str, int]:
-    """The distinct inputs GPTQ keeps a Hessian for, with their widths: Linears fed the same tensor
-    (q/k/v, an MLP's or expert's gate/up) share one (quantizers/gptq.py)."""
+def distinct_inputs(layers: dict[str, Any]) -> dict[str, int]:
+    """The distinct inputs of the Linears, with their widths: Linears fed the same tensor (q/k/v, an
+    MLP's or expert's gate/up) share one; GPTQ keeps a Hessian per distinct input (quantizers/gptq.py)
+    and AWQ searches one scale per distinct input."""
     found: dict[str, int] = {}
     for name, r in layers.items():
         m = _SHARED_INPUT.search(name)
@@ -59,28 +60,29 @@ def hessian_products(width: int) -> float:
     return sum(min(HESSIAN_STRIP, width - i) * (width - i) for i in range(0, width, HESSIAN_STRIP))
 
 
-def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, how: str) -> Estimate:
+def _first_block(layers: dict[str, Any]) -> dict[str, Any]:
+    return {n: r for n, r in layers.items() if re.search(r"\.0\.", n)}
+
+
+def calibrated_estimate(step: PlanStep, layers: dict[str, Any], seconds: float, how: str, kept: float, kept_what: str) -> Estimate:
     """Memory of a layer-wise calibrated method: block inputs and outputs of every calibration token
-    at the compute dtype, and one block's Hessians in float32 (all accumulated in one pass), plus the
-    a calibration batch's forward (the block's live tensors and the float32 copy of the widest
-    Linear's input that a Hessian update makes); the solves factor, invert and permute each Hessian
-    in its own memory (on the CPU; elsewhere a second [in, in] matrix on the device). The records wait on disk
+    at the compute dtype, what the method keeps of one block while it works (``kept``: GPTQ's
+    Hessians, AWQ's sampled inputs), and a calibration batch's forward (the block's live tensors and
+    a float32 copy of the widest Linear's input). The records wait on disk
     (compress.quantizers.core.RecordStore); no logits are made."""
     t = step.shape.text
     cal_tokens = step.cal_tokens
     batch = step.config.batch_size
     hidden_states = 2 * cal_tokens * t.hidden_size * step.dtype_bytes
-    first = [r for n, r in layers.items() if re.search(r"\.0\.", n)]  # the first block's Linears
-    hessians = sum(w**2 for n, w in hessian_inputs(layers).items() if re.search(r"\.0\.", n)) * 4
-    widest = max((r.in_f for r in first), default=0)
+    widest = max((r.in_f for r in _first_block(layers).values()), default=0)
     forward = block_bytes(step.shape, batch, step.cal_seq_len, step.dtype_bytes) + batch * step.cal_seq_len * widest * 4
-    work = hidden_states + hessians + forward  # the solves work in each Hessian's own memory
+    work = hidden_states + kept + forward
     if step.streamed:  # one block at a time; the embedding (the largest unit) only while the first inputs are captured
         unit = largest_unit_bytes(step.shape, step.dtype_bytes)
         mem = step.held_bytes - unit + max(block_weight_bytes(step.shape, step.dtype_bytes) + work, unit + hidden_states / 2)
     else:
         mem = step.held_bytes + work
-    basis = f"the libraries + one unit + block inputs/outputs of {cal_tokens:,} tokens + one block's Hessians + a batch's forward; {how}"
+    basis = f"the libraries + one unit + block inputs/outputs of {cal_tokens:,} tokens + {kept_what} + a batch's forward; {how}"
     return Estimate(mem, seconds, basis)
 
 
@@ -130,13 +132,16 @@ def _gptq_stage() -> type:
 
 def _gptq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     weights = _weights(layers)
-    products = sum(hessian_products(w) for w in hessian_inputs(layers).values())
+    products = sum(hessian_products(w) for w in distinct_inputs(layers).values())
     seconds = forward_s(weights, step.cal_tokens) + 2 * products * step.cal_tokens / CPU_FORWARD_FLOPS
     how = (
         f"forward + Hessian accumulation (2 x in_features^2 per distinct input per token, the upper triangle "
         f"of wide ones) over {step.cal_tokens:,} calibration tokens"
     )
-    return calibrated_estimate(step, layers, seconds, how)
+    # one block's Hessians in float32 (all accumulated in one pass); the solves factor, invert and permute each
+    # in its own memory (on the CPU; elsewhere a second [in, in] matrix on the device)
+    hessians = sum(w**2 for w in distinct_inputs(_first_block(layers)).values()) * 4
+    return calibrated_estimate(step, layers, seconds, how, hessians, "one block's Hessians")
 
 
 GPTQ = MethodSpec(
@@ -166,7 +171,12 @@ def _awq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
         f"forward over {step.cal_tokens:,} calibration tokens + {cfg.grid} scale candidates x "
         f"{cfg.search_tokens:,} search tokens (+25% clipping)"
     )
-    return calibrated_estimate(step, layers, seconds, how)
+    # one block's sampled inputs: search_tokens per distinct input (the scale search), clip_tokens per Linear (the clipping)
+    first = _first_block(layers)
+    search = cfg.search_tokens * sum(distinct_inputs(first).values())
+    clip = cfg.clip_tokens * sum(r.in_f for r in first.values())
+    samples = (search + clip) * step.dtype_bytes
+    return calibrated_estimate(step, layers, seconds, how, samples, "one block's sampled inputs for its searches")
 
 
 AWQ = MethodSpec(
@@ -192,7 +202,8 @@ def _llm_int8_stage() -> type:
 def _llm_int8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     # one pass to find outlier columns, then rounding
     seconds = forward_s(step.shape.params, step.cal_tokens) + _weights(layers) / RTN_WEIGHTS_PER_S
-    return calibrated_estimate(step, layers, seconds, f"one forward over {step.cal_tokens:,} calibration tokens, then rounding")
+    how = f"one forward over {step.cal_tokens:,} calibration tokens, then rounding"
+    return calibrated_estimate(step, layers, seconds, how, 0, "per-column maxima")  # one vector per Linear
 
 
 LLM_INT8 = MethodSpec(

@@ -305,13 +305,13 @@ def test_awq_scale_search_covers_the_families_it_is_asked_for() -> None:
 
 
 def test_the_plan_counts_one_hessian_per_distinct_input() -> None:
-    from compress.quantizers.specs import hessian_inputs, hessian_products
+    from compress.quantizers.specs import distinct_inputs, hessian_products
 
     model = tiny_model("llama", layers=2)
     layers = {
         n: type("R", (), {"in_f": m.in_features})() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n
     }
-    inputs = hessian_inputs(layers)
+    inputs = distinct_inputs(layers)
     assert len(layers) == 14 and len(inputs) == 8  # per block: q/k/v, o, gate/up, down
     assert hessian_products(8960) == pytest.approx(0.556 * 8960**2, rel=1e-3) and hessian_products(512) == 512**2
 

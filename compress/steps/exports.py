@@ -56,6 +56,7 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
             run.reporter,
             inputs,
             staged.ctx.kv_cache,
+            _importance(run, staged),
         )
     for ev in evaluations:
         ev.metrics["size_mb"] = tree_size(root / EXPORTS_DIR / ev.artifact) / 2**20
@@ -64,3 +65,11 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
         for entry in entries:
             entry["not_carried"] = notes
     return Exported(entries, evaluations)
+
+
+def _importance(run: Run, staged: Staged) -> tuple[dict[str, Any], list[str], int] | None:
+    """What the calibration measured of each Linear's inputs, where its text came from and its sequence length."""
+    calibration = run.recipe.data.calibration
+    if not staged.ctx.input_sums or calibration is None:
+        return None
+    return staged.ctx.input_sums, [calibration.source], calibration.seq_len

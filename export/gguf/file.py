@@ -390,6 +390,14 @@ def architecture_of(model: nn.Module) -> GGUFArch:
     return ARCHITECTURES[model_type]
 
 
+def tensor_names(model: nn.Module) -> Any:
+    """gguf-py's map from the model's Hugging Face tensor names to llama.cpp's (``get_name``)."""
+    import gguf
+
+    arch = architecture_of(model)
+    return gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.name], model.config.num_hidden_layers)
+
+
 def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
     """The block type of an exact export: ``auto`` picks from the records' schemes."""
     if spec_type != "auto":
@@ -414,13 +422,12 @@ def plan_tensors(
     model: nn.Module, records: dict[str, QuantizedWeight], type_name: str, float_type: str | None, fallback: str | None
 ) -> GGUFPlan:
     """Which GGUF tensor each state-dict tensor becomes, in which type, and why."""
-    import gguf
 
     from compress.hf_model import embeddings_tied
 
     arch = architecture_of(model)
     cfg = model.config
-    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.name], cfg.num_hidden_layers)
+    names = tensor_names(model)
     matrix_default = float_type or (type_name if type_name in GGUF_FLOAT_TYPES else "q8_0")
     plan = GGUFPlan(arch)
     tied = embeddings_tied(model)

@@ -22,6 +22,14 @@ class GGUFFormat(ExportFormat):
         """'gguf Q4_1': the block type the file was written in, spelt as llama.cpp writes it."""
         return f"{self.name} {llama_cpp_spelling(entry['type'])}" if entry.get("type") else self.name
 
+    def write_importance(
+        self, directory: Path, model: Any, input_sums: dict[str, Any], datasets: list[str], chunk_size: int
+    ) -> dict[str, Any] | None:
+        """llama.cpp's importance matrix (``imatrix.gguf``, for ``llama-quantize --imatrix``)."""
+        from compress.export.gguf.imatrix import IMATRIX_FILE, write_imatrix
+
+        return write_imatrix(directory / IMATRIX_FILE, model, input_sums, datasets, chunk_size)
+
     def timed_path(self, folder: Path, entry: dict[str, Any]) -> tuple[Path, str] | None:
         return folder / GGUF_FILE, "cpu"
 
