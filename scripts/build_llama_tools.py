@@ -23,12 +23,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def tools_dir(version: str) -> Path:
-    root = Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
-    return root / "llama.cpp-tools" / version
+from compress.export.gguf.tools import TOOLS, tools_dir  # noqa: E402
 
 
 def build(version: str, jobs: int) -> Path:

@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from build_llama_tools import tools_dir  # noqa: E402
 from gguf_grids import EMBEDDING, MODEL, TEXT, data_spec, shape  # noqa: E402
 
 from compress.context import RunContext  # noqa: E402
 from compress.eval.bench_quant import Setting, load_bench_inputs  # noqa: E402
 from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf.imatrix import write_imatrix  # noqa: E402
+from compress.export.gguf.tools import llama_tool  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.gptq import GPTQConfig, GPTQStage  # noqa: E402
 
@@ -47,11 +47,9 @@ OURS, THEIRS = "imatrix.ours.gguf", "imatrix.llama.cpp.gguf"
 
 
 def tool(name: str) -> Path:
-    import importlib.metadata
-
-    path = tools_dir(importlib.metadata.version("llama-cpp-python")) / name
-    if not path.is_file():
-        raise SystemExit(f"{path} is missing: run python scripts/build_llama_tools.py first")
+    path = llama_tool(name)
+    if path is None:
+        raise SystemExit(f"{name} is not built: run python scripts/build_llama_tools.py first")
     return path
 
 
@@ -84,7 +82,8 @@ def theirs(args: argparse.Namespace, reporter: Reporter) -> None:
     text.write_text("\n".join(lm.tokenizer.decode(row) for row in calibration.tokens.tolist()))
     started = time.perf_counter()
     command = [str(tool("llama-imatrix")), "-m", str(f16), "-f", str(text), "-o", str(args.output / THEIRS)]
-    command += ["-c", str(seq_len), "--chunks", str(samples), "-t", str(args.threads), "--no-ppl"]
+    # --no-repack: this machine's CPU reports AMX without granting it, and llama.cpp's AMX path then crashes (docs/exports/gguf.md)
+    command += ["-c", str(seq_len), "--chunks", str(samples), "-t", str(args.threads), "--no-ppl", "--no-repack"]
     subprocess.run(command, check=True)
     facts = {"command": " ".join(command), "seconds": round(time.perf_counter() - started, 1)}
     (args.output / (THEIRS + ".json")).write_text(json.dumps(facts, indent=2) + "\n")

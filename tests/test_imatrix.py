@@ -98,3 +98,35 @@ def test_a_gptq_run_writes_the_importance_matrix_beside_its_gguf(tmp_path: Path,
     back, meta = read_imatrix(out / "exports" / "q4" / IMATRIX_FILE)
     assert len(back) == 14 and meta["chunk_count"] * meta["chunk_size"] == facts["tokens"]
     assert all(np.isfinite(s).all() and (s >= 0).all() and s.sum() > 0 for s, _ in back.values())
+
+
+@pytest.mark.runtime
+def test_llama_cpps_own_quantizer_loads_our_importance_matrix(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """llama-quantize (built from the llama.cpp the binding vendors) reads every entry of our file."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from compress.export.gguf import file as G
+    from compress.export.gguf.tools import llama_tool
+
+    quantize = llama_tool("llama-quantize")
+    if quantize is None:
+        pytest.skip("llama.cpp's tools are not built here (python scripts/build_llama_tools.py, about 10 minutes on 2 cores)")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = tiny_llama(len(tokenizer), hidden=256, intermediate=512).eval()
+    f16 = tmp_path / "f16.gguf"
+    G.write_gguf(f16, model, tokenizer, {}, "f16")
+    tokens = torch.randint(0, len(tokenizer), (4, 64), generator=torch.Generator().manual_seed(0))
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: tokens)
+    GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]").apply(model, ctx)
+    write_imatrix(tmp_path / IMATRIX_FILE, model, ctx.input_sums, ["test text"], 64)
+    done = subprocess.run(
+        [str(quantize), "--imatrix", str(tmp_path / IMATRIX_FILE), str(f16), str(tmp_path / "q4_k_m.gguf"), "Q4_K_M", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = done.stdout + done.stderr
+    assert f"loaded 14 importance matrix entries from {tmp_path / IMATRIX_FILE} computed on 4 chunks" in log, log[-3000:]
+    assert "imatrix datasets=['test text']" in log
