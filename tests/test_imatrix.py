@@ -56,6 +56,8 @@ def test_gptq_keeps_what_each_linear_saw_and_the_file_holds_it_under_llama_cpps_
     sums = {**ctx.input_sums, expert: (torch.ones(64), 5)}
     facts = write_imatrix(tmp_path / IMATRIX_FILE, model, sums, ["reference:shakespeare"], 32)
     assert facts["tensors"] == 14 and facts["tokens"] == 192 and facts["not_written"] == [expert]
+    only_experts = write_imatrix(tmp_path / "none.gguf", model, {expert: (torch.ones(64), 5)}, ["t"], 32)
+    assert only_experts["file"] is None and only_experts["not_written"] == [expert] and not (tmp_path / "none.gguf").exists()
     back, meta = read_imatrix(tmp_path / IMATRIX_FILE)
     assert meta == {"datasets": ["reference:shakespeare"], "chunk_size": 32, "chunk_count": 6}
     assert sorted(back) == sorted(

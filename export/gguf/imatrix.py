@@ -36,7 +36,7 @@ def write_imatrix(
     """Write ``input_sums`` (module name -> (Σ x² per input column, tokens)) to ``path`` under
     llama.cpp's tensor names, read it back, and return its manifest facts. Modules llama.cpp has no
     single tensor for (the experts of a fused mixture-of-experts block, which it stores as one 3-D
-    tensor) are listed under ``not_written``."""
+    tensor) are listed under ``not_written``; when that is all of them, no file is written."""
     import gguf
 
     from compress.export.gguf.file import architecture_of, tensor_names
@@ -50,8 +50,13 @@ def write_imatrix(
             not_written.append(module)
             continue
         entries[name] = (sums.detach().to(torch.float32).cpu().numpy(), int(count))
-    if not entries:
-        raise FormatError(f"{path.name}: none of the {len(input_sums)} calibrated layers has a tensor in llama.cpp's map")
+    if not entries:  # nothing llama.cpp could use: no file, said in the manifest (the export itself stands)
+        return {
+            "file": None,
+            "tensors": 0,
+            "not_written": not_written,
+            "why": "no calibrated layer has a tensor of its own in llama.cpp's map",
+        }
     tokens = max(count for _, count in entries.values())
     writer = gguf.GGUFWriter(path, architecture_of(model).name)
     writer.add_type(gguf.GGUFType.IMATRIX)
