@@ -53,8 +53,11 @@ def test_gptq_keeps_what_each_linear_saw_and_the_file_holds_it_under_llama_cpps_
         torch.testing.assert_close(ctx.input_sums[name][0], expected, rtol=1e-4, atol=1e-4)
 
     expert = "model.layers.0.mlp.experts.3.gate_proj"  # llama.cpp holds experts as one 3-D tensor: no entry of its own
-    sums = {**ctx.input_sums, expert: (torch.ones(64), 5)}
-    facts = write_imatrix(tmp_path / IMATRIX_FILE, model, sums, ["reference:shakespeare"], 32)
+    narrowed = "model.layers.1.mlp.down_proj"  # as if a later stage had pruned its inputs to 100: llama.cpp would refuse it
+    changed = {**ctx.input_sums, narrowed: (torch.ones(100), 192), expert: (torch.ones(64), 5)}
+    assert write_imatrix(tmp_path / "changed.gguf", model, changed, ["t"], 32)["not_written"] == [narrowed, expert]
+    assert len(read_imatrix(tmp_path / "changed.gguf")[0]) == 13
+    facts = write_imatrix(tmp_path / IMATRIX_FILE, model, {**ctx.input_sums, expert: (torch.ones(64), 5)}, ["reference:shakespeare"], 32)
     assert facts["tensors"] == 14 and facts["tokens"] == 192 and facts["not_written"] == [expert]
     only_experts = write_imatrix(tmp_path / "none.gguf", model, {expert: (torch.ones(64), 5)}, ["t"], 32)
     assert only_experts["file"] is None and only_experts["not_written"] == [expert] and not (tmp_path / "none.gguf").exists()

@@ -36,7 +36,8 @@ def write_imatrix(
     """Write ``input_sums`` (module name -> (Σ x² per input column, tokens)) to ``path`` under
     llama.cpp's tensor names, read it back, and return its manifest facts. Modules llama.cpp has no
     single tensor for (the experts of a fused mixture-of-experts block, which it stores as one 3-D
-    tensor) are listed under ``not_written``; when that is all of them, no file is written."""
+    tensor), and those whose inputs a later stage made narrower or wider, are listed under
+    ``not_written``; when that is all of them, no file is written."""
     import gguf
 
     from compress.export.gguf.file import architecture_of, tensor_names
@@ -46,7 +47,7 @@ def write_imatrix(
     not_written = []
     for module, (sums, count) in input_sums.items():
         name = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
-        if name is None or name in entries:
+        if name is None or name in entries or _width(model, module) != sums.numel():  # (a later stage changed its inputs)
             not_written.append(module)
             continue
         entries[name] = (sums.detach().to(torch.float32).cpu().numpy(), int(count))
@@ -84,6 +85,14 @@ def write_imatrix(
         "datasets": meta["datasets"],
         "not_written": not_written,
     }
+
+
+def _width(model: nn.Module, module: str) -> int | None:
+    """The input width the exported model has for ``module`` now (None: it has no such Linear)."""
+    try:
+        return int(model.get_submodule(module).in_features)
+    except AttributeError:
+        return None
 
 
 def read_imatrix(path: Path) -> tuple[dict[str, tuple[np.ndarray, float]], dict[str, Any]]:
