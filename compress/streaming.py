@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,15 +160,19 @@ def read_tensors(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     with open(file, "rb") as f:
         for key in keys:
             info = header[key]
-            start, end = info["data_offsets"]
             tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
-            if end > start:
-                f.seek(data_start + start)
-                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-                if f.readinto(view) != end - start:
-                    raise OSError(f"{file}: {key} is cut short")
+            _read_into(f, tensor, data_start + info["data_offsets"][0], f"{file}: {key}")
             out[key] = tensor
     return out
+
+
+def _read_into(f: Any, tensor: torch.Tensor, at: int, what: str) -> None:
+    """Fill ``tensor``'s bytes from ``f`` at offset ``at`` (an OSError naming ``what`` when the file ends first)."""
+    size = tensor.numel() * tensor.element_size()
+    if size:
+        f.seek(at)
+        if f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != size:
+            raise OSError(f"{what} is cut short")
 
 
 def read_rows(file: Path, key: str, start: int, stop: int) -> torch.Tensor:
@@ -178,13 +184,9 @@ def read_rows(file: Path, key: str, start: int, stop: int) -> torch.Tensor:
     if not shape or not 0 <= start <= stop <= shape[0]:
         raise ValueError(f"{file}: {key} {shape} has no rows {start}:{stop}")
     tensor = torch.empty([stop - start, *shape[1:]], dtype=_DTYPES[info["dtype"]])
-    row_bytes = tensor[0].numel() * tensor.element_size() if stop > start else 0
-    size = (stop - start) * row_bytes
-    if size:
-        with open(file, "rb") as f:
-            f.seek(data_start + info["data_offsets"][0] + start * row_bytes)
-            if f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != size:
-                raise OSError(f"{file}: {key} is cut short")
+    row_bytes = math.prod(shape[1:]) * tensor.element_size()
+    with open(file, "rb") as f:
+        _read_into(f, tensor, data_start + info["data_offsets"][0] + start * row_bytes, f"{file}: {key}")
     return tensor
 
 

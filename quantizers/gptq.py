@@ -280,9 +280,9 @@ class GPTQStage:
             for owner in hessians:  # (no loop variable left holding the last Hessian through its solve)
                 mirror_upper(hessians[owner])
             owners = {name: alias.get(name, name) for name in job.linears}
-            for name, owner in owners.items():  # H = 2/n Σ x xᵀ: its diagonal is 2/n Σ x², llama.cpp's importance
-                if owner in hessians:
-                    ctx.input_sums[job.prefix + name] = (input_square_sums(hessians[owner], counts[owner]), counts[owner])
+            # H = 2/n Σ x xᵀ: its diagonal is 2/n Σ x², llama.cpp's importance (once per input; q/k/v share it)
+            sums = {owner: (input_square_sums(h, counts[owner]), counts[owner]) for owner, h in hessians.items()}
+            ctx.input_sums.update({job.prefix + name: sums[owner] for name, owner in owners.items() if owner in sums})
             left = Counter(owners.values())
             for name, module in job.linears.items():
                 owner = owners[name]
