@@ -545,7 +545,10 @@ def bench_gguf(
         ",".join(_GGUF_CANDIDATES),
         help="Comma-separated: METHOD:SETTING (ours, e.g. gptq:W4g32s -> Q4_0, "
         "awq:W4g128a -> Q4_1), METHOD:TYPE (ours on llama.cpp's grid of that type, e.g. gptq:Q4_K, rtn:Q6_K), "
-        "llama.cpp:TYPE (its quantizer on our F16 file, mixes such as Q4_K_M) or llama.cpp-pure:TYPE (every tensor in that one type).",
+        "METHOD:mix@BITS or METHOD:mix@TYPE (ours, a type per layer under a size budget: bits per weight, or the size of "
+        "llama.cpp's own file of that type, e.g. gptq:mix@Q4_K_M), llama.cpp:TYPE (its quantizer on our F16 file, mixes such "
+        "as Q4_K_M), llama.cpp-imatrix:TYPE (the same with llama-imatrix's matrix of the calibration text; needs "
+        "scripts/build_llama_tools.py) or llama.cpp-pure:TYPE (every tensor in that one type).",
     ),
     embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
@@ -553,7 +556,7 @@ def bench_gguf(
     threads: int = typer.Option(os.cpu_count() or 1, help="torch and llama.cpp CPU threads."),
     keep_files: bool = typer.Option(False, help="Keep the GGUF files under OUTPUT/files."),
 ) -> None:
-    """Our exact GPTQ/AWQ Q4_0/Q4_1 GGUFs against llama.cpp's own quantizations, measured in llama.cpp."""
+    """Our exact GGUFs (GPTQ/AWQ/RTN records, one type or a mix under a size budget) against llama.cpp's own quantizations, measured in llama.cpp."""
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
 

@@ -72,6 +72,9 @@ class RunContext:
     """What a calibrated quantizer saw of each Linear's input, by module name: the sum over the
     calibration tokens of each input column's square (float32 [in]) and the number of tokens; the
     GGUF export writes it as llama.cpp's importance matrix (export/gguf/imatrix.py)."""
+    gguf_budget: Any = None
+    """The GGUF export with a size ``target`` (its ``target`` and ``float_type``), for a quantize stage
+    with ``gguf_target: true`` to choose each layer's type under (quantizers/mix.py)."""
     files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Tensors a stage leaves in the artifact: relative safetensors path -> tensors (e.g. importance scores)."""
     work_dir: Path | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy,
 from compress.eval.metrics import compare
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.specs import GGUF_LLAMA_CPP_TYPES
+from compress.export.gguf.tools import llama_imatrix, llama_quantize
+from compress.export.specs import GGUF_LLAMA_CPP_TYPES, GGUFExport
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
 from compress.recipe import DataSpec
@@ -30,6 +32,8 @@ from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
 
 LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_PURE = "llama.cpp-pure"
+LLAMA_CPP_IMATRIX = "llama.cpp-imatrix"
+IMATRIX_FILE = "imatrix.llama.cpp.gguf"
 
 
 @dataclass(frozen=True)
@@ -38,16 +42,20 @@ class Candidate:
     setting: Setting | None  # ours, on our integer grid
     type_name: str  # GGUF type: auto-resolved for ours, llama.cpp's for theirs
     gguf_type: str | None = None  # ours, on llama.cpp's grid of this type
+    budget: str | None = None  # ours, a mix under a size budget: bits per weight ("3.9"), or a llama.cpp type whose file to match
 
     @property
     def llama_cpp(self) -> bool:
-        return self.source in (LLAMA_CPP, LLAMA_CPP_PURE)
+        return self.source in (LLAMA_CPP, LLAMA_CPP_PURE, LLAMA_CPP_IMATRIX)
 
     @classmethod
     def parse(cls, text: str) -> Candidate:
         """``gptq:W4g32s`` (ours; Q4_0 for symmetric, Q4_1 for asymmetric), ``gptq:Q4_K`` (ours on that
-        type's own grid, packed exactly), ``llama.cpp:q4_k_m`` or ``llama.cpp-pure:q4_k`` (every tensor in
-        that one type, as llama-quantize --pure; rows it cannot hold get its fallback)."""
+        type's own grid, packed exactly), ``gptq:mix@3.9`` / ``gptq:mix@q4_k_m`` (ours, a type per layer
+        under a budget: bits per weight, or the size of llama.cpp's own file of that type), ``llama.cpp:q4_k_m``,
+        ``llama.cpp-imatrix:q4_k_m`` (llama-quantize with llama-imatrix's matrix of the same calibration
+        text; needs scripts/build_llama_tools.py) or ``llama.cpp-pure:q4_k`` (every tensor in that one
+        type, as llama-quantize --pure; rows it cannot hold get its fallback)."""
         source, sep, rest = text.strip().partition(":")
         rest = str(normalize_type(rest))
         if not sep:
@@ -55,7 +63,7 @@ class Candidate:
                 f"candidate '{text}': expected METHOD:SETTING (gptq:W4g32s), METHOD:TYPE (gptq:q4_k), llama.cpp:TYPE "
                 "(llama.cpp:q4_k_m) or llama.cpp-pure:TYPE (llama.cpp-pure:q4_k)"
             )
-        if source == LLAMA_CPP:
+        if source in (LLAMA_CPP, LLAMA_CPP_IMATRIX):
             if rest not in GGUF_LLAMA_CPP_TYPES:
                 raise ValueError(f"candidate '{text}': llama.cpp type must be one of {', '.join(GGUF_LLAMA_CPP_TYPES)}")
             return cls(source, None, rest)
@@ -67,6 +75,17 @@ class Candidate:
             raise ValueError(f"candidate '{text}': unknown method '{source}'; known: {', '.join(QUANT_METHODS)}")
         if rest in GGUF_GRIDS:
             return cls(source, None, rest, gguf_type=rest)
+        if rest.startswith("mix@"):
+            budget = rest[4:]
+            try:
+                float(budget)
+            except ValueError:
+                if budget not in GGUF_LLAMA_CPP_TYPES:
+                    raise ValueError(
+                        f"candidate '{text}': mix@ takes bits per weight (mix@3.9) or a llama.cpp type whose file size to match "
+                        f"({', '.join(GGUF_LLAMA_CPP_TYPES)})"
+                    ) from None
+            return cls(source, None, "mix", budget=budget)
         setting = Setting.parse(rest)
         if setting.bits != 4:
             raise ValueError(f"candidate '{text}': exact GGUF blocks here are 4-bit (Q4_0 / Q4_1)")
@@ -76,6 +95,11 @@ class Candidate:
     def name(self) -> str:
         if self.source == LLAMA_CPP:
             return f"llama.cpp {self.type_name.upper()}"
+        if self.source == LLAMA_CPP_IMATRIX:
+            return f"llama.cpp {self.type_name.upper()} with its imatrix"
+        if self.budget is not None:
+            at = f"{self.budget} bits/weight" if self.budget[0].isdigit() else f"the size of llama.cpp's {self.budget.upper()}"
+            return f"{self.source} mix at {at}"
         if self.source == LLAMA_CPP_PURE:
             return f"llama.cpp {self.type_name.upper()} (pure)"
         if self.gguf_type is not None:
@@ -138,16 +162,30 @@ def run_gguf_bench(
     try:
         for cand in candidates:
             reporter.info(f"[bold]{cand.name}[/]")
-            path = files / f"{cand.name.split(' ->')[0].replace(' ', '_')}.{cand.type_name}.gguf"
+            path = files / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', cand.name.split(' ->')[0])}.{cand.type_name}.gguf"
             seconds = 0.0
-            if cand.llama_cpp:
+            row: dict[str, Any] = {}
+            if cand.source == LLAMA_CPP_IMATRIX:
+                imatrix = files / IMATRIX_FILE
+                if not imatrix.is_file():
+                    with reporter.status("llama-imatrix on the calibration text"):
+                        row["imatrix_command"] = llama_cpp_imatrix(f16, calibration, lm.tokenizer, imatrix, threads)
+                with reporter.status(f"llama-quantize to {cand.type_name} with its imatrix"):
+                    llama_quantize(f16, path, cand.type_name, threads, embedding_type, imatrix)
+                exact = 0
+            elif cand.llama_cpp:
                 with reporter.status(f"llama.cpp quantizing to {cand.type_name}"):
                     gguf_runtime.quantize(
                         f16, path, cand.type_name, threads, token_embedding_type=embedding_type, pure=cand.source == LLAMA_CPP_PURE
                     )
                 exact = 0
             else:
-                model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type)
+                budget = None
+                if cand.budget is not None:
+                    bits = budget_bits(cand.budget, f16, files, threads, embedding_type)
+                    row["budget_bits_per_weight"] = round(bits, 4)
+                    budget = GGUFExport(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
+                model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget)
                 facts = gguf_writer.write_gguf(
                     path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type, tokenizer_from=tokenizer_from
                 )
@@ -165,8 +203,11 @@ def run_gguf_bench(
             finally:
                 runtime.close()
             result["reference"]["metrics"] = metrics["baseline"]
+            tensor_bytes, params = gguf_writer.tensor_totals(path)
             result["rows"].append(
                 {
+                    **row,
+                    "bits_per_weight": round(8 * tensor_bytes / params, 4),
                     "name": cand.name,
                     "source": cand.source,
                     "setting": cand.setting.label if cand.setting else cand.gguf_type,
@@ -189,6 +230,34 @@ def run_gguf_bench(
     return result
 
 
+def budget_bits(budget: str, f16: Path, files: Path, threads: int, embedding_type: str) -> float:
+    """Bits per weight of a mix budget: the number given, or those of llama.cpp's own file of that type
+    (made from the same F16 file with the same embedding type, measured, deleted)."""
+    try:
+        return float(budget)
+    except ValueError:
+        pass
+    like = files / f"budget.{budget}.gguf"
+    gguf_runtime.quantize(f16, like, budget, threads, token_embedding_type=embedding_type)
+    try:
+        tensor_bytes, params = gguf_writer.tensor_totals(like)
+    finally:
+        like.unlink()
+    return 8 * tensor_bytes / params
+
+
+def llama_cpp_imatrix(f16: Path, calibration: Any, tokenizer: Any, out: Path, threads: int) -> str:
+    """llama-imatrix's importance matrix of the F16 file over the calibration chunks (as text, which it
+    tokenizes again in chunks of the same length); returns the command."""
+    if calibration is None:
+        raise ValueError("llama.cpp-imatrix candidates need calibration data")
+    text = out.with_suffix(".txt")
+    text.write_text("\n".join(tokenizer.decode(row) for row in calibration.tokens.tolist()))
+    samples, seq_len = calibration.tokens.shape
+    command = llama_imatrix(f16, text, out, int(seq_len), int(samples), threads)
+    return " ".join(command)
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     ref = result["reference"]
     lines = [
@@ -204,13 +273,14 @@ def markdown_table(result: dict[str, Any]) -> str:
 def candidate_rows(rows: list[dict[str, Any]], kl_label: str) -> list[str]:
     """Markdown header and one row per file-format candidate (size, KL, top-1, perplexity, decode speed, quantize time)."""
     lines = [
-        f"| candidate | file, MiB | {kl_label} | top-1 agreement | perplexity | decode tokens/s | quantize, s |",
-        "|---|---|---|---|---|---|---|",
+        f"| candidate | file, MiB | bits/weight | {kl_label} | top-1 agreement | perplexity | decode tokens/s | quantize, s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["metrics"]
+        bits = f"{r['bits_per_weight']:.3f}" if "bits_per_weight" in r else "—"
         lines.append(
-            f"| {r['name']} | {r['size_bytes'] / 2**20:.2f} | {m['kl_divergence']:.4f} | {m['top1_agreement']:.2%} | "
+            f"| {r['name']} | {r['size_bytes'] / 2**20:.2f} | {bits} | {m['kl_divergence']:.4f} | {m['top1_agreement']:.2%} | "
             f"{m['perplexity']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['quantize_seconds'] or '—'} |"
         )
     return lines

@@ -57,10 +57,17 @@ def write_results(out_dir: Path, result: dict[str, Any], table: str) -> None:
 
 
 def quantize_copy(
-    lm: Any, calibration: Any, method: str, setting: Setting | None, reporter: Reporter, gguf_type: str | None = None
+    lm: Any,
+    calibration: Any,
+    method: str,
+    setting: Setting | None,
+    reporter: Reporter,
+    gguf_type: str | None = None,
+    budget: Any = None,
 ) -> tuple[Any, dict[str, Any], float]:
     """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` (or on llama.cpp's ``gguf_type``
-    grid) on the calibration chunks: (model, records, seconds)."""
+    grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExport with a
+    target) on the calibration chunks: (model, records, seconds)."""
     import copy
     import time
 
@@ -69,12 +76,15 @@ def quantize_copy(
     if calibration is None:
         raise ValueError(f"{method} needs calibration data")
     spec = quant_method(method)
-    if setting is None:
+    if budget is not None:
+        config = spec.config(method=method, gguf_target=True)
+    elif setting is None:
         config = spec.config(method=method, gguf_type=gguf_type)
     else:
         config = spec.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
     model = copy.deepcopy(lm.model)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
+    ctx.gguf_budget = budget
     started = time.perf_counter()
     spec.build(config, "bench").apply(model, ctx)
     return model, ctx.quantized, time.perf_counter() - started

@@ -71,37 +71,39 @@ def quantize_each_layer(
     quantize: Callable[[torch.Tensor, QuantScheme], QuantizedWeight],
 ) -> StageRecord:
     """Run a calibration-free ``quantize(weight, scheme)`` on every selected layer independently."""
+    from compress.quantizers.mix import layer_schemes
+
     start = time.perf_counter()
-    scheme = cfg.scheme()
     chosen, unused_ignore = select_or_fail(model, cfg, label)
+    scheme_of, mix = layer_schemes(model, ctx, cfg, dict(chosen), label)
     layers: dict[str, dict] = {}
     # One streamed unit (a block, the head) at a time: read, quantize its layers, written back.
     by_unit: dict[int, tuple[nn.Module | None, list[tuple[str, nn.Linear]]]] = {}
     for name, module in chosen:
         unit = streaming.owner(model, name)
         by_unit.setdefault(id(unit), (unit, []))[1].append((name, module))
-    progress = ctx.reporter.track(list(by_unit.values()), f"{label} {cfg.method} {scheme.describe()}")
+    progress = ctx.reporter.track(list(by_unit.values()), f"{label} {cfg.method} {cfg.describe_scheme()}")
     for unit, members in progress:
         with streaming.resident(unit, write_back=True) if unit is not None else contextlib.nullcontext():
             for name, module in members:
-                record = quantize(module.weight.detach().to(ctx.device), scheme)
+                record = quantize(module.weight.detach().to(ctx.device), scheme_of(name))
                 layers[name] = install_record(model, name, module, record, ctx, label)
     return StageRecord(
         kind="quantize",
         method=cfg.method,
         config=cfg.model_dump(mode="json"),
         duration_s=time.perf_counter() - start,
-        summary=summarize(layers, unused_ignore, scheme),
+        summary={**summarize(layers, unused_ignore, cfg.summary_scheme()), **({"gguf_mix": mix} if mix else {})},
         layers=layers,
     )
 
 
-def summarize(layers: dict[str, dict], unused_ignore: list[str], scheme: QuantScheme) -> dict:
+def summarize(layers: dict[str, dict], unused_ignore: list[str], scheme: QuantScheme | None) -> dict:
     params = sum(layer["shape"][0] * layer["shape"][1] for layer in layers.values())
     bits = sum(layer["shape"][0] * layer["shape"][1] * layer["bits_per_weight"] for layer in layers.values())
     sqnrs = [layer["sqnr_db"] for layer in layers.values()]
     return {
-        "scheme": scheme.model_dump(mode="json"),
+        "scheme": None if scheme is None else scheme.model_dump(mode="json"),  # None: per layer, in each layer's entry
         "layers_quantized": len(layers),
         "params_quantized": params,
         "bits_per_weight": round(bits / params, 4),

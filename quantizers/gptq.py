@@ -22,7 +22,8 @@ from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
 from compress.quantizers.core import QuantizedWeight, QuantScheme, one_cpu_thread
 from compress.quantizers.gguf_grid import GridParams
-from compress.quantizers.sequential import BlockJob, run_layerwise
+from compress.quantizers.mix import layer_schemes
+from compress.quantizers.sequential import BlockJob, run_layerwise, select_block_linears
 from compress.schema.quantize import GPTQConfig
 
 HESSIAN_STRIP = 1024
@@ -245,7 +246,8 @@ class GPTQStage:
             from compress.quantizers.llmcompressor_backend import apply_llmcompressor
 
             return apply_llmcompressor(model, ctx, cfg, self.label)
-        scheme = cfg.scheme()
+        selected, _ = select_block_linears(model, cfg, self.label, "gptq", quantizes_head=True)
+        scheme_of, mix = layer_schemes(model, ctx, cfg, selected, self.label)
 
         def process(job: BlockJob, arch: Architecture) -> None:
             hessians: dict[str, torch.Tensor] = {}
@@ -292,11 +294,12 @@ class GPTQStage:
                     box = [torch.zeros(module.in_features, module.in_features, device=ctx.device)]
                 else:  # the last linear sharing a Hessian takes it, the others a copy
                     box = [hessians[owner].clone() if left[owner] else hessians.pop(owner)]
-                record, info = gptq_quantize(module.weight, box, scheme, cfg.dampening, cfg.block_size, cfg.act_order)
                 full = job.prefix + name
+                record, info = gptq_quantize(module.weight, box, scheme_of(full), cfg.dampening, cfg.block_size, cfg.act_order)
                 job.layer_info[full] = {
                     **install_record(model, full, module, record, ctx, self.label),
                     **{k: round(v, 6) for k, v in info.items()},
                 }
 
-        return run_layerwise(model, ctx, cfg, self.label, "gptq", process, cfg.batch_size, quantizes_head=True)
+        extra = {"gguf_mix": mix} if mix else None
+        return run_layerwise(model, ctx, cfg, self.label, "gptq", process, cfg.batch_size, extra, quantizes_head=True)

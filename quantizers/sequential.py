@@ -223,7 +223,7 @@ def run_layerwise(
     layer_info: dict[str, dict] = {}
     coverage: list[dict[str, Any]] = []  # routed tokens per expert of each MoE block
     moe = getattr(cfg, "moe", None) or MoECalibration()
-    for i in ctx.reporter.track(range(len(blocks)), f"{label} {method} {cfg.scheme().describe()}", total=len(blocks)):
+    for i in ctx.reporter.track(range(len(blocks)), f"{label} {method} {cfg.describe_scheme()}", total=len(blocks)):
         t0 = time.perf_counter()
         prefix = f"{arch.blocks}.{i}."
         quantizes = any(n.startswith(prefix) for n in selected)
@@ -256,7 +256,7 @@ def run_layerwise(
     move_outside_blocks(model, arch.blocks, home)
     del hidden, kwargs
     model.train(was_training)
-    summary = summarize(layer_info, unused_ignore, cfg.scheme())
+    summary = summarize(layer_info, unused_ignore, cfg.summary_scheme())
     summary.update(
         calibration_tokens=int(tokens.numel()),
         peak_memory_mb=max([b["peak_memory_mb"] for b in per_block] + ([head_step["peak_memory_mb"]] if head_step else [])),

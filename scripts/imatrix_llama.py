@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,18 +38,11 @@ from compress.context import RunContext  # noqa: E402
 from compress.eval.bench_quant import Setting, load_bench_inputs  # noqa: E402
 from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf.imatrix import write_imatrix  # noqa: E402
-from compress.export.gguf.tools import llama_tool  # noqa: E402
+from compress.export.gguf.tools import llama_imatrix, llama_quantize  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.gptq import GPTQConfig, GPTQStage  # noqa: E402
 
 OURS, THEIRS = "imatrix.ours.gguf", "imatrix.llama.cpp.gguf"
-
-
-def tool(name: str) -> Path:
-    path = llama_tool(name)
-    if path is None:
-        raise SystemExit(f"{name} is not built: run python scripts/build_llama_tools.py first")
-    return path
 
 
 def inputs(args: argparse.Namespace, reporter: Reporter):
@@ -81,10 +73,7 @@ def theirs(args: argparse.Namespace, reporter: Reporter) -> None:
     text = args.output / "calibration.txt"
     text.write_text("\n".join(lm.tokenizer.decode(row) for row in calibration.tokens.tolist()))
     started = time.perf_counter()
-    command = [str(tool("llama-imatrix")), "-m", str(f16), "-f", str(text), "-o", str(args.output / THEIRS)]
-    # --no-repack: this machine's CPU reports AMX without granting it, and llama.cpp's AMX path then crashes (docs/exports/gguf.md)
-    command += ["-c", str(seq_len), "--chunks", str(samples), "-t", str(args.threads), "--no-ppl", "--no-repack"]
-    subprocess.run(command, check=True)
+    command = llama_imatrix(f16, text, args.output / THEIRS, seq_len, samples, args.threads)
     facts = {"command": " ".join(command), "seconds": round(time.perf_counter() - started, 1)}
     (args.output / (THEIRS + ".json")).write_text(json.dumps(facts, indent=2) + "\n")
 
@@ -98,12 +87,8 @@ def quantize(args: argparse.Namespace, reporter: Reporter) -> None:
     ]
     for name, matrix in variants:
         out = args.output / f"llama.cpp-imatrix-{name}.{args.type}.gguf"
-        command = [str(tool("llama-quantize")), "--token-embedding-type", EMBEDDING]
-        if matrix is not None:
-            command += ["--imatrix", str(matrix)]
-        command += [str(f16), str(out), args.type.upper(), str(args.threads)]
         started = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True)
+        llama_quantize(f16, out, args.type, args.threads, EMBEDDING, matrix)
         label = "no importance matrix" if matrix is None else f"{'our' if name == 'ours' else 'its own'} importance matrix"
         facts = {
             "candidate": f"llama.cpp {args.type.upper()}, {label}",

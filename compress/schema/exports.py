@@ -110,6 +110,55 @@ GGUF_LLAMA_CPP_TYPES = (
 GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
 
 
+MIX_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0")
+"""The types a budget chooses from by default: the K-quant ladder and Q8_0 (each row width maps to
+the type or its fallback, compress/schema/gguf_types.py)."""
+
+
+class GGUFTarget(Strict):
+    """A size budget for a GGUF export: one block type per quantized tensor, chosen from measured
+    sensitivity so that the file keeps within the budget (docs/exports/gguf.md, "Mixed precision")."""
+
+    bits_per_weight: float | None = Field(
+        None,
+        gt=1,
+        le=16,
+        description="Average bits per weight of the whole file's tensors (all of them: embeddings, norms and the quantized "
+        "matrices), as llama.cpp reports it (tensor bytes x 8 / parameters).",
+    )
+    size_mib: float | None = Field(None, gt=0, description="Largest file size in MiB (2**20 bytes), metadata included.")
+    types: list[str] = Field(
+        default_factory=lambda: list(MIX_TYPES),
+        min_length=1,
+        description="Block types a quantized tensor may get (llama.cpp's spellings accepted); a row width that a K-quant "
+        "does not divide gets the type's fallback, as llama.cpp does.",
+    )
+    samples: int = Field(
+        8,
+        ge=1,
+        description="Calibration chunks the sensitivity pass (one forward and one backward through the model, block by block) runs on.",
+    )
+
+    @field_validator("types", mode="before")
+    @classmethod
+    def _spellings(cls, v: object) -> object:
+        return [normalize_type(t) for t in v] if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> GGUFTarget:
+        if (self.bits_per_weight is None) == (self.size_mib is None):
+            raise ValueError("target: give exactly one of bits_per_weight and size_mib")
+        unknown = [t for t in self.types if t not in GGUF_GRID_TYPES]
+        if unknown:
+            raise ValueError(
+                f"target.types: {', '.join(unknown)} is not a block type our quantizers make; expected {', '.join(GGUF_GRID_TYPES)}"
+            )
+        return self
+
+    def describe(self) -> str:
+        return f"{self.bits_per_weight:g} bits/weight" if self.bits_per_weight is not None else f"{self.size_mib:g} MiB"
+
+
 class GGUFExport(_Export):
     """A GGUF file for llama.cpp (exports/<name>/model.gguf), verified in llama.cpp."""
 
@@ -154,6 +203,12 @@ class GGUFExport(_Export):
         description="Largest KL (nats/token) allowed between llama.cpp on this file and our in-memory model with "
         "the same weights; llama.cpp quantizes activations internally, so it is small but not zero. A larger value is a layout bug.",
     )
+    target: GGUFTarget | None = Field(
+        None,
+        description="A size budget ({bits_per_weight: 3.9} or {size_mib: 80}): each quantized tensor gets the block type "
+        "a quantize stage with `gguf_target: true` chose for it from measured sensitivity, within the budget (type auto, "
+        "quantizer records). The choice and the size reached go into the manifest.",
+    )
 
     _quantizer_defaulted: bool = PrivateAttr(False)
 
@@ -187,6 +242,11 @@ class GGUFExport(_Export):
             raise ValueError(f"gguf type '{self.type}' with quantizer {self.quantizer}: expected one of {', '.join(allowed)}")
         if self.quantizer == "llama.cpp" and self.fallback is not None:
             raise ValueError("fallback applies to quantizer records; llama.cpp's quantizer chooses its own types")
+        if self.target is not None and (self.type != "auto" or self.quantizer != "records"):
+            raise ValueError(
+                f"target picks a type per tensor, and this export names type {self.type.upper()} with quantizer {self.quantizer}; "
+                "leave type and quantizer out (auto, records)"
+            )
         return self
 
 

@@ -13,7 +13,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from compress.schema.base import StageConfig, Strict
 from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS, GGUFGrid, llama_cpp_spelling, normalize_type
@@ -49,6 +49,11 @@ class QuantScheme(Strict):
     @model_validator(mode="before")
     @classmethod
     def _fill_from_gguf_type(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("gguf_target") is True and data.get("gguf_type") is None:
+            given = [k for k in ("bits", "group_size", "symmetric", "scale_dtype") if k in data]
+            if given:
+                raise ValueError(f"gguf_target: true gives each layer a GGUF type's scheme; remove {', '.join(given)}")
+            return {**data, "bits": 4}  # unused: every layer's scheme is its chosen type's (WeightQuantConfig.summary_scheme)
         if not isinstance(data, dict) or data.get("gguf_type") is None:
             return data
         name = normalize_type(data["gguf_type"])
@@ -133,8 +138,29 @@ class WeightQuantConfig(QuantScheme, StageConfig):
         "`ignore: []` quantizes it too (rtn, gptq; a head tied to the embeddings is untied, the embedding table stays float).",
     )
 
+    gguf_target: bool = Field(
+        False,
+        description="Quantize each layer on the GGUF block type that the recipe's GGUF export's `target:` (a size "
+        "budget) chooses for it from measured sensitivity (rtn, gptq; leave gguf_type out). The choice is in the "
+        "stage's summary (`gguf_mix`).",
+    )
+
+    @model_validator(mode="after")
+    def _target_or_type(self) -> WeightQuantConfig:
+        if self.gguf_target and self.gguf_type is not None:
+            raise ValueError("gguf_target: true chooses a gguf_type per layer; remove gguf_type")
+        return self
+
     def scheme(self) -> QuantScheme:
         return QuantScheme(**{k: getattr(self, k) for k in QuantScheme.model_fields})
+
+    def describe_scheme(self) -> str:
+        """The scheme for progress lines: the stage's own, or a budget's per-layer GGUF types."""
+        return "GGUF types per layer under the export's target" if self.gguf_target else self.scheme().describe()
+
+    def summary_scheme(self) -> QuantScheme | None:
+        """The scheme every layer shares (for the stage's summary), or None with ``gguf_target`` (each layer's is in its record)."""
+        return None if self.gguf_target else self.scheme()
 
     @property
     def selects_head(self) -> bool:
@@ -149,7 +175,7 @@ class RTNConfig(WeightQuantConfig):
 
     @property
     def needs_calibration(self) -> bool:
-        return False
+        return self.gguf_target  # the budget's sensitivity pass runs on calibration text
 
 
 class MoECalibration(Strict):
@@ -206,8 +232,9 @@ class CalibratedConfig(WeightQuantConfig):
 
     @model_validator(mode="after")
     def _backend_keeps_head_float(self) -> CalibratedConfig:
-        if self.gguf_type is not None and self.backend == "llmcompressor":
-            raise ValueError("gguf_type needs backend: compress (llmcompressor quantizes on its own integer grids)")
+        if (self.gguf_type is not None or self.gguf_target) and self.backend == "llmcompressor":
+            key = "gguf_type" if self.gguf_type is not None else "gguf_target"
+            raise ValueError(f"{key} needs backend: compress (llmcompressor quantizes on its own integer grids)")
         if self.selects_head and self.backend == "llmcompressor":
             raise ValueError(
                 f"backend llmcompressor does not quantize the output head ({HEAD}); keep {HEAD} in `ignore` (the default), "
@@ -251,8 +278,9 @@ class AWQConfig(CalibratedConfig):
 
     @model_validator(mode="after")
     def _head_stays_float(self) -> AWQConfig:
-        if self.gguf_type is not None:
-            raise ValueError("gguf_type is supported by methods rtn and gptq; awq quantizes on its own integer grid (omit gguf_type)")
+        if self.gguf_type is not None or self.gguf_target:
+            key = "gguf_type" if self.gguf_type is not None else "gguf_target"
+            raise ValueError(f"{key} is supported by methods rtn and gptq; awq quantizes on its own integer grid (omit {key})")
         if self.selects_head and self.backend == "compress":  # llmcompressor: refused by CalibratedConfig
             raise ValueError(
                 f"awq does not quantize the output head ({HEAD}) yet: its scales would have to fold into the final norm. "
@@ -287,11 +315,11 @@ class LLMInt8Config(WeightQuantConfig):
         "torch._int_mm otherwise; torch: always torch; bitsandbytes: always bitsandbytes (its CPU kernels off CUDA).",
     )
 
-    @field_validator("gguf_type")
+    @field_validator("gguf_type", "gguf_target")
     @classmethod
-    def _no_gguf_type(cls, v: str | None) -> str | None:
-        if v is not None:
-            raise ValueError("llm_int8 has a fixed int8 scheme; gguf_type applies to methods rtn and gptq")
+    def _no_gguf_type(cls, v: str | bool | None, info: ValidationInfo) -> str | bool | None:
+        if v:
+            raise ValueError(f"llm_int8 has a fixed int8 scheme; {info.field_name} applies to methods rtn and gptq")
         return v
 
     @field_validator("bits")

@@ -369,6 +369,7 @@ class Recipe(Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"gate names must be unique; repeated: {', '.join(dupes)} (give each a `name`)")
+        self._check_gguf_target()
         for i, stage in enumerate(self.stages):
             cfg = stage.config
             if cfg.needs_calibration and self.data.calibration is None:
@@ -383,6 +384,26 @@ class Recipe(Strict):
                         f"{stage.kind} changes float weights, so put it before quantization"
                     )
         return self
+
+    def _check_gguf_target(self) -> None:
+        """A GGUF export's size budget and the quantize stage that quantizes each layer on the type it picks go together."""
+        chooser = [f"stages[{i}]" for i, st in enumerate(self.stages) if getattr(st.config, "gguf_target", False)]
+        targets = [x.name for x in self.exports if getattr(x, "target", None) is not None]
+        if chooser and not targets:
+            raise ValueError(f"{chooser[0]}: gguf_target: true takes its budget from a GGUF export's `target:`, and no export has one")
+        if targets and not chooser:
+            raise ValueError(
+                f"export '{targets[0]}': target picks a block type per layer for a quantize stage to quantize on; "
+                "add `gguf_target: true` to a gptq or rtn quantize stage"
+            )
+        if len(chooser) > 1 or len(targets) > 1:
+            raise ValueError(
+                f"one size budget per recipe: stages {', '.join(chooser)} set gguf_target and exports {', '.join(targets)} set target"
+            )
+
+    def gguf_budget(self) -> Any:
+        """The GGUF export with a size budget (``target:``), or None."""
+        return next((x for x in self.exports if getattr(x, "target", None) is not None), None)
 
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json", exclude={"publish"}), sort_keys=True, separators=(",", ":"))

@@ -71,6 +71,7 @@ def apply(run: Run, source: Source) -> Staged | None:
         work_dir=work_dir_for(run.out_dir),
         load_teacher=lambda name: load_teacher(run, name),
         source_sha256=source.lm.facts.get("sha256"),
+        gguf_budget=recipe.gguf_budget(),
         run_id=hashlib.sha256(f"{recipe.sha256()}|{source.lm.facts.get('sha256')}".encode()).hexdigest(),
     )
     if store is not None:  # a streamed model's records wait on disk too, not in memory

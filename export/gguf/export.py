@@ -110,6 +110,8 @@ def export(
     }
     if kv_hint is not None:
         entry["kv_cache"] = kv_hint
+    if spec.target is not None:
+        entry["target"] = check_target(path, spec, label)
     evaluations: list[Evaluation] = []
     if spec.verify:
         evaluation = verify(
@@ -121,6 +123,29 @@ def export(
         entry["verified"] = True
         entry["check"] += "; verified in llama.cpp (tokenizer parity, same-weights KL, metrics vs baseline)"
     return entry, evaluations
+
+
+def check_target(path: Path, spec: GGUFExport, label: str) -> dict[str, Any]:
+    """The written file against the export's size budget: its tensor bytes, bits per weight (tensor
+    bytes x 8 / parameters, as llama.cpp reports them) and file size; over the budget is an error."""
+    target = spec.target
+    assert target is not None
+    tensor_bytes, params = gguf_writer.tensor_totals(path)
+    size = path.stat().st_size
+    reached = {
+        "requested": target.model_dump(mode="json", exclude={"types", "samples"}),
+        "bits_per_weight": round(8 * tensor_bytes / params, 4),
+        "tensor_bytes": tensor_bytes,
+        "file_bytes": size,
+        "parameters": params,
+    }
+    over = 8 * tensor_bytes / params > target.bits_per_weight if target.bits_per_weight is not None else size > target.size_mib * 2**20
+    if over:
+        raise FormatError(
+            f"{label}: the GGUF file is over its target ({target.describe()}): {reached['bits_per_weight']} bits/weight, "
+            f"{size / 2**20:.2f} MiB. Were the records quantized by a stage with gguf_target: true for this export?"
+        )
+    return reached
 
 
 KV_CACHE_CHUNKS = 4  # evaluation chunks the llama.cpp KV-cache check scores

@@ -29,6 +29,7 @@ of a head as adjacent rows); whole rows move, so the records stay exact.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from compress.schema.gguf_types import GGUF_GRIDS, QK_K
 from compress.streaming import tensors
 
 BLOCK = 32
+MIX = "mix"  # the export's type when each record keeps the GGUF type of its own grid (a size budget's choice)
 METADATA_NAMESPACE = "compress"
 
 
@@ -409,6 +411,8 @@ def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
     for name in grids - {None}:  # records on a type's grid (and its fallbacks'): that type
         if grids <= set(GGUF_GRIDS[name].family):
             return name
+    if None not in grids:  # every record on a grid of its own choosing (a size budget's mix): each its own type
+        return MIX
     if schemes == {(4, True)}:
         return "q4_0"
     if {b for b, _ in schemes} == {4}:
@@ -448,7 +452,7 @@ def plan_tensors(
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         if hf_name.endswith(".weight") and module in records:
             record = records[module]
-            tensor_type = type_name
+            tensor_type = record.scheme.gguf_type if type_name == MIX else type_name
             if type_name in GGUF_GRIDS and GGUF_GRIDS[type_name].for_width(record.shape[1]).name != type_name:
                 grid = GGUF_GRIDS[type_name]
                 tensor_type = grid.for_width(record.shape[1]).name
@@ -747,29 +751,8 @@ def write_gguf(
     """Write ``model`` (records packed exactly where ``type_name`` allows) to ``path``; return facts.
     ``tokenizer_from``: a GGUF source whose tokenizer is copied as it is (else it is built from
     ``tokenizer``'s tokenizer.json)."""
-    import gguf
-
     plan = plan_tensors(model, records, type_name, float_type, fallback)
-    writer = gguf.GGUFWriter(path, plan.arch.name)
-    writer.add_name(str(getattr(model.config, "_name_or_path", "") or plan.arch.name))
-    add_hyperparameters(writer, model, plan.arch)
-    writer.add_file_type(file_type(type_name))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    n_vocab = int(model.config.vocab_size)
-    if tokenizer_from is not None:
-        tok_facts = copy_tokenizer(writer, tokenizer_from, n_vocab, pre_tokenizer)
-    else:
-        tok_facts = add_tokenizer(writer, tokenizer, n_vocab, pre_tokenizer)
-    for key, value in (extra_metadata or {}).items():
-        writer.add_string(f"{METADATA_NAMESPACE}.{key}", value if isinstance(value, str) else json.dumps(value, sort_keys=True))
-    # Two passes, so that only one tensor's bytes are in memory at a time: the tensor-info table
-    # from the plan's shapes and types, then each tensor's data as it is made.
-    for t in plan.tensors:
-        info_shape, dtype, nbytes, raw = t.info()
-        writer.add_tensor_info(t.gguf_name, info_shape, dtype, nbytes, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
+    writer, tok_facts = _write_header(path, model, tokenizer, plan, type_name, pre_tokenizer, extra_metadata, tokenizer_from)
     floats = {t.hf_name for t in plan.tensors if t.source not in ("record", "dequantized", "fallback")}
     # The plan follows the state dict's order; the float tensors are read one streamed unit at a time.
     streamed = ((name, tensor) for name, tensor in tensors(model, keep_tied=True) if name in floats)
@@ -803,6 +786,65 @@ def write_gguf(
         "tokenizer": tok_facts,
         "plan": plan,
     }
+
+
+def _write_header(
+    path: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    plan: GGUFPlan,
+    type_name: str,
+    pre_tokenizer: str,
+    extra_metadata: dict[str, Any] | None,
+    tokenizer_from: Path | None,
+) -> tuple[Any, dict[str, Any]]:
+    """Open the GGUF writer and write everything before the tensor data: the header, the metadata
+    (hyperparameters, tokenizer, ``extra_metadata``) and the tensor table from the plan's shapes and
+    types (two passes, so that only one tensor's bytes are in memory at a time)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, plan.arch.name)
+    writer.add_name(str(getattr(model.config, "_name_or_path", "") or plan.arch.name))
+    add_hyperparameters(writer, model, plan.arch)
+    if type_name == MIX:  # general.file_type is only shown by llama.cpp: the type holding the most weights names a mix
+        weights: Counter[str] = Counter()
+        for t in plan.tensors:
+            if t.source == "record":
+                weights[t.type_name] += math.prod(t.shape)
+        type_name = weights.most_common(1)[0][0] if weights else "q8_0"
+    writer.add_file_type(file_type(type_name))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    n_vocab = int(model.config.vocab_size)
+    if tokenizer_from is not None:
+        tok_facts = copy_tokenizer(writer, tokenizer_from, n_vocab, pre_tokenizer)
+    else:
+        tok_facts = add_tokenizer(writer, tokenizer, n_vocab, pre_tokenizer)
+    for key, value in (extra_metadata or {}).items():
+        writer.add_string(f"{METADATA_NAMESPACE}.{key}", value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+    for t in plan.tensors:
+        info_shape, dtype, nbytes, raw = t.info()
+        writer.add_tensor_info(t.gguf_name, info_shape, dtype, nbytes, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    return writer, tok_facts
+
+
+def write_metadata_only(path: Path, model: nn.Module, tokenizer: Any, pre_tokenizer: str = "auto") -> int:
+    """Bytes a GGUF file of ``model`` holds before its tensor data (what a size budget leaves out
+    for the tensors), measured by writing that part alone to ``path``."""
+    plan = plan_tensors(model, {}, "q8_0", None, None)  # names and shapes; types do not change the table's size
+    writer, _ = _write_header(path, model, tokenizer, plan, "q8_0", pre_tokenizer, None, None)
+    writer.close()
+    return path.stat().st_size
+
+
+def tensor_totals(path: Path) -> tuple[int, int]:
+    """A GGUF file's tensor data bytes and parameter count (llama.cpp's bits per weight: bytes x 8 / parameters)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(path)).tensors
+    return sum(int(t.n_bytes) for t in tensors), sum(int(t.n_elements) for t in tensors)
 
 
 def stored_type_counts(path: Path) -> dict[str, int]:

@@ -1,0 +1,391 @@
+"""Mixed precision under a size budget: one GGUF block type per quantized Linear, chosen from
+measured sensitivity so that the file keeps within a GGUF export's ``target:``.
+
+The estimator. Quantizing a Linear changes its output on token t by e_t = ΔW x_t. To second order,
+the KL divergence from the model's own next-token distributions grows by ½ e_tᵀ F_t e_t, F_t the
+Fisher information of the output with respect to that Linear's output. We take its diagonal,
+estimated from gradients g_t of the log-likelihood of tokens *sampled from the model itself* (so
+E[g gᵀ] is the Fisher, not the empirical Fisher of the text), and keep each weight's own term:
+
+    ΔKL ≈ ½ Σ_ij ΔW_ij² · (1/T) Σ_t g_ti² x_tj²
+
+The bracket is one matrix per Linear, [out, in], accumulated as (g²)ᵀ(x²) over the tokens (as many
+multiply-adds as the forward pass). It combines what llama.cpp's importance matrix measures (the
+inputs' squares, x²) with what it leaves out: how much the model's predictions depend on each output
+channel of each layer (g²), so that a matrix of a late block and one of an early block are weighed on
+the same scale (nats). ΔW is the round-to-nearest error of each candidate type's own grid
+(quantizers/gguf_grid.py); the calibrated quantizer that runs afterwards does better than that, on
+every type alike.
+
+The pass runs block by block (a streamed model holds one block at a time): the blocks' inputs are
+captured forward, the head's gradient is taken one sequence at a time, then each block, last to
+first, is run again with gradients to carry the gradient to its input, its Linears' brackets are
+filled, and every candidate type's error is scored while the block is resident. What stays in
+memory: every block's input hidden states for the ``samples`` chunks (blocks x tokens x width).
+
+The choice. The estimates add up over layers; minimising their sum under a byte budget is a
+multiple-choice knapsack, solved greedily on each layer's lower convex hull of (bytes, ΔKL): start
+every layer at its smallest type, then take, while the budget allows, the upgrade that removes the
+most estimated KL per byte. The tensors no stage quantizes (embeddings, norms, a float head) keep the
+export's types and count against the budget as they are.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress import streaming
+from compress.errors import CompressError
+from compress.quantizers.arch import architecture_of, decoder_blocks, output_head, submodule
+from compress.quantizers.core import QuantScheme
+from compress.quantizers.moe import expert_linears
+from compress.quantizers.sequential import BlockInputs, capture_block_inputs, move_outside_blocks
+from compress.schema.gguf_types import GGUF_GRIDS, llama_cpp_spelling
+
+ALIGNMENT = 32  # GGUF pads every tensor's data to this many bytes (gguf-py's default)
+
+
+def tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
+    """Bytes of one tensor of ``shape`` stored as ``type_name`` in a GGUF file, with its padding."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
+    n = math.prod(shape)
+    return -(-(n // block * size) // ALIGNMENT) * ALIGNMENT
+
+
+def candidate_types(in_features: int, types: list[str]) -> list[str]:
+    """The types a row of ``in_features`` weights may be stored as, given the allowed ``types``: each
+    one, or llama.cpp's fallback where a K-quant does not divide the row; duplicates dropped."""
+    found = []
+    for name in types:
+        grid = GGUF_GRIDS[name].for_width(in_features)
+        if in_features % grid.block_weights == 0 and grid.name not in found:
+            found.append(grid.name)
+    return found
+
+
+@dataclass
+class LayerChoice:
+    """One Linear's options, (type, bytes, estimated ΔKL) by increasing bytes, and the one chosen."""
+
+    name: str
+    shape: tuple[int, int]
+    options: list[tuple[str, int, float]]
+    chosen: int = 0
+
+    @property
+    def type(self) -> str:
+        return self.options[self.chosen][0]
+
+    @property
+    def bytes(self) -> int:
+        return self.options[self.chosen][1]
+
+    @property
+    def estimate(self) -> float:
+        return self.options[self.chosen][2]
+
+
+def _hull(options: list[tuple[str, int, float]]) -> list[int]:
+    """Indices of the options on the lower convex hull of (bytes, estimate), from the smallest: an
+    option that buys less per byte than a larger one is never the greedy's step."""
+    order = sorted(range(len(options)), key=lambda i: (options[i][1], options[i][2]))
+    hull: list[int] = []
+    for i in order:
+        if hull and options[i][2] >= options[hull[-1]][2]:
+            continue  # more bytes, no less error
+        while len(hull) >= 2:
+            a, b = options[hull[-2]], options[hull[-1]]
+            # b lies on or above the segment from a to i: drop it
+            if (b[2] - a[2]) * (options[i][1] - a[1]) >= (options[i][2] - a[2]) * (b[1] - a[1]):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return hull
+
+
+def allocate(layers: list[LayerChoice], budget: int) -> int:
+    """Choose each layer's option so that their bytes sum to at most ``budget`` and the estimates'
+    sum is small (greedy on each layer's convex hull, best estimate removed per byte first); returns
+    the bytes used. Raises CompressError when even the smallest options exceed the budget."""
+    hulls = {layer.name: _hull(layer.options) for layer in layers}
+    for layer in layers:
+        layer.chosen = hulls[layer.name][0]
+    used = sum(layer.bytes for layer in layers)
+    if used > budget:
+        raise CompressError(f"the smallest type of every layer takes {used:,} bytes, over the {budget:,} the budget leaves them")
+    by_name = {layer.name: layer for layer in layers}
+    step = dict.fromkeys(hulls, 0)
+    heap: list[tuple[float, str]] = []
+
+    def push(name: str) -> None:
+        hull, k = hulls[name], step[name]
+        if k + 1 < len(hull):
+            a, b = by_name[name].options[hull[k]], by_name[name].options[hull[k + 1]]
+            heapq.heappush(heap, (-(a[2] - b[2]) / (b[1] - a[1]), name))
+
+    for name in hulls:
+        push(name)
+    while heap:
+        _, name = heapq.heappop(heap)
+        layer, hull, k = by_name[name], hulls[name], step[name]
+        extra = layer.options[hull[k + 1]][1] - layer.options[hull[k]][1]
+        if used + extra > budget:
+            continue  # this layer's next step does not fit; smaller steps of others may
+        used += extra
+        step[name] = k + 1
+        layer.chosen = hull[k + 1]
+        push(name)
+    return used
+
+
+# --------------------------------------------------------------------------- the sensitivity pass
+
+
+def _rtn_error(weight: torch.Tensor, type_name: str) -> torch.Tensor:
+    from compress.quantizers.rtn import rtn_quantize
+
+    w = weight.detach().float()
+    return (w - rtn_quantize(w, QuantScheme(gguf_type=type_name)).dequantize().float()).square_()
+
+
+def _head_gradients(model: nn.Module, arch: Any, hidden: list[torch.Tensor], device: torch.device, seed: int) -> list[torch.Tensor]:
+    """d(−log p(y))/d(last block's output) per batch, y sampled from the model's own next-token
+    distribution at every position (one sequence at a time: a batch of logits is batch x seq x vocab)."""
+    from compress.eval.metrics import output_head as logits_of
+
+    norm = submodule(model, arch.final_norm)
+    head = model.get_output_embeddings()
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    grads = []
+    with streaming.resident(norm, device), streaming.resident(head, device), torch.enable_grad():
+        to_logits = logits_of(model)
+        for h in hidden:
+            rows = []
+            for row in h:
+                x = row.unsqueeze(0).detach().requires_grad_(True)
+                logits = to_logits(norm(x)).float()
+                with torch.no_grad():
+                    probs = torch.softmax(logits[0], dim=-1).cpu()
+                    y = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
+                loss = nn.functional.cross_entropy(logits[0], y, reduction="sum")
+                (g,) = torch.autograd.grad(loss, x)
+                rows.append(g.detach())
+                del logits, loss
+            grads.append(torch.cat(rows))
+    return grads
+
+
+def _block_fisher(
+    block: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: list[torch.Tensor],
+    kwargs: list[dict[str, Any]],
+    grads: list[torch.Tensor],
+    device: torch.device,
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Run ``block`` on its inputs with gradients and carry ``grads`` (of its outputs) back to its
+    inputs; each Linear's Σ_t g_t² ⊗ x_t² [out, in] (float32) and the inputs' gradients."""
+    fisher = {n: torch.zeros(m.out_features, m.in_features, device=device) for n, m in linears.items()}
+
+    def hook(name: str) -> Callable[..., None]:
+        def fn(_module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            x2 = args[0].detach().float().square().reshape(-1, args[0].shape[-1])
+
+            def on_grad(g: torch.Tensor) -> None:
+                fisher[name].addmm_(g.detach().float().square().reshape(-1, g.shape[-1]).T, x2)
+
+            output.register_hook(on_grad)
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    try:
+        new_grads = []
+        for h, kw, g in zip(inputs, kwargs, grads, strict=True):
+            x = h.detach().requires_grad_(True)
+            with torch.enable_grad():
+                out = block(x, **kw)
+                out = out[0] if isinstance(out, tuple) else out
+                (gx,) = torch.autograd.grad(out, x, g)
+            new_grads.append(gx.detach())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return fisher, new_grads
+
+
+def measure(
+    model: nn.Module,
+    selected: dict[str, nn.Linear],
+    types: list[str],
+    tokens: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    seed: int,
+    reporter: Any,
+    label: str,
+) -> list[LayerChoice]:
+    """Every selected Linear's options (its candidate types, their bytes and estimated ΔKL in nats
+    per token) on the calibration ``tokens``, block by block."""
+    arch = architecture_of(model)
+    blocks = decoder_blocks(model, arch)
+    head = output_head(model)
+    if head is not None and head[0] in selected:
+        raise CompressError(f"{label}: gguf_target chooses types for the decoder blocks' Linears; keep {head[0]} in `ignore`")
+    if expert_linears(model):
+        raise CompressError(f"{label}: gguf_target does not measure the fused experts of mixture-of-experts blocks yet; use gguf_type")
+    was_training = model.training
+    model.eval()
+    move_outside_blocks(model, arch.blocks, device)
+    n_tokens = int(tokens.numel())
+    with reporter.status(f"{label} sensitivity: capturing block inputs ({tokens.shape[0]} x {tokens.shape[1]} tokens)"):
+        hidden, kwargs = capture_block_inputs(model, blocks, tokens, batch_size, device)
+    inputs: list[list[torch.Tensor]] = []
+    for i in reporter.track(range(len(blocks)), f"{label} sensitivity: forward", total=len(blocks)):
+        with streaming.resident(blocks[i], device) as block:
+            inputs.append(hidden)
+            hidden = BlockInputs(hidden, kwargs[i]).run(block)
+    grads = _head_gradients(model, arch, hidden, device, seed)
+    del hidden
+    choices: dict[str, LayerChoice] = {}
+    for i in reporter.track(reversed(range(len(blocks))), f"{label} sensitivity: backward", total=len(blocks)):
+        prefix = f"{arch.blocks}.{i}."
+        with streaming.resident(blocks[i], device) as block:
+            linears = {n: block.get_submodule(n[len(prefix) :]) for n in selected if n.startswith(prefix)}
+            fisher, grads = _block_fisher(block, linears, inputs[i], kwargs[i], grads, device)
+            for name, module in linears.items():
+                options = []
+                shape = (module.out_features, module.in_features)
+                for type_name in candidate_types(module.in_features, types):
+                    estimate = 0.5 * float((fisher[name] * _rtn_error(module.weight, type_name)).sum()) / n_tokens
+                    options.append((type_name, tensor_bytes(type_name, shape), estimate))
+                if not options:
+                    raise CompressError(
+                        f"{label}: {name} has rows of {module.in_features} weights, which no type of target.types "
+                        f"({', '.join(types)}) or its fallback divides"
+                    )
+                choices[name] = LayerChoice(name, shape, sorted(options, key=lambda o: o[1]))
+            del fisher
+        inputs[i] = []
+    move_outside_blocks(model, arch.blocks, next((p.device for p in model.parameters() if p.device.type != "meta"), device))
+    model.train(was_training)
+    return [choices[n] for n in selected if n in choices]
+
+
+# --------------------------------------------------------------------------- the budget
+
+
+def fixed_bytes(model: nn.Module, quantized: set[str], float_type: str | None) -> tuple[int, int]:
+    """Bytes the GGUF export gives the tensors no quantize stage touches (embeddings, norms, a float
+    head, as export/gguf/file.py plans them) and the parameter count of every tensor in the file."""
+    from compress.export.gguf.file import plan_tensors
+
+    plan = plan_tensors(model, {}, "q8_0", float_type, None)
+    fixed = sum(tensor_bytes(t.type_name, t.shape) for t in plan.tensors if t.hf_name.rsplit(".", 1)[0] not in quantized)
+    params = sum(math.prod(t.shape) for t in plan.tensors)
+    return fixed, params
+
+
+def budget_bytes(target: Any, params: int, metadata: int) -> int:
+    """The tensor bytes a target allows: bits per weight over every parameter of the file, or the
+    file size less its metadata."""
+    if target.bits_per_weight is not None:
+        return int(target.bits_per_weight * params / 8)
+    return int(target.size_mib * 2**20) - metadata
+
+
+def metadata_bytes(model: nn.Module, tokenizer: Any) -> int:
+    """Bytes of a GGUF file before its tensor data (header, metadata, tensor table), measured by
+    writing the file with no tensors; the table's entries are added at their size."""
+    import tempfile
+    from pathlib import Path
+
+    from compress.export.gguf.file import write_metadata_only
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return write_metadata_only(Path(tmp) / "meta.gguf", model, tokenizer)
+
+
+def choose(
+    model: nn.Module,
+    selected: dict[str, nn.Linear],
+    target: Any,
+    float_type: str | None,
+    tokens: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    seed: int,
+    reporter: Any,
+    label: str,
+    tokenizer: Any,
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Each selected Linear's GGUF type under ``target``, and the facts for the stage's summary."""
+    fixed, params = fixed_bytes(model, set(selected), float_type)
+    metadata = metadata_bytes(model, tokenizer) if target.size_mib is not None else 0
+    budget = budget_bytes(target, params, metadata)
+    layers = measure(model, selected, target.types, tokens, batch_size, device, seed, reporter, label)
+    try:
+        used = allocate(layers, budget - fixed)
+    except CompressError as exc:
+        least = fixed + sum(min(o[1] for o in layer.options) for layer in layers)
+        raise CompressError(
+            f"{label}: the GGUF export's target ({target.describe()}) is below the smallest file these types make: "
+            f"{8 * least / params:.3f} bits/weight, {(least + metadata) / 2**20:.2f} MiB ({exc})"
+        ) from None
+    types = {layer.name: layer.type for layer in layers}
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[llama_cpp_spelling(t)] = counts.get(llama_cpp_spelling(t), 0) + 1
+    facts = {
+        "target": target.model_dump(mode="json"),
+        "estimator": "0.5 x sum over weights of the RTN error squared x the diagonal Fisher (sampled-label output gradient "
+        "squared x input squared, per token)",
+        "sensitivity_tokens": int(tokens.numel()),
+        "tensor_bytes": fixed + used,
+        "budget_bytes": budget,
+        "bits_per_weight": round(8 * (fixed + used) / params, 4),
+        "estimated_kl": _sig(sum(layer.estimate for layer in layers)),
+        "type_counts": counts,
+        "layers": {
+            layer.name: {
+                "type": llama_cpp_spelling(layer.type),
+                "estimated_kl": _sig(layer.estimate),
+                "options": {llama_cpp_spelling(t): _sig(e) for t, _, e in layer.options},
+            }
+            for layer in layers
+        },
+    }
+    return types, facts
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def layer_schemes(
+    model: nn.Module, ctx: Any, cfg: Any, selected: dict[str, nn.Linear], label: str
+) -> tuple[Callable[[str], QuantScheme], dict[str, Any] | None]:
+    """The scheme of each selected layer for a quantize stage: the stage's own, or, with
+    ``gguf_target: true``, the GGUF type the export's budget chooses for the layer (and the facts of
+    the choice for the stage's summary)."""
+    if not cfg.gguf_target:
+        scheme = cfg.scheme()
+        return (lambda _name: scheme), None
+    export = ctx.gguf_budget
+    tokens = ctx.calibration()[: export.target.samples]
+    batch = getattr(cfg, "batch_size", 8)
+    types, facts = choose(
+        model, selected, export.target, export.float_type, tokens, batch, ctx.device, ctx.seed, ctx.reporter, label, ctx.tokenizer
+    )
+    schemes = {t: QuantScheme(gguf_type=t) for t in set(types.values())}
+    return (lambda name: schemes[types[name]]), {"export": export.name, **facts}

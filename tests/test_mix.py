@@ -1,0 +1,171 @@
+"""Mixed precision under a size budget (quantizers/mix.py): the GGUF export's `target:` picks a block
+type per layer from measured sensitivity, a quantize stage with `gguf_target: true` quantizes each
+layer on it, and the file keeps within the budget, packed exactly and verified in llama.cpp."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress.errors import CompressError
+from compress.quantizers.mix import LayerChoice, _hull, allocate, candidate_types, tensor_bytes
+from tests.conftest import texts_of
+from tests.helpers import recipe_text, run_cli, write_recipe
+
+
+def _layer(name: str, options: list[tuple[str, int, float]]) -> LayerChoice:
+    return LayerChoice(name, (1, 1), options)
+
+
+def test_candidates_are_the_types_a_row_can_hold_with_llama_cpps_fallbacks() -> None:
+    assert candidate_types(512, ["q2_k", "q4_k", "q8_0"]) == ["q2_k", "q4_k", "q8_0"]
+    # 576 wide: no K-quant block fits; q2_k -> q4_0, q4_k -> q5_0, q6_k -> q8_0 (deduplicated)
+    assert candidate_types(576, ["q2_k", "q3_k", "q4_k", "q6_k", "q8_0"]) == ["q4_0", "q5_0", "q8_0"]
+    assert candidate_types(100, ["q4_k", "q8_0"]) == []  # not even 32 divides it
+
+
+def test_tensor_bytes_are_ggmls_block_sizes_padded_to_the_alignment() -> None:
+    assert tensor_bytes("q4_k", (4, 256)) == 4 * 144
+    assert tensor_bytes("q8_0", (1, 32)) == 64  # 34 bytes, padded to 32
+    assert tensor_bytes("f32", (3,)) == 32
+
+
+def test_the_hull_drops_options_that_buy_less_per_byte_than_a_larger_one() -> None:
+    options = [("a", 10, 1.0), ("b", 20, 0.9), ("c", 30, 0.1), ("d", 40, 0.2)]
+    # b removes 0.1 for 10 bytes where c removes 0.9 for 20: b is below the line; d is worse than c
+    assert _hull(options) == [0, 2]
+
+
+def test_allocation_keeps_the_budget_and_spends_it_where_it_removes_the_most_error() -> None:
+    sensitive = _layer("sensitive", [("q2", 100, 10.0), ("q4", 200, 1.0), ("q8", 400, 0.1)])
+    robust = _layer("robust", [("q2", 100, 0.5), ("q4", 200, 0.1), ("q8", 400, 0.01)])
+    used = allocate([sensitive, robust], 300)
+    assert used == 300 and (sensitive.type, robust.type) == ("q4", "q2")
+    used = allocate([sensitive, robust], 600)
+    assert used == 600 and (sensitive.type, robust.type) == ("q8", "q4")
+    # every assignment within 600 bytes, by brute force: none has a smaller total estimate
+    best = min(a[2] + b[2] for a in sensitive.options for b in robust.options if a[1] + b[1] <= 600)
+    assert sensitive.estimate + robust.estimate == pytest.approx(best)
+
+
+def test_a_budget_below_the_smallest_types_is_an_error() -> None:
+    with pytest.raises(CompressError, match="takes 200 bytes, over the 150"):
+        allocate([_layer("a", [("q2", 100, 1.0)]), _layer("b", [("q2", 100, 1.0)])], 150)
+
+
+def _mix_recipe(model_dir: Path, text_dir: Path, method: str, target: str, verify: str = "false") -> str:
+    text = recipe_text(model_dir, text_dir).replace(
+        "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n",
+        f"      method: {method}\n      gguf_target: true\n",
+    )
+    return text.replace("exports: []\n", f"exports:\n  - format: gguf\n    name: mix\n    target: {target}\n    verify: {verify}\n")
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
+    """A tiny llama whose widths K-quants divide (256 wide; MLP 512)."""
+    from tests.tiny import tiny_llama_dir
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("wide") / "m", texts_of(text_dir), hidden=256, intermediate=512)
+
+
+def test_a_budget_picks_several_types_keeps_within_it_and_packs_them_exactly(tmp_path: Path, wide_model_dir: Path, text_dir: Path) -> None:
+    """`compress run`: GPTQ on the types a 4.0 bits/weight budget chose; the GGUF's tensors hold the
+    records bit for bit, the file is at most 4.0 bits/weight, and the manifest records the choice."""
+    out = tmp_path / "out"
+    result = run_cli(
+        ["run", write_recipe(tmp_path, _mix_recipe(wide_model_dir, text_dir, "gptq", "{bits_per_weight: 4.0}", "true")), "-o", out]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    mix = manifest["stages"][0]["summary"]["gguf_mix"]
+    assert len(mix["type_counts"]) > 1, mix["type_counts"]  # a mix, not one type
+    assert mix["bits_per_weight"] <= 4.0 and mix["tensor_bytes"] <= mix["budget_bytes"]
+    entry = manifest["exports"][0]
+    assert entry["type"] == "mix" and entry["records_exact"] == 14 and entry["verified"]
+    assert entry["target"]["bits_per_weight"] <= 4.0
+    assert entry["target"]["tensor_bytes"] == mix["tensor_bytes"]  # the plan's bytes are the file's
+    layers = manifest["quantization"]["layers"]
+    for name, chosen in mix["layers"].items():
+        assert layers[name]["scheme"]["gguf_type"] == chosen["type"].lower()
+        assert chosen["estimated_kl"] == chosen["options"][chosen["type"]]
+    # of two layers of one shape, the one Q2_K would hurt most gets at least as many bits
+    bits = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5}
+    same = [n for n in mix["layers"] if n.endswith(("q_proj", "o_proj"))]
+    worst = max(same, key=lambda n: mix["layers"][n]["options"]["Q2_K"])
+    least = min(same, key=lambda n: mix["layers"][n]["options"]["Q2_K"])
+    assert bits[mix["layers"][worst]["type"]] >= bits[mix["layers"][least]["type"]]
+
+
+def test_a_size_in_mib_counts_the_files_metadata(tmp_path: Path, wide_model_dir: Path, text_dir: Path) -> None:
+    out = tmp_path / "out"
+    budget = 0.75  # MiB: the tiny model's tokenizer metadata is a sizeable share of it
+    result = run_cli(["run", write_recipe(tmp_path, _mix_recipe(wide_model_dir, text_dir, "rtn", f"{{size_mib: {budget}}}")), "-o", out])
+    assert result.exit_code == 0, result.output
+    entry = json.loads((out / "manifest.json").read_text())["exports"][0]
+    assert entry["target"]["file_bytes"] <= budget * 2**20
+    assert entry["size_bytes"] == entry["target"]["file_bytes"]
+
+
+def test_the_estimate_ranks_layers_as_the_measured_kl_does(wide_model_dir: Path, text_dir: Path) -> None:
+    """The estimated ΔKL of quantizing one layer alone to Q2_K against the KL measured by doing it:
+    the estimator's ranking of the layers agrees with the measurement (Spearman > 0.6)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.progress import Reporter
+    from compress.quantizers.mix import measure
+    from compress.quantizers.rtn import rtn_quantize
+    from compress.schema.quantize import QuantScheme
+
+    model = AutoModelForCausalLM.from_pretrained(wide_model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(wide_model_dir)
+    ids = tok("\n".join(texts_of(text_dir)), return_tensors="pt").input_ids[0]
+    tokens = ids[: 8 * 64].reshape(8, 64)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    choices = measure(model, linears, ["q2_k"], tokens, 4, torch.device("cpu"), 0, Reporter(quiet=True), "test")
+    estimated = {c.name: c.options[0][2] for c in choices}
+    with torch.no_grad():
+        base = torch.log_softmax(model(tokens).logits.float(), -1)
+        measured = {}
+        for name, module in linears.items():
+            keep = module.weight.data.clone()
+            module.weight.data = rtn_quantize(keep, QuantScheme(gguf_type="q2_k")).dequantize().to(keep.dtype)
+            logp = torch.log_softmax(model(tokens).logits.float(), -1)
+            measured[name] = float((base.exp() * (base - logp)).sum(-1).mean())
+            module.weight.data = keep
+    names = sorted(linears)
+    rank = lambda d: torch.tensor([sorted(d.values()).index(d[n]) for n in names], dtype=torch.float)  # noqa: E731
+    rho = float(torch.corrcoef(torch.stack([rank(estimated), rank(measured)]))[0, 1])
+    assert rho > 0.6, (rho, estimated, measured)
+    total_est, total_meas = sum(estimated.values()), sum(measured.values())
+    assert 0.25 < total_est / total_meas < 4, (total_est, total_meas)  # the same scale (nats per token)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace("      gguf_target: true\n", "      gguf_type: q4_k\n"), "add `gguf_target: true`"),
+        (lambda t: t.replace("    target: {bits_per_weight: 4.0}\n", ""), "no export has one"),
+        (lambda t: t.replace("    target:", "    type: q4_0\n    target:"), "leave type and quantizer out"),
+        (lambda t: t.replace("{bits_per_weight: 4.0}", "{bits_per_weight: 4.0, size_mib: 3}"), "exactly one of"),
+        (lambda t: t.replace("{bits_per_weight: 4.0}", "{bits_per_weight: 4.0, types: [q4_k, iq4_xs]}"), "iq4_xs"),
+        (lambda t: t.replace("      gguf_target: true\n", "      gguf_target: true\n      gguf_type: q4_k\n"), "remove gguf_type"),
+        (lambda t: t.replace("method: gptq", "method: awq"), "awq quantizes on its own integer grid"),
+    ],
+)
+def test_bad_budgets_are_refused_naming_the_key(tmp_path: Path, wide_model_dir: Path, text_dir: Path, edit, message: str) -> None:
+    text = edit(_mix_recipe(wide_model_dir, text_dir, "gptq", "{bits_per_weight: 4.0}"))
+    result = run_cli(["validate", write_recipe(tmp_path, text)])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_budget_no_mix_can_reach_exits_2_with_the_smallest_size(tmp_path: Path, wide_model_dir: Path, text_dir: Path) -> None:
+    result = run_cli(
+        ["run", write_recipe(tmp_path, _mix_recipe(wide_model_dir, text_dir, "rtn", "{bits_per_weight: 1.5}")), "-o", tmp_path / "o"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "below the smallest file these types make" in result.output and "bits/weight" in result.output
+    assert "Traceback" not in result.output
