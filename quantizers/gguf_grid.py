@@ -48,6 +48,11 @@ def f16_down(x: torch.Tensor) -> torch.Tensor:
     return stored.to(torch.float32)
 
 
+CLIP = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79)
+"""Shares of each row's range tried per unit on a GGUF grid (GridParams.fix): rounding a few outliers
+coarsely often costs less than a coarser step for every weight."""
+
+
 def _safe(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == 0, torch.ones_like(x), x)
 
@@ -76,8 +81,42 @@ class GridParams:
     def n_units(self) -> int:
         return -(-self.in_f // self.unit)
 
-    def fix(self, u: int, weights: torch.Tensor) -> None:
-        """Set unit ``u``'s parameters from ``weights`` [out, columns of unit u]."""
+    def fix(self, u: int, weights: torch.Tensor, importance: torch.Tensor | None = None) -> None:
+        """Set unit ``u``'s parameters from ``weights`` [out, columns of unit u]. On a GGUF type's grid,
+        each row's range is also tried shrunk (``CLIP``) and the parameters whose rounding of the
+        weights has the smallest squared error (weighted per column by ``importance``, e.g. GPTQ's
+        Hessian diagonal) are kept; plain schemes keep the min/max range."""
+        if self.grid is None:
+            self._fix_range(u, weights)
+            return
+        groups = slice(u * self.per_unit, (u + 1) * self.per_unit)
+        start = u * self.unit
+        k = torch.arange(start, start + weights.shape[1], device=weights.device) // self.scheme.group_width(self.in_f)
+        best: torch.Tensor | None = None
+        kept: list[torch.Tensor] = []
+        for c in CLIP:
+            self._fix_range(u, weights if c == 1.0 else weights * c)
+            err = (self.round(weights, k)[1] - weights).square_()
+            err = (err if importance is None else err * importance).sum(dim=-1)
+            now = self._unit_params(u, groups)
+            if best is None:
+                best, kept = err, now
+                continue
+            better = (err < best).unsqueeze(1)
+            best = torch.minimum(err, best)
+            kept = [torch.where(better, new, old) for new, old in zip(now, kept, strict=True)]
+        for target, value in zip(self._unit_params(u, groups, views=True), kept, strict=True):
+            target.copy_(value)
+
+    def _unit_params(self, u: int, groups: slice, views: bool = False) -> list[torch.Tensor]:
+        """Every stored parameter of unit ``u`` (views into this object's tensors, or copies)."""
+        found = [self.scale[:, groups], self.zero[:, groups], self.offset[:, groups]]
+        if self.k_quant:
+            found += [self.d[:, u : u + 1], self.dmin[:, u : u + 1], self.sub_scales[:, groups], self.sub_mins[:, groups]]
+        return found if views else [t.clone() for t in found]
+
+    def _fix_range(self, u: int, weights: torch.Tensor) -> None:
+        """Unit ``u``'s parameters from the min/max range of ``weights``."""
         groups = slice(u * self.per_unit, (u + 1) * self.per_unit)
         grid = self.grid
         if grid is None or (grid.symmetric and not grid.k_quant):
@@ -110,9 +149,10 @@ class GridParams:
         self.d[:, u], self.sub_scales[:, groups] = d, sc
         self.scale[:, groups] = d.unsqueeze(1) * sc
 
-    def fix_all(self, weight: torch.Tensor) -> None:
+    def fix_all(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> None:
         for u in range(self.n_units):
-            self.fix(u, weight[:, u * self.unit : (u + 1) * self.unit])
+            cols = slice(u * self.unit, (u + 1) * self.unit)
+            self.fix(u, weight[:, cols], None if importance is None else importance[cols])
 
     def round(self, w: torch.Tensor, k: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and dequantized values of ``w``: a column [out] in group ``k``, or columns [out, cols]

@@ -187,8 +187,9 @@ def _gptq(
     # (and a GGUF file) holds before any of its columns is rounded: the error feedback sees that grid.
     params = GridParams(out_f, in_f, scheme, w.device)
     unit = params.unit
+    importance = torch.diag(h).clone()  # the columns' weight in each unit's range search (a GGUF grid's)
     if act_order:  # static groups from the original weights, then columns by decreasing diag(H)
-        params.fix_all(w)
+        params.fix_all(w, importance)
         perm = torch.argsort(torch.diag(h), descending=True)
     else:
         perm = torch.arange(in_f, device=w.device)
@@ -217,7 +218,7 @@ def _gptq(
                 if not act_order and col % unit == 0:  # first column of a unit: params from the current weights
                     end = min(col + unit, in_f)
                     unit_w = w1[:, i : end - i1] if end <= i2 else torch.cat([w1[:, i:], w[:, i2:end]], dim=1)
-                    params.fix(col // unit, unit_w)
+                    params.fix(col // unit, unit_w, importance[col:end])
                 col_w = w1[:, i]
                 q, deq = params.round(col_w, k)
                 codes[:, col] = q

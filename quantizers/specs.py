@@ -236,6 +236,24 @@ def _quantize_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
+SENSITIVITY_SAMPLES = 8  # the default of a GGUF target's `samples` (compress/schema/exports.py GGUFTarget)
+
+
+def _with_sensitivity(step: PlanStep, layers: dict[str, Any], est: Estimate) -> Estimate:
+    """A stage with ``gguf_target`` first runs the sensitivity pass (quantizers/mix.py): a forward and a
+    backward over the sensitivity chunks (about 3 forwards), keeping every block's input for them, and
+    one block's float32 Fisher matrices while it is resident."""
+    t = step.shape.text
+    tokens = SENSITIVITY_SAMPLES * step.cal_seq_len
+    inputs = t.num_hidden_layers * tokens * t.hidden_size * step.dtype_bytes
+    fisher = sum(r.out_f * r.in_f for r in _first_block(layers).values()) * 4
+    forward = block_bytes(step.shape, SENSITIVITY_SAMPLES, step.cal_seq_len, step.dtype_bytes)
+    memory = step.held_bytes + inputs + fisher + 2 * forward
+    seconds = 3 * forward_s(step.shape.params, tokens)
+    basis = f"{est.basis}; first the sensitivity pass: every block's input for {tokens:,} tokens, one block's Fisher matrices, ~3 forwards"
+    return Estimate(max(est.memory_bytes, memory), est.seconds + seconds, basis)
+
+
 def quantize_kind(method: Callable[..., MethodSpec]) -> StageKindSpec:
     """The ``quantize:`` stage kind, which hands each stage to its method's spec. ``method(name, label)``
     is compress.plugins.quant_method (the table sits above this module, so it is handed in)."""
@@ -248,7 +266,9 @@ def quantize_kind(method: Callable[..., MethodSpec]) -> StageKindSpec:
 
         cfg = step.config
         selected = {n for n, _ in select_linears(step.shape.model, cfg.targets, cfg.ignore)[0]}
-        return method(cfg.method).estimate(step, {n: r for n, r in step.records.items() if n in selected})
+        layers = {n: r for n, r in step.records.items() if n in selected}
+        est = method(cfg.method).estimate(step, layers)
+        return _with_sensitivity(step, layers, est) if getattr(cfg, "gguf_target", False) else est
 
     return StageKindSpec(
         name="quantize",

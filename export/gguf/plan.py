@@ -33,6 +33,10 @@ GGUF_BITS = {
 
 
 def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:
+    if spec.target is not None:  # the budget is the size (the stage's choice fills it up to the budget)
+        t = spec.target
+        size = t.bits_per_weight * shape.params / 8 if t.bits_per_weight is not None else t.size_mib * 2**20
+        return size, 1.05, f"the target ({t.describe()}): a type per layer chosen to fill it"
     if spec.quantizer == "llama.cpp":
         kind, float_type = spec.type, spec.float_type or "q8_0"  # llama.cpp picks the embedding's type itself; q8_0 assumed
         size = uniform_bytes(shape, GGUF_BITS[kind], GGUF_BITS[float_type])
