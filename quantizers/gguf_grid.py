@@ -60,8 +60,8 @@ def _safe(x: torch.Tensor) -> torch.Tensor:
 class GridParams:
     """Every group's scale, zero point and offset of one weight [out, in], filled unit by unit."""
 
-    def __init__(self, out_f: int, in_f: int, scheme: QuantScheme, device: torch.device) -> None:
-        self.scheme, self.in_f = scheme, in_f
+    def __init__(self, out_f: int, in_f: int, scheme: QuantScheme, device: torch.device, search: bool = True) -> None:
+        self.scheme, self.in_f, self.search = scheme, in_f, search
         self.grid = scheme.gguf_grid
         self.unit = unit_width(scheme, in_f)
         self.per_unit = self.unit // scheme.group_width(in_f) if self.grid is not None and self.grid.k_quant else 1
@@ -86,7 +86,7 @@ class GridParams:
         each row's range is also tried shrunk (``CLIP``) and the parameters whose rounding of the
         weights has the smallest squared error (weighted per column by ``importance``, e.g. GPTQ's
         Hessian diagonal) are kept; plain schemes keep the min/max range."""
-        if self.grid is None:
+        if self.grid is None or not self.search:
             self._fix_range(u, weights)
             return
         groups = slice(u * self.per_unit, (u + 1) * self.per_unit)
@@ -181,12 +181,13 @@ class GridParams:
         )
 
 
-def grid_quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+def grid_quantize(weight: torch.Tensor, scheme: QuantScheme, search: bool = True) -> QuantizedWeight:
     """Round-to-nearest of ``weight`` [out, in] on ``scheme``'s grid (its fallback's where the row
-    does not hold the type's blocks)."""
+    does not hold the type's blocks); ``search=False``: each unit's plain min/max range, not the best
+    of the shrunk ones (CLIP)."""
     w = weight.detach().to(torch.float32)
     scheme = scheme.for_width(w.shape[1])
-    params = GridParams(w.shape[0], w.shape[1], scheme, w.device)
+    params = GridParams(w.shape[0], w.shape[1], scheme, w.device, search)
     params.fix_all(w)
     group_of = torch.arange(w.shape[1], device=w.device) // scheme.group_width(w.shape[1])
     return params.record(params.round(w, group_of)[0])

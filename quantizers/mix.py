@@ -13,9 +13,9 @@ The bracket is one matrix per Linear, [out, in], accumulated as (g²)ᵀ(x²) ov
 multiply-adds as the forward pass). It combines what llama.cpp's importance matrix measures (the
 inputs' squares, x²) with what it leaves out: how much the model's predictions depend on each output
 channel of each layer (g²), so that a matrix of a late block and one of an early block are weighed on
-the same scale (nats). ΔW is the round-to-nearest error of each candidate type's own grid
-(quantizers/gguf_grid.py); the calibrated quantizer that runs afterwards does better than that, on
-every type alike.
+the same scale (nats). ΔW is the round-to-nearest error of each candidate type's own grid with each
+unit's plain min/max range (quantizers/gguf_grid.py); the quantizer that runs afterwards does better
+than that (a range search, GPTQ's error feedback), on every type alike.
 
 The pass runs block by block (a streamed model holds one block at a time): the blocks' inputs are
 captured forward, the head's gradient is taken one sequence at a time, then each block, last to
@@ -152,10 +152,12 @@ def allocate(layers: list[LayerChoice], budget: int) -> int:
 
 
 def _rtn_error(weight: torch.Tensor, type_name: str) -> torch.Tensor:
-    from compress.quantizers.rtn import rtn_quantize
+    """The squared error of rounding ``weight`` to the type's grid, plain min/max ranges (the range
+    search of the quantizers would take CLIP times as long; its gain is alike across types)."""
+    from compress.quantizers.gguf_grid import grid_quantize
 
     w = weight.detach().float()
-    return (w - rtn_quantize(w, QuantScheme(gguf_type=type_name)).dequantize().float()).square_()
+    return (w - grid_quantize(w, QuantScheme(gguf_type=type_name), search=False).dequantize().float()).square_()
 
 
 def _head_gradients(model: nn.Module, arch: Any, hidden: list[torch.Tensor], device: torch.device, seed: int) -> list[torch.Tensor]:
