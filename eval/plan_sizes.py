@@ -117,9 +117,21 @@ def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
     for stage in recipe.stages:
         if stage_kind(stage.kind).quantizes_weights:
             chosen, _ = select_linears(shape.model, stage.config.targets, stage.config.ignore)
+            scheme = _budget_scheme(recipe) if getattr(stage.config, "gguf_target", False) else stage.config.scheme()
             for name, m in chosen:
-                records[name] = Record(m.out_features, m.in_features, stage.config.scheme(), m.weight is emb)
+                records[name] = Record(m.out_features, m.in_features, scheme, m.weight is emb)
     return records
+
+
+def _budget_scheme(recipe: Recipe) -> Any:
+    """For the plan, the layers of a stage with ``gguf_target`` on one type: the candidate whose bits
+    per weight are nearest the target's (q4_k for a size in MiB); the run chooses a type per layer."""
+    from compress.schema.gguf_types import GGUF_GRIDS
+    from compress.schema.quantize import QuantScheme
+
+    target = recipe.gguf_budget().target
+    want = target.bits_per_weight or GGUF_GRIDS["q4_k"].bits_per_weight
+    return QuantScheme(gguf_type=min(target.types, key=lambda t: abs(GGUF_GRIDS[t].bits_per_weight - want)))
 
 
 def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: dict[str, Record]) -> list[dict[str, Any]]:

@@ -319,23 +319,15 @@ def metadata_bytes(model: nn.Module, tokenizer: Any) -> int:
 
 
 def choose(
-    model: nn.Module,
-    selected: dict[str, nn.Linear],
-    target: Any,
-    float_type: str | None,
-    tokens: torch.Tensor,
-    batch_size: int,
-    device: torch.device,
-    seed: int,
-    reporter: Any,
-    label: str,
-    tokenizer: Any,
+    model: nn.Module, selected: dict[str, nn.Linear], export: Any, ctx: Any, tokens: torch.Tensor, batch_size: int, label: str
 ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Each selected Linear's GGUF type under ``target``, and the facts for the stage's summary."""
-    fixed, params = fixed_bytes(model, set(selected), float_type)
-    metadata = metadata_bytes(model, tokenizer) if target.size_mib is not None else 0
+    """Each selected Linear's GGUF type under the GGUF ``export``'s target (on the calibration
+    ``tokens``; ``ctx`` a RunContext), and the facts for the stage's summary."""
+    target = export.target
+    fixed, params = fixed_bytes(model, set(selected), export.float_type)
+    metadata = metadata_bytes(model, ctx.tokenizer) if target.size_mib is not None else 0
     budget = budget_bytes(target, params, metadata)
-    layers = measure(model, selected, target.types, tokens, batch_size, device, seed, reporter, label)
+    layers = measure(model, selected, target.types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
     try:
         used = allocate(layers, budget - fixed)
     except CompressError as exc:
@@ -386,8 +378,6 @@ def layer_schemes(
     export = ctx.gguf_budget
     tokens = ctx.calibration()[: export.target.samples]
     batch = getattr(cfg, "batch_size", 8)
-    types, facts = choose(
-        model, selected, export.target, export.float_type, tokens, batch, ctx.device, ctx.seed, ctx.reporter, label, ctx.tokenizer
-    )
+    types, facts = choose(model, selected, export, ctx, tokens, batch, label)
     schemes = {t: QuantScheme(gguf_type=t) for t in set(types.values())}
     return (lambda name: schemes[types[name]]), {"export": export.name, **facts}

@@ -169,3 +169,32 @@ def test_a_budget_no_mix_can_reach_exits_2_with_the_smallest_size(tmp_path: Path
     assert result.exit_code == 2, result.output
     assert "below the smallest file these types make" in result.output and "bits/weight" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_pass_on_a_streamed_model_gives_the_estimates_of_the_model_in_memory(wide_model_dir: Path, text_dir: Path) -> None:
+    """Block by block from disk (one block resident), the estimates are those of the loaded model."""
+    from transformers import AutoTokenizer
+
+    from compress import streaming
+    from compress.progress import Reporter
+    from compress.quantizers.mix import measure
+    from compress.models import load_model
+    from compress.recipe import ModelSpec
+
+    quiet = Reporter(quiet=True)
+    streamed = load_model(ModelSpec(source=str(wide_model_dir)), Path("."), quiet).model
+    assert streaming.is_streamed(streamed)
+    loaded = streaming.materialize(load_model(ModelSpec(source=str(wide_model_dir)), Path("."), quiet).model)
+    tok = AutoTokenizer.from_pretrained(wide_model_dir)
+    tokens = tok("\n".join(texts_of(text_dir)), return_tensors="pt").input_ids[0][: 4 * 64].reshape(4, 64)
+
+    def estimates(model: torch.nn.Module) -> dict[str, list[float]]:
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+        choices = measure(model, linears, ["q2_k", "q4_k"], tokens, 2, torch.device("cpu"), 0, quiet, "test")
+        return {c.name: [o[2] for o in c.options] for c in choices}
+
+    a, b = estimates(streamed), estimates(loaded)
+    assert a.keys() == b.keys() and len(a) == 14
+    for name in a:
+        assert a[name] == pytest.approx(b[name], rel=1e-4), name
+    assert not [n for n, p in streamed.named_parameters() if p.device.type != "meta" and ".layers." in n]  # no block left resident
