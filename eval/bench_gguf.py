@@ -165,6 +165,7 @@ def run_gguf_bench(
             path = files / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', cand.name.split(' ->')[0])}.{cand.type_name}.gguf"
             seconds = 0.0
             row: dict[str, Any] = {}
+            budget = None
             if cand.source == LLAMA_CPP_IMATRIX:
                 imatrix = files / IMATRIX_FILE
                 if not imatrix.is_file():
@@ -180,7 +181,6 @@ def run_gguf_bench(
                     )
                 exact = 0
             else:
-                budget = None
                 if cand.budget is not None:
                     bits = budget_bits(cand.budget, f16, files, threads, embedding_type)
                     row["budget_bits_per_weight"] = round(bits, 4)
@@ -204,6 +204,10 @@ def run_gguf_bench(
                 runtime.close()
             result["reference"]["metrics"] = metrics["baseline"]
             tensor_bytes, params = gguf_writer.tensor_totals(path)
+            if budget is not None and 8 * tensor_bytes / params > budget.target.bits_per_weight:
+                raise RuntimeError(
+                    f"{cand.name}: {8 * tensor_bytes / params:.4f} bits/weight, over its budget of {budget.target.bits_per_weight:.4f}"
+                )
             result["rows"].append(
                 {
                     **row,
@@ -223,6 +227,7 @@ def run_gguf_bench(
             if not keep_files:
                 path.unlink()
             write_results(out_dir, result, markdown_table(result))
+            plot_kl_vs_size(result, out_dir / "kl-vs-size.png")
     finally:
         reference.close()
         if not keep_files:
@@ -258,6 +263,43 @@ def llama_cpp_imatrix(f16: Path, calibration: Any, tokenizer: Any, out: Path, th
     return " ".join(command)
 
 
+def tool_chain(row: dict[str, Any]) -> str:
+    """Which tool chain made a benchmark row: ours, llama.cpp, or llama.cpp with its importance matrix."""
+    if row["source"] == LLAMA_CPP_IMATRIX:
+        return "llama.cpp with its imatrix"
+    return "llama.cpp" if row["source"] in (LLAMA_CPP, LLAMA_CPP_PURE) else "ours"
+
+
+def plot_kl_vs_size(result: dict[str, Any], path: Path) -> Path | None:
+    """KL against file size, one series per tool chain (a log scale for KL), each point named."""
+    from compress.eval.reports import pyplot, save_figure
+
+    rows = [r for r in result["rows"] if r["metrics"].get("kl_divergence", 0) > 0]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    try:
+        for chain, marker in (("ours", "o"), ("llama.cpp", "s"), ("llama.cpp with its imatrix", "^")):
+            mine = sorted((r for r in rows if tool_chain(r) == chain), key=lambda r: r["size_bytes"])
+            if mine:
+                ax.plot([r["size_bytes"] / 2**20 for r in mine], [r["metrics"]["kl_divergence"] for r in mine], marker, label=chain)
+        for r in rows:
+            label = r["name"].replace("gptq mix at the size of llama.cpp's ", "mix @ ").replace(" with its imatrix", " + imatrix")
+            ax.annotate(
+                label, (r["size_bytes"] / 2**20, r["metrics"]["kl_divergence"]), textcoords="offset points", xytext=(4, 3), fontsize=7
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("file size (MiB)")
+        ax.set_ylabel("KL vs F16 in llama.cpp (nats/token)")
+        ax.set_title(f"{result['model']['source']}: GGUF files, KL against size")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     ref = result["reference"]
     lines = [
@@ -284,3 +326,10 @@ def candidate_rows(rows: list[dict[str, Any]], kl_label: str) -> list[str]:
             f"{m['perplexity']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['quantize_seconds'] or '—'} |"
         )
     return lines
+
+
+if __name__ == "__main__":  # python -m compress.eval.bench_gguf RESULTS.json PLOT.png: the plot of a saved run
+    import json
+    import sys
+
+    plot_kl_vs_size(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))

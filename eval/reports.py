@@ -381,7 +381,7 @@ def append_github_summary(markdown: str) -> bool:
 # ------------------------------------------------------------------------------------ plots
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as e:
@@ -392,7 +392,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}.png")
@@ -452,7 +452,7 @@ def plot_pareto(report: dict[str, Any], path: Path) -> Path | None:
     points = pareto_points(report)
     if not points:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     front = pareto_front(points)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     try:
@@ -486,7 +486,7 @@ def plot_pareto(report: dict[str, Any], path: Path) -> Path | None:
         ax.set_title(f"Size vs accuracy: {report.get('recipe') or 'compress'}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 
@@ -499,7 +499,7 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
     ]
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2), 4.5))
     try:
         width = 0.38
@@ -535,7 +535,7 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
         ax.set_ylabel("ms (median)")
         ax.set_title("Time to first token and time per output token")
         ax.grid(True, axis="y", alpha=0.3)
-        return _save(fig, path)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
 

@@ -293,7 +293,8 @@ def fixed_bytes(model: nn.Module, quantized: set[str], float_type: str | None) -
     from compress.export.gguf.file import plan_tensors
 
     plan = plan_tensors(model, {}, "q8_0", float_type, None)
-    fixed = sum(tensor_bytes(t.type_name, t.shape) for t in plan.tensors if t.hf_name.rsplit(".", 1)[0] not in quantized)
+    weights = {f"{name}.weight" for name in quantized}  # a quantized Linear's bias stays F32 in the file
+    fixed = sum(tensor_bytes(t.type_name, t.shape) for t in plan.tensors if t.hf_name not in weights)
     params = sum(math.prod(t.shape) for t in plan.tensors)
     return fixed, params
 

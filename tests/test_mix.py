@@ -33,6 +33,27 @@ def test_tensor_bytes_are_ggmls_block_sizes_padded_to_the_alignment() -> None:
     assert tensor_bytes("f32", (3,)) == 32
 
 
+def test_the_fixed_part_counts_the_biases_of_the_quantized_layers() -> None:
+    """Qwen2's q/k/v biases stay F32 beside their quantized weights: they count against the budget
+    (missing them put a 1.5B file 0.001 bits/weight over its target)."""
+    from compress.quantizers.mix import fixed_bytes
+    from tests.tiny import prunable_model
+
+    model = prunable_model("qwen2", layers=2)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    fixed, params = fixed_bytes(model, linears, "q8_0")
+    state = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: token_embd serves both
+    assert params == sum(t.numel() for t in state.values())
+    biases = [n for n in state if n.endswith("_proj.bias")]
+    assert len(biases) == 6
+    expected = sum(
+        tensor_bytes("f32" if t.dim() == 1 else "q8_0", tuple(t.shape))
+        for n, t in state.items()
+        if not (n.endswith(".weight") and n[: -len(".weight")] in linears)
+    )
+    assert fixed == expected
+
+
 def test_the_hull_drops_options_that_buy_less_per_byte_than_a_larger_one() -> None:
     options = [("a", 10, 1.0), ("b", 20, 0.9), ("c", 30, 0.1), ("d", 40, 0.2)]
     # b removes 0.1 for 10 bytes where c removes 0.9 for 20: b is below the line; d is worse than c
@@ -72,6 +93,7 @@ def wide_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> 
     return tiny_llama_dir(tmp_path_factory.mktemp("wide") / "m", texts_of(text_dir), hidden=256, intermediate=512)
 
 
+@pytest.mark.runtime
 def test_a_budget_picks_several_types_keeps_within_it_and_packs_them_exactly(tmp_path: Path, wide_model_dir: Path, text_dir: Path) -> None:
     """`compress run`: GPTQ on the types a 4.0 bits/weight budget chose; the GGUF's tensors hold the
     records bit for bit, the file is at most 4.0 bits/weight, and the manifest records the choice."""
@@ -176,9 +198,9 @@ def test_the_pass_on_a_streamed_model_gives_the_estimates_of_the_model_in_memory
     from transformers import AutoTokenizer
 
     from compress import streaming
+    from compress.models import load_model
     from compress.progress import Reporter
     from compress.quantizers.mix import measure
-    from compress.models import load_model
     from compress.recipe import ModelSpec
 
     quiet = Reporter(quiet=True)
@@ -198,3 +220,34 @@ def test_the_pass_on_a_streamed_model_gives_the_estimates_of_the_model_in_memory
     for name in a:
         assert a[name] == pytest.approx(b[name], rel=1e-4), name
     assert not [n for n, p in streamed.named_parameters() if p.device.type != "meta" and ".layers." in n]  # no block left resident
+
+
+def test_bench_candidates_name_a_budget_by_bits_or_by_a_llama_cpp_file() -> None:
+    from compress.eval.bench_gguf import Candidate
+
+    bits, like, theirs = Candidate.parse("gptq:mix@3.9"), Candidate.parse("rtn:mix@Q4_K_M"), Candidate.parse("llama.cpp-imatrix:q4_k_m")
+    assert (bits.budget, bits.type_name, like.budget) == ("3.9", "mix", "q4_k_m") and not bits.llama_cpp
+    assert like.name == "rtn mix at the size of llama.cpp's Q4_K_M" and theirs.llama_cpp and "imatrix" in theirs.name
+    with pytest.raises(ValueError, match="mix@ takes bits per weight"):
+        Candidate.parse("gptq:mix@big")
+    with pytest.raises(ValueError, match="llama.cpp type must be one of"):
+        Candidate.parse("llama.cpp-imatrix:q9_k")
+
+
+@pytest.mark.runtime
+def test_bench_gguf_fills_llama_cpps_size_with_a_mix_and_plots_both(tmp_path: Path, wide_model_dir: Path, text_dir: Path) -> None:
+    """`compress bench gguf`: a budget at the size of llama.cpp's own Q4_K_M of the same model makes a
+    file of its bits per weight (to the byte's rounding), both scored in llama.cpp, plotted."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "bench"
+    args = ["bench", "gguf", "-o", out, "--model", str(wide_model_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
+    args += ["--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2", "--eval-seq-len", "64", "--repeats", "1"]
+    args += ["--decode-tokens", "8", "--threads", "2", "--candidates", "llama.cpp:q4_k_m,gptq:mix@q4_k_m,rtn:mix@4.2"]
+    result = run_cli(args)
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    theirs, ours, four = rows["llama.cpp Q4_K_M"], rows["gptq mix at the size of llama.cpp's Q4_K_M"], rows["rtn mix at 4.2 bits/weight"]
+    assert ours["budget_bits_per_weight"] == theirs["bits_per_weight"]
+    assert theirs["bits_per_weight"] - 0.01 < ours["bits_per_weight"] <= theirs["bits_per_weight"]
+    assert four["bits_per_weight"] <= 4.2 and ours["records_exact"] == 14 and ours["metrics"]["kl_divergence"] > 0
+    assert (out / "kl-vs-size.png").stat().st_size > 0
