@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,13 +70,18 @@ def quantize_each_layer(
     cfg: WeightQuantConfig,
     label: str,
     quantize: Callable[[torch.Tensor, QuantScheme], QuantizedWeight],
+    schemes: Callable[[dict[str, nn.Linear]], tuple[Callable[[str], QuantScheme], dict[str, Any] | None]] | None = None,
 ) -> StageRecord:
-    """Run a calibration-free ``quantize(weight, scheme)`` on every selected layer independently."""
-    from compress.quantizers.mix import layer_schemes
-
+    """Run a calibration-free ``quantize(weight, scheme)`` on every selected layer independently;
+    ``schemes(selected)`` gives each layer's scheme and the facts of that choice (default: the
+    stage's scheme for every layer)."""
     start = time.perf_counter()
     chosen, unused_ignore = select_or_fail(model, cfg, label)
-    scheme_of, mix = layer_schemes(model, ctx, cfg, dict(chosen), label)
+    if schemes is None:
+        scheme = cfg.scheme()
+        scheme_of, mix = (lambda _name: scheme), None
+    else:
+        scheme_of, mix = schemes(dict(chosen))
     layers: dict[str, dict] = {}
     # One streamed unit (a block, the head) at a time: read, quantize its layers, written back.
     by_unit: dict[int, tuple[nn.Module | None, list[tuple[str, nn.Linear]]]] = {}

@@ -14,6 +14,7 @@ from compress.quantizers.core import (
     quantize_codes,
 )
 from compress.quantizers.gguf_grid import grid_quantize
+from compress.quantizers.mix import layer_schemes
 from compress.schema.quantize import RTNConfig
 
 
@@ -36,4 +37,5 @@ class RTNStage:
         self.label = label
 
     def apply(self, model, ctx):  # noqa: ANN001 - see compress.context.Stage
-        return quantize_each_layer(model, ctx, self.config, self.label, rtn_quantize)
+        cfg, label = self.config, self.label
+        return quantize_each_layer(model, ctx, cfg, label, rtn_quantize, lambda selected: layer_schemes(model, ctx, cfg, selected, label))

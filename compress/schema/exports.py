@@ -147,11 +147,11 @@ class GGUFTarget(Strict):
     @model_validator(mode="after")
     def _one_budget(self) -> GGUFTarget:
         if (self.bits_per_weight is None) == (self.size_mib is None):
-            raise ValueError("target: give exactly one of bits_per_weight and size_mib")
+            raise ValueError("give exactly one of bits_per_weight and size_mib")
         unknown = [t for t in self.types if t not in GGUF_GRID_TYPES]
         if unknown:
             raise ValueError(
-                f"target.types: {', '.join(unknown)} is not a block type our quantizers make; expected {', '.join(GGUF_GRID_TYPES)}"
+                f"types: {', '.join(unknown)} is not a block type our quantizers make; expected {', '.join(GGUF_GRID_TYPES)}"
             )
         return self
 
