@@ -310,3 +310,26 @@ def test_the_range_search_rounds_no_row_worse_than_the_plain_range(monkeypatch: 
     assert bool((searched <= plain * (1 + 1e-6)).all())
     if type_name != "q6_k":  # 6 bits: fine enough that no shrunk range pays for its clipped outliers here
         assert float(searched.sum()) < float(plain.sum())
+
+
+def test_pipeline_records_on_the_q4_0_grid_are_packed_in_model_and_come_back_on_their_grid(tmp_path: Path, text_dir: Path) -> None:
+    """Q4_0 / Q8_0 grid records are plain symmetric records: model/ packs them (compressed-tensors has no
+    grid name), the manifest keeps the grid, and reading the artifact back gives the records on it."""
+    import json
+
+    from tests.conftest import texts_of
+    from tests.tiny import tiny_llama_dir
+
+    model_dir = tiny_llama_dir(tmp_path / "m", texts_of(text_dir), hidden=256, intermediate=320)
+    text = recipe_text(model_dir, text_dir).replace(
+        "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n", "      method: rtn\n      gguf_type: Q4_0\n"
+    )
+    text = text.replace("exports: []\n", "exports:\n  - format: gguf\n    verify: false\n")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    layer = manifest["quantization"]["layers"]["model.layers.0.self_attn.q_proj"]
+    assert layer["scheme"]["gguf_type"] == "q4_0" and layer["stored_as"] == "compressed-tensors"
+    entry = manifest["exports"][0]
+    assert (entry["type"], entry["records_exact"]) == ("q4_0", 14)

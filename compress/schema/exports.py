@@ -150,9 +150,7 @@ class GGUFTarget(Strict):
             raise ValueError("give exactly one of bits_per_weight and size_mib")
         unknown = [t for t in self.types if t not in GGUF_GRID_TYPES]
         if unknown:
-            raise ValueError(
-                f"types: {', '.join(unknown)} is not a block type our quantizers make; expected {', '.join(GGUF_GRID_TYPES)}"
-            )
+            raise ValueError(f"types: {', '.join(unknown)} is not a block type our quantizers make; expected {', '.join(GGUF_GRID_TYPES)}")
         return self
 
     def describe(self) -> str:

@@ -340,6 +340,8 @@ def stored_scheme(scheme: QuantScheme, shape: tuple[int, int]) -> QuantScheme | 
     grid = scheme.gguf_grid
     if scheme.bits not in SUPPORTED_BITS or (grid is not None and (grid.float_min or grid.k_quant)):
         return None
+    if grid is not None:  # Q4_0 / Q8_0: plain symmetric records, stored as such (the manifest keeps the grid's name)
+        scheme = scheme.model_copy(update={"gguf_type": None})
     in_f = shape[1]
     if scheme.group_size is None or in_f % scheme.group_size == 0:
         return scheme
