@@ -248,6 +248,7 @@ def measure(
         raise CompressError(f"{label}: gguf_target does not measure the fused experts of mixture-of-experts blocks yet; use gguf_type")
     was_training = model.training
     model.eval()
+    home = next((p.device for p in model.parameters() if p.device.type != "meta"), device)
     move_outside_blocks(model, arch.blocks, device)
     n_tokens = int(tokens.numel())
     with reporter.status(f"{label} sensitivity: capturing block inputs ({tokens.shape[0]} x {tokens.shape[1]} tokens)"):
@@ -279,7 +280,7 @@ def measure(
                 choices[name] = LayerChoice(name, shape, sorted(options, key=lambda o: o[1]))
             del fisher
         inputs[i] = []
-    move_outside_blocks(model, arch.blocks, next((p.device for p in model.parameters() if p.device.type != "meta"), device))
+    move_outside_blocks(model, arch.blocks, home)
     model.train(was_training)
     return [choices[n] for n in selected if n in choices]
 

@@ -25,6 +25,7 @@ from compress.estimates import (
     largest_unit_bytes,
 )
 from compress.plugin_types import MethodSpec, StageKindSpec
+from compress.schema.exports import GGUFTarget
 from compress.schema.kv_cache import KVCacheConfig
 from compress.schema.quantize import AWQConfig, GPTQConfig, LLMInt8Config, QuantizeConfig, RTNConfig
 
@@ -236,7 +237,7 @@ def _quantize_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
-SENSITIVITY_SAMPLES = 8  # the default of a GGUF target's `samples` (compress/schema/exports.py GGUFTarget)
+SENSITIVITY_SAMPLES = GGUFTarget.model_fields["samples"].default  # the plan does not see the export's own `samples`
 
 
 def _with_sensitivity(step: PlanStep, layers: dict[str, Any], est: Estimate) -> Estimate:

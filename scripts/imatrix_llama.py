@@ -35,10 +35,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gguf_grids import EMBEDDING, MODEL, TEXT, data_spec, shape  # noqa: E402
 
 from compress.context import RunContext  # noqa: E402
+from compress.eval.bench_gguf import llama_cpp_imatrix  # noqa: E402
 from compress.eval.bench_quant import Setting, load_bench_inputs  # noqa: E402
 from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf.imatrix import write_imatrix  # noqa: E402
-from compress.export.gguf.tools import llama_imatrix, llama_quantize  # noqa: E402
+from compress.export.gguf.tools import llama_quantize  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.gptq import GPTQConfig, GPTQStage  # noqa: E402
 
@@ -69,12 +70,9 @@ def ours(args: argparse.Namespace, reporter: Reporter) -> None:
 
 def theirs(args: argparse.Namespace, reporter: Reporter) -> None:
     lm, calibration, f16 = inputs(args, reporter)
-    samples, seq_len = shape(args.cal)
-    text = args.output / "calibration.txt"
-    text.write_text("\n".join(lm.tokenizer.decode(row) for row in calibration.tokens.tolist()))
     started = time.perf_counter()
-    command = llama_imatrix(f16, text, args.output / THEIRS, seq_len, samples, args.threads)
-    facts = {"command": " ".join(command), "seconds": round(time.perf_counter() - started, 1)}
+    command = llama_cpp_imatrix(f16, calibration, lm.tokenizer, args.output / THEIRS, args.threads)
+    facts = {"command": command, "seconds": round(time.perf_counter() - started, 1)}
     (args.output / (THEIRS + ".json")).write_text(json.dumps(facts, indent=2) + "\n")
 
 

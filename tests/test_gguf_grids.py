@@ -248,9 +248,9 @@ def test_llama_cpp_pure_quantizer_makes_one_k_quant_type_and_the_bench_names_bot
         Candidate.parse("llama.cpp-pure:q4_k_m")
 
 
-def test_pipeline_gptq_on_the_q4_k_grid_exports_an_exact_gguf_with_its_fallbacks_stated(tmp_path: Path, text_dir: Path) -> None:
-    """`compress run`: GPTQ with gguf_type Q4_K, the records kept in the artifact's records file (model/
-    cannot hold them), read back and packed exactly; down_proj's 320-wide rows become Q5_0, said in the manifest."""
+def _run_on_grid(tmp_path: Path, text_dir: Path, stage: str, export: str) -> dict:
+    """`compress run` on a tiny Llama (256 wide, MLP 320) with the quantize stage's keys ``stage`` and a
+    GGUF export with ``export``'s keys (not verified); its manifest."""
     import json
 
     from tests.conftest import texts_of
@@ -258,13 +258,19 @@ def test_pipeline_gptq_on_the_q4_k_grid_exports_an_exact_gguf_with_its_fallbacks
 
     model_dir = tiny_llama_dir(tmp_path / "m", texts_of(text_dir), hidden=256, intermediate=320)
     text = recipe_text(model_dir, text_dir).replace(
-        "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n", "      method: gptq\n      gguf_type: Q4_K\n"
+        "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n", stage
     )
-    text = text.replace("exports: []\n", "exports:\n  - format: gguf\n    type: Q4_K\n    verify: false\n")
+    text = text.replace("exports: []\n", f"exports:\n  - format: gguf\n{export}    verify: false\n")
     out = tmp_path / "out"
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
     assert result.exit_code == 0, result.output
-    manifest = json.loads((out / "manifest.json").read_text())
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_pipeline_gptq_on_the_q4_k_grid_exports_an_exact_gguf_with_its_fallbacks_stated(tmp_path: Path, text_dir: Path) -> None:
+    """`compress run`: GPTQ with gguf_type Q4_K, the records kept in the artifact's records file (model/
+    cannot hold them), read back and packed exactly; down_proj's 320-wide rows become Q5_0, said in the manifest."""
+    manifest = _run_on_grid(tmp_path, text_dir, "      method: gptq\n      gguf_type: Q4_K\n", "    type: Q4_K\n")
     entry = manifest["exports"][0]
     assert (entry["type"], entry["quantizer"], entry["records_exact"]) == ("q4_k", "records", 14)
     assert entry["tensor_types"]["q4_k (record)"] == 12 and entry["tensor_types"]["q5_0 (record)"] == 2
@@ -315,20 +321,7 @@ def test_the_range_search_rounds_no_row_worse_than_the_plain_range(monkeypatch: 
 def test_pipeline_records_on_the_q4_0_grid_are_packed_in_model_and_come_back_on_their_grid(tmp_path: Path, text_dir: Path) -> None:
     """Q4_0 / Q8_0 grid records are plain symmetric records: model/ packs them (compressed-tensors has no
     grid name), the manifest keeps the grid, and reading the artifact back gives the records on it."""
-    import json
-
-    from tests.conftest import texts_of
-    from tests.tiny import tiny_llama_dir
-
-    model_dir = tiny_llama_dir(tmp_path / "m", texts_of(text_dir), hidden=256, intermediate=320)
-    text = recipe_text(model_dir, text_dir).replace(
-        "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n", "      method: rtn\n      gguf_type: Q4_0\n"
-    )
-    text = text.replace("exports: []\n", "exports:\n  - format: gguf\n    verify: false\n")
-    out = tmp_path / "out"
-    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
-    assert result.exit_code == 0, result.output
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = _run_on_grid(tmp_path, text_dir, "      method: rtn\n      gguf_type: Q4_0\n", "")
     layer = manifest["quantization"]["layers"]["model.layers.0.self_attn.q_proj"]
     assert layer["scheme"]["gguf_type"] == "q4_0" and layer["stored_as"] == "compressed-tensors"
     entry = manifest["exports"][0]
