@@ -7,7 +7,7 @@ and the legacy types (32 weights), a super-block of 256 weights for K-quants (it
 weights it covers: GPTQ calls it when its column loop reaches the unit (or up front with act-order),
 RTN for every unit at once; both then round each weight to ``(code - zero) * scale + offset``.
 
-Per type (the search is the simple min/max one; the stored values are exactly what llama.cpp reads):
+Per type, the parameters a range gives (the stored values are exactly what llama.cpp reads):
 
 * plain schemes and Q4_0 / Q5_0 / Q8_0: ``compute_qparams`` (core.py), as before;
 * Q4_1 / Q5_1: ``m`` = the group's minimum rounded down to fp16, ``d`` = (max - m) / qmax rounded up;
@@ -17,6 +17,9 @@ Per type (the search is the simple min/max one; the stored values are exactly wh
 * Q3_K / Q6_K: per sub-block the scale that maps the largest-magnitude weight onto the lowest
   code (-2**(bits-1), the grid's one extra level: llama.cpp's choice too), signed; ``d`` = the
   largest |scale| / scale_levels rounded up to fp16, integer sub-block scale = nearest multiple.
+
+``fix`` tries each row's range at several shares (``CLIP``), refits each try's parameters to the codes
+they give by (importance-weighted) least squares, and keeps per row the one with the smallest error.
 """
 
 from __future__ import annotations
@@ -48,13 +51,70 @@ def f16_down(x: torch.Tensor) -> torch.Tensor:
     return stored.to(torch.float32)
 
 
-CLIP = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79)
-"""Shares of each row's range tried per unit on a GGUF grid (GridParams.fix): rounding a few outliers
-coarsely often costs less than a coarser step for every weight."""
+CLIP = (1.0, 0.93, 0.86, 1.0333, 1.0667)
+"""Each row's range is tried at these shares per unit on a GGUF grid (GridParams.fix), and each try
+refit by least squares: a shrunk range rounds a few outliers coarsely for a finer step everywhere else;
+a slightly widened one leaves the top code unused, which puts a coarser source grid's step within the
+refit's reach (a Q4_1 grid in a Q5_1 block has 1/30 of the block's range as its step, not 1/31).
+scripts/grid_refit.py measured this set against eight shrunk ranges with and without the refit."""
 
 
 def _safe(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == 0, torch.ones_like(x), x)
+
+
+REFIT_ROUNDS = 1
+"""Least-squares refits of each range's parameters, and of the best of them, in GridParams.fix: each
+fits the stored scales (and minimums) to the codes the current ones give (a K-quant's sub-blocks, then
+its super-block ``d`` / ``dmin``) and keeps, per row, whichever rounds the weights with the smaller
+error, as llama.cpp's own quantizer refits each block (``make_qkx``); 0 turns refitting off."""
+
+
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    """The nearest fp16 value (as float32): what a least-squares ``d`` or minimum is stored as."""
+    return x.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)
+
+
+def _solve1(a: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """argmin_s Σ w (s·a - x)² over the last dim (non-finite where every ``a`` is 0)."""
+    wa = a if w is None else a * w
+    return (wa * x).sum(dim=-1) / (wa * a).sum(dim=-1)
+
+
+def _solve2(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmin_(s, t) Σ w (s·a + t·b - x)² over the last dim (non-finite where it is singular)."""
+    wa, wb = (a, b) if w is None else (a * w, b * w)
+    saa, sab, sbb = (wa * a).sum(dim=-1), (wa * b).sum(dim=-1), (wb * b).sum(dim=-1)
+    sax, sbx = (wa * x).sum(dim=-1), (wb * x).sum(dim=-1)
+    det = saa * sbb - sab * sab
+    det = torch.where(det.abs() > 1e-12 * (saa * sbb).abs(), det, torch.zeros_like(det))
+    return (sbb * sax - sab * sbx) / det, (saa * sbx - sab * sax) / det
+
+
+class _Best:
+    """Per row, the parameters of unit ``u`` whose rounding of ``x`` has had the smallest (weighted)
+    squared error among those offered."""
+
+    def __init__(self, params: GridParams, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
+        self.params, self.u, self.groups, self.x, self.k, self.w = params, u, groups, x, k, w
+        self.err: torch.Tensor | None = None
+        self.kept: list[torch.Tensor] = []
+
+    def offer(self) -> None:
+        err = (self.params.round(self.x, self.k)[1] - self.x).square_()
+        err = (err if self.w is None else err * self.w).sum(dim=-1)
+        now = self.params._unit_params(self.u, self.groups)
+        if self.err is None:
+            self.err, self.kept = err, now
+            return
+        better = (err < self.err).unsqueeze(1)
+        self.err = torch.minimum(err, self.err)
+        self.kept = [torch.where(better, new, old) for new, old in zip(now, self.kept, strict=True)]
+
+    def restore(self) -> None:
+        """Write the kept parameters back into the unit."""
+        for target, value in zip(self.params._unit_params(self.u, self.groups, views=True), self.kept, strict=True):
+            target.copy_(value)
 
 
 class GridParams:
@@ -83,30 +143,89 @@ class GridParams:
 
     def fix(self, u: int, weights: torch.Tensor, importance: torch.Tensor | None = None) -> None:
         """Set unit ``u``'s parameters from ``weights`` [out, columns of unit u]. On a GGUF type's grid,
-        each row's range is also tried shrunk (``CLIP``) and the parameters whose rounding of the
-        weights has the smallest squared error (weighted per column by ``importance``, e.g. GPTQ's
-        Hessian diagonal) are kept; plain schemes keep the min/max range."""
+        each row's range is also tried shrunk and widened (``CLIP``), each try's parameters are refit
+        to the codes they give by least squares (``REFIT_ROUNDS``), and per row the parameters whose
+        rounding of the weights has the smallest squared error (weighted per column by
+        ``importance``, e.g. GPTQ's Hessian diagonal) are kept; plain schemes keep the min/max range."""
         if self.grid is None or not self.search:
             self._fix_range(u, weights)
             return
         groups = slice(u * self.per_unit, (u + 1) * self.per_unit)
         start = u * self.unit
         k = torch.arange(start, start + weights.shape[1], device=weights.device) // self.scheme.group_width(self.in_f)
-        best: torch.Tensor | None = None
-        kept: list[torch.Tensor] = []
+        kept = _Best(self, u, groups, weights, k, importance)
+        refit = self._refit_sub if self.k_quant else self._refit_legacy
         for c in CLIP:
             self._fix_range(u, weights if c == 1.0 else weights * c)
-            err = (self.round(weights, k)[1] - weights).square_()
-            err = (err if importance is None else err * importance).sum(dim=-1)
-            now = self._unit_params(u, groups)
-            if best is None:
-                best, kept = err, now
-                continue
-            better = (err < best).unsqueeze(1)
-            best = torch.minimum(err, best)
-            kept = [torch.where(better, new, old) for new, old in zip(now, kept, strict=True)]
-        for target, value in zip(self._unit_params(u, groups, views=True), kept, strict=True):
-            target.copy_(value)
+            kept.offer()
+            for _ in range(REFIT_ROUNDS):
+                refit(u, groups, weights, k, importance)
+                kept.offer()
+        kept.restore()
+        for _ in range(REFIT_ROUNDS):  # once more from the best of all
+            refit(u, groups, weights, k, importance)
+            kept.offer()
+            kept.restore()
+
+    def _refit_legacy(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
+        """A legacy block's fp16 ``d`` (and Q4_1 / Q5_1's float minimum) by weighted least squares
+        on the codes the current parameters give (one group per unit)."""
+        q, _ = self.round(x, k)
+        e = q - self.zero[:, k]
+        if self.grid.float_min:
+            d, m = _solve2(e, torch.ones_like(e), x, w)
+            self.offset[:, u] = torch.where(torch.isfinite(m), _f16(m), self.offset[:, u])
+        else:
+            d = _solve1(e, x, w)
+        self.scale[:, u] = torch.where(torch.isfinite(d), _f16(d.clamp(min=0)), self.scale[:, u])
+
+    def _refit_super(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
+        """A K-quant super-block's fp16 ``d`` (and ``dmin``) by weighted least squares on the codes and
+        integer sub-block scales (and mins) the current parameters give."""
+        q, _ = self.round(x, k)
+        a = (q - self.zero[:, k]) * self.sub_scales[:, k]
+        if self.grid.float_min:
+            d, dmin = _solve2(a, -self.sub_mins[:, k], x, w)
+            dmin = torch.where(torch.isfinite(dmin), _f16(dmin.clamp(min=0)), self.dmin[:, u])
+        else:
+            d, dmin = _solve1(a, x, w), self.dmin[:, u]
+        d = torch.where(torch.isfinite(d), _f16(d if self.grid.signed_scales else d.clamp(min=0)), self.d[:, u])
+        self._set_k(u, groups, d, dmin, self.sub_scales[:, groups], self.sub_mins[:, groups])
+
+    def _refit_sub(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
+        """Each sub-block's float scale (and minimum) by weighted least squares on its codes, then the
+        super-block's ``d`` / ``dmin`` and integer sub-block values from them, as ``_fix_k`` does from
+        a range, and the super-block refit on the codes those give."""
+        out_f, n = x.shape[0], self.per_unit
+        q, _ = self.round(x, k)
+        e = (q - self.zero[:, k]).reshape(out_f, n, -1)
+        xs = x.reshape(out_f, n, -1)
+        ws = None if w is None else w.reshape(n, -1)
+        levels = float(self.grid.scale_levels)
+        if self.grid.float_min:  # x = s·q - m with s >= 0, m >= 0
+            s, o = _solve2(e, torch.ones_like(e), xs, ws)
+            s, m = s.clamp(min=0), (-o).clamp(min=0)
+            ok = torch.isfinite(s) & torch.isfinite(m)
+            s = torch.where(ok, s, self.scale[:, groups])
+            m = torch.where(ok, m, -self.offset[:, groups])
+            d, dmin = f16_up(s.amax(dim=-1) / levels), f16_up(m.amax(dim=-1) / levels)
+            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(0, levels)
+            mn = torch.round(m / _safe(dmin).unsqueeze(1)).clamp(0, levels)
+        else:  # x = s·(q - z), s signed
+            s = _solve1(e, xs, ws)
+            s = torch.where(torch.isfinite(s), s, self.scale[:, groups])
+            d, dmin = f16_up(s.abs().amax(dim=-1) / levels), self.dmin[:, u]
+            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels, levels)
+            mn = self.sub_mins[:, groups]
+        self._set_k(u, groups, d, dmin, sc, mn)
+        self._refit_super(u, groups, x, k, w)
+
+    def _set_k(self, u: int, groups: slice, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> None:
+        self.d[:, u], self.dmin[:, u] = d, dmin
+        self.sub_scales[:, groups], self.sub_mins[:, groups] = sc, mn
+        self.scale[:, groups] = d.unsqueeze(1) * sc
+        if self.grid.float_min:
+            self.offset[:, groups] = -(dmin.unsqueeze(1) * mn)
 
     def _unit_params(self, u: int, groups: slice, views: bool = False) -> list[torch.Tensor]:
         """Every stored parameter of unit ``u`` (views into this object's tensors, or copies)."""
@@ -137,6 +256,7 @@ class GridParams:
             d = f16_up(want.abs().amax(dim=-1) / levels)
             sc = torch.round(want / _safe(d).unsqueeze(1)).clamp(-levels, levels)
             self.zero[:, groups] = half
+            self._set_k(u, groups, d, self.dmin[:, u], sc, self.sub_mins[:, groups])
         else:  # Q2_K, Q4_K, Q5_K: unsigned sub-block scales and mins, w = d·sc·q - dmin·m
             lo = sub.amin(dim=-1).clamp(max=0.0)
             step = (sub.amax(dim=-1) - lo).clamp(min=0.0) / self.scheme.qmax
@@ -144,10 +264,7 @@ class GridParams:
             dmin = f16_up((-lo).amax(dim=-1) / levels)
             sc = torch.round(step / _safe(d).unsqueeze(1)).clamp(0, levels)
             mn = torch.round(-lo / _safe(dmin).unsqueeze(1)).clamp(0, levels)
-            self.dmin[:, u], self.sub_mins[:, groups] = dmin, mn
-            self.offset[:, groups] = -(dmin.unsqueeze(1) * mn)
-        self.d[:, u], self.sub_scales[:, groups] = d, sc
-        self.scale[:, groups] = d.unsqueeze(1) * sc
+            self._set_k(u, groups, d, dmin, sc, mn)
 
     def fix_all(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> None:
         for u in range(self.n_units):

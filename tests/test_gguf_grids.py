@@ -306,6 +306,7 @@ def test_the_range_search_rounds_no_row_worse_than_the_plain_range(monkeypatch: 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 512, generator=gen) ** 3  # heavy tails: a few weights set the plain range
     scheme = QuantScheme(gguf_type=type_name)
+    monkeypatch.setattr(gguf_grid, "REFIT_ROUNDS", 0)  # the range search alone (the refit's own test is below)
 
     def row_errors() -> torch.Tensor:
         return (gguf_grid.grid_quantize(w, scheme).dequantize().float() - w).square().sum(dim=1)
@@ -316,6 +317,36 @@ def test_the_range_search_rounds_no_row_worse_than_the_plain_range(monkeypatch: 
     assert bool((searched <= plain * (1 + 1e-6)).all())
     if type_name != "q6_k":  # 6 bits: fine enough that no shrunk range pays for its clipped outliers here
         assert float(searched.sum()) < float(plain.sum())
+
+
+@pytest.mark.parametrize("type_name", GGUF_GRID_TYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_least_squares_refit_rounds_no_row_worse_and_the_whole_weight_better(
+    monkeypatch: pytest.MonkeyPatch, type_name: str, weighted: bool
+) -> None:
+    """After the range search, each unit's stored scales (and minimums) are refit to their codes by
+    (weighted) least squares (gguf_grid.REFIT_ROUNDS): per row the error is at most the search's alone,
+    and smaller over the whole weight on every type; the refit records stay exact (the test above)."""
+    from compress.quantizers import gguf_grid
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 512, generator=gen) * 0.02 + 0.003 * torch.randn(64, 1, generator=gen)  # rows off centre: minimums matter
+    w[::7, 5] = 0.2  # a few outliers
+    importance = torch.rand(512, generator=gen) * 4 + 0.1 if weighted else None
+    scheme = QuantScheme(gguf_type=type_name)
+
+    def row_errors() -> torch.Tensor:
+        params = gguf_grid.GridParams(64, 512, scheme, w.device)
+        params.fix_all(w, importance)
+        _, values = params.round(w, torch.arange(512) // scheme.group_width(512))
+        err = (values - w).square()
+        return (err if importance is None else err * importance).sum(dim=1)
+
+    refit = row_errors()
+    monkeypatch.setattr(gguf_grid, "REFIT_ROUNDS", 0)
+    searched = row_errors()
+    assert bool((refit <= searched).all())
+    assert float(refit.sum()) < 0.995 * float(searched.sum())
 
 
 def test_pipeline_records_on_the_q4_0_grid_are_packed_in_model_and_come_back_on_their_grid(tmp_path: Path, text_dir: Path) -> None:

@@ -1,0 +1,77 @@
+"""How much each step of the parameter search on a llama.cpp type's grid (quantizers/gguf_grid.py)
+lowers the rounding error of a real model's weights, and what it costs: for each type, round-to-nearest
+of the Linear weights of a few blocks with the plain min/max range, with the earlier search over eight
+shrunk ranges, and with today's ranges (``CLIP``) each refit by least squares (``REFIT_ROUNDS``).
+
+    python scripts/grid_refit.py [--model reference:smollm2-135m] [--blocks 0,7,15,29] [--types q4_0,q5_1,q4_k]
+
+Prints, per type, the squared error summed over the weights of the chosen blocks, relative to the
+plain range's (the absolute sum where the plain range is exact: the source's own grid), and the seconds each took (torch threads as set by ``--threads``). Unweighted: RTN's
+error; GPTQ weighs the same search by its Hessian diagonal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from compress.eval.bench_memory import model_directory  # noqa: E402
+from compress.progress import Reporter  # noqa: E402
+from compress.quantizers import gguf_grid  # noqa: E402
+from compress.quantizers.core import QuantScheme  # noqa: E402
+from compress.schema.gguf_types import GGUF_GRID_TYPES  # noqa: E402
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SETTINGS = {  # name: (CLIP, REFIT_ROUNDS)
+    "plain range": ((1.0,), 0),
+    "8 shrunk ranges": ((1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79), 0),  # the search before the refit (6b22e11)
+    "ranges + refit": (gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS),  # today's
+}
+
+
+def block_weights(model: str, blocks: list[int]) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for shard in sorted(model_directory(model, Reporter()).glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                parts = name.split(".")
+                if name.endswith(".weight") and parts[-2] in LINEARS and int(parts[2]) in blocks:
+                    found[name] = f.get_tensor(name).to(torch.float32)
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="reference:smollm2-135m")
+    ap.add_argument("--blocks", default="0,7,15,29")
+    ap.add_argument("--types", default=",".join(GGUF_GRID_TYPES))
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    weights = block_weights(args.model, [int(b) for b in args.blocks.split(",")])
+    print(f"{len(weights)} weights, {sum(w.numel() for w in weights.values()):,} parameters, {args.threads} threads")
+    print(f"{'type':6} " + " ".join(f"{name:>24}" for name in SETTINGS))
+    for type_name in args.types.split(","):
+        scheme = QuantScheme(gguf_type=type_name)
+        cells, base = [], None
+        for clip, rounds in SETTINGS.values():
+            gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS = clip, rounds
+            start, err = time.perf_counter(), 0.0
+            for w in weights.values():
+                err += float((gguf_grid.grid_quantize(w, scheme).dequantize().float() - w).square().sum())
+            seconds = time.perf_counter() - start
+            base = err if base is None else base
+            cells.append(f"{err / base if base else err:8.4f}{' x' if base else '  '} {seconds:7.1f} s")
+        print(f"{type_name:6} " + " ".join(f"{c:>24}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
