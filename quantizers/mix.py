@@ -13,9 +13,10 @@ The bracket is one matrix per Linear, [out, in], accumulated as (g²)ᵀ(x²) ov
 multiply-adds as the forward pass). It combines what llama.cpp's importance matrix measures (the
 inputs' squares, x²) with what it leaves out: how much the model's predictions depend on each output
 channel of each layer (g²), so that a matrix of a late block and one of an early block are weighed on
-the same scale (nats). ΔW is the round-to-nearest error of each candidate type's own grid with each
-unit's plain min/max range (quantizers/gguf_grid.py); the quantizer that runs afterwards does better
-than that (a range search, GPTQ's error feedback), on every type alike.
+the same scale (nats). ΔW is the round-to-nearest error of each candidate type's own grid with the
+quantizers' own parameter search (quantizers/gguf_grid.py: range tries, least-squares refit), on every
+k-th row (``SENSITIVITY_ROWS``) scaled to the whole weight; GPTQ's error feedback, which runs
+afterwards, does better than rounding on every type alike.
 
 The pass runs block by block (a streamed model holds one block at a time): the blocks' inputs are
 captured forward, the head's gradient is taken one sequence at a time, then each block, last to
@@ -151,13 +152,23 @@ def allocate(layers: list[LayerChoice], budget: int) -> int:
 # --------------------------------------------------------------------------- the sensitivity pass
 
 
+SENSITIVITY_ROWS = 256
+"""At most about this many rows of each weight (every k-th) are rounded per candidate type in the
+sensitivity pass, and their cost scaled to the whole weight: the quantizers' own parameter search
+(range tries, least-squares refit) is several times dearer than a plain min/max rounding, and its gain
+differs much between types (a source grid that one type's blocks hold), so the estimate must see it."""
+
+
+def _row_stride(out_features: int) -> int:
+    return max(1, out_features // SENSITIVITY_ROWS)
+
+
 def _rtn_error(weight: torch.Tensor, type_name: str) -> torch.Tensor:
-    """The squared error of rounding ``weight`` to the type's grid, plain min/max ranges (the range
-    search of the quantizers would take CLIP times as long; its gain is alike across types)."""
+    """The squared error of rounding ``weight`` to the type's grid with the quantizers' own search."""
     from compress.quantizers.gguf_grid import grid_quantize
 
     w = weight.detach().float()
-    return (w - grid_quantize(w, QuantScheme(gguf_type=type_name), search=False).dequantize().float()).square_()
+    return (w - grid_quantize(w, QuantScheme(gguf_type=type_name)).dequantize().float()).square_()
 
 
 def _head_gradients(model: nn.Module, arch: Any, hidden: list[torch.Tensor], device: torch.device, seed: int) -> list[torch.Tensor]:
@@ -269,8 +280,11 @@ def measure(
             for name, module in linears.items():
                 options = []
                 shape = (module.out_features, module.in_features)
+                stride = _row_stride(module.out_features)
+                rows, share = fisher[name][::stride], module.out_features / fisher[name][::stride].shape[0]
                 for type_name in candidate_types(module.in_features, types):
-                    estimate = 0.5 * float((fisher[name] * _rtn_error(module.weight, type_name)).sum()) / n_tokens
+                    error = _rtn_error(module.weight[::stride], type_name)
+                    estimate = 0.5 * share * float((rows * error).sum()) / n_tokens
                     options.append((type_name, tensor_bytes(type_name, shape), estimate))
                 if not options:
                     raise CompressError(
