@@ -555,6 +555,9 @@ def bench_gguf(
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch and llama.cpp CPU threads."),
     keep_files: bool = typer.Option(False, help="Keep the GGUF files under OUTPUT/files."),
+    same_mix: bool = typer.Option(
+        True, help="After each mix of ours, llama.cpp's quantizer on the same tensor types (its decode speed is the reference)."
+    ),
 ) -> None:
     """Our exact GGUFs (GPTQ/AWQ/RTN records, one type or a mix under a size budget) against llama.cpp's own quantizations, measured in llama.cpp."""
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
@@ -562,7 +565,9 @@ def bench_gguf(
 
     parsed = _candidates(Candidate.parse, candidates)
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
-    result = run_gguf_bench(model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files)
+    result = run_gguf_bench(
+        model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files, same_mix
+    )
     _print_results(markdown_table(result), output)
 
 

@@ -33,6 +33,7 @@ from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
 LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_PURE = "llama.cpp-pure"
 LLAMA_CPP_IMATRIX = "llama.cpp-imatrix"
+LLAMA_CPP_SAME_MIX = "llama.cpp-same-mix"  # llama.cpp's quantizer on the types a mix of ours chose (a row of its own)
 IMATRIX_FILE = "imatrix.llama.cpp.gguf"
 
 
@@ -128,6 +129,7 @@ def run_gguf_bench(
     decode_tokens: int = 64,
     repeats: int = 3,
     keep_files: bool = False,
+    same_mix: bool = True,
 ) -> dict[str, Any]:
     gguf_runtime.llama_cpp()  # fail before any work when the binding is missing
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
@@ -159,6 +161,16 @@ def run_gguf_bench(
         "llama_cpp_python": library_versions()["llama_cpp_python"],
         "rows": [],
     }
+
+    def score(path: Path, name: str) -> tuple[dict[str, Any], float]:
+        """KL/top-1/perplexity of a file against the F16 reference in llama.cpp, and its decode speed."""
+        runtime = gguf_runtime.LlamaCppModel(path, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
+        try:
+            metrics = compare(reference.forward, {name: runtime.forward}, evaluation.tokens, spec.min_context, progress=reporter.track)
+            return metrics, decode_speed(runtime, prompt, decode_tokens, repeats)
+        finally:
+            runtime.close()
+
     try:
         for cand in candidates:
             reporter.info(f"[bold]{cand.name}[/]")
@@ -194,14 +206,7 @@ def run_gguf_bench(
                     raise RuntimeError(f"{cand.name}: GGUF read-back differs from the records: {problems[:3]}")
                 exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
                 del model
-            runtime = gguf_runtime.LlamaCppModel(path, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
-            try:
-                metrics = compare(
-                    reference.forward, {cand.name: runtime.forward}, evaluation.tokens, spec.min_context, progress=reporter.track
-                )
-                speed = decode_speed(runtime, prompt, decode_tokens, repeats)
-            finally:
-                runtime.close()
+            metrics, speed = score(path, cand.name)
             result["reference"]["metrics"] = metrics["baseline"]
             tensor_bytes, params = gguf_writer.tensor_totals(path)
             if budget is not None and 8 * tensor_bytes / params > budget.target.bits_per_weight:
@@ -211,19 +216,33 @@ def run_gguf_bench(
             result["rows"].append(
                 {
                     **row,
-                    "bits_per_weight": round(8 * tensor_bytes / params, 4),
                     "name": cand.name,
                     "source": cand.source,
                     "setting": cand.setting.label if cand.setting else cand.gguf_type,
                     "type": cand.type_name,
-                    "tensor_types": gguf_writer.stored_type_counts(path),
-                    "size_bytes": path.stat().st_size,
-                    "records_exact": exact,
                     "quantize_seconds": round(seconds, 1),
-                    "decode_tokens_per_s": round(speed, 1),
-                    "metrics": metrics[cand.name],
+                    "records_exact": exact,
+                    **file_facts(path, metrics[cand.name], speed),
                 }
             )
+            if budget is not None and same_mix:  # llama.cpp's quantizer on our choice of types: the speed reference
+                mine = result["rows"][-1]
+                theirs = files / f"same-mix.{path.name}"
+                types = quantized_types(path)
+                main = max(types.values(), key=list(types.values()).count)
+                name = f"llama.cpp at the type mix of {cand.name}"
+                reporter.info(f"[bold]{name}[/]")
+                with reporter.status(f"llama.cpp quantizing to our {len(types)} tensor types"):
+                    gguf_runtime.quantize(f16, theirs, main, threads, token_embedding_type=embedding_type, tensor_types=types)
+                other, other_speed = score(theirs, name)
+                same = {"name": name, "source": LLAMA_CPP_SAME_MIX, "setting": None, "type": "mix", "quantize_seconds": None}
+                result["rows"].append({**same, "records_exact": 0, **file_facts(theirs, other[name], other_speed)})
+                result["rows"][-1]["same_tensor_types"] = quantized_types(theirs) == types
+                if not result["rows"][-1]["same_tensor_types"]:
+                    reporter.warn(f"{name}: llama.cpp did not write every tensor in our type (same_tensor_types: false)")
+                mine["decode_vs_same_mix"] = round(speed / other_speed, 3)
+                if not keep_files:
+                    theirs.unlink()
             if not keep_files:
                 path.unlink()
             write_results(out_dir, result, markdown_table(result))
@@ -233,6 +252,27 @@ def run_gguf_bench(
         if not keep_files:
             f16.unlink(missing_ok=True)
     return result
+
+
+def file_facts(path: Path, metrics: dict[str, Any], speed: float) -> dict[str, Any]:
+    """A benchmark row's facts of its file: size, bits per weight, tensor types, metrics, decode speed."""
+    tensor_bytes, params = gguf_writer.tensor_totals(path)
+    return {
+        "bits_per_weight": round(8 * tensor_bytes / params, 4),
+        "tensor_types": gguf_writer.stored_type_counts(path),
+        "size_bytes": path.stat().st_size,
+        "decode_tokens_per_s": round(speed, 1),
+        "metrics": metrics,
+    }
+
+
+def quantized_types(path: Path) -> dict[str, str]:
+    """The block type of each tensor of a GGUF file that is on a quantization grid (not the token
+    embedding: the bench sets its type), by tensor name."""
+    import gguf
+
+    found = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
+    return {name: kind for name, kind in found.items() if kind in GGUF_GRIDS and name != "token_embd.weight"}
 
 
 def budget_bits(budget: str, f16: Path, files: Path, threads: int, embedding_type: str) -> float:
@@ -267,7 +307,7 @@ def tool_chain(row: dict[str, Any]) -> str:
     """Which tool chain made a benchmark row: ours, llama.cpp, or llama.cpp with its importance matrix."""
     if row["source"] == LLAMA_CPP_IMATRIX:
         return "llama.cpp with its imatrix"
-    return "llama.cpp" if row["source"] in (LLAMA_CPP, LLAMA_CPP_PURE) else "ours"
+    return "llama.cpp" if row["source"] in (LLAMA_CPP, LLAMA_CPP_PURE, LLAMA_CPP_SAME_MIX) else "ours"
 
 
 def plot_kl_vs_size(result: dict[str, Any], path: Path) -> Path | None:

@@ -237,7 +237,8 @@ def test_bench_candidates_name_a_budget_by_bits_or_by_a_llama_cpp_file() -> None
 @pytest.mark.runtime
 def test_bench_gguf_fills_llama_cpps_size_with_a_mix_and_plots_both(tmp_path: Path, wide_model_dir: Path, text_dir: Path) -> None:
     """`compress bench gguf`: a budget at the size of llama.cpp's own Q4_K_M of the same model makes a
-    file of its bits per weight (to the byte's rounding), both scored in llama.cpp, plotted."""
+    file of its bits per weight (to the byte's rounding), both scored in llama.cpp, plotted; llama.cpp's
+    quantizer then makes a file of the same tensor types as each mix of ours, to decode beside it."""
     pytest.importorskip("llama_cpp")
     out = tmp_path / "bench"
     args = ["bench", "gguf", "-o", out, "--model", str(wide_model_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
@@ -250,4 +251,9 @@ def test_bench_gguf_fills_llama_cpps_size_with_a_mix_and_plots_both(tmp_path: Pa
     assert ours["budget_bits_per_weight"] == theirs["bits_per_weight"]
     assert theirs["bits_per_weight"] - 0.01 < ours["bits_per_weight"] <= theirs["bits_per_weight"]
     assert four["bits_per_weight"] <= 4.2 and ours["records_exact"] == 14 and ours["metrics"]["kl_divergence"] > 0
+    # after each mix, llama.cpp's quantizer on the very tensor types it chose: the decode-speed reference
+    same = rows["llama.cpp at the type mix of gptq mix at the size of llama.cpp's Q4_K_M"]
+    assert same["same_tensor_types"] and same["tensor_types"] == ours["tensor_types"] and len(ours["tensor_types"]) > 2
+    assert same["bits_per_weight"] == ours["bits_per_weight"] and ours["decode_vs_same_mix"] > 0
+    assert "llama.cpp at the type mix of rtn mix at 4.2 bits/weight" in rows
     assert (out / "kl-vs-size.png").stat().st_size > 0

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,21 +71,30 @@ def quantize(
     token_embedding_type: str | None = None,
     output_type: str | None = None,
     pure: bool = False,
+    tensor_types: Mapping[str, str] | None = None,
 ) -> None:
     """llama.cpp's own quantizer: ``source`` (our F16/F32 GGUF) -> ``target`` in ``type_name``. ``pure``:
     every tensor in the one block type ``type_name`` (llama-quantize --pure; q2_k … q6_k as single types,
-    not mixes), the token embedding in ``token_embedding_type``."""
+    not mixes), the token embedding in ``token_embedding_type``. ``tensor_types``: the type of each tensor
+    so named (llama-quantize --tensor-type, one exact pattern per tensor), e.g. another file's whole mix;
+    ``type_name`` is then the file's type, as a single type."""
     import gguf
 
     from compress.export.gguf.file import FILE_TYPES
 
     lib = llama_cpp()
-    offered = tuple(FILE_TYPES) if pure else GGUF_LLAMA_CPP_TYPES
+    single = pure or tensor_types is not None
+    offered = tuple(FILE_TYPES) if single else GGUF_LLAMA_CPP_TYPES
     if type_name not in offered:
         raise FormatError(f"llama.cpp type '{type_name}' is not offered{' pure' if pure else ''}; known: {', '.join(offered)}")
     params = lib.llama_model_quantize_default_params()
-    params.ftype = int(gguf.LlamaFileType[FILE_TYPES[type_name] if pure else f"MOSTLY_{type_name.upper()}"])
+    params.ftype = int(gguf.LlamaFileType[FILE_TYPES[type_name] if single else f"MOSTLY_{type_name.upper()}"])
     params.pure = pure
+    overrides = None
+    if tensor_types is not None:  # an array ended by a null pattern; the patterns must outlive the call
+        patterns = [(f"^{re.escape(name)}$".encode(), ggml_type_id(kind)) for name, kind in tensor_types.items()]
+        overrides = (lib.llama_model_tensor_override * (len(patterns) + 1))(*patterns, (None, 0))
+        params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(lib.llama_model_tensor_override))
     params.nthread = threads
     if token_embedding_type is not None:
         params.token_embedding_type = ggml_type_id(token_embedding_type)
