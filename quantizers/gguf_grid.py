@@ -142,7 +142,8 @@ class GridParams:
         return -(-self.in_f // self.unit)
 
     def fix(self, u: int, weights: torch.Tensor, importance: torch.Tensor | None = None) -> None:
-        """Set unit ``u``'s parameters from ``weights`` [out, columns of unit u]. On a GGUF type's grid,
+        """Set unit ``u``'s parameters from ``weights`` [out, columns of unit u] (``importance``: [columns]
+        or [out, columns]). On a GGUF type's grid,
         each row's range is also tried shrunk and widened (``CLIP``), each try's parameters are refit
         to the codes they give by least squares (``REFIT_ROUNDS``), and per row the parameters whose
         rounding of the weights has the smallest squared error (weighted per column by
@@ -200,7 +201,7 @@ class GridParams:
         q, _ = self.round(x, k)
         e = (q - self.zero[:, k]).reshape(out_f, n, -1)
         xs = x.reshape(out_f, n, -1)
-        ws = None if w is None else w.reshape(n, -1)
+        ws = None if w is None else w.reshape(*w.shape[:-1], n, -1)
         levels = float(self.grid.scale_levels)
         if self.grid.float_min:  # x = s·q - m with s >= 0, m >= 0
             s, o = _solve2(e, torch.ones_like(e), xs, ws)
@@ -267,9 +268,22 @@ class GridParams:
             self._set_k(u, groups, d, dmin, sc, mn)
 
     def fix_all(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> None:
-        for u in range(self.n_units):
-            cols = slice(u * self.unit, (u + 1) * self.unit)
-            self.fix(u, weight[:, cols], None if importance is None else importance[cols])
+        """Every unit's parameters from ``weight`` [out, in] (``importance`` [in], as in ``fix``). On a
+        GGUF grid the units are independent, so they are searched at once: each unit of each row is a
+        row of one [out x units, unit] problem (a loop over units costs far more in small operations)."""
+        n, out_f = self.n_units, weight.shape[0]
+        if self.grid is None or self.in_f % self.unit or n == 1:
+            for u in range(n):
+                cols = slice(u * self.unit, (u + 1) * self.unit)
+                self.fix(u, weight[:, cols], None if importance is None else importance[cols])
+            return
+        flat = GridParams(out_f * n, self.unit, self.scheme, weight.device, self.search)
+        if importance is not None:
+            importance = importance.reshape(1, n, self.unit).expand(out_f, n, self.unit).reshape(out_f * n, self.unit)
+        flat.fix(0, weight.reshape(out_f * n, self.unit), importance)
+        names = ["scale", "zero", "offset"] + (["d", "dmin", "sub_scales", "sub_mins"] if self.k_quant else [])
+        for name in names:
+            getattr(self, name).copy_(getattr(flat, name).reshape(out_f, -1))
 
     def round(self, w: torch.Tensor, k: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and dequantized values of ``w``: a column [out] in group ``k``, or columns [out, cols]

@@ -349,6 +349,25 @@ def test_the_least_squares_refit_rounds_no_row_worse_and_the_whole_weight_better
     assert float(refit.sum()) < 0.995 * float(searched.sum())
 
 
+@pytest.mark.parametrize("type_name", GGUF_GRID_TYPES)
+def test_all_units_searched_at_once_give_the_parameters_of_the_search_unit_by_unit(type_name: str) -> None:
+    """GridParams.fix_all searches every unit of every row as one problem; GPTQ's column loop calls
+    fix unit by unit. Both give the same parameters, bit for bit, weighted or not."""
+    from compress.quantizers.gguf_grid import GridParams
+
+    w, h = weight_and_hessian(rows=16)
+    scheme = QuantScheme(gguf_type=type_name)
+    for importance in (None, torch.diagonal(h)):
+        together, alone = GridParams(16, 512, scheme, w.device), GridParams(16, 512, scheme, w.device)
+        together.fix_all(w, importance)
+        for u in range(alone.n_units):
+            cols = slice(u * alone.unit, (u + 1) * alone.unit)
+            alone.fix(u, w[:, cols], None if importance is None else importance[cols])
+        names = ["scale", "zero", "offset"] + (["d", "dmin", "sub_scales", "sub_mins"] if together.k_quant else [])
+        for name in names:
+            assert torch.equal(getattr(together, name), getattr(alone, name)), name
+
+
 def test_pipeline_records_on_the_q4_0_grid_are_packed_in_model_and_come_back_on_their_grid(tmp_path: Path, text_dir: Path) -> None:
     """Q4_0 / Q8_0 grid records are plain symmetric records: model/ packs them (compressed-tensors has no
     grid name), the manifest keeps the grid, and reading the artifact back gives the records on it."""
