@@ -307,7 +307,9 @@ def tool_chain(row: dict[str, Any]) -> str:
     """Which tool chain made a benchmark row: ours, llama.cpp, or llama.cpp with its importance matrix."""
     if row["source"] == LLAMA_CPP_IMATRIX:
         return "llama.cpp with its imatrix"
-    return "llama.cpp" if row["source"] in (LLAMA_CPP, LLAMA_CPP_PURE, LLAMA_CPP_SAME_MIX) else "ours"
+    if row["source"] == LLAMA_CPP_SAME_MIX:
+        return "llama.cpp on our mix's types"
+    return "llama.cpp" if row["source"] in (LLAMA_CPP, LLAMA_CPP_PURE) else "ours"
 
 
 def plot_kl_vs_size(result: dict[str, Any], path: Path) -> Path | None:
@@ -320,12 +322,18 @@ def plot_kl_vs_size(result: dict[str, Any], path: Path) -> Path | None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     try:
-        for chain, marker in (("ours", "o"), ("llama.cpp", "s"), ("llama.cpp with its imatrix", "^")):
+        for chain, marker in (
+            ("ours", "o"),
+            ("llama.cpp", "s"),
+            ("llama.cpp with its imatrix", "^"),
+            ("llama.cpp on our mix's types", "x"),
+        ):
             mine = sorted((r for r in rows if tool_chain(r) == chain), key=lambda r: r["size_bytes"])
             if mine:
                 ax.plot([r["size_bytes"] / 2**20 for r in mine], [r["metrics"]["kl_divergence"] for r in mine], marker, label=chain)
         for r in rows:
-            label = r["name"].replace("gptq mix at the size of llama.cpp's ", "mix @ ").replace(" with its imatrix", " + imatrix")
+            label = r["name"].replace("llama.cpp at the type mix of ", "")
+            label = label.replace("gptq mix at the size of llama.cpp's ", "mix @ ").replace(" with its imatrix", " + imatrix")
             ax.annotate(
                 label, (r["size_bytes"] / 2**20, r["metrics"]["kl_divergence"]), textcoords="offset points", xytext=(4, 3), fontsize=7
             )
