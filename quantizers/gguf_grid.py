@@ -143,11 +143,11 @@ class GridParams:
 
     def fix(self, u: int, weights: torch.Tensor, importance: torch.Tensor | None = None) -> None:
         """Set unit ``u``'s parameters from ``weights`` [out, columns of unit u] (``importance``: [columns]
-        or [out, columns]). On a GGUF type's grid,
-        each row's range is also tried shrunk and widened (``CLIP``), each try's parameters are refit
-        to the codes they give by least squares (``REFIT_ROUNDS``), and per row the parameters whose
-        rounding of the weights has the smallest squared error (weighted per column by
-        ``importance``, e.g. GPTQ's Hessian diagonal) are kept; plain schemes keep the min/max range."""
+        or [out, columns]). On a GGUF type's grid, each row's range is also tried shrunk and widened
+        (``CLIP``), each try's parameters are refit to the codes they give by least squares
+        (``REFIT_ROUNDS``), and per row the parameters whose rounding of the weights has the smallest
+        squared error (weighted by ``importance``, e.g. GPTQ's Hessian diagonal) are kept; plain
+        schemes keep the min/max range."""
         if self.grid is None or not self.search:
             self._fix_range(u, weights)
             return
