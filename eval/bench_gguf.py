@@ -35,6 +35,7 @@ LLAMA_CPP_PURE = "llama.cpp-pure"
 LLAMA_CPP_IMATRIX = "llama.cpp-imatrix"
 LLAMA_CPP_SAME_MIX = "llama.cpp-same-mix"  # llama.cpp's quantizer on the types a mix of ours chose (a row of its own)
 IMATRIX_FILE = "imatrix.llama.cpp.gguf"
+EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"  # llama.cpp's names of the tensors its quantizer types apart
 
 
 @dataclass(frozen=True)
@@ -228,16 +229,19 @@ def run_gguf_bench(
             if budget is not None and same_mix:  # llama.cpp's quantizer on our choice of types: the speed reference
                 mine = result["rows"][-1]
                 theirs = files / f"same-mix.{path.name}"
-                types = quantized_types(path)
+                found = tensor_types(path)
+                types = {n: k for n, k in found.items() if k in GGUF_GRIDS and n not in (EMBEDDING, OUTPUT)}
                 main = max(types.values(), key=list(types.values()).count)
                 name = f"llama.cpp at the type mix of {cand.name}"
                 reporter.info(f"[bold]{name}[/]")
                 with reporter.status(f"llama.cpp quantizing to our {len(types)} tensor types"):
-                    gguf_runtime.quantize(f16, theirs, main, threads, token_embedding_type=embedding_type, tensor_types=types)
+                    gguf_runtime.quantize(
+                        f16, theirs, main, threads, token_embedding_type=found[EMBEDDING], output_type=found.get(OUTPUT), tensor_types=types
+                    )
                 other, other_speed = score(theirs, name)
                 same = {"name": name, "source": LLAMA_CPP_SAME_MIX, "setting": None, "type": "mix", "quantize_seconds": None}
                 result["rows"].append({**same, "records_exact": 0, **file_facts(theirs, other[name], other_speed)})
-                result["rows"][-1]["same_tensor_types"] = quantized_types(theirs) == types
+                result["rows"][-1]["same_tensor_types"] = tensor_types(theirs) == found
                 if not result["rows"][-1]["same_tensor_types"]:
                     reporter.warn(f"{name}: llama.cpp did not write every tensor in our type (same_tensor_types: false)")
                 mine["decode_vs_same_mix"] = round(speed / other_speed, 3)
@@ -266,13 +270,11 @@ def file_facts(path: Path, metrics: dict[str, Any], speed: float) -> dict[str, A
     }
 
 
-def quantized_types(path: Path) -> dict[str, str]:
-    """The block type of each tensor of a GGUF file that is on a quantization grid (not the token
-    embedding: the bench sets its type), by tensor name."""
+def tensor_types(path: Path) -> dict[str, str]:
+    """The type of every tensor of a GGUF file (lower-case ggml names), by tensor name."""
     import gguf
 
-    found = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
-    return {name: kind for name, kind in found.items() if kind in GGUF_GRIDS and name != "token_embd.weight"}
+    return {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
 
 
 def budget_bits(budget: str, f16: Path, files: Path, threads: int, embedding_type: str) -> float:
