@@ -153,10 +153,11 @@ def allocate(layers: list[LayerChoice], budget: int) -> int:
 
 
 SENSITIVITY_ROWS = 256
-"""At most about this many rows of each weight (every k-th) are rounded per candidate type in the
-sensitivity pass, and their cost scaled to the whole weight: the quantizers' own parameter search
-(range tries, least-squares refit) is several times dearer than a plain min/max rounding, and its gain
-differs much between types (a source grid that one type's blocks hold), so the estimate must see it."""
+"""The sensitivity pass rounds every k-th row of each weight per candidate type, k = rows // this
+(1 below it: 256 to 511 rows of a large weight), and scales their cost to the whole weight: the
+quantizers' own parameter search (range tries, least-squares refit) is several times dearer than a
+plain min/max rounding, and its gain differs much between types (a source grid that one type's
+blocks hold), so the estimate must see it."""
 
 
 def _row_stride(out_features: int) -> int:
