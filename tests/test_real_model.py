@@ -146,7 +146,7 @@ def test_the_large_reference_model_is_qwen2_5_coder_1_5b_in_bfloat16() -> None:
     if asset is None:
         pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
     assert assets.verify(asset) == []
-    assert asset.meta["gguf"]["sha256"] == assets.QWEN_SPLIT.sha256
+    assert asset.meta["joined_file"]["sha256"] == assets.QWEN_SPLIT.sha256
     loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
     model, config = loaded.model, loaded.model.config
     assert type(model).__name__ == "Qwen2ForCausalLM"
