@@ -93,23 +93,28 @@ def _solve2(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor |
 
 class _Best:
     """Per row, the parameters of unit ``u`` whose rounding of ``x`` has had the smallest (weighted)
-    squared error among those offered."""
+    squared error among those offered, and the codes they give."""
 
     def __init__(self, params: GridParams, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
         self.params, self.u, self.groups, self.x, self.k, self.w = params, u, groups, x, k, w
         self.err: torch.Tensor | None = None
         self.kept: list[torch.Tensor] = []
+        self.codes = torch.empty(0)
 
-    def offer(self) -> None:
-        err = (self.params.round(self.x, self.k)[1] - self.x).square_()
+    def offer(self) -> torch.Tensor:
+        """Score the unit's current parameters (kept per row where better); returns the codes they give."""
+        codes, values = self.params.round(self.x, self.k)
+        err = (values - self.x).square_()
         err = (err if self.w is None else err * self.w).sum(dim=-1)
         now = self.params._unit_params(self.u, self.groups)
         if self.err is None:
-            self.err, self.kept = err, now
-            return
+            self.err, self.kept, self.codes = err, now, codes
+            return codes
         better = (err < self.err).unsqueeze(1)
         self.err = torch.minimum(err, self.err)
         self.kept = [torch.where(better, new, old) for new, old in zip(now, self.kept, strict=True)]
+        self.codes = torch.where(better, codes, self.codes)
+        return codes
 
     def restore(self) -> None:
         """Write the kept parameters back into the unit."""
@@ -158,20 +163,19 @@ class GridParams:
         refit = self._refit_sub if self.k_quant else self._refit_legacy
         for c in CLIP:
             self._fix_range(u, weights if c == 1.0 else weights * c)
-            kept.offer()
+            codes = kept.offer()
             for _ in range(REFIT_ROUNDS):
-                refit(u, groups, weights, k, importance)
-                kept.offer()
+                refit(u, groups, weights, k, importance, codes)
+                codes = kept.offer()
         kept.restore()
         for _ in range(REFIT_ROUNDS):  # once more from the best of all
-            refit(u, groups, weights, k, importance)
+            refit(u, groups, weights, k, importance, kept.codes)
             kept.offer()
             kept.restore()
 
-    def _refit_legacy(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
+    def _refit_legacy(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, q: torch.Tensor) -> None:
         """A legacy block's fp16 ``d`` (and Q4_1 / Q5_1's float minimum) by weighted least squares
-        on the codes the current parameters give (one group per unit)."""
-        q, _ = self.round(x, k)
+        on the codes ``q`` the current parameters give (one group per unit)."""
         e = q - self.zero[:, k]
         if self.grid.float_min:
             d, m = _solve2(e, torch.ones_like(e), x, w)
@@ -180,10 +184,9 @@ class GridParams:
             d = _solve1(e, x, w)
         self.scale[:, u] = torch.where(torch.isfinite(d), _f16(d.clamp(min=0)), self.scale[:, u])
 
-    def _refit_super(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
-        """A K-quant super-block's fp16 ``d`` (and ``dmin``) by weighted least squares on the codes and
-        integer sub-block scales (and mins) the current parameters give."""
-        q, _ = self.round(x, k)
+    def _refit_super(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, q: torch.Tensor) -> None:
+        """A K-quant super-block's fp16 ``d`` (and ``dmin``) by weighted least squares on the codes ``q``
+        and integer sub-block scales (and mins) the current parameters give."""
         a = (q - self.zero[:, k]) * self.sub_scales[:, k]
         if self.grid.float_min:
             d, dmin = _solve2(a, -self.sub_mins[:, k], x, w)
@@ -193,12 +196,11 @@ class GridParams:
         d = torch.where(torch.isfinite(d), _f16(d if self.grid.signed_scales else d.clamp(min=0)), self.d[:, u])
         self._set_k(u, groups, d, dmin, self.sub_scales[:, groups], self.sub_mins[:, groups])
 
-    def _refit_sub(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None) -> None:
-        """Each sub-block's float scale (and minimum) by weighted least squares on its codes, then the
-        super-block's ``d`` / ``dmin`` and integer sub-block values from them, as ``_fix_k`` does from
-        a range, and the super-block refit on the codes those give."""
+    def _refit_sub(self, u: int, groups: slice, x: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, q: torch.Tensor) -> None:
+        """Each sub-block's float scale (and minimum) by weighted least squares on its codes ``q`` (those
+        the current parameters give), then the super-block's ``d`` / ``dmin`` and integer sub-block
+        values from them, as ``_fix_k`` does from a range, and the super-block refit on the codes those give."""
         out_f, n = x.shape[0], self.per_unit
-        q, _ = self.round(x, k)
         e = (q - self.zero[:, k]).reshape(out_f, n, -1)
         xs = x.reshape(out_f, n, -1)
         ws = None if w is None else w.reshape(*w.shape[:-1], n, -1)
@@ -219,7 +221,7 @@ class GridParams:
             sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels, levels)
             mn = self.sub_mins[:, groups]
         self._set_k(u, groups, d, dmin, sc, mn)
-        self._refit_super(u, groups, x, k, w)
+        self._refit_super(u, groups, x, k, w, self.round(x, k)[0])
 
     def _set_k(self, u: int, groups: slice, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> None:
         self.d[:, u], self.dmin[:, u] = d, dmin
