@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,9 +230,9 @@ def run_gguf_bench(
             if budget is not None and same_mix:  # llama.cpp's quantizer on our choice of types: the speed reference
                 mine = result["rows"][-1]
                 theirs = files / f"same-mix.{path.name}"
-                found = tensor_types(path)
+                found = gguf_writer.stored_types(path)
                 types = {n: k for n, k in found.items() if k in GGUF_GRIDS and n not in (EMBEDDING, OUTPUT)}
-                main = max(types.values(), key=list(types.values()).count)
+                main = Counter(types.values()).most_common(1)[0][0]
                 name = f"llama.cpp at the type mix of {cand.name}"
                 reporter.info(f"[bold]{name}[/]")
                 with reporter.status(f"llama.cpp quantizing to our {len(types)} tensor types"):
@@ -241,7 +242,7 @@ def run_gguf_bench(
                 other, other_speed = score(theirs, name)
                 same = {"name": name, "source": LLAMA_CPP_SAME_MIX, "setting": None, "type": "mix", "quantize_seconds": None}
                 result["rows"].append({**same, "records_exact": 0, **file_facts(theirs, other[name], other_speed)})
-                result["rows"][-1]["same_tensor_types"] = tensor_types(theirs) == found
+                result["rows"][-1]["same_tensor_types"] = gguf_writer.stored_types(theirs) == found
                 if not result["rows"][-1]["same_tensor_types"]:
                     reporter.warn(f"{name}: llama.cpp did not write every tensor in our type (same_tensor_types: false)")
                 mine["decode_vs_same_mix"] = round(speed / other_speed, 3)
@@ -268,13 +269,6 @@ def file_facts(path: Path, metrics: dict[str, Any], speed: float) -> dict[str, A
         "decode_tokens_per_s": round(speed, 1),
         "metrics": metrics,
     }
-
-
-def tensor_types(path: Path) -> dict[str, str]:
-    """The type of every tensor of a GGUF file (lower-case ggml names), by tensor name."""
-    import gguf
-
-    return {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
 
 
 def budget_bits(budget: str, f16: Path, files: Path, threads: int, embedding_type: str) -> float:

@@ -282,7 +282,8 @@ def measure(
                 options = []
                 shape = (module.out_features, module.in_features)
                 stride = _row_stride(module.out_features)
-                rows, share = fisher[name][::stride], module.out_features / fisher[name][::stride].shape[0]
+                rows = fisher[name][::stride]
+                share = module.out_features / rows.shape[0]
                 for type_name in candidate_types(module.in_features, types):
                     error = _rtn_error(module.weight[::stride], type_name)
                     estimate = 0.5 * share * float((rows * error).sum()) / n_tokens

@@ -847,11 +847,16 @@ def tensor_totals(path: Path) -> tuple[int, int]:
     return sum(int(t.n_bytes) for t in tensors), sum(int(t.n_elements) for t in tensors)
 
 
-def stored_type_counts(path: Path) -> dict[str, int]:
-    """Tensor types in a GGUF file, counted (lower-case ggml names)."""
+def stored_types(path: Path) -> dict[str, str]:
+    """The type of every tensor of a GGUF file (lower-case ggml names), by tensor name."""
     import gguf
 
-    return dict(Counter(t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors))
+    return {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
+
+
+def stored_type_counts(path: Path) -> dict[str, int]:
+    """Tensor types in a GGUF file, counted (lower-case ggml names)."""
+    return dict(Counter(stored_types(path).values()))
 
 
 def check_gguf_records(path: Path, plan: GGUFPlan, records: dict[str, QuantizedWeight]) -> list[str]:
