@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from compress.calibration import CalibrationChecker
     from compress.progress import Reporter
     from compress.quantizers.core import QuantizedWeight
     from compress.quantizers.kv_cache import KVCacheScheme
@@ -85,6 +86,8 @@ class RunContext:
     """The SHA-256 of the source model's files (keys what a stage stores about the source across runs)."""
     load_teacher: Callable[[str], nn.Module] | None = None
     """Loads another model by a model.source-style string (a named distillation teacher)."""
+    checks: CalibrationChecker | None = None
+    """The recipe's calibration sanity checks, which the calibrated quantizers run as they go (None: none run)."""
 
     def frozen_copy(self, model: nn.Module) -> nn.Module:
         """``model`` as it is now, kept from later changes: the loaded model itself when no stage

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from compress import streaming
+from compress.calibration import relative_error
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, sqnr_db
@@ -54,9 +55,12 @@ def install_record(model: nn.Module, name: str, module: nn.Linear, record: Quant
     module.weight = nn.Parameter(deq, requires_grad=False)
     ctx.quantized[name] = record.cpu()  # records wait on the CPU; only the block being worked on sits on the accelerator
     ctx.quantized_by[name] = label
+    sums = ctx.input_sums.get(name)
     info = {
         "shape": list(record.shape),
         "sqnr_db": round(sqnr_db(original, deq), 3),
+        # weighted by the calibration's Σx² per input column when a calibrated method measured it
+        "relative_error": float(f"{relative_error(original, deq, sums[0] if sums else None):.4g}"),
         "bits_per_weight": round(record.bits_per_weight, 4),
     }
     if tied:

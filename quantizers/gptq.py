@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
+from compress.calibration import check_token_count
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
@@ -248,6 +249,8 @@ class GPTQStage:
 
             return apply_llmcompressor(model, ctx, cfg, self.label)
         selected, _ = select_block_linears(model, cfg, self.label, "gptq", quantizes_head=True)
+        columns = {name: int(module.in_features) for name, module in selected.items()}
+        check_token_count(ctx.checks, int(ctx.calibration().numel()), columns, self.label, "gptq")
         scheme_of, mix = layer_schemes(model, ctx, cfg, selected, self.label)
 
         def process(job: BlockJob, arch: Architecture) -> None:

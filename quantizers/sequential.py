@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from compress import streaming
+from compress.calibration import check_finite, check_layer_errors
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize
@@ -219,6 +220,7 @@ def run_layerwise(
     move_outside_blocks(model, arch.blocks, device)
     with ctx.reporter.status(f"{label} capturing block inputs ({tokens.shape[0]} x {tokens.shape[1]} calibration tokens)"):
         hidden, kwargs = capture_block_inputs(model, blocks, tokens, batch_size, device)
+    finite = check_finite(ctx.checks, hidden, label, f"the input of the first decoder block ({arch.blocks}.0, the embeddings' output)")
     per_block: list[dict[str, Any]] = []
     layer_info: dict[str, dict] = {}
     coverage: list[dict[str, Any]] = []  # routed tokens per expert of each MoE block
@@ -238,6 +240,10 @@ def run_layerwise(
                 if linears:
                     process_block(job, arch)
             hidden = job.inputs.run(block)  # the quantized block feeds the next one
+            if finite:  # the first non-finite block is named once
+                finite = check_finite(
+                    ctx.checks, hidden, label, f"the output of {prefix[:-1]} ({'after quantizing it' if linears else 'not quantized'})"
+                )
             if streaming.unit_of(block) is None:
                 block.to(home)
         layer_info.update(job.layer_info)
@@ -256,6 +262,9 @@ def run_layerwise(
     move_outside_blocks(model, arch.blocks, home)
     del hidden, kwargs
     model.train(was_training)
+    if finite and ctx.checks is not None and ctx.checks.enabled("nonfinite"):
+        ctx.checks.record("nonfinite", True, label, 0, 0, f"the hidden states into and out of all {len(blocks)} blocks are finite")
+    check_layer_errors(ctx.checks, layer_info, f"{label} {method}")
     summary = summarize(layer_info, unused_ignore, cfg.summary_scheme())
     summary.update(
         calibration_tokens=int(tokens.numel()),

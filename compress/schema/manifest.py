@@ -49,7 +49,10 @@ class ModelRecord(Open):
 
 class DataRecord(Closed):
     holdout: float
-    calibration: dict[str, Any] | None = Field(description="How the calibration chunks were made (null: no calibration text).")
+    calibration: dict[str, Any] | None = Field(
+        description="How the calibration chunks were made, and under `checks` the result of every calibration sanity "
+        "check run (check, status, where, value, limit, detail); null: no calibration text."
+    )
     evaluation: dict[str, Any] | None = Field(description="How the evaluation chunks were made (null: no evaluation text).")
 
 

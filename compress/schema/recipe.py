@@ -74,8 +74,42 @@ class TextSpec(Strict):
     text_field: str = Field("text", description="Field holding the text in .jsonl records.")
 
 
+Severity = Literal["error", "warn", "off"]
+
+
+class CalibrationChecks(Strict):
+    """Sanity checks on the calibration text and on what it drives through the model
+    (compress/calibration.py). Each check is ``error`` (the run stops, exit 2), ``warn`` (a warning;
+    the run goes on) or ``off``; every result goes into manifest.json under ``calibration.checks``."""
+
+    tokens: Severity = Field(
+        "error",
+        description="GPTQ needs at least as many calibration tokens as the widest quantized layer has input "
+        "columns; fewer leave its Hessian rank-deficient (only the dampening keeps it invertible).",
+    )
+    duplicates: Severity = Field("error", description="Near-duplicate chunks (shared token 8-grams) above max_duplicate_share.")
+    max_duplicate_share: float = Field(
+        0.1, ge=0, le=1, description="Largest share of chunks that may nearly repeat an earlier chunk (estimated Jaccard >= 0.5)."
+    )
+    padding: Severity = Field(
+        "error", description="Special tokens (padding, BOS, EOS) or one repeated token making up more than max_padding_share."
+    )
+    max_padding_share: float = Field(
+        0.5, gt=0, le=1, description="Largest share of calibration tokens that one token or the special tokens may take."
+    )
+    nonfinite: Severity = Field("error", description="NaN or infinite activations in any block's inputs or outputs during calibration.")
+    layer_error: Severity = Field(
+        "error",
+        description="A layer whose relative quantization error is more than layer_error_ratio times the median of "
+        "the same kind of layer (same name within its block, same bits per weight) in the stage.",
+    )
+    layer_error_ratio: float = Field(10.0, gt=1, description="How far above its kind's median a layer's relative error may go.")
+
+
 class CalibrationSpec(TextSpec):
     """Text the compression stages learn from."""
+
+    checks: CalibrationChecks = Field(default_factory=CalibrationChecks, description="Sanity checks on the calibration text.")
 
 
 class EvaluationSpec(TextSpec):

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compress.calibration import CalibrationChecker, check_text
 from compress.data import Chunks, DataPlan
 from compress.distill.train import process_rank
 from compress.errors import CompressError
@@ -78,6 +79,9 @@ class Source:
     baseline_forward: CachedBaseline
     """The baseline's side of every comparison: its final hidden states, computed once per row (eval/baseline.py)."""
     calibration: Chunks | None = None
+    checks: CalibrationChecker | None = None
+    """The recipe's calibration sanity checks (compress/calibration.py): the text's when it is
+    tokenized, the model's by the calibrated quantizers; None without a data.calibration section."""
 
     @property
     def baseline(self) -> torch.nn.Module:
@@ -88,6 +92,9 @@ class Source:
         if self.calibration is None:
             with self.reporter.status("tokenizing calibration text"):
                 self.calibration = self.data.chunks("calibration", self.lm.tokenizer)
+            if self.checks is not None:
+                with self.reporter.status("checking the calibration text (near duplicates, padding)"):
+                    check_text(self.checks, self.calibration.tokens, self.lm.tokenizer)
         return self.calibration.tokens
 
 
@@ -174,7 +181,8 @@ def load(run: Run) -> Source:
         data = DataPlan.load(recipe.data, run.base_dir, run.reporter)
         eval_chunks = data.chunks("evaluation", lm.tokenizer) if recipe.data.evaluation else None
     cached = CachedBaseline(lm.model, run.device, work_dir_for(run.out_dir) / "baseline", lm.facts.get("sha256"))
-    return Source(lm, data, eval_chunks, run.reporter, cached)
+    checks = CalibrationChecker(recipe.data.calibration.checks, run.reporter) if recipe.data.calibration else None
+    return Source(lm, data, eval_chunks, run.reporter, cached, checks=checks)
 
 
 def baseline_directory(model_facts: dict[str, Any]) -> str:

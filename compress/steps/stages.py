@@ -66,6 +66,7 @@ def apply(run: Run, source: Source) -> Staged | None:
         tokenizer=source.lm.tokenizer,
         reporter=run.reporter,
         calibration=source.calibration_tokens,
+        checks=source.checks,
         text=source.data.text_for(source.lm.tokenizer, run.base_dir, run.reporter),
         original=source.baseline,
         work_dir=work_dir_for(run.out_dir),

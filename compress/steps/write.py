@@ -55,7 +55,11 @@ def build_manifest(run: Run, source: Source, staged: Staged) -> dict[str, Any]:
         },
         "data": {
             "holdout": recipe.data.holdout,
-            "calibration": cal_chunks.facts if cal_chunks else (data.calibration_source.describe if data.calibration_source else None),
+            "calibration": (
+                {**cal_chunks.facts, "checks": source.checks.facts() if source.checks else []}
+                if cal_chunks
+                else (data.calibration_source.describe if data.calibration_source else None)
+            ),
             "evaluation": eval_chunks.facts if eval_chunks else None,
         },
         "compute": {"device": run.device.type, "threads": run.threads, "host": platform.platform(), "cpu_count": os.cpu_count()},
