@@ -211,7 +211,9 @@ exports: []
 """
 
 
-def test_a_run_on_repeated_calibration_text_stops_or_warns_and_the_manifest_says_so(tiny_model_dir: Path, text_dir: Path, tmp_path: Path) -> None:
+def test_a_run_on_repeated_calibration_text_stops_or_warns_and_the_manifest_says_so(
+    tiny_model_dir: Path, text_dir: Path, tmp_path: Path
+) -> None:
     files = sorted(text_dir.glob("*.txt"))
     calibration = tmp_path / "calibration"
     calibration.mkdir()
