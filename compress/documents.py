@@ -3,7 +3,6 @@ schema model, written as plain JSON, and the library versions every manifest and
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 import platform
@@ -13,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from compress import __version__
+from compress.export.format import package_versions
 from compress.plugins import EXPORT_FORMATS
 
 VERSIONED_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "accelerate")  # + each export format's
@@ -42,11 +42,5 @@ def json_safe(obj: Any) -> Any:
 
 def library_versions() -> dict[str, str]:
     """Python, compress and every library whose version can change a result (each export format's too)."""
-    versions = {"python": platform.python_version(), "compress": __version__}
     packages = [*VERSIONED_PACKAGES, *(pkg for fmt in EXPORT_FORMATS.values() for pkg in fmt.packages)]
-    for pkg in dict.fromkeys(packages):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            versions[pkg] = "not installed"
-    return versions
+    return {"python": platform.python_version(), "compress": __version__, **package_versions(packages)}

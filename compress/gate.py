@@ -31,6 +31,7 @@ from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.coverage import expert_coverage
 from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
 from compress.eval.gates import Evaluation, GateResult, evaluate_gates
+from compress.eval.identity import with_build
 from compress.eval.latency import LatencySettings, Target, load_torch_model, tree_size
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
@@ -251,7 +252,7 @@ def run_gate(
         "schema_version": REPORT_VERSION,
         "recipe": "compress gate",
         "passed": all(g.passed for g in results),
-        "evaluations": [e.to_json() for e in evaluations],
+        "evaluations": [with_build(e).to_json() for e in evaluations],
         "gates": [g.to_json() for g in results],
         "evaluation_data": eval_facts,
         "artifact": {

@@ -331,6 +331,7 @@ class Evaluation:
     kind: str = "accuracy"  # accuracy | latency | memory | kv_cache | calibration
     profile: str | None = None  # the device profile it stands for (None: this machine)
     intervals: dict[str, dict[str, Any]] | None = None  # metric -> {lower, upper, level, method, samples}
+    build: dict[str, str] | None = None  # the runtime's build and the device that measured it (eval/identity.py)
 
     def __post_init__(self) -> None:
         if self.intervals is None and isinstance(self.metrics, Scores):  # scored by compare(): its intervals come along
@@ -351,6 +352,8 @@ class Evaluation:
             out["profile"] = self.profile
         if self.intervals:
             out["intervals"] = self.intervals
+        if self.build:
+            out["build"] = self.build
         if self.details:
             out["details"] = self.details
         return out

@@ -291,12 +291,28 @@ def markdown_summary(report: dict[str, Any]) -> str:
                 for e in memory
             ],
         )
+    lines += _build_lines(evaluations)
     lines += _search_lines(report.get("search"))
     lines += _export_lines(report.get("exports"))
     lines += _run_memory_lines(report.get("memory"))
     if estimated:
         lines += [f"[^estimated]: {ESTIMATED_NOTE}", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _build_lines(evaluations: list[dict[str, Any]]) -> list[str]:
+    """One line per runtime build that measured a number above: which versions, on which device."""
+    builds: dict[str, dict[str, str]] = {}
+    for e in evaluations:
+        if e.get("build"):
+            builds.setdefault(json.dumps(e["build"], sort_keys=True), e["build"])
+    if not builds:
+        return []
+    lines = ["### Runtime builds", ""]
+    for build in builds.values():
+        rest = ", ".join(f"{k} {v}" for k, v in build.items() if k not in ("runtime", "device"))
+        lines.append(f"- **{build.get('runtime')}** on {build.get('device')}: {rest}")
+    return [*lines, ""]
 
 
 def _search_lines(search: dict[str, Any] | None) -> list[str]:

@@ -15,9 +15,22 @@ time (a Hugging Face checkpoint: gates on it read the ``compressed`` evaluation)
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+
+def package_versions(packages: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Installed version of each Python distribution, or "not installed"."""
+    versions = {}
+    for pkg in dict.fromkeys(packages):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = "not installed"
+    return versions
+
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -74,6 +87,12 @@ class ExportFormat:
     """The module whose ``check(spec, model, records, has_eval)`` and ``export(directory, spec, model,
     tokenizer, records, inputs, reporter, label, kv)`` the default ``check`` and ``write`` call,
     imported only when a run uses them; None: the format overrides both (or writes nothing)."""
+
+    def runtime_build(self) -> dict[str, str]:
+        """What identifies the build of this format's runtime, for every number measured on it: the
+        versions of its packages; a format whose runtime reports more of itself (a commit, the
+        features it was compiled with) adds that."""
+        return package_versions(self.packages or ((self.runtime_module,) if self.runtime_module else ()))
 
     @property
     def own_runtime(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import time
@@ -47,6 +48,11 @@ def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text
         assert (e["runtime"], e["device"], e["source"]) == ("torch", "cpu", "measured")
         assert set(e["metrics"]) == {"perplexity", "kl_divergence", "kl_divergence_p99", "top1_agreement", "tokens_scored"}
         assert e["metrics"]["tokens_scored"] == 6 * (64 - 8)
+        # the build that measured it: torch and transformers as installed, the processor by name
+        assert e["build"]["runtime"] == "torch" and e["build"]["device"].startswith("cpu: ")
+        assert e["build"]["torch"] == importlib.metadata.version("torch")
+        assert e["build"]["transformers"] == importlib.metadata.version("transformers")
+    assert "### Runtime builds" in (out / "summary.md").read_text()
     assert evals["baseline"]["metrics"]["kl_divergence"] == 0.0
     assert evals["baseline"]["metrics"]["top1_agreement"] == 1.0
     assert evals["compressed"]["metrics"]["kl_divergence"] > 0

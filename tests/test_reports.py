@@ -441,3 +441,23 @@ def test_importing_reports_loads_neither_torch_nor_matplotlib() -> None:
     code = "import sys, compress.eval.reports; print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_every_runtime_names_its_build_and_the_summary_lists_each_once() -> None:
+    import importlib.metadata
+
+    from compress.eval.identity import runtime_build, with_build
+    from compress.eval.metrics import Evaluation
+
+    llama = runtime_build("llama.cpp", "cpu")
+    assert llama["llama_cpp_python"] == importlib.metadata.version("llama_cpp_python")
+    assert llama["ggml"].count(".") == 2 and "CPU" in llama["system_info"]
+    ort = runtime_build("onnxruntime", "cpu")
+    assert ort["onnxruntime"] == importlib.metadata.version("onnxruntime") and "git-commit-id=" in ort["onnxruntime_build"]
+    assert runtime_build("torch", "cpu")["device"].startswith("cpu: ")
+    measured = [with_build(Evaluation("q4_0", "llama.cpp", "cpu", {"kl_divergence": 0.1})) for _ in range(2)]
+    estimated = with_build(Evaluation("q4_0", "llama.cpp", "jetson-orin", {"decode_tokens_per_s": 9.0}, source="estimated", kind="latency"))
+    assert measured[0].to_json()["build"] == llama and "build" not in estimated.to_json()
+    report = {"recipe": "r", "passed": True, "evaluations": [e.to_json() for e in [*measured, estimated]], "gates": []}
+    summary = markdown_summary(report)
+    assert summary.count("- **llama.cpp** on cpu: ") == 1 and f"llama_cpp_python {llama['llama_cpp_python']}" in summary

@@ -74,6 +74,12 @@ class Evaluation(Closed):
     intervals: dict[str, Interval] | SkipJsonSchema[None] = Field(
         None, description="Metric name -> its 95% interval (perplexity, KL divergence and top-1 agreement of an accuracy evaluation)."
     )
+    build: dict[str, str] | SkipJsonSchema[None] = Field(
+        None,
+        description="The runtime build and device that measured it: `runtime`, its packages' versions (llama.cpp: the "
+        "llama and ggml library versions and compiled CPU features; ONNX Runtime: its build line with the git commit), "
+        "`device` (cpu: the processor model; cuda: the GPU). Absent for estimates.",
+    )
     details: dict[str, Any] | SkipJsonSchema[None] = Field(None, description="How it was measured (open-ended).")
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from compress.data import Chunks
 from compress.eval.gates import GateResult, evaluate_gates
+from compress.eval.identity import with_build
 from compress.eval.metrics import Evaluation
 from compress.export.registry import gate_evaluations, report_entries
 from compress.recipe import Recipe
@@ -34,7 +35,7 @@ def build_report(
         "schema_version": REPORT_VERSION,
         "recipe": recipe.name,
         "passed": all(g.passed for g in gates),
-        "evaluations": [e.to_json() for e in evaluations],
+        "evaluations": [with_build(e).to_json() for e in evaluations],
         "gates": [g.to_json() for g in gates],
         "evaluation_data": None
         if eval_chunks is None

@@ -41,6 +41,22 @@ def available() -> bool:
     return True
 
 
+def library_build() -> dict[str, str]:
+    """llama.cpp as the binding loads it: the llama library's version, the ggml library's (from its
+    file name) and the CPU features and backends it was compiled with; empty when not installed."""
+    if not available():
+        return {}
+    import llama_cpp.llama_cpp as capi
+
+    lib = Path(capi.__file__).parent / "lib"
+    ggml = sorted(p.name.split(".so.", 1)[1] for p in lib.glob("libggml-base.so.*.*"))
+    return {
+        "llama.cpp": capi.llama_version().decode(),
+        "ggml": ggml[-1] if ggml else "unknown",
+        "system_info": capi.llama_print_system_info().decode().strip().rstrip("|").strip(),
+    }
+
+
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
     """llama.cpp logs to fd 2 from C; hide it unless COMPRESS_LLAMA_LOG is set."""

@@ -18,6 +18,13 @@ SUFFIX = ".gguf"
 class GGUFFormat(ExportFormat):
     """A GGUF file for llama.cpp, packed from the records, verified and timed in llama.cpp."""
 
+    def runtime_build(self) -> dict[str, str]:
+        """The binding's version (it vendors one llama.cpp commit; the library does not report the
+        commit itself), the llama and ggml library versions and the CPU features llama.cpp was built with."""
+        from compress.export.gguf.runtime import library_build
+
+        return {**super().runtime_build(), **library_build()}
+
     def describe_entry(self, entry: dict[str, Any]) -> str:
         """'gguf Q4_1': the block type the file was written in, spelt as llama.cpp writes it."""
         return f"{self.name} {llama_cpp_spelling(entry['type'])}" if entry.get("type") else self.name

@@ -16,6 +16,17 @@ class ONNXFormat(ExportFormat):
     """An ONNX Runtime GenAI folder made by onnxruntime-genai's builder from the records,
     verified and timed in ONNX Runtime."""
 
+    def runtime_build(self) -> dict[str, str]:
+        """The packages' versions and ONNX Runtime's own build line (its git commit)."""
+        build = super().runtime_build()
+        try:
+            import onnxruntime
+
+            build["onnxruntime_build"] = onnxruntime.get_build_info()
+        except ImportError:
+            pass
+        return build
+
     def describe_entry(self, entry: dict[str, Any]) -> str:
         """'onnx int4': the weight precision the builder made."""
         return f"{self.name} {entry['precision']}" if entry.get("precision") else self.name
