@@ -46,6 +46,9 @@ NEAR_DUPLICATE = 0.5
 """Estimated Jaccard similarity of two chunks' 8-gram sets from which they count as near duplicates."""
 MIN_LAYERS_OF_A_KIND = 3
 """Layers of one kind in a stage needed before a median says what is normal for them."""
+ERROR_FLOOR = 1e-3
+"""Relative error (30 dB SQNR) below which no layer counts as an outlier, however far above its kind's
+median: re-quantizing weights onto the grid they came from gives errors near zero, whose ratios mean nothing."""
 ERROR_ROWS = 8192
 """Weight rows compared at a time by ``relative_error`` (a 151,936-row output head in float32 is 0.9 GB)."""
 
@@ -205,8 +208,9 @@ def layer_kind(name: str) -> str:
 
 
 def layer_outliers(layers: dict[str, dict[str, Any]], ratio: float) -> tuple[list[tuple[str, float, float]], int]:
-    """(layer, relative error, its kind's median) for each layer above ``ratio`` x its kind's median,
-    and the number of layers compared. Kinds with fewer than MIN_LAYERS_OF_A_KIND layers are not compared."""
+    """(layer, relative error, its kind's median) for each layer above ``ratio`` x its kind's median (and
+    above ERROR_FLOOR), and the number of layers compared. Kinds with fewer than MIN_LAYERS_OF_A_KIND
+    layers are not compared."""
     groups: dict[tuple[str, float], list[tuple[str, float]]] = {}
     for name, info in layers.items():
         if "relative_error" in info:
@@ -217,7 +221,7 @@ def layer_outliers(layers: dict[str, dict[str, Any]], ratio: float) -> tuple[lis
             continue
         compared += len(members)
         median = statistics.median(e for _, e in members)
-        found += [(name, err, median) for name, err in members if err > ratio * median]
+        found += [(name, err, median) for name, err in members if err > ratio * median and err > ERROR_FLOOR]
     return sorted(found, key=lambda f: -f[1] / max(f[2], 1e-30)), compared
 
 

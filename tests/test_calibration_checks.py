@@ -117,6 +117,9 @@ def test_layer_outliers_compare_layers_of_one_kind_and_bit_width() -> None:
     assert found == [("model.layers.3.mlp.down_proj", 0.2, 0.01)]
     assert compared == 14
     assert layer_outliers(layers, 25.0)[0] == []
+    # weights re-quantized onto the grid they came from: errors near zero, their ratios are noise
+    exact = {f"model.layers.{i}.mlp.down_proj": {"relative_error": 1e-12 * (i + 1) ** 3, "bits_per_weight": 5.0} for i in range(5)}
+    assert layer_outliers(exact, 10.0) == ([], 5)
 
 
 def outlier_channels(model: torch.nn.Module, block: int) -> None:
