@@ -87,6 +87,10 @@ class RunContext:
     load_teacher: Callable[[str], nn.Module] | None = None
     """Loads another model by a model.source-style string (a named distillation teacher)."""
     checks: CalibrationChecker | None = None
+    sensitivity: dict[str, Any] | None = None
+    """Per-layer sensitivities measured for a GGUF size budget (quantizers/mix.py), kept by a caller that
+    quantizes copies of one model on the same text under several budgets (``compress bench gguf``) so
+    the measurement runs once; None: measured by every stage that needs it."""
     """The recipe's calibration sanity checks, which the calibrated quantizers run as they go (None: none run)."""
 
     def frozen_copy(self, model: nn.Module) -> nn.Module:

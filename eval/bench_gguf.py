@@ -173,6 +173,7 @@ def run_gguf_bench(
         finally:
             runtime.close()
 
+    sensitivity: dict[str, Any] = {}  # the budgets' per-layer measurement, made once for all of them
     try:
         for cand in candidates:
             reporter.info(f"[bold]{cand.name}[/]")
@@ -199,7 +200,12 @@ def run_gguf_bench(
                     bits = budget_bits(cand.budget, f16, files, threads, embedding_type)
                     row["budget_bits_per_weight"] = round(bits, 4)
                     budget = GGUFExport(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
-                model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget)
+                reused = bool(sensitivity) and budget is not None
+                model, records, seconds = quantize_copy(
+                    lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity
+                )
+                if budget is not None:  # the seconds of a later budget leave out the measurement it reused
+                    row["sensitivity_reused"] = reused
                 facts = gguf_writer.write_gguf(
                     path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type, tokenizer_from=tokenizer_from
                 )

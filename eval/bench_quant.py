@@ -64,10 +64,12 @@ def quantize_copy(
     reporter: Reporter,
     gguf_type: str | None = None,
     budget: Any = None,
+    sensitivity: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any], float]:
     """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` (or on llama.cpp's ``gguf_type``
     grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExport with a
-    target) on the calibration chunks: (model, records, seconds)."""
+    target) on the calibration chunks: (model, records, seconds). ``sensitivity``: a dict kept across
+    calls on the same model, in which a budget's per-layer measurement is made once (RunContext.sensitivity)."""
     import copy
     import time
 
@@ -85,6 +87,7 @@ def quantize_copy(
     model = copy.deepcopy(lm.model)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
     ctx.gguf_budget = budget
+    ctx.sensitivity = sensitivity
     started = time.perf_counter()
     spec.build(config, "bench").apply(model, ctx)
     return model, ctx.quantized, time.perf_counter() - started

@@ -33,7 +33,10 @@ export's types and count against the budget as they are.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import heapq
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -336,6 +339,23 @@ def metadata_bytes(model: nn.Module, tokenizer: Any) -> int:
         return write_metadata_only(Path(tmp) / "meta.gguf", model, tokenizer)
 
 
+def sensitivities(
+    model: nn.Module, selected: dict[str, nn.Linear], types: list[str], tokens: torch.Tensor, batch_size: int, ctx: Any, label: str
+) -> list[LayerChoice]:
+    """``measure``'s options of each layer, or a copy of those ``ctx.sensitivity`` holds for the same
+    types, layers, tokens and seed (its keeper vouches that the model is the same)."""
+    cache = getattr(ctx, "sensitivity", None)
+    key = hashlib.sha256(
+        json.dumps([list(types), sorted(selected), ctx.seed, batch_size]).encode() + tokens.to(torch.int64).cpu().numpy().tobytes()
+    ).hexdigest()
+    if cache is None or key not in cache:
+        layers = measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
+        if cache is None:
+            return layers
+        cache[key] = layers
+    return [dataclasses.replace(layer, options=list(layer.options), chosen=0) for layer in cache[key]]
+
+
 def choose(
     model: nn.Module, selected: dict[str, nn.Linear], export: Any, ctx: Any, tokens: torch.Tensor, batch_size: int, label: str
 ) -> tuple[dict[str, str], dict[str, Any]]:
@@ -345,7 +365,7 @@ def choose(
     fixed, params = fixed_bytes(model, set(selected), export.float_type)
     metadata = metadata_bytes(model, ctx.tokenizer) if target.size_mib is not None else 0
     budget = budget_bytes(target, params, metadata)
-    layers = measure(model, selected, target.types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
+    layers = sensitivities(model, selected, target.types, tokens, batch_size, ctx, label)
     try:
         used = allocate(layers, budget - fixed)
     except CompressError as exc:

@@ -254,6 +254,42 @@ def test_the_pass_on_every_kth_row_keeps_the_whole_weights_estimates_and_order(
             assert cost / 2 < sampled[name][type_name] < cost * 2, (name, type_name, cost, sampled[name][type_name])
 
 
+def test_a_kept_sensitivity_is_measured_once_and_handed_out_as_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    from compress.context import RunContext
+    from compress.progress import Reporter
+    from compress.quantizers import mix
+
+    calls = []
+
+    def fake_measure(model, selected, types, tokens, *rest):
+        calls.append(list(types))
+        return [mix.LayerChoice(n, (4, 32), [(t, 10 * (i + 1), 1.0 / (i + 1)) for i, t in enumerate(types)]) for n in selected]
+
+    monkeypatch.setattr(mix, "measure", fake_measure)
+    tokens = torch.arange(64).reshape(2, 32)
+    kept: dict = {}
+    ctx = RunContext(
+        seed=0, device=torch.device("cpu"), tokenizer=None, reporter=Reporter(quiet=True), calibration=lambda: tokens, sensitivity=kept
+    )
+    selected = {"a": None, "b": None}
+    first = mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens, 8, ctx, "t")
+    mix.allocate(first, 40)
+    second = mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens, 8, ctx, "t")
+    assert len(calls) == 1 and [c.chosen for c in second] == [0, 0] and [c.chosen for c in first] == [1, 1]
+    assert [c.options for c in second] == [c.options for c in first]
+    mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens[:1], 8, ctx, "t")  # other text: measured again
+    mix.sensitivities(
+        None,
+        selected,
+        ["q4_k", "q6_k"],
+        tokens,
+        8,
+        RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=Reporter(quiet=True), calibration=lambda: tokens),
+        "t",
+    )
+    assert len(calls) == 3  # and without a kept dict, every time
+
+
 def test_bench_candidates_name_a_budget_by_bits_or_by_a_llama_cpp_file() -> None:
     from compress.eval.bench_gguf import Candidate
 
@@ -283,6 +319,7 @@ def test_bench_gguf_fills_llama_cpps_size_with_a_mix_and_plots_both(tmp_path: Pa
     assert ours["budget_bits_per_weight"] == theirs["bits_per_weight"]
     assert theirs["bits_per_weight"] - 0.01 < ours["bits_per_weight"] <= theirs["bits_per_weight"]
     assert four["bits_per_weight"] <= 4.2 and ours["records_exact"] == 14 and ours["metrics"]["kl_divergence"] > 0
+    assert ours["sensitivity_reused"] is False and four["sensitivity_reused"] is True  # measured once, for the first budget
     # after each mix, llama.cpp's quantizer on the very tensor types it chose: the decode-speed reference
     same = rows["llama.cpp at the type mix of gptq mix at the size of llama.cpp's Q4_K_M"]
     assert same["same_tensor_types"] and same["tensor_types"] == ours["tensor_types"] and len(ours["tensor_types"]) > 2
