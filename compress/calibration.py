@@ -44,6 +44,8 @@ MINHASH = 64
 """Hash functions of a chunk's MinHash signature (the Jaccard estimate's standard error is at most 1/16)."""
 NEAR_DUPLICATE = 0.5
 """Estimated Jaccard similarity of two chunks' 8-gram sets from which they count as near duplicates."""
+SIGNATURE_ROWS = 256
+"""Chunks hashed at a time by ``minhash_signatures`` (256 x 2,048 tokens x 8 is 32 MB of shingle terms)."""
 MIN_LAYERS_OF_A_KIND = 3
 """Layers of one kind in a stage needed before a median says what is normal for them."""
 ERROR_FLOOR = 1e-3
@@ -101,14 +103,18 @@ def minhash_signatures(tokens: torch.Tensor, ngram: int = NGRAM, hashes: int = M
     """[chunks, hashes] MinHash signatures of each chunk's set of token ``ngram``-grams."""
     ids = tokens.to(torch.int64).numpy().astype(np.uint64)
     n = max(1, min(ngram, ids.shape[1] // 2))
-    windows = np.lib.stride_tricks.sliding_window_view(ids, n, axis=1)  # [chunks, shingles, n]
     powers = np.array([pow(1_000_003, k, 2**64) for k in range(n)], dtype=np.uint64)
+    rng = np.random.default_rng(seed)
+    a = rng.integers(1, 2**63, size=hashes, dtype=np.uint64) * np.uint64(2) + np.uint64(1)  # odd multipliers
+    b = rng.integers(0, 2**63, size=hashes, dtype=np.uint64)
+    out = np.empty((ids.shape[0], hashes), dtype=np.uint64)
     with np.errstate(over="ignore"):
-        shingles = (windows * powers).sum(axis=2, dtype=np.uint64)  # a polynomial hash, wrapping mod 2**64
-        rng = np.random.default_rng(seed)
-        a = rng.integers(1, 2**63, size=hashes, dtype=np.uint64) * np.uint64(2) + np.uint64(1)  # odd multipliers
-        b = rng.integers(0, 2**63, size=hashes, dtype=np.uint64)
-        return np.stack([((shingles * a[k] + b[k]) >> np.uint64(20)).min(axis=1) for k in range(hashes)], axis=1)
+        for start in range(0, ids.shape[0], SIGNATURE_ROWS):  # [rows, shingles, n] at a time: bounded memory
+            windows = np.lib.stride_tricks.sliding_window_view(ids[start : start + SIGNATURE_ROWS], n, axis=1)
+            shingles = (windows * powers).sum(axis=2, dtype=np.uint64)  # a polynomial hash, wrapping mod 2**64
+            for k in range(hashes):
+                out[start : start + SIGNATURE_ROWS, k] = ((shingles * a[k] + b[k]) >> np.uint64(20)).min(axis=1)
+    return out
 
 
 def near_duplicates(tokens: torch.Tensor, threshold: float = NEAR_DUPLICATE) -> list[tuple[int, int, float]]:
