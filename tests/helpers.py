@@ -38,6 +38,7 @@ def recipe_text(
     samples: int = 6,
     seq_len: int = 64,
     extra_stage: str = "",
+    cal_samples: int = 4,
 ) -> str:
     group = "null" if group_size is None else group_size
     return f"""\
@@ -48,7 +49,7 @@ model:
 data:
   calibration:
     source: {texts}
-    samples: 4
+    samples: {cal_samples}
     seq_len: {seq_len}
   evaluation:
     source: {texts}

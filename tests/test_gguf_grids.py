@@ -257,7 +257,8 @@ def _run_on_grid(tmp_path: Path, text_dir: Path, stage: str, export: str) -> dic
     from tests.tiny import tiny_llama_dir
 
     model_dir = tiny_llama_dir(tmp_path / "m", texts_of(text_dir), hidden=256, intermediate=320)
-    text = recipe_text(model_dir, text_dir).replace(
+    # 6 x 64 calibration tokens: at least down_proj's 320 input columns (the calibration check `tokens`)
+    text = recipe_text(model_dir, text_dir, cal_samples=6).replace(
         "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n", stage
     )
     text = text.replace("exports: []\n", f"exports:\n  - format: gguf\n{export}    verify: false\n")

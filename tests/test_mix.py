@@ -78,16 +78,11 @@ def test_a_budget_below_the_smallest_types_is_an_error() -> None:
 
 
 def _mix_recipe(model_dir: Path, text_dir: Path, method: str, target: str, verify: str = "false") -> str:
-    text = recipe_text(model_dir, text_dir).replace(
+    # 8 x 64 calibration tokens: as many as down_proj's 512 input columns (the calibration check `tokens`)
+    text = recipe_text(model_dir, text_dir, cal_samples=8).replace(
         "      method: rtn\n      bits: 4\n      group_size: 64\n      symmetric: true\n",
         f"      method: {method}\n      gguf_target: true\n",
     )
-    # 8 x 64 calibration tokens: as many as down_proj's 512 input columns (the calibration check `tokens`)
-    text = text.replace(
-        "  calibration:\n    source: " + str(text_dir) + "\n    samples: 4\n",
-        "  calibration:\n    source: " + str(text_dir) + "\n    samples: 8\n",
-    )
-    assert "samples: 8" in text
     return text.replace("exports: []\n", f"exports:\n  - format: gguf\n    name: mix\n    target: {target}\n    verify: {verify}\n")
 
 
