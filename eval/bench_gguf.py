@@ -200,12 +200,12 @@ def run_gguf_bench(
                     bits = budget_bits(cand.budget, f16, files, threads, embedding_type)
                     row["budget_bits_per_weight"] = round(bits, 4)
                     budget = GGUFExport(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
-                reused = bool(sensitivity) and budget is not None
+                measured = len(sensitivity)
                 model, records, seconds = quantize_copy(
                     lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity
                 )
                 if budget is not None:  # the seconds of a later budget leave out the measurement it reused
-                    row["sensitivity_reused"] = reused
+                    row["sensitivity_reused"] = len(sensitivity) == measured  # no new measurement was kept
                 facts = gguf_writer.write_gguf(
                     path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type, tokenizer_from=tokenizer_from
                 )

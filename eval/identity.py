@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 
 from compress.eval.metrics import Evaluation
-from compress.export.format import TORCH_RUNTIME, package_versions
+from compress.export.format import package_versions
 from compress.plugins import EXPORT_FORMATS
 
 TORCH_PACKAGES = ("torch", "transformers")
@@ -39,10 +39,8 @@ def runtime_build(runtime: str, device: str) -> dict[str, str]:
     """The runtime's build (its format spec's ``runtime_build``; torch and transformers for the
     in-memory model) and the device, for the evaluation measured on them."""
     formats = [f for f in EXPORT_FORMATS.values() if f.runtime == runtime and f.own_runtime]
-    if runtime in (TORCH_RUNTIME, "transformers") or not formats:
-        build = package_versions(TORCH_PACKAGES)
-    else:
-        build = formats[0].runtime_build()
+    # the in-memory model (torch) and formats without a runtime of their own run in torch + transformers
+    build = formats[0].runtime_build() if formats else package_versions(TORCH_PACKAGES)
     return {"runtime": runtime, **build, "device": device_name(device)}
 
 

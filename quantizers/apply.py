@@ -6,6 +6,7 @@ Kept apart from the math so a method module only says how one weight becomes a r
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,12 +56,15 @@ def install_record(model: nn.Module, name: str, module: nn.Linear, record: Quant
     module.weight = nn.Parameter(deq, requires_grad=False)
     ctx.quantized[name] = record.cpu()  # records wait on the CPU; only the block being worked on sits on the accelerator
     ctx.quantized_by[name] = label
+    sqnr = sqnr_db(original, deq)
     sums = ctx.input_sums.get(name)
+    # ‖ΔW‖²/‖W‖², weighted by the calibration's Σx² per input column when a calibrated method measured
+    # it; unweighted it is the SQNR's own ratio, so no second pass over the weight
+    rel = relative_error(original, deq, sums[0]) if sums else (0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10))
     info = {
         "shape": list(record.shape),
-        "sqnr_db": round(sqnr_db(original, deq), 3),
-        # weighted by the calibration's Σx² per input column when a calibrated method measured it
-        "relative_error": float(f"{relative_error(original, deq, sums[0] if sums else None):.4g}"),
+        "sqnr_db": round(sqnr, 3),
+        "relative_error": float(f"{rel:.4g}"),
         "bits_per_weight": round(record.bits_per_weight, 4),
     }
     if tied:

@@ -344,15 +344,14 @@ def sensitivities(
 ) -> list[LayerChoice]:
     """``measure``'s options of each layer, or a copy of those ``ctx.sensitivity`` holds for the same
     types, layers, tokens and seed (its keeper vouches that the model is the same)."""
-    cache = getattr(ctx, "sensitivity", None)
+    cache = ctx.sensitivity
+    if cache is None:
+        return measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
     key = hashlib.sha256(
         json.dumps([list(types), sorted(selected), ctx.seed, batch_size]).encode() + tokens.to(torch.int64).cpu().numpy().tobytes()
     ).hexdigest()
-    if cache is None or key not in cache:
-        layers = measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
-        if cache is None:
-            return layers
-        cache[key] = layers
+    if key not in cache:
+        cache[key] = measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
     return [dataclasses.replace(layer, options=list(layer.options), chosen=0) for layer in cache[key]]
 
 
