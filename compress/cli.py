@@ -673,7 +673,7 @@ def bench_kv(
         "fp8-static, int8-static; add overrides after a colon, e.g. 'int4:residual=64' (use ';' between schemes then).",
     ),
     context: int = typer.Option(2048, help="Tokens per evaluation sequence, decoded token by token through the cache."),
-    samples: int = typer.Option(1, help="Evaluation sequences."),
+    samples: int = typer.Option(1, help="Evaluation sequences (a recipe's kv_cache stage decodes 32 by default; one gives no interval)."),
     decode_tokens: int = typer.Option(32, help="Tokens per decode-speed repeat."),
     decode_prefill: int = typer.Option(1024, help="Prompt tokens in the cache before the decode-speed repeats."),
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
@@ -956,7 +956,7 @@ def print_gates(report: dict[str, Any]) -> None:
         for g in report["gates"]:
             th = g["threshold"]
             limit = f"{th['kind']} {th['value']:g}" + (
-                f" (limit {th['limit']:.6g})" if th["kind"].endswith("_pct") and "limit" in th else ""
+                f" (limit {th['limit']:.6g})" if th["kind"].startswith("max_") and "limit" in th else ""
             )
             value = "—" if g["value"] is None else f"{g['value']:.6g}"
             source = {"estimated": "[yellow]estimated[/]", "missing": "[red]missing[/]"}.get(g["source"], g["source"])

@@ -74,6 +74,12 @@ class GatesFile(Strict):
         timed = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
         if timed and self.latency is None:
             raise ValueError(f"gates{timed} gate latency metrics and need a `latency:` block")
+        tasks = [i for i, g in enumerate(self.gates) if g.task is not None]
+        if tasks:
+            raise ValueError(
+                f"gates{tasks} gate a task's accuracy, which compress gate does not measure; put the task under "
+                "`tasks:` in the recipe and the gate in its `gates:` (compress run scores tasks on every artifact)"
+            )
         return self
 
 

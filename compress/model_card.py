@@ -76,7 +76,7 @@ def _gates(report: dict[str, Any], forced: bool) -> list[str]:
     for g in report["gates"]:
         threshold = g.get("threshold") or {}
         limit = f"{threshold.get('kind', '?')} {_cell(threshold.get('value'))}"
-        if "limit" in threshold and threshold.get("kind", "").endswith("_pct"):
+        if "limit" in threshold and threshold.get("kind", "").startswith("max_"):
             limit += f" (limit {_cell(threshold['limit'])})"
         rows.append(
             [

@@ -1,4 +1,4 @@
-"""One run, start to end: recipe -> model -> stages -> evaluation -> exports -> gates -> artifact.
+"""One run, start to end: recipe -> model -> stages -> evaluation -> exports -> tasks -> gates -> artifact.
 
 Each step is a module of compress/steps/ with one job; this file only puts them in order. The
 artifact directory is built next to its target and renamed into place when complete, so a run that
@@ -17,7 +17,7 @@ from compress.eval.metrics import Evaluation
 from compress.fsutil import atomic_directory
 from compress.progress import Reporter
 from compress.recipe import LoadedRecipe
-from compress.steps import evaluate, exports, load, performance, report, stages, write
+from compress.steps import evaluate, exports, load, performance, report, stages, tasks, write
 
 
 @dataclass
@@ -67,6 +67,7 @@ def _run(run: load.Run, loaded: LoadedRecipe, overwrite: bool, step_summary: boo
             write.write_model_files(root, run, source, staged)
         exported = exports.write(root, run, source, staged)  # each export verified on its own runtime
         evaluations += exported.evaluations
+        evaluations += tasks.measure(root, run, source, staged, exported)  # lm-eval tasks on each artifact's runtime
         host = None
         if performance.wanted(run.recipe):
             write.write_interim_manifest(root, manifest)

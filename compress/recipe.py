@@ -15,7 +15,7 @@ from compress.errors import RecipeError
 from compress.schema.devices import DEVICE_FORMATS, DEVICE_RUNTIMES
 from compress.schema.exports import EXPORT_CONFIGS
 from compress.schema.recipe import *  # noqa: F403 - the recipe models (compress.schema.recipe), importable from here too
-from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, Recipe
+from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, TASK_SOURCE_FIELD, Recipe
 from compress.schema.yamlio import format_path, load_yaml, read_text
 
 # --------------------------------------------------------------------------- loading
@@ -65,7 +65,11 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
     if any(p == "" for p in parts):
         raise RecipeError(f"--set {item!r}: the key path has an empty part (two dots, or a dot at either end)")
     value, _ = load_yaml(raw, f"--set {item!r}", RecipeError) if raw.strip() else ("", {})
-    if key.strip() in PATH_FIELDS and isinstance(value, str) and not value.startswith("reference:"):
+    if (
+        (key.strip() in PATH_FIELDS or TASK_SOURCE_FIELD.fullmatch(key.strip()))
+        and isinstance(value, str)
+        and not value.startswith("reference:")
+    ):
         candidate = Path(value).expanduser()
         if not candidate.is_absolute() and candidate.exists():
             value = str(candidate.resolve())

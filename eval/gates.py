@@ -35,12 +35,16 @@ def evaluate_gates(specs: list[GateSpec], evaluations: list[Evaluation]) -> list
     return [_check(spec, evaluations) for spec in specs]
 
 
-def find_evaluation(evaluations: list[Evaluation], artifact: str, metric: str, device: str | None) -> Evaluation | None:
+def find_evaluation(
+    evaluations: list[Evaluation], artifact: str, metric: str, device: str | None, task: str | None = None
+) -> Evaluation | None:
     """The evaluation of ``artifact`` holding ``metric`` for the gate's device: ``None`` or
     ``local`` is this machine; a profile name matches evaluations made for that profile (measured
-    here when this machine is it, else estimated)."""
+    here when this machine is it, else estimated). ``task``: the task evaluation of that name."""
     here = device in (None, LOCAL)
     for ev in evaluations:
+        if task is not None and (ev.kind != "task" or (ev.details or {}).get("task") != task):
+            continue
         if ev.artifact == artifact and metric in ev.metrics and (ev.profile is None if here else ev.profile == device):
             return ev
     return None
@@ -58,11 +62,12 @@ def _missing(
 
 def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     kind, value_t = spec.threshold_kind, spec.threshold_value
-    ev = find_evaluation(evaluations, spec.artifact, spec.metric, spec.device)
+    ev = find_evaluation(evaluations, spec.artifact, spec.metric, spec.device, spec.task)
     threshold: dict[str, Any] = {"kind": kind, "value": value_t}
     base = dict(name=spec.display_name, metric=spec.metric, artifact=spec.artifact, on=spec.on)
     if ev is None:
         where = f" on device '{spec.device}'" if spec.device not in (None, LOCAL) else ""
+        where += f" on task '{spec.task}'" if spec.task else ""
         return _missing(base, threshold, None, spec.device, f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}")
     value = float(ev.metrics[spec.metric])
     what = spec.metric
@@ -81,15 +86,15 @@ def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
     if kind in ("max", "min"):
         limit = value_t
     else:
-        reference_ev = find_evaluation(evaluations, "baseline", spec.metric, spec.device)
+        reference_ev = find_evaluation(evaluations, "baseline", spec.metric, spec.device, spec.task)
         if reference_ev is None:
             return _missing(base, threshold, ev, ev.device, f"{kind} needs the baseline's {spec.metric}, which was not measured", value)
         reference = float(reference_ev.metrics[spec.metric])
-        sign = 1 if kind == "max_increase_pct" else -1
-        limit = reference * (1 + sign * value_t / 100)
+        sign = 1 if kind.startswith("max_increase") else -1
+        limit = reference * (1 + sign * value_t / 100) if kind.endswith("_pct") else reference + sign * value_t
         threshold["baseline"] = reference
     threshold["limit"] = limit
-    upper = kind in ("max", "max_increase_pct")
+    upper = kind in ("max", "max_increase", "max_increase_pct")
     passed = not math.isnan(value) and (value <= limit if upper else value >= limit)
     relation = "<=" if upper else ">="
     message = f"{what} = {value:.6g} {'meets' if passed else 'violates'} {relation} {limit:.6g}"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from compress import streaming
-from compress.eval.metrics import Forward, compare, torch_forward
+from compress.eval.metrics import Forward, HiddenStates, compare, torch_forward, with_head
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token
 from compress.quantizers.kv_cache_store import cache_bytes
 
@@ -29,11 +29,13 @@ def cached_forward(
     on_done: Callable[[Any, int], None] | None = None,
     progress: Callable | None = None,
 ) -> Forward:
-    """A Forward that decodes ``ids`` through a fresh cache from ``new_cache()`` and returns the
-    logits of every position; ``on_done(cache, tokens)`` sees the filled cache of each batch;
+    """A Forward that decodes ``ids`` [batch, seq] through a fresh cache from ``new_cache()`` and
+    returns every position's final hidden states with the model's head (the logits are made a chunk
+    of positions at a time: a batch of 2,048-token rows would otherwise hold batch x 2,048 x vocab
+    floats); ``on_done(cache, tokens, rows)`` sees the filled cache of each batch;
     ``progress(items, description, total)`` (a Reporter's ``track``) shows the decoding steps."""
 
-    def forward(ids: torch.Tensor) -> torch.Tensor:
+    def forward(ids: torch.Tensor) -> HiddenStates:
         cache = new_cache()
         ids = ids.to(device)
         first = prefill or step
@@ -43,11 +45,11 @@ def cached_forward(
         outs = []
         for pos in starts:
             n = first if pos == 0 else step
-            out = model(input_ids=ids[:, pos : pos + n], past_key_values=cache, use_cache=True)
-            outs.append(out.logits.cpu())
+            out = model.base_model(input_ids=ids[:, pos : pos + n], past_key_values=cache, use_cache=True)
+            outs.append(out.last_hidden_state)
         if on_done is not None:
-            on_done(cache, ids.shape[1])
-        return torch.cat(outs, dim=1)
+            on_done(cache, ids.shape[1], ids.shape[0])
+        return with_head(model, torch.cat(outs, dim=1), device)
 
     return forward
 
@@ -61,15 +63,18 @@ def evaluate_kv(
     progress: Callable | None = None,
 ) -> dict[str, Any]:
     """KL / top-1 / perplexity of decoding with the quantized cache against the full-precision
-    forward of the same model, plus the cache's measured bytes at the end of each sequence."""
+    forward of the same model (95% intervals over the sequences), plus the cache's measured bytes
+    per sequence at the end of the sequences. ``batch`` sequences decode at once."""
     ev = scheme.config.evaluate
-    step, prefill = (ev.step, ev.prefill) if ev else (1, 0)
+    step, prefill, batch = (ev.step, ev.prefill, ev.batch) if ev else (1, 0, 1)
     measured: list[dict[str, int]] = []
-    forward = cached_forward(
-        model, device, scheme.new_cache, step, prefill, lambda c, n: measured.append({**cache_bytes(c), "tokens": n}), progress
-    )
+
+    def done(cache: Any, tokens: int, rows: int) -> None:
+        measured.append({**{k: v // rows for k, v in cache_bytes(cache).items()}, "tokens": tokens})
+
+    forward = cached_forward(model, device, scheme.new_cache, step, prefill, done, progress)
     streaming.to_device(model, device)
-    found = compare(torch_forward(model, device), {"kv_cache": forward}, chunks, min_context, 1)
+    found = compare(torch_forward(model, device), {"kv_cache": forward}, chunks, min_context, batch)
     metrics = found["kv_cache"]
     last = measured[-1]
     fp16 = float_cache_bytes_per_token(model.config) * last["tokens"]

@@ -18,6 +18,7 @@ from compress.eval import devices as dev
 from compress.eval.latency import LatencySettings, Target, latency_metrics, measure, static_bytes
 from compress.eval.metrics import LATENCY_METRICS, Evaluation
 from compress.progress import Reporter
+from compress.schema.recipe import BASELINE_THRESHOLDS
 
 
 @dataclass
@@ -193,7 +194,7 @@ def baseline_timed(latency: Any, gates: list[Any]) -> bool:
         return False
     if latency.artifacts is not None:
         return "baseline" in latency.artifacts
-    return any(g.metric in LATENCY_METRICS and (g.artifact == "baseline" or g.threshold_kind.endswith("_pct")) for g in gates)
+    return any(g.metric in LATENCY_METRICS and (g.artifact == "baseline" or g.threshold_kind in BASELINE_THRESHOLDS) for g in gates)
 
 
 def wanted_devices(latency: Any, targets: list[Any], gates: list[Any]) -> dict[str, tuple[int, int]]:

@@ -30,7 +30,7 @@ GATE_SOURCES = list(_report.GATE_SOURCES)  # a gate can also find no measurement
 EVALUATION_KINDS = list(_report.EVALUATION_KINDS)
 THRESHOLD_KINDS = list(_report.THRESHOLD_KINDS)  # compress.recipe.THRESHOLD_KEYS (a test checks)
 NON_FINITE = list(_report.NON_FINITE)  # how compress.documents.json_safe writes non-finite floats
-UPPER_BOUNDS = ("max", "max_increase_pct")  # threshold kinds that pass when value <= limit
+UPPER_BOUNDS = ("max", "max_increase", "max_increase_pct")  # threshold kinds that pass when value <= limit
 ACCURACY_KINDS = ("accuracy", "kv_cache")
 REPORT_FILES = {"junit": "junit.xml", "summary": "summary.md", "pareto": "plots/pareto.png", "latency": "plots/latency.png"}
 ESTIMATED_NOTE = (
@@ -112,9 +112,10 @@ def _relation(threshold: dict[str, Any]) -> str:
 
 def _limit_text(threshold: dict[str, Any], digits: int = 4) -> str:
     kind, limit = threshold.get("kind"), threshold.get("limit")
-    if kind not in ("max_increase_pct", "max_decrease_pct"):
+    if kind in ("max", "min"):
         return f"{_relation(threshold)} {_fmt(threshold.get('value') if limit is None else limit, digits)}"
-    relative = f"baseline {'+' if kind == 'max_increase_pct' else '−'}{_fmt(threshold.get('value'))}%"
+    unit = "%" if kind.endswith("_pct") else ""
+    relative = f"baseline {'+' if kind.startswith('max_increase') else '−'}{_fmt(threshold.get('value'))}{unit}"
     return f"{_relation(threshold)} {relative}" if limit is None else f"{_relation(threshold)} {_fmt(limit, digits)} ({relative})"
 
 
@@ -264,6 +265,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
         )
         if any(e.get("intervals") for e in accuracy):
             lines += ["In brackets: the 95% interval (a percentile bootstrap over the evaluation sequences).", ""]
+    lines += _task_lines([e for e in evaluations if _kind(e) == "task"])
     latency = [e for e in evaluations if _kind(e) == "latency"]
     if latency:
         lines += ["### Latency", ""]
@@ -298,6 +300,29 @@ def markdown_summary(report: dict[str, Any]) -> str:
     if estimated:
         lines += [f"[^estimated]: {ESTIMATED_NOTE}", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _task_lines(tasks: list[dict[str, Any]]) -> list[str]:
+    """Task accuracy per task and artifact, in points, with the 95% interval and the cost."""
+    if not tasks:
+        return []
+    lines = ["### Tasks", ""]
+    lines += table_lines(
+        ["Task", "Artifact", "Runtime / device", "Accuracy (%)", "Acc. norm (%)", "Questions", "Questions/s"],
+        [
+            [
+                (e.get("details") or {}).get("task", "?"),
+                e["artifact"],
+                runtime_on_device(e),
+                _with_interval(e, "accuracy", lambda v: _fmt(v, 3)),
+                _with_interval(e, "accuracy_norm", lambda v: _fmt(v, 3)) if "accuracy_norm" in e["metrics"] else "—",
+                _fmt(e["metrics"].get("questions")),
+                _fmt(e["metrics"].get("questions_per_s"), 3),
+            ]
+            for e in tasks
+        ],
+    )
+    return lines + ["Accuracy in percent; in brackets its 95% interval (± 1.96 × lm-eval's standard error).", ""]
 
 
 def _build_lines(evaluations: list[dict[str, Any]]) -> list[str]:

@@ -100,7 +100,7 @@ def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> list[Ev
     reads the ``compressed`` evaluation. A format with a runtime of its own (llama.cpp, ONNX Runtime,
     TensorRT) is measured there, or not at all (``verify: false``: a gate on it then fails as unmeasured,
     since the runtime computes differently and its own quantizers hold other weights)."""
-    compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind == "accuracy"]
+    compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind in ("accuracy", "task")]
     stand_ins = [
         dataclasses.replace(e, artifact=spec.name) for spec in specs if not EXPORT_FORMATS[spec.format].own_runtime for e in compressed
     ]

@@ -38,8 +38,8 @@ def checker(**config) -> CalibrationChecker:
     return CalibrationChecker(CalibrationChecks(**config), QUIET)
 
 
-def gptq_ctx(tokens: torch.Tensor, checks: CalibrationChecker) -> RunContext:
-    return RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: tokens, checks=checks)
+def gptq_ctx(tokens: torch.Tensor, checks: CalibrationChecker, device: str = "cpu") -> RunContext:
+    return RunContext(seed=0, device=torch.device(device), tokenizer=None, reporter=QUIET, calibration=lambda: tokens, checks=checks)
 
 
 # --------------------------------------------------------------------------- the text
@@ -152,6 +152,31 @@ def test_a_layer_far_above_its_kinds_median_is_named() -> None:
     clean = checker()
     GPTQStage(config, "stages[0]").apply(tiny_model(layers=4), gptq_ctx(tokens, clean))
     assert {r["check"]: r["status"] for r in clean.facts()} == {"tokens": "passed", "nonfinite": "passed", "layer_error": "passed"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
+def test_checks_on_cuda_find_what_they_find_on_the_cpu() -> None:
+    """compute.device cuda: blocks calibrate on the GPU; the outlier layers and the NaN are found there
+    as on the CPU, and each layer's relative error agrees with the CPU's."""
+    tokens = random_tokens(8, 64, vocab=300)
+    config = GPTQConfig(bits=4, group_size=32, symmetric=True)
+    errors = {}
+    for device in ("cpu", "cuda"):
+        model = tiny_model(layers=4)
+        outlier_channels(model, 2)
+        with pytest.raises(DataError, match=r"3 layer\(s\) quantize with a relative error above 10x .*model\.layers\.2\.self_attn"):
+            GPTQStage(config, "stages[0]").apply(model, gptq_ctx(tokens, checker(), device))
+        model = tiny_model(layers=4)
+        outlier_channels(model, 2)
+        record = GPTQStage(config, "stages[0]").apply(model, gptq_ctx(tokens, checker(layer_error="warn"), device))
+        errors[device] = {name: info["relative_error"] for name, info in record.layers.items()}
+        model = tiny_model()
+        with torch.no_grad():
+            model.model.embed_tokens.weight[int(tokens[2, 5])] = float("nan")
+        with pytest.raises(DataError, match=r"input of the first decoder block"):
+            GPTQStage(config, "stages[0]").apply(model, gptq_ctx(tokens, checker(), device))
+    for name, cpu in errors["cpu"].items():
+        assert errors["cuda"][name] == pytest.approx(cpu, rel=0.05), name
 
 
 def test_nonfinite_activations_name_where_they_first_appear() -> None:

@@ -87,8 +87,20 @@ def test_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
 
     (tmp_path / "r.yaml").write_text(_yaml_blocks(RECIPES)[0])
     recipe = load_recipe(tmp_path / "r.yaml").recipe
-    assert [g.threshold_kind for g in recipe.gates] == ["max", "max", "min", "max_increase_pct", "max_decrease_pct"]
-    assert [g.on for g in recipe.gates] == ["value", "upper_95", "value", "value", "value"]
+    assert [g.threshold_kind for g in recipe.gates] == ["max", "max", "min", "max_increase_pct", "max_decrease_pct", "max_decrease"]
+    assert [g.on for g in recipe.gates] == ["value", "upper_95", "value", "value", "value", "value"]
+
+
+def test_recipe_reference_tasks_example_validates() -> None:
+    import yaml
+
+    from compress.recipe import GateSpec, TaskSpec
+
+    block = next(yaml.safe_load(b) for b in _yaml_blocks(RECIPES) if b.startswith("tasks:"))
+    tasks = [TaskSpec.model_validate(t) for t in block["tasks"]]
+    assert [t.source for t in tasks] == ["reference:mmlu", "quiz.csv"] and tasks[1].choices_field == ["a", "b", "c", "d"]
+    gates = [GateSpec.model_validate(g) for g in block["gates"]]
+    assert [(g.task, g.threshold_kind) for g in gates] == [("mmlu", "max_decrease"), (None, "max_increase")]
 
 
 def test_recipe_reference_calibrated_method_examples_validate() -> None:

@@ -88,8 +88,8 @@ def test_decoding_through_a_float_cache_equals_the_full_forward() -> None:
     x = ids(200)
     with torch.no_grad():
         full = torch_forward(model, CPU)(x).full()
-        stepped = cached_forward(model, CPU, lambda: DynamicCache(config=model.config), step=1)(x)
-        prefilled = cached_forward(model, CPU, lambda: DynamicCache(config=model.config), step=7, prefill=50)(x)
+        stepped = cached_forward(model, CPU, lambda: DynamicCache(config=model.config), step=1)(x).full()
+        prefilled = cached_forward(model, CPU, lambda: DynamicCache(config=model.config), step=7, prefill=50)(x).full()
     assert (stepped - full).abs().max() < 1e-4
     assert (prefilled - full).abs().max() < 1e-4
 
@@ -123,6 +123,22 @@ def test_static_scales_store_no_per_token_scales() -> None:
         cached_forward(model, CPU, lambda: cache, step=5)(ids(100, seed=1))
     # int8 codes only: 1 byte per element, no scales, no window
     assert cache_bytes(cache) == {"quantized": 2 * 2 * 2 * 100 * 32, "window": 0, "total": 2 * 2 * 2 * 100 * 32}
+
+
+def test_sequences_decoded_together_score_as_when_decoded_alone() -> None:
+    """evaluate.batch: four sequences through one batched cache give the metrics, intervals and
+    per-sequence bytes of decoding them one at a time."""
+    model = tiny()
+    chunks = torch.cat([ids(96, seed=s) for s in range(4)])
+    found = {}
+    for batch in (1, 4):
+        cfg = KVCacheConfig(bits=4, residual=32, evaluate={"context": 96, "step": 8, "batch": batch})
+        found[batch] = evaluate_kv(model, KVCacheScheme(cfg, None, 2), chunks, 8, CPU)
+    one, four = found[1], found[4]
+    for metric in ("kl_divergence", "top1_agreement", "perplexity"):
+        assert four["metrics"][metric] == pytest.approx(one["metrics"][metric], rel=1e-4, abs=1e-6), metric
+        assert four["metrics"].intervals[metric]["samples"] == 4
+    assert four["memory"] == one["memory"]
 
 
 def test_more_bits_give_lower_kl_through_the_cache() -> None:

@@ -54,6 +54,11 @@ class DataRecord(Closed):
         "check run (check, status, where, value, limit, detail); null: no calibration text."
     )
     evaluation: dict[str, Any] | None = Field(description="How the evaluation chunks were made (null: no evaluation text).")
+    tasks: list[dict[str, Any]] | SkipJsonSchema[None] = Field(
+        None,
+        description="The recipe's task question sets (absent: no tasks): name, kind, source and its file's SHA-256, "
+        "rows read, questions evaluated, few-shot pool, and the SHA-256 of the questions exactly as scored.",
+    )
 
 
 class ComputeRecord(Closed):

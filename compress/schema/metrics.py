@@ -38,6 +38,13 @@ METRICS: dict[str, MetricInfo] = {
         "MoE experts the router sent fewer calibration tokens than their stage's moe.min_tokens", "lower", False
     ),
     "min_expert_tokens": MetricInfo("fewest calibration tokens the router sent to any MoE expert", "higher", False),
+    # Task accuracy through lm-evaluation-harness (eval/tasks.py), per task (a gate names it with `task:`).
+    "accuracy": MetricInfo("share of a task's questions answered right, percent (lm-eval's acc)", "higher", True),
+    "accuracy_norm": MetricInfo(
+        "share answered right when each choice's log-likelihood is divided by its length in characters, percent (lm-eval's acc_norm)",
+        "higher",
+        True,
+    ),
 }
 ACCURACY_METRICS = ("perplexity", "kl_divergence", "kl_divergence_p99", "top1_agreement")
 LATENCY_METRICS = (
@@ -52,6 +59,7 @@ LATENCY_METRICS = (
     "bandwidth_utilization",
 )
 CALIBRATION_METRICS = ("experts_under_min", "min_expert_tokens")  # of the compressed model, from its stage records
-INTERVAL_METRICS = ("perplexity", "kl_divergence", "top1_agreement")  # with a 95% interval (compress/eval/metrics.py)
+TASK_METRICS = ("accuracy", "accuracy_norm")
+INTERVAL_METRICS = ("perplexity", "kl_divergence", "top1_agreement", *TASK_METRICS)  # with a 95% interval (compress/eval/metrics.py)
 GATE_BOUNDS = ("value", "lower_95", "upper_95")  # what a gate compares: the value, or an end of its interval
 DEVICE_METRICS = (*LATENCY_METRICS, "memory_fraction", "size_mb")  # the metrics a gate may ask of a named device

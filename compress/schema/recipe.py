@@ -29,17 +29,19 @@ from compress.schema.devices import DeviceProfile
 from compress.schema.distill import DistillConfig
 from compress.schema.exports import ExportSpec
 from compress.schema.kv_cache import KV_CACHE_ARTIFACT, KVCacheConfig  # noqa: F401 - KV_CACHE_ARTIFACT re-exported
-from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS
+from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
 from compress.schema.prune import PruneConfig
 from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig, WeightQuantConfig
 
 SCHEMA_VERSION = 1
 """The recipe `version` this release reads (the one place it is defined)."""
 IN_MEMORY_ARTIFACTS = ("baseline", "compressed")
-THRESHOLD_KEYS = ("max", "min", "max_increase_pct", "max_decrease_pct")
+THRESHOLD_KEYS = ("max", "min", "max_increase", "max_decrease", "max_increase_pct", "max_decrease_pct")
+BASELINE_THRESHOLDS = ("max_increase", "max_decrease", "max_increase_pct", "max_decrease_pct")  # compared with the baseline's value
 # Fields that hold filesystem paths; relative values resolve against the recipe's directory
 # (or, for --set overrides, against the current directory).
 PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
+TASK_SOURCE_FIELD = re.compile(r"tasks\.\d+\.source")  # each task's question file, a path field too
 QUANT_METHODS_CONTEXT = "quant_methods"
 """Validation-context key: method name -> config model of every registered quantization method
 (compress.recipe passes compress.plugins' table; without it, the built-in methods are known)."""
@@ -191,8 +193,13 @@ class GateSpec(Strict):
     )
     max: float | None = Field(None, description="Pass when value <= max.")
     min: float | None = Field(None, description="Pass when value >= min.")
+    max_increase: float | None = Field(None, ge=0, description="Pass when value <= baseline + max_increase (in the metric's own units).")
+    max_decrease: float | None = Field(
+        None, ge=0, description="Pass when value >= baseline - max_decrease (in the metric's own units: points for a task's accuracy)."
+    )
     max_increase_pct: float | None = Field(None, ge=0, description="Pass when value <= baseline * (1 + pct/100).")
     max_decrease_pct: float | None = Field(None, ge=0, description="Pass when value >= baseline * (1 - pct/100).")
+    task: str | None = Field(None, description="The task (a `tasks` entry's name) whose accuracy or accuracy_norm the gate reads.")
     device: str | None = Field(
         None,
         description="Device profile the gate is for. Unset or `local`: measured on this machine. "
@@ -232,11 +239,19 @@ class GateSpec(Strict):
         given = [k for k in THRESHOLD_KEYS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"a gate takes exactly one threshold of {', '.join(THRESHOLD_KEYS)} (got {given or 'none'})")
-        if given[0].endswith("_pct"):
-            if not METRICS[self.metric].relative:
+        if given[0] in BASELINE_THRESHOLDS:
+            if given[0].endswith("_pct") and not METRICS[self.metric].relative:
                 raise ValueError(f"{given[0]} compares with the baseline, which is not meaningful for {self.metric}; use max or min")
             if self.artifact == "baseline":
                 raise ValueError(f"{given[0]} compares an artifact with the baseline; it cannot gate the baseline itself")
+        return self
+
+    @model_validator(mode="after")
+    def _task_metric(self) -> GateSpec:
+        if self.metric in TASK_METRICS and self.task is None:
+            raise ValueError(f"{self.metric} is a task's; name the task (`task:`, a tasks entry's name)")
+        if self.task is not None and self.metric not in TASK_METRICS:
+            raise ValueError(f"task applies to the task metrics ({', '.join(TASK_METRICS)}), not to {self.metric}")
         return self
 
     @property
@@ -251,7 +266,62 @@ class GateSpec(Strict):
     def display_name(self) -> str:
         device = f"@{self.device}" if self.device else ""
         bound = f".{self.on}" if self.on != "value" else ""
-        return self.name or f"{self.artifact}.{self.metric}{bound}{device}.{self.threshold_kind}"
+        task = f".{self.task}" if self.task else ""
+        return self.name or f"{self.artifact}{task}.{self.metric}{bound}{device}.{self.threshold_kind}"
+
+
+class TaskSpec(Strict):
+    """A question set scored through lm-evaluation-harness on the baseline, the compressed model and
+    each export on its own runtime (compress/eval/tasks.py). Accuracy is in percent, with lm-eval's
+    standard error and its 95% interval."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="The task's name in reports and in a gate's `task:`.")
+    source: str = Field(
+        description="reference:mmlu (MMLU test questions, fetched offline with the assets), or a local "
+        ".jsonl / .json (a list of objects) / .csv file of questions, relative to the recipe's directory."
+    )
+    kind: Literal["multiple_choice", "loglikelihood"] = Field(
+        "multiple_choice",
+        description="multiple_choice: the most likely choice must be the answer (accuracy, and accuracy_norm per "
+        "character of the choice). loglikelihood: the continuation must be the greedy one (accuracy).",
+    )
+    format: Literal["letters", "cloze"] = Field(
+        "letters",
+        description="multiple_choice prompt: letters lists the choices as A. … and scores the letter (MMLU's "
+        "form); cloze scores each choice's own text after the question.",
+    )
+    question_field: str = Field("question", description="Local files: the field holding the question (loglikelihood: the context).")
+    choices_field: str | list[str] = Field(
+        "choices",
+        description="Local files, multiple_choice: one field holding the list of choices, or a list of fields, one per choice.",
+    )
+    answer_field: str = Field(
+        "answer",
+        description="Local files: the field holding the answer, as a 0-based index, a letter or the choice's text "
+        "(loglikelihood: the continuation).",
+    )
+    subject_field: str | None = Field(
+        None, description="Local files, multiple_choice: a field naming the subject, said in the prompt as MMLU does."
+    )
+    limit: int | None = Field(200, ge=1, description="Questions drawn (with seed) from the set; null: all of them.")
+    seed: Seed = Field(0, description="Seed for drawing the questions and the few-shot examples.")
+    num_fewshot: int = Field(0, ge=0, le=25, description="Solved examples before each question, drawn from the questions not evaluated.")
+    artifacts: list[str] | None = Field(
+        None,
+        description="Artifacts to score: baseline, compressed and export names. Default: baseline, compressed "
+        "and every export that runs on a runtime of its own (GGUF, ONNX; TensorRT where it can run).",
+    )
+
+    @model_validator(mode="after")
+    def _fields_fit(self) -> TaskSpec:
+        local = ("question_field", "choices_field", "answer_field", "subject_field")
+        if self.source.startswith("reference:") and (given := [k for k in local if k in self.model_fields_set]):
+            raise ValueError(f"{given[0]} maps the fields of a local file; {self.source} brings its own")
+        if self.kind == "loglikelihood" and (
+            given := [k for k in ("choices_field", "subject_field", "format") if k in self.model_fields_set]
+        ):
+            raise ValueError(f"{given[0]} applies to multiple_choice tasks")
+        return self
 
 
 class LatencySpec(Strict):
@@ -352,6 +422,10 @@ class Recipe(Strict):
     targets: list[TargetSpec] = Field(
         default_factory=list, description="Devices to check fit and estimate latency for, with the context and batch they must serve."
     )
+    tasks: list[TaskSpec] = Field(
+        default_factory=list,
+        description="Task accuracy through lm-evaluation-harness on every artifact's own runtime (see the manual, docs/tasks.md).",
+    )
     gates: list[GateSpec] = Field(default_factory=list)
     search: SearchSpec | None = Field(
         None,
@@ -367,7 +441,7 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
-        if self.gates and self.data.evaluation is None:
+        if any(g.metric not in TASK_METRICS for g in self.gates) and self.data.evaluation is None:
             raise ValueError("gates need data.evaluation: there is no text to measure them on")
         export_names = [x.name for x in self.exports]
         repeated = sorted({n for n in export_names if export_names.count(n) > 1})
@@ -383,6 +457,7 @@ class Recipe(Strict):
                 raise ValueError(
                     f"gates[{i}].artifact '{gate.artifact}' is not an artifact of this recipe; known: {', '.join(sorted(known))}"
                 )
+        self._check_tasks(known)
         if self.search is not None and not self.gates:
             raise ValueError("search picks the smallest artifact passing every gate, and this recipe has no gates")
         latency_metrics = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
@@ -396,7 +471,7 @@ class Recipe(Strict):
             for name in self.latency.artifacts or []:
                 if name not in timeable:
                     raise ValueError(f"latency.artifacts: '{name}' is not timeable here; known: {', '.join(sorted(timeable))}")
-            relative = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS and g.threshold_kind.endswith("_pct")]
+            relative = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS and g.threshold_kind in BASELINE_THRESHOLDS]
             if relative and self.latency.artifacts is not None and "baseline" not in self.latency.artifacts:
                 raise ValueError(f"gates{relative} compare latency with the baseline; add baseline to latency.artifacts")
         names = [g.display_name for g in self.gates]
@@ -418,6 +493,30 @@ class Recipe(Strict):
                         f"{stage.kind} changes float weights, so put it before quantization"
                     )
         return self
+
+    def _check_tasks(self, known: set[str]) -> None:
+        names = [t.name for t in self.tasks]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"task names must be unique; repeated: {', '.join(repeated)}")
+        for i, task in enumerate(self.tasks):
+            for name in task.artifacts or []:
+                if name not in known:
+                    raise ValueError(f"tasks[{i}].artifacts: '{name}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")
+        for i, gate in enumerate(self.gates):
+            if gate.task is None:
+                continue
+            task = next((t for t in self.tasks if t.name == gate.task), None)
+            if task is None:
+                raise ValueError(
+                    f"gates[{i}].task '{gate.task}' is not a task of this recipe; known: {', '.join(names) or 'none (add `tasks:`)'}"
+                )
+            if task.artifacts is not None and gate.artifact not in task.artifacts:
+                raise ValueError(
+                    f"gates[{i}]: task '{gate.task}' does not score artifact '{gate.artifact}' (its artifacts: {', '.join(task.artifacts)})"
+                )
+            if gate.metric == "accuracy_norm" and task.kind != "multiple_choice":
+                raise ValueError(f"gates[{i}]: accuracy_norm is a multiple_choice task's; '{gate.task}' is {task.kind}")
 
     def _check_gguf_target(self) -> None:
         """A GGUF export's size budget and the quantize stage that quantizes each layer on the type it picks go together."""

@@ -15,13 +15,20 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 from pydantic.json_schema import SkipJsonSchema
 from typing_extensions import TypeAliasType
 
-REPORT_VERSION = 4
+REPORT_VERSION = 5
 """report.json's schema_version (the one place it is defined)."""
 
 SOURCES = ("measured", "estimated")  # where an evaluation's numbers came from
 GATE_SOURCES = (*SOURCES, "missing")  # a gate can also find no measurement at all
-EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache", "calibration")
-THRESHOLD_KINDS = ("max", "min", "max_increase_pct", "max_decrease_pct")  # compress.schema.recipe.THRESHOLD_KEYS
+EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache", "calibration", "task")
+THRESHOLD_KINDS = (
+    "max",
+    "min",
+    "max_increase",
+    "max_decrease",
+    "max_increase_pct",
+    "max_decrease_pct",
+)  # compress.schema.recipe.THRESHOLD_KEYS
 NON_FINITE = ("nan", "inf", "-inf")  # how compress.documents.json_safe writes non-finite floats
 
 Number = TypeAliasType("Number", StrictFloat | Literal["nan", "inf", "-inf"])
@@ -32,8 +39,8 @@ Metrics = TypeAliasType("Metrics", dict[str, Number])
 
 Source = Literal["measured", "estimated"]
 GateSource = Literal["measured", "estimated", "missing"]
-EvaluationKind = Literal["accuracy", "latency", "memory", "kv_cache", "calibration"]
-ThresholdKind = Literal["max", "min", "max_increase_pct", "max_decrease_pct"]
+EvaluationKind = Literal["accuracy", "latency", "memory", "kv_cache", "calibration", "task"]
+ThresholdKind = Literal["max", "min", "max_increase", "max_decrease", "max_increase_pct", "max_decrease_pct"]
 GateBound = Literal["value", "lower_95", "upper_95"]
 
 
@@ -85,9 +92,11 @@ class Evaluation(Closed):
 
 class Threshold(Closed):
     kind: ThresholdKind
-    value: Number = Field(description="The threshold as the gate states it (a % for the _pct kinds).")
+    value: Number = Field(
+        description="The threshold as the gate states it (a % for the _pct kinds, a difference for max_increase / max_decrease)."
+    )
     limit: Number | SkipJsonSchema[None] = Field(None, description="The resolved absolute bound (absent when nothing was measured).")
-    baseline: Number | SkipJsonSchema[None] = Field(None, description="The baseline's value, for the _pct kinds.")
+    baseline: Number | SkipJsonSchema[None] = Field(None, description="The baseline's value, for the kinds compared with it.")
 
 
 class GateResult(Closed):

@@ -82,6 +82,8 @@ class Source:
     checks: CalibrationChecker | None = None
     """The recipe's calibration sanity checks (compress/calibration.py): the text's when it is
     tokenized, the model's by the calibrated quantizers; None without a data.calibration section."""
+    tasks: list[Any] = field(default_factory=list)
+    """The recipe's task question sets, read and checked before any stage runs (compress/eval/tasks.py's TaskData)."""
 
     @property
     def baseline(self) -> torch.nn.Module:
@@ -182,7 +184,13 @@ def load(run: Run) -> Source:
         eval_chunks = data.chunks("evaluation", lm.tokenizer) if recipe.data.evaluation else None
     cached = CachedBaseline(lm.model, run.device, work_dir_for(run.out_dir) / "baseline", lm.facts.get("sha256"))
     checks = CalibrationChecker(recipe.data.calibration.checks, run.reporter) if recipe.data.calibration else None
-    return Source(lm, data, eval_chunks, run.reporter, cached, checks=checks)
+    tasks = []
+    if recipe.tasks:  # a bad question file fails here, before the stages
+        from compress.eval.tasks import load_task
+
+        with run.reporter.status(f"reading the questions of {len(recipe.tasks)} task(s)"):
+            tasks = [load_task(spec, run.base_dir, run.reporter) for spec in recipe.tasks]
+    return Source(lm, data, eval_chunks, run.reporter, cached, checks=checks, tasks=tasks)
 
 
 def baseline_directory(model_facts: dict[str, Any]) -> str:

@@ -61,6 +61,7 @@ def build_manifest(run: Run, source: Source, staged: Staged) -> dict[str, Any]:
                 else (data.calibration_source.describe if data.calibration_source else None)
             ),
             "evaluation": eval_chunks.facts if eval_chunks else None,
+            **({"tasks": [t.manifest() for t in source.tasks]} if source.tasks else {}),
         },
         "compute": {"device": run.device.type, "threads": run.threads, "host": platform.platform(), "cpu_count": os.cpu_count()},
         "versions": library_versions(),
