@@ -298,6 +298,14 @@ def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: 
         ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(0))
         same = compare(torch_forward(model, torch.device("cpu")), {"gguf": runtime.forward}, ids, 8)["gguf"]
         assert same["kl_divergence"] < 1e-3 and same["top1_agreement"] > 0.85, same
+        # Pieces wholly before the asked positions only fill llama.cpp's cache (no logits made): the same numbers.
+        pieces = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2, piece_tokens=16)
+        try:
+            tail = pieces.forward(ids).logits(1, slice(40, 48)).clone()
+            whole = pieces.forward(ids).logits(1, slice(0, 48)).clone()
+        finally:
+            pieces.close()
+        assert torch.allclose(tail, whole[40:48], atol=1e-5)
         # A wrong row order (Q/K left unpermuted) is caught by the same check.
         bad = tmp_path / "bad.gguf"
         G.ARCHITECTURES["llama"] = G.GGUFArch("llama", permute_qk=False)

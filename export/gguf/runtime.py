@@ -291,11 +291,16 @@ class DecodedLogits(Logits):
         self.first = self.done = 0  # the current piece's logits hold positions first .. done - 1
         self.piece: np.ndarray | None = None
 
-    def _next_piece(self, row: int) -> None:
+    def _next_piece(self, row: int, wanted: int) -> None:
+        """Decode the next piece of ``row``; its logits are kept only when it reaches position
+        ``wanted`` (a piece wholly before it only fills the cache: llama.cpp then makes one row of
+        logits instead of a vocabulary-wide row per position, e.g. for a task's long prompt)."""
         tokens = self.ids[row, self.done : self.done + self.model.piece].tolist()
         if not tokens:
             raise IndexError(f"position {self.done} is past the row's {self.ids.shape[1]} tokens")
-        self.piece = self.model.decode(tokens, self.done, every_position=True)
+        every = self.done + len(tokens) > wanted
+        out = self.model.decode(tokens, self.done, every_position=every)
+        self.piece = out if every else None
         self.first, self.done = self.done, self.done + len(tokens)
 
     def logits(self, row: int, positions: slice) -> torch.Tensor:
@@ -306,8 +311,8 @@ class DecodedLogits(Logits):
             self.row, self.first, self.done, self.piece = row, 0, 0, None
         parts = []
         while start < stop:
-            if start >= self.done:
-                self._next_piece(row)
+            while start >= self.done:
+                self._next_piece(row, start)
             assert self.piece is not None
             end = min(stop, self.done)
             part = self.piece[start - self.first : end - self.first]
