@@ -244,7 +244,7 @@ def load_task(spec: Any, base_dir: Path, reporter: Any = None) -> TaskData:
     rng = random.Random(spec.seed)
     order = list(range(len(docs)))
     rng.shuffle(order)
-    count = len(docs) if spec.limit is None else min(spec.limit, len(docs) - spec.num_fewshot)
+    count = len(docs) - spec.num_fewshot if spec.limit is None else min(spec.limit, len(docs) - spec.num_fewshot)
     if count < 1:
         raise DataError(f"tasks '{spec.name}': {len(docs)} questions leave none to evaluate after {spec.num_fewshot} few-shot examples")
     chosen = sorted(order[:count])  # in file order: the same questions in the same order for every runtime

@@ -52,6 +52,8 @@ def test_question_files_are_read_checked_and_sampled(tmp_path: Path) -> None:
     again = load_task(_spec(str(path), limit=10, seed=3, num_fewshot=2), tmp_path)
     other = load_task(_spec(str(path), limit=10, seed=4, num_fewshot=2), tmp_path)
     assert again.sha256 == data.sha256 and other.sha256 != data.sha256
+    every = load_task(_spec(str(path), limit=None, num_fewshot=3), tmp_path)  # all but the few-shot examples
+    assert len(every.docs) == 27 and len(every.fewshot) == 3
     evaluated = {json.dumps(d, sort_keys=True) for d in data.docs}
     assert not evaluated & {json.dumps(d, sort_keys=True) for d in data.fewshot}  # few-shot examples are never evaluated
     rows = [json.loads(line) for line in path.read_text().splitlines()]
