@@ -43,7 +43,7 @@ def measure(root: Path, run: Run, source: Source, staged: Staged, exported: Expo
     scratch = work_dir_for(run.out_dir) / "tasks"
     files = {data.name: data.write(scratch / "data") for data in source.tasks}
     tokenizer = source.lm.tokenizer
-    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    prefix = next((i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None), 0)  # before an empty context; padding
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text)["input_ids"])
