@@ -295,11 +295,12 @@ def _build_kv_cache(config: Any, label: str) -> Any:
 def _kv_cache_estimate(step: PlanStep) -> Estimate:
     cfg, cur = step.config, step.shape
     ev = cfg.evaluate
-    mem = step.held_bytes + (2 * step.kv_bytes_per_token * ev.context * ev.samples if ev else 0)
+    mem = step.held_bytes + (2 * step.kv_bytes_per_token * ev.context * min(ev.samples, ev.batch) if ev else 0)  # one batch's caches
     rate = TORCH_DECODE_TOKENS_PER_S * REF_PARAMS / cur.params
     secs = (2 * ev.samples * ev.context / rate if ev else 0) + (forward_s(cur.params, step.cal_tokens) if cfg.static_scales else 0)
     basis = (
-        f"baseline + working copy + float and quantized caches at {ev.context if ev else 0} tokens; decoding "
+        f"baseline + working copy + float and quantized caches of {min(ev.samples, ev.batch) if ev else 0} sequence(s) at "
+        f"{ev.context if ev else 0} tokens; decoding "
         f"{ev.samples if ev else 0} x {ev.context if ev else 0} tokens token by token twice (float cache and quantized) "
         f"at ~{rate:.0f} tokens/s"
         if ev
