@@ -10,6 +10,7 @@ from typing import Any
 from compress import streaming
 from compress.eval.metrics import Evaluation, torch_forward
 from compress.eval.tasks import TASK_CONTEXT, TaskData, interval, make_lm, run_task
+from compress.export.format import package_versions
 from compress.export.registry import EXPORT_FORMATS
 from compress.export.specs import EXPORTS_DIR
 from compress.recipe import TaskSpec
@@ -109,7 +110,7 @@ def _evaluation(artifact: str, runtime: str, device: str, spec: TaskSpec, data: 
         "seconds": result.seconds,
         "forward_passes": result.passes,
         "truncated": result.truncated,
-        "harness": "lm-evaluation-harness " + _version("lm_eval"),
+        "harness": "lm-evaluation-harness " + package_versions(["lm-eval"])["lm-eval"],
         "tokenizer": "the source model's (every artifact answers the same token ids)",
     }
     return Evaluation(
@@ -121,12 +122,3 @@ def _evaluation(artifact: str, runtime: str, device: str, spec: TaskSpec, data: 
         kind="task",
         intervals={k: v for k, v in intervals.items() if v is not None} or None,
     )
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package.replace("_", "-"))
-    except PackageNotFoundError:
-        return "?"
