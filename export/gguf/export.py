@@ -17,7 +17,14 @@ from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, compare_tokenizers, parity_corpus, tokenization_mismatches
+from compress.export.parity import (
+    SAME_WEIGHTS_CHUNKS,
+    VerifyInputs,
+    compare_tokenizers,
+    parity_corpus,
+    special_ids,
+    tokenization_mismatches,
+)
 from compress.export.specs import GGUFExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
@@ -201,6 +208,7 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: list[str], source_gguf: P
     and chat template are the same keys), else the source's tokenizer.json in transformers.
     Raises FormatError naming the first difference; returns the facts for the report."""
     ours = gguf_runtime.LlamaCppVocab(path)
+    checked_ids: dict[str, int] = {}
     try:
         if source_gguf is not None:
             truth = gguf_runtime.LlamaCppVocab(source_gguf)
@@ -219,6 +227,15 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: list[str], source_gguf: P
         else:
             mismatches = tokenization_mismatches(ours.tokenize, tokenizer, texts)
             truth_name = "the source's Hugging Face tokenizer"
+            checked_ids, got_ids = special_ids(tokenizer), ours.special_ids()
+            differ = [k for k in checked_ids if got_ids[k] != checked_ids[k]]
+            if differ:
+                raise FormatError(
+                    f"{label}: llama.cpp reads other special tokens from the GGUF than the source's tokenizer has: "
+                    + "; ".join(
+                        f"{k} {got_ids[k]} (source {checked_ids[k]} {tokenizer.convert_ids_to_tokens(checked_ids[k])!r})" for k in differ
+                    )
+                )
     finally:
         ours.close()
     if mismatches:
@@ -230,6 +247,7 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: list[str], source_gguf: P
         "tokenizer_parity_texts": len(texts),
         "tokenizer_parity_bytes": sum(len(t.encode()) for t in texts),
         "tokenizer_truth": truth_name,
+        **({"tokenizer_special_ids": checked_ids} if checked_ids else {}),
     }
 
 

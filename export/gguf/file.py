@@ -32,6 +32,7 @@ import json
 import math
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.export.gguf.names import GGUF_FILE  # noqa: F401 - the writer's file name
+from compress.export.parity import turn_end_id
 from compress.export.specs import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.quantizers.core import QuantizedWeight
 from compress.schema.gguf_types import GGUF_GRIDS, QK_K
@@ -56,6 +58,53 @@ METADATA_NAMESPACE = "compress"
 class GGUFArch:
     name: str  # llama.cpp's architecture name
     permute_qk: bool  # llama.cpp's llama arch expects interleaved rotary rows in Q/K
+    # Added to every RMSNorm weight as written: Gemma's norms compute x_hat * (1 + w), llama.cpp's x_hat * w.
+    norm_offset: float = 0.0
+    # The family's own keys (soft-capping, sliding windows) as {GGUFWriter method: value}, after checking
+    # that llama.cpp's graph for the family computes what this config does (FormatError naming the key).
+    family_keys: Callable[[Any, str], dict[str, Any]] | None = None
+
+
+def _gemma_keys(cfg: Any, arch_name: str) -> dict[str, Any]:
+    """Gemma 2 / 3: llama.cpp scales queries by 1/sqrt(head_dim) (by 1/sqrt(hidden / heads) for the
+    27B block counts, 46 and 62), caps attention logits always on gemma2 and never on gemma3, and
+    reads each layer's sliding window from a per-layer pattern (written here from ``layer_types``)."""
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    big = int(cfg.num_hidden_layers) == {"gemma2": 46, "gemma3": 62}[arch_name]
+    scale_dim = cfg.hidden_size // heads if big else head_dim
+    scalar = getattr(cfg, "query_pre_attn_scalar", None)
+    if scalar is not None and int(scalar) != scale_dim:
+        raise FormatError(
+            f"config query_pre_attn_scalar is {scalar}, but llama.cpp's {arch_name} scales queries by 1/sqrt({scale_dim}) "
+            f"({'hidden_size / num_attention_heads' if big else 'head_dim'} at {cfg.num_hidden_layers} blocks): "
+            "its file would compute a different attention"
+        )
+    if arch_name == "gemma2" and not getattr(cfg, "tie_word_embeddings", True):
+        raise FormatError("config tie_word_embeddings is false: llama.cpp's gemma2 always uses the token embedding as its output")
+    keys: dict[str, Any] = {}
+    attn_cap = getattr(cfg, "attn_logit_softcapping", None)
+    final_cap = getattr(cfg, "final_logit_softcapping", None)
+    if arch_name == "gemma2":
+        for key, value in (("attn_logit_softcapping", attn_cap), ("final_logit_softcapping", final_cap)):
+            if not value:
+                raise FormatError(f"config {key} is {value!r}: llama.cpp's gemma2 always soft-caps, so its file would differ")
+        keys["add_attn_logit_softcapping"] = float(attn_cap)
+    elif attn_cap:
+        raise FormatError(f"config attn_logit_softcapping is {attn_cap}: llama.cpp's gemma3 does not cap attention logits")
+    if final_cap:
+        keys["add_final_logit_softcapping"] = float(final_cap)
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    sliding = [t == "sliding_attention" for t in layer_types]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise FormatError(f"config layer_types holds {unknown}: GGUF export writes sliding_attention and full_attention layers")
+    if any(sliding):
+        keys["add_sliding_window"] = int(cfg.sliding_window)
+        keys["add_sliding_window_pattern"] = sliding
+    elif arch_name == "gemma2":
+        raise FormatError("config layer_types has no sliding_attention layer: llama.cpp's gemma2 always slides a window")
+    return keys
 
 
 # transformers model_type -> llama.cpp architecture. Add an entry (and its test) to support more.
@@ -64,6 +113,8 @@ ARCHITECTURES: dict[str, GGUFArch] = {
     "mistral": GGUFArch("llama", permute_qk=True),
     "qwen2": GGUFArch("qwen2", permute_qk=False),
     "qwen3": GGUFArch("qwen3", permute_qk=False),
+    "gemma2": GGUFArch("gemma2", permute_qk=False, norm_offset=1.0, family_keys=_gemma_keys),
+    "gemma3_text": GGUFArch("gemma3", permute_qk=False, norm_offset=1.0, family_keys=_gemma_keys),
 }
 
 
@@ -354,6 +405,7 @@ class TensorPlan:
     source: str  # "record" (exact), "requantized" (fallback from a record), "float"
     permute_heads: int | None = None  # Q/K row permutation with this many heads
     shape: tuple[int, ...] = ()  # the tensor's shape (rows, columns) as the state dict holds it
+    offset: float = 0.0  # added to the values as written (GGUFArch.norm_offset on norm weights)
 
     def info(self) -> tuple[tuple[int, ...], Any, int, Any]:
         """What the GGUF tensor-info table says of this tensor before its data is made: (shape as
@@ -377,6 +429,7 @@ class GGUFPlan:
     fallbacks: dict[str, str] = field(default_factory=dict)  # record name -> why it fell back
     # record name -> the type llama.cpp's rule gives a row the export's K-quant blocks do not divide, and why
     type_fallbacks: dict[str, str] = field(default_factory=dict)
+    family_keys: dict[str, Any] = field(default_factory=dict)  # GGUFArch.family_keys: {GGUFWriter method: value}
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(f"{t.type_name} ({t.source})" for t in self.tensors))
@@ -433,7 +486,7 @@ def plan_tensors(
     cfg = model.config
     names = tensor_names(model)
     matrix_default = float_type or (type_name if type_name in GGUF_FLOAT_TYPES else "q8_0")
-    plan = GGUFPlan(arch)
+    plan = GGUFPlan(arch, family_keys=arch.family_keys(cfg, arch.name) if arch.family_keys else {})
     tied = embeddings_tied(model)
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
@@ -476,7 +529,8 @@ def plan_tensors(
             plan.fallbacks[module] = problem
             plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads, shape))
         elif tensor.dim() == 1:
-            plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads, shape))
+            offset = arch.norm_offset if hf_name.endswith("norm.weight") else 0.0
+            plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads, shape, offset))
         else:
             usable = matrix_default
             if usable in GGUF_EXACT_TYPES and tensor.shape[-1] % BLOCK:
@@ -501,8 +555,12 @@ def permuted_record(record: QuantizedWeight, heads: int | None) -> QuantizedWeig
 # --------------------------------------------------------------------------- metadata
 
 
-def _rope(cfg: Any) -> tuple[float, dict[str, Any]]:
+def _rope(cfg: Any, layer_type: str = "full_attention") -> tuple[float, dict[str, Any]]:
+    """(theta, rope parameters) of ``layer_type``'s layers: transformers keeps one set, or one per
+    layer type (Gemma 3: ``full_attention`` and ``sliding_attention``)."""
     params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if "full_attention" in params:
+        params = dict(params.get(layer_type) or params["full_attention"])
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     return float(theta), params
 
@@ -526,6 +584,11 @@ def add_hyperparameters(writer: Any, model: nn.Module, arch: GGUFArch) -> None:
     writer.add_value_length(int(head_dim))
     theta, params = _rope(cfg)
     writer.add_rope_freq_base(theta)
+    if "sliding_attention" in (getattr(cfg, "rope_parameters", None) or {}):  # sliding layers' own rope (Gemma 3)
+        swa_theta, swa = _rope(cfg, "sliding_attention")
+        if swa.get("rope_type", "default") != "default":
+            raise FormatError(f"sliding_attention rope_type '{swa['rope_type']}': llama.cpp scales only full-attention layers' rope")
+        writer.add_rope_freq_base_swa(swa_theta)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", None):
         return
@@ -568,8 +631,28 @@ def _pre_signature(node: dict[str, Any] | None) -> tuple:
     return ((kind,),)
 
 
-def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
+def pre_tokenizer_of(signature: tuple) -> Any:
+    """The Hugging Face tokenizers pre-tokenizer with this signature (``_pre_signature``'s inverse)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    steps = []
+    for step in signature:
+        if step[0] == "bytelevel":
+            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=step[2], use_regex=step[1]))
+        elif step[0] == "digits":
+            steps.append(pre_tokenizers.Digits(individual_digits=step[1]))
+        elif step[0] == "split":
+            steps.append(pre_tokenizers.Split(Regex(step[1]), behavior="isolated", invert=False))
+        else:
+            raise FormatError(f"no pre-tokenizer is made for the step {step}")
+    return steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+
+
+def pre_tokenizer_name(tokenizer_json: dict[str, Any], strict: bool = True) -> str | None:
+    """llama.cpp's name for tokenizer.json's pre-tokenizer; unknown: FormatError (``strict``) or None."""
     signature = _pre_signature(tokenizer_json.get("pre_tokenizer"))
+    if signature not in PRE_TOKENIZERS and not strict:
+        return None
     if signature not in PRE_TOKENIZERS:
         raise FormatError(
             f"GGUF export does not recognize this tokenizer's pre-tokenizer {signature}; set `pre_tokenizer:` on the "
@@ -635,12 +718,17 @@ def add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, pre_tokenizer: str)
     special.add_special_token["bos"] = tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id]
     special.add_special_token["eos"] = tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id]
     special.add_to_gguf(writer, quiet=True)
+    ids = dict(special.special_token_ids)
+    eot = turn_end_id(tokenizer)  # written, not left to llama.cpp's guess from the token's text
+    if eot is not None:
+        writer.add_eot_token_id(eot)
+        ids["eot"] = eot
     return {
         "model": "llama" if spm else "gpt2",
         "pre": pre,
         "tokens": len(tokens),
         "merges": len(special.merges),
-        "special_ids": dict(special.special_token_ids),
+        "special_ids": ids,
         "add_special": dict(special.add_special_token),
         "chat_template": special.chat_template is not None,
     }
@@ -769,6 +857,8 @@ def write_gguf(
             tensor = records[module].dequantize() if t.source in ("dequantized", "fallback") else pending.pop(t.hf_name)
             if t.permute_heads is not None:
                 tensor = permute_rows(tensor, t.permute_heads)
+            if t.offset:
+                tensor = tensor.to(torch.float32) + t.offset
             data = float_bytes(tensor, t.type_name)
             del tensor
         expected = t.info()[2]
@@ -806,6 +896,8 @@ def _write_header(
     writer = gguf.GGUFWriter(path, plan.arch.name)
     writer.add_name(str(getattr(model.config, "_name_or_path", "") or plan.arch.name))
     add_hyperparameters(writer, model, plan.arch)
+    for method, value in plan.family_keys.items():
+        getattr(writer, method)(value)
     if type_name == MIX:  # general.file_type is only shown by llama.cpp: the type holding the most weights names a mix
         weights: Counter[str] = Counter()
         for t in plan.tensors:

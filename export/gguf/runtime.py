@@ -168,6 +168,10 @@ class LlamaCppVocab:
     def token_text(self, ids: list[int]) -> list[str]:
         return [self.llm.detokenize([i], special=True).decode("utf-8", errors="backslashreplace") for i in ids]
 
+    def special_ids(self) -> dict[str, int]:
+        """The BOS, EOS and end-of-turn ids llama.cpp uses for this file (-1: none)."""
+        return {"bos": int(self.llm.token_bos()), "eos": int(self.llm.token_eos()), "eot": int(self.llm._model.token_eot())}
+
     def close(self) -> None:
         self.llm.close()
 

@@ -51,10 +51,14 @@ def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Calla
     check_gguf(path)
     digest = sha256_file(path)
     converted = converted_dir(digest)
-    if not (converted / CONVERTED_MARKER).is_file():
+    marker = converted / CONVERTED_MARKER
+    current = marker.is_file() and json.loads(marker.read_text()).get("tokenizer_repair") == TOKENIZER_REPAIR
+    if not current:  # not converted yet, or by a version whose tokenizer repair differs
         with atomic_directory(converted, overwrite=True, owned=False) as tmp:
-            convert(path, tmp, "float32", False, reporter)
-            (tmp / CONVERTED_MARKER).write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))
+            repair = convert(path, tmp, "float32", False, reporter)
+            (tmp / CONVERTED_MARKER).write_text(
+                json.dumps({"gguf": str(path), "sha256": digest, "tokenizer_repair": TOKENIZER_REPAIR, "tokenizer": repair}, indent=2)
+            )
     loaded = load_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
     model = loaded.model
     if getattr(model.config, "quantization_config", None) is not None:
@@ -62,18 +66,22 @@ def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Calla
         # the weights here are plain dequantized floats.
         del model.config.quantization_config
         model.hf_quantizer = None
-    loaded.facts.update(kind="gguf", path=str(path), sha256=digest, files={path.name: digest}, converted_cache=str(converted))
+    tokenizer_facts = json.loads(marker.read_text()).get("tokenizer")
+    loaded.facts.update(
+        kind="gguf", path=str(path), sha256=digest, files={path.name: digest}, converted_cache=str(converted), tokenizer=tokenizer_facts
+    )
     return loaded
 
 
-def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, reporter: Reporter) -> None:
+def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, reporter: Reporter) -> dict[str, Any]:
     """Write the model of the GGUF file ``path`` into ``directory`` as a Hugging Face folder (config.json,
     generation config, tokenizer files, safetensors) of ``dtype`` weights, dequantized by transformers.
 
     ``tie_embeddings``: the GGUF stores the head (``output.weight``) beside the token embedding though
     the model ties them (the Q4_K_M file of Qwen2.5-Coder-1.5B: embedding Q4_K, head Q6_K): keep the head's matrix
     for both and write a tied model. Peak memory: the dequantized model in ``dtype``, the GGUF's mapped
-    pages and one tensor in float32 (transformers dequantizes tensor by tensor and casts each at once)."""
+    pages and one tensor in float32 (transformers dequantizes tensor by tensor and casts each at once).
+    Returns what ``repair_tokenizer`` changed in transformers' rebuild of the tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -86,6 +94,8 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
     try:
         with reporter.status(f"reading the tokenizer of {path.name}"):
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            repair = repair_tokenizer(tokenizer, path)
+            repair["parity"] = source_parity(tokenizer, path, reporter)
         with reporter.status(f"dequantizing {path.name} to {dtype} (once per file)"):
             gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
     except Exception as exc:  # transformers' GGUF reader: OSError, ValueError, KeyError, RuntimeError, struct errors …
@@ -111,6 +121,78 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
     if config.tie_word_embeddings:
         model.tie_weights()
     model.generation_config = gguf_model.generation_config
+    for key in ("bos", "eos"):  # the generation config transformers rebuilt carries the same wrong ids
+        if f"{key}_token_id" in repair.get("special_ids", {}):
+            setattr(model.generation_config, f"{key}_token_id", repair["special_ids"][f"{key}_token_id"])
     with reporter.status(f"writing the {dtype} safetensors model"):
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
+    return repair
+
+
+TOKENIZER_REPAIR = 1
+"""The version of ``repair_tokenizer``: a cached conversion made by another version is made again."""
+
+
+def repair_tokenizer(tokenizer: Any, path: Path) -> dict[str, Any]:
+    """Make transformers' rebuild of a GGUF file's tokenizer the file's own, in place: transformers
+    gives every byte-level BPE file GPT-2's pre-tokenizer and reads BOS/EOS from its own defaults
+    (SmolLM2's Q4_1 file says pre-tokenizer ``smollm``, single digits, and EOS 2 ``<|im_end|>``; the
+    rebuild split digits GPT-2's way and ended text at 1 ``<|im_start|>``). The pre-tokenizer is set from
+    ``tokenizer.ggml.pre`` (the names export/gguf/file.py knows), BOS/EOS from the file's ids. Returns
+    what changed and what could not be (an unknown pre-tokenizer name is left as transformers made it)."""
+    import gguf
+
+    from compress.export.gguf.file import PRE_TOKENIZERS, pre_tokenizer_name, pre_tokenizer_of
+
+    fields = gguf.GGUFReader(path).fields
+
+    def value(key: str) -> Any:
+        return fields[key].contents() if key in fields else None
+
+    facts: dict[str, Any] = {"model": value("tokenizer.ggml.model"), "changed": [], "special_ids": {}}
+    pre = value("tokenizer.ggml.pre")
+    if facts["model"] == "gpt2" and pre is not None:
+        backend = tokenizer.backend_tokenizer
+        before = json.loads(backend.to_str()).get("pre_tokenizer")
+        known = {name: signature for signature, name in PRE_TOKENIZERS.items()}
+        if pre not in known:
+            facts["unrepaired"] = f"pre-tokenizer '{pre}' is not among {sorted(known)}: left as transformers made it"
+        elif pre_tokenizer_name({"pre_tokenizer": before}, strict=False) != pre:
+            backend.pre_tokenizer = pre_tokenizer_of(known[pre])
+            facts["changed"].append(f"pre-tokenizer set to the file's '{pre}'")
+    n_vocab = len(tokenizer)
+    for key in ("bos", "eos"):
+        token_id = value(f"tokenizer.ggml.{key}_token_id")
+        if token_id is None or not 0 <= int(token_id) < n_vocab:
+            continue
+        facts["special_ids"][f"{key}_token_id"] = int(token_id)
+        text = tokenizer.convert_ids_to_tokens(int(token_id))
+        if getattr(tokenizer, f"{key}_token_id") != int(token_id):
+            facts["changed"].append(f"{key.upper()} set to the file's {token_id} {text!r} (was {getattr(tokenizer, f'{key}_token')!r})")
+            setattr(tokenizer, f"{key}_token", text)
+    return facts
+
+
+def source_parity(tokenizer: Any, path: Path, reporter: Reporter) -> dict[str, Any] | None:
+    """The repaired tokenizer against the GGUF file's own in llama.cpp on the parity corpus (200 KB of
+    mixed text, export/parity.py), when llama-cpp-python is installed (None otherwise). A difference
+    is a warning naming the first one: the GGUF export checks itself against the file, but the
+    artifact's tokenizer files and an ONNX export carry this tokenizer."""
+    from compress.export.gguf import runtime as gguf_runtime
+    from compress.export.parity import parity_corpus, tokenization_mismatches
+
+    if not gguf_runtime.available():
+        return None
+    texts = parity_corpus(tokenizer)
+    vocab = gguf_runtime.LlamaCppVocab(path)
+    try:
+        mismatches = tokenization_mismatches(vocab.tokenize, tokenizer, texts)
+    finally:
+        vocab.close()
+    if mismatches:
+        reporter.warn(
+            f"the tokenizer rebuilt from {path.name} tokenizes {len(mismatches)} of {len(texts)} parity texts differently "
+            f"from the file's own in llama.cpp (first: {mismatches[0]}); ONNX exports and the artifact's tokenizer carry the rebuild"
+        )
+    return {"texts": len(texts), "bytes": sum(len(t.encode()) for t in texts), "mismatched": len(mismatches)}

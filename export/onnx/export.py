@@ -23,7 +23,7 @@ from compress.eval.metrics import Evaluation, compare
 from compress.export.checkpoint import autogptq
 from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
-from compress.export.parity import PARITY_TEXTS, SAME_WEIGHTS_CHUNKS, VerifyInputs, tokenization_mismatches
+from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, tokenization_mismatches
 from compress.export.specs import ONNXExport
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
@@ -319,7 +319,7 @@ def verify(
         "min_context": inputs.min_context,
         "accuracy_level": spec.accuracy_level if quantized else None,
     }
-    texts = [*PARITY_TEXTS, *(tokenizer.decode(row[:128]) for row in chunks[:4])]
+    texts = [*parity_corpus(tokenizer), *(tokenizer.decode(row[:128]) for row in chunks[:4])]
     with rt.GenAIModel(directory, inputs.threads) as genai:
         mismatches = tokenization_mismatches(genai.encode, tokenizer, texts, "onnxruntime-genai", add_special_tokens=True)
         if not mismatches:
@@ -332,6 +332,7 @@ def verify(
             f"from the Hugging Face tokenizer (first: {mismatches[0]})"
         )
     details["tokenizer_parity_texts"] = len(texts)
+    details["tokenizer_parity_bytes"] = sum(len(t.encode()) for t in texts)
     reference = inputs.compressed_forward
     sub = chunks[:SAME_WEIGHTS_CHUNKS]
     session = rt.OrtDecoder(directory / ob.ONNX_FILE, inputs.threads, spec.device)
