@@ -518,6 +518,43 @@ def test_smollm2_tokenizer_is_the_reference_ggufs_own_and_tokenizes_200_kb_ident
     assert mismatches and {"llama.cpp tokens", "transformers tokens"} <= set(mismatches[0])
 
 
+def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damaged_cache_is_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text_dir: Path
+) -> None:
+    """A GGUF source with the Qwen2 pre-tokenizer and ChatML (EOS <|im_end|>): transformers' rebuild is
+    repaired to the file's pre-tokenizer and EOS, the repair is recorded in the model's facts, and a
+    cache marker from before the repair, or a damaged one, makes the conversion run again."""
+    from compress.models import load_model
+    from compress.paths import CONVERTED_MARKER
+    from compress.progress import Reporter
+    from compress.schema.recipe import ModelSpec
+    from tests.tiny import family_tokenizer
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    hf = family_tokenizer("qwen2", [p.read_text() for p in sorted(text_dir.glob("*.txt"))])
+    source = tmp_path / "src" / "qwen.gguf"
+    source.parent.mkdir()
+    G.write_gguf(source, tiny_model("qwen2", vocab=len(hf), hidden=64, intermediate=64), hf, {}, "f16")
+    plain = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    loaded = load_model(ModelSpec(source=str(source)), tmp_path, Reporter(quiet=True))
+    repaired = loaded.tokenizer
+    assert G.pre_tokenizer_name(json.loads(repaired.backend_tokenizer.to_str())) == "qwen2"
+    assert repaired.eos_token == "<|im_end|>" and loaded.facts["tokenizer"]["special_ids"]["eos_token_id"] == hf.eos_token_id
+    texts = parity_corpus(hf)
+    assert [repaired(t)["input_ids"] for t in texts] == [hf(t)["input_ids"] for t in texts]
+    # transformers rebuilds Qwen2's regex but takes <|endoftext|> for EOS; the repair says what it changed
+    assert plain.eos_token == "<|endoftext|>" and loaded.facts["tokenizer"]["changed"] == [
+        "EOS set to the file's 2 '<|im_end|>' (was '<|endoftext|>')"
+    ]
+    if gguf_runtime.available():
+        assert loaded.facts["tokenizer"]["parity"]["mismatched"] == 0
+    marker = Path(loaded.facts["converted_cache"]) / CONVERTED_MARKER
+    for stale in ('{"gguf": "x"}', "{not json"):
+        marker.write_text(stale)
+        again = load_model(ModelSpec(source=str(source)), tmp_path, Reporter(quiet=True))
+        assert json.loads(marker.read_text())["tokenizer_repair"] >= 1 and again.tokenizer.eos_token == "<|im_end|>"
+
+
 def test_parity_corpus_is_200_kb_of_every_kind_of_text_and_the_same_each_time() -> None:
     texts = parity_corpus()
     joined = "".join(texts)

@@ -52,8 +52,7 @@ def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Calla
     digest = sha256_file(path)
     converted = converted_dir(digest)
     marker = converted / CONVERTED_MARKER
-    current = marker.is_file() and json.loads(marker.read_text()).get("tokenizer_repair") == TOKENIZER_REPAIR
-    if not current:  # not converted yet, or by a version whose tokenizer repair differs
+    if _marker(marker).get("tokenizer_repair") != TOKENIZER_REPAIR:  # not converted yet, or by another repair
         with atomic_directory(converted, overwrite=True, owned=False) as tmp:
             repair = convert(path, tmp, "float32", False, reporter)
             (tmp / CONVERTED_MARKER).write_text(
@@ -66,11 +65,20 @@ def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Calla
         # the weights here are plain dequantized floats.
         del model.config.quantization_config
         model.hf_quantizer = None
-    tokenizer_facts = json.loads(marker.read_text()).get("tokenizer")
+    tokenizer_facts = _marker(marker).get("tokenizer")
     loaded.facts.update(
         kind="gguf", path=str(path), sha256=digest, files={path.name: digest}, converted_cache=str(converted), tokenizer=tokenizer_facts
     )
     return loaded
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    """The converted cache's marker; {} when missing or unreadable (the conversion is then made again)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, reporter: Reporter) -> dict[str, Any]:
@@ -94,8 +102,6 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
     try:
         with reporter.status(f"reading the tokenizer of {path.name}"):
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            repair = repair_tokenizer(tokenizer, path)
-            repair["parity"] = source_parity(tokenizer, path, reporter)
         with reporter.status(f"dequantizing {path.name} to {dtype} (once per file)"):
             gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
     except Exception as exc:  # transformers' GGUF reader: OSError, ValueError, KeyError, RuntimeError, struct errors …
@@ -105,6 +111,9 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
             os.environ.pop("TQDM_DISABLE", None)
         else:
             os.environ["TQDM_DISABLE"] = previous
+    with reporter.status(f"checking the tokenizer against {path.name}'s own"):
+        repair = repair_tokenizer(tokenizer, path)
+        repair["parity"] = source_parity(tokenizer, path, reporter)
     config = gguf_model.config
     if hasattr(config, "quantization_config"):  # the GGUF origin, not a quantization of the weights written here
         del config.quantization_config
