@@ -152,6 +152,20 @@ def test_smollms_digits_pre_tokenizer_is_rewritten_as_two_splits_with_the_same_t
     assert ob.normalize_tokenizer(tmp_path) == []
 
 
+def test_genai_config_stops_at_the_sources_eos_and_end_of_turn(tmp_path: Path, text_dir: Path) -> None:
+    """Gemma's EOS is <eos> but a chat turn ends at <end_of_turn>: both become stop ids of
+    genai_config.json, and its BOS the source's; a config that has them is left as it is."""
+    from tests.tiny import family_tokenizer
+
+    hf = family_tokenizer("gemma", [p.read_text() for p in sorted(text_dir.glob("*.txt"))])
+    (tmp_path / "genai_config.json").write_text(json.dumps({"model": {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}}))
+    changed = ob.align_generation_ids(tmp_path, hf)
+    assert changed == ["eos_token_id + 6 (the source's end of turn)", "bos_token_id 0 → 2"]
+    model = json.loads((tmp_path / "genai_config.json").read_text())["model"]
+    assert model["eos_token_id"] == [1, 6] and model["bos_token_id"] == 2 and model["pad_token_id"] == 0
+    assert ob.align_generation_ids(tmp_path, hf) == []
+
+
 def test_head_sizes_onnx_runtime_cannot_run_are_refused(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     result, out = run_export(tmp_path, tiny_model_dir, text_dir, "  - format: onnx\n")
     assert result.exit_code == 2 and "head size that is a multiple of 16" in result.output and not out.exists()
@@ -191,6 +205,7 @@ def test_gptq_checkpoint_handed_to_the_builder_is_proven_exact_and_verified(tmp_
     details = evals["onnx"]["details"]
     assert evals["onnx"]["runtime"] == "onnxruntime" and details["level0_same_weights_kl"] < 1e-5
     assert details["same_weights_kl"] < 0.02 and details["tokenizer_parity_bytes"] >= 200_000 and details["sample"]["decode_tokens"] > 0
+    assert details["tokenizer_special_ids"]["eos"] in details["generation_stop_ids"]
     report = json.loads((out / "report.json").read_text())
     assert report["gates"][0]["value"] == evals["onnx"]["metrics"]["kl_divergence"]
     # the artifact on disk holds the records: unpack it again from the file

@@ -333,3 +333,31 @@ def normalize_tokenizer(directory: Path) -> list[str]:
 
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 """The regex of Hugging Face's ByteLevel pre-tokenizer (``use_regex``), GPT-2's."""
+
+
+def align_generation_ids(directory: Path, tokenizer: Any) -> list[str]:
+    """genai_config.json's BOS id as the source tokenizer's, and its EOS ids (ONNX Runtime GenAI stops
+    at any of them) holding the source's EOS and the chat template's end of turn (``<|im_end|>``,
+    ``<end_of_turn>``): a chat reply then ends where the source's would. Returns what was changed."""
+    from compress.export.parity import special_ids
+
+    path = directory / GENAI_CONFIG
+    if not path.is_file():
+        return []
+    config = json.loads(path.read_text())
+    model = config["model"]
+    want = special_ids(tokenizer)
+    found = model.get("eos_token_id")
+    eos = list(found) if isinstance(found, list) else [] if found is None else [found]
+    changed = []
+    for key in ("eos", "eot"):
+        if key in want and want[key] not in eos:
+            eos.append(want[key])
+            changed.append(f"eos_token_id + {want[key]} (the source's {'end of turn' if key == 'eot' else 'EOS'})")
+    if "bos" in want and model.get("bos_token_id") != want["bos"]:
+        changed.append(f"bos_token_id {model.get('bos_token_id')} → {want['bos']}")
+        model["bos_token_id"] = want["bos"]
+    if changed:
+        model["eos_token_id"] = eos
+        path.write_text(json.dumps(config, indent=4))
+    return changed

@@ -23,7 +23,7 @@ from compress.eval.metrics import Evaluation, compare
 from compress.export.checkpoint import autogptq
 from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
-from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, tokenization_mismatches
+from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, special_ids, tokenization_mismatches
 from compress.export.specs import ONNXExport
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
@@ -233,6 +233,7 @@ def write(
         "records_exact": proof["layers"] if proof else 0,
         "ops": ob.op_counts(graph),
         "tokenizer_json_changes": ob.normalize_tokenizer(directory),
+        "genai_config_changes": ob.align_generation_ids(directory, tokenizer),
         "size_bytes": sum(f.stat().st_size for f in files if f.exists()),
         "builder_version": _version("onnxruntime-genai"),
         "verified": False,
@@ -333,6 +334,13 @@ def verify(
         )
     details["tokenizer_parity_texts"] = len(texts)
     details["tokenizer_parity_bytes"] = sum(len(t.encode()) for t in texts)
+    stops = rt.genai_config(directory)["model"].get("eos_token_id")
+    stops = stops if isinstance(stops, list) else [stops]
+    want = special_ids(tokenizer)
+    missing = [f"{k} {want[k]}" for k in ("eos", "eot") if k in want and want[k] not in stops]
+    if missing:
+        raise FormatError(f"{label}: ONNX Runtime GenAI stops generating at {stops}, not at the source's {', '.join(missing)}")
+    details["tokenizer_special_ids"], details["generation_stop_ids"] = want, stops
     reference = inputs.compressed_forward
     sub = chunks[:SAME_WEIGHTS_CHUNKS]
     session = rt.OrtDecoder(directory / ob.ONNX_FILE, inputs.threads, spec.device)
