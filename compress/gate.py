@@ -47,6 +47,8 @@ from compress.recipe import (
     ModelSpec,
     Strict,
     TargetSpec,
+    TaskSpec,
+    check_task_gates,
     format_validation_error,
     parse_yaml,
     validation_context,
@@ -67,6 +69,10 @@ class GatesFile(Strict):
     latency: LatencySpec | None = None
     devices: list[DeviceProfile] = Field(default_factory=list)
     targets: list[TargetSpec] = Field(default_factory=list)
+    tasks: list[TaskSpec] = Field(
+        default_factory=list,
+        description="Tasks (as a recipe's `tasks:`; a relative question file is read from the gates file's folder) that task gates name.",
+    )
     gates: list[GateSpec] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -74,12 +80,7 @@ class GatesFile(Strict):
         timed = [i for i, g in enumerate(self.gates) if g.metric in LATENCY_METRICS]
         if timed and self.latency is None:
             raise ValueError(f"gates{timed} gate latency metrics and need a `latency:` block")
-        tasks = [i for i, g in enumerate(self.gates) if g.task is not None]
-        if tasks:
-            raise ValueError(
-                f"gates{tasks} gate a task's accuracy, which compress gate does not measure; put the task under "
-                "`tasks:` in the recipe and the gate in its `gates:` (compress run scores tasks on every artifact)"
-            )
+        check_task_gates(self.tasks, self.gates, "the gates file")
         return self
 
 
@@ -104,6 +105,7 @@ class Subject:
     base_dir: Path
     stand_ins: list[str]  # checkpoint exports that hold the compressed records
     stages: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)  # (label, summary) from the manifest
+    seed: int = 0  # the run's recipe seed (tasks' few-shot draws), 0 for a bare file or folder
 
 
 def inspect(path: Path) -> Subject:
@@ -138,7 +140,8 @@ def inspect(path: Path) -> Subject:
             elif (where := fmt.timed_path(path / export["path"], export)) is not None:
                 timed.append(Timed(export["name"], Target(fmt.runtime, str(where[0]), where[1])))
         stages = [(s.get("label", f"stages[{i}]"), s.get("summary")) for i, s in enumerate(manifest.get("stages") or [])]
-        return Subject("artifact", timed, source, data, Path(recipe_path).expanduser().parent, stand_ins, stages)
+        seed = expanded.get("seed") if isinstance(expanded.get("seed"), int) else 0
+        return Subject("artifact", timed, source, data, Path(recipe_path).expanduser().parent, stand_ins, stages, seed)
     if (path / "config.json").is_file():
         check_model_directory(path)
         return Subject("hf", [Timed("compressed", Target("torch", str(path)))], None, None, Path.cwd(), [])
@@ -214,14 +217,21 @@ def run_gate(
     torch.set_num_threads(threads)
     wanted = {g.artifact for g in gates} | ({"compressed"} if any(g.artifact in subject.stand_ins for g in gates) else set())
     started = time.perf_counter()
-    needs_accuracy = sorted({g.metric for g in gates if g.metric in ACCURACY_METRICS})
+    needs_accuracy = sorted({g.metric for g in gates if g.metric in ACCURACY_METRICS and g.task is None})
+    task_gates = [g for g in gates if g.task is not None]
     time_baseline = baseline_timed(spec.latency, gates)
     baseline_source = baseline or subject.baseline_source
-    if baseline_source is None and (needs_accuracy or time_baseline):
-        why = f"gates on {', '.join(needs_accuracy)}" if needs_accuracy else "latency gates relative to the baseline"
+    if baseline_source is None and (needs_accuracy or time_baseline or task_gates):
+        why = (
+            f"gates on {', '.join(needs_accuracy)}"
+            if needs_accuracy
+            else "task gates (they tokenize with the source model's tokenizer)"
+            if task_gates
+            else "latency gates relative to the baseline"
+        )
         raise CompressError(f"{why} compare with the source model: pass --baseline MODEL (a model source as in a recipe)")
     lm = None
-    if baseline_source is not None and (needs_accuracy or time_baseline):
+    if baseline_source is not None and (needs_accuracy or time_baseline or task_gates):
         from compress.models import load_model
 
         lm = load_model(ModelSpec(source=baseline_source), subject.base_dir, reporter)
@@ -231,6 +241,9 @@ def run_gate(
     if needs_accuracy:
         assert lm is not None
         evaluations, eval_facts, prompts = _accuracy(subject, wanted, lm, spec, threads, reporter)
+    if task_gates:
+        assert lm is not None
+        evaluations += _tasks(subject, task_gates, lm, spec, gates_file.parent, threads, reporter)
     timed = [t for t in subject.timed if t.name in wanted]
     if time_baseline:
         from compress.steps.load import baseline_directory
@@ -250,7 +263,7 @@ def run_gate(
     devices = wanted_devices(spec.latency, spec.targets, gates)
     if devices:
         evaluations += device_evaluations(profiles, devices, timed, measured, settings, _params(timed))
-    compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind == "accuracy"]
+    compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind in ("accuracy", "task")]
     evaluations += [dataclasses.replace(e, artifact=name) for name in subject.stand_ins for e in compressed]
     evaluations += expert_coverage(subject.stages, "cpu")  # an MoE artifact's calibration coverage, from its manifest
     results = evaluate_gates(gates, evaluations)
@@ -321,6 +334,54 @@ def _accuracy(
         evaluations.append(Evaluation(artifact=name, runtime=d["runtime"], device="cpu", metrics=metrics[name], details={**info, **d}))
     facts = {k: chunks.facts[k] for k in ("source", "tokens_sha256", "samples", "seq_len")}
     return evaluations, facts, chunks.tokens.numpy()
+
+
+def _tasks(
+    subject: Subject, gates: list[GateSpec], lm: Any, spec: GatesFile, base_dir: Path, threads: int, reporter: Reporter
+) -> list[Evaluation]:
+    """The tasks the gates name, on every artifact they gate (a checkpoint export on the compressed
+    model, whose records it holds) and on the baseline when a gate compares with it, each artifact
+    on its own runtime: compress run's task scoring (compress/steps/tasks.py) on an existing artifact."""
+    import tempfile
+
+    from compress.eval.tasks import TASK_CONTEXT, load_task
+    from compress.schema.recipe import BASELINE_THRESHOLDS
+    from compress.steps.tasks import score_tasks
+
+    names = {g.task for g in gates}
+    specs = [t for t in spec.tasks if t.name in names]
+    with reporter.status(f"reading the questions of {len(specs)} task(s)"):
+        data = [load_task(t, base_dir, reporter) for t in specs]
+    wanted = {"compressed" if g.artifact in subject.stand_ins else g.artifact for g in gates}
+    if any(g.threshold_kind in BASELINE_THRESHOLDS for g in gates):
+        wanted.add("baseline")
+    targets = {t.name: t.target for t in subject.timed}
+    cpu = torch.device("cpu")
+    evaluations: list[Evaluation] = []
+    with tempfile.TemporaryDirectory(prefix="compress-gate-tasks-") as tmp:
+        files = {d.name: d.write(Path(tmp) / "data") for d in data}
+        for artifact in sorted(wanted, key=lambda n: (n != "baseline", n)):
+            close = None
+            if artifact == "baseline":
+                forward, runtime = torch_forward(lm.model, cpu), TORCH_RUNTIME
+            elif targets[artifact].runtime == TORCH_RUNTIME:
+                forward, runtime = torch_forward(load_torch_model(Path(targets[artifact].path), dtype=torch.float32), cpu), TORCH_RUNTIME
+            else:
+                runtime = targets[artifact].runtime
+                found = runtime_formats()[runtime].forward(Path(targets[artifact].path), TASK_CONTEXT, threads)
+                if found is None:
+                    reporter.warn(f"tasks: {artifact} has no runtime that scores log-likelihoods here; its task accuracy is not measured")
+                    continue
+                forward, close = found
+            jobs = [(t, d) for t, d in zip(specs, data, strict=True) if t.artifacts is None or artifact in t.artifacts]
+            try:
+                evaluations += score_tasks(
+                    forward, jobs, files, Path(tmp) / "cache", lm.tokenizer, subject.seed, reporter.track, artifact, runtime, "cpu"
+                )
+            finally:
+                if close is not None:
+                    close()
+    return evaluations
 
 
 def _params(timed: list[Timed]) -> int:

@@ -127,6 +127,28 @@ def _task_eval(artifact: str, accuracy: float, stderr: float, task: str = "quiz"
     )
 
 
+def test_a_gates_files_task_gates_name_its_tasks(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`compress gate` reads tasks from the gates file; a gate naming no task of it is exit 2 naming the
+    gate, and gating a bare model folder on a task needs --baseline (the tokenizer and the baseline's score)."""
+    questions = _questions(tmp_path / "quiz.jsonl", 8)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        f"version: 1\ntasks:\n  - {{name: quiz, source: {questions.name}}}\ngates:\n  - {{metric: accuracy, task: exam, min: 1}}\n"
+    )
+    result = run_cli(["gate", tiny_model_dir, "--gates", bad, "-o", tmp_path / "r", "-q"])
+    assert result.exit_code == 2 and "gates[0].task 'exam' is not a task of the gates file; known: quiz" in result.output
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        f"version: 1\ntasks:\n  - {{name: quiz, source: {questions.name}}}\ngates:\n  - {{metric: accuracy, task: quiz, min: 0}}\n"
+    )
+    result = run_cli(["gate", tiny_model_dir, "--gates", good, "-o", tmp_path / "r", "-q"])
+    assert result.exit_code == 2 and "task gates" in result.output and "--baseline" in result.output
+    result = run_cli(["gate", tiny_model_dir, "--gates", good, "--baseline", tiny_model_dir, "-o", tmp_path / "r", "-q"])
+    assert result.exit_code == 0, result.output
+    (task,) = [e for e in json.loads((tmp_path / "r" / "report.json").read_text())["evaluations"] if e["kind"] == "task"]
+    assert task["artifact"] == "compressed" and task["metrics"]["questions"] == 8 and task["runtime"] == "torch"
+
+
 def test_gates_on_a_drop_in_points_and_on_the_interval() -> None:
     evals = [_task_eval("baseline", 40.0, 2.4), _task_eval("compressed", 37.5, 2.4), _task_eval("compressed", 90.0, 1.0, task="other")]
     drop2 = GateSpec(metric="accuracy", task="quiz", max_decrease=2)
@@ -203,6 +225,21 @@ def test_run_scores_a_task_on_every_runtime_and_gates_on_it(tmp_path: Path, onnx
     assert entry["questions"] == 24 and entry["rows"] == 40 and len(entry["sha256"]) == 64
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "### Tasks" in summary and "quiz" in summary
+    # `compress gate` on the finished artifact scores the task itself (the gates file's own `tasks:`)
+    gates_file = tmp_path / "gates.yaml"
+    gates_file.write_text(
+        f"version: 1\ntasks:\n  - name: quiz\n    source: {questions.name}\n    limit: 24\n    num_fewshot: 1\ngates:\n"
+        "  - {metric: accuracy, task: quiz, artifact: q4, max_decrease: 100}\n  - {metric: accuracy, task: quiz, artifact: int4, min: 101}\n"
+    )
+    result = run_cli(["gate", tmp_path / "out", "--gates", gates_file, "-o", tmp_path / "gate-report", "-q"])
+    assert result.exit_code == 1, result.output
+    gated = json.loads((tmp_path / "gate-report" / "report.json").read_text())
+    measured = {e["artifact"]: e for e in gated["evaluations"] if e["kind"] == "task"}
+    assert set(measured) == {"baseline", "q4", "int4"} and measured["int4"]["runtime"] == "onnxruntime"
+    assert measured["baseline"]["metrics"]["accuracy"] == tasks["baseline"]["metrics"]["accuracy"]  # the same questions, prompts and model
+    assert abs(measured["q4"]["metrics"]["accuracy"] - tasks["q4"]["metrics"]["accuracy"]) <= 100 / 24
+    results = {g["name"]: g["passed"] for g in gated["gates"]}
+    assert results == {"q4.quiz.accuracy.max_decrease": True, "int4.quiz.accuracy.min": False}
 
 
 @pytest.mark.real_model

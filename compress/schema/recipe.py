@@ -270,6 +270,27 @@ class GateSpec(Strict):
         return self.name or f"{self.artifact}{task}.{self.metric}{bound}{device}.{self.threshold_kind}"
 
 
+def check_task_gates(tasks: list[TaskSpec], gates: list[GateSpec], owner: str) -> None:
+    """Task names are unique, and each task gate names one of ``tasks`` that scores its artifact and
+    has its metric (a recipe's, or a gates file's for `compress gate`); ValueError naming the entry."""
+    names = [t.name for t in tasks]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"task names must be unique; repeated: {', '.join(repeated)}")
+    for i, gate in enumerate(gates):
+        if gate.task is None:
+            continue
+        task = next((t for t in tasks if t.name == gate.task), None)
+        if task is None:
+            raise ValueError(f"gates[{i}].task '{gate.task}' is not a task of {owner}; known: {', '.join(names) or 'none (add `tasks:`)'}")
+        if task.artifacts is not None and gate.artifact not in task.artifacts:
+            raise ValueError(
+                f"gates[{i}]: task '{gate.task}' does not score artifact '{gate.artifact}' (its artifacts: {', '.join(task.artifacts)})"
+            )
+        if gate.metric == "accuracy_norm" and task.kind != "multiple_choice":
+            raise ValueError(f"gates[{i}]: accuracy_norm is a multiple_choice task's; '{gate.task}' is {task.kind}")
+
+
 class TaskSpec(Strict):
     """A question set scored through lm-evaluation-harness on the baseline, the compressed model and
     each export on its own runtime (compress/eval/tasks.py). Accuracy is in percent, with lm-eval's
@@ -495,28 +516,11 @@ class Recipe(Strict):
         return self
 
     def _check_tasks(self, known: set[str]) -> None:
-        names = [t.name for t in self.tasks]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            raise ValueError(f"task names must be unique; repeated: {', '.join(repeated)}")
         for i, task in enumerate(self.tasks):
             for name in task.artifacts or []:
                 if name not in known:
                     raise ValueError(f"tasks[{i}].artifacts: '{name}' is not an artifact of this recipe; known: {', '.join(sorted(known))}")
-        for i, gate in enumerate(self.gates):
-            if gate.task is None:
-                continue
-            task = next((t for t in self.tasks if t.name == gate.task), None)
-            if task is None:
-                raise ValueError(
-                    f"gates[{i}].task '{gate.task}' is not a task of this recipe; known: {', '.join(names) or 'none (add `tasks:`)'}"
-                )
-            if task.artifacts is not None and gate.artifact not in task.artifacts:
-                raise ValueError(
-                    f"gates[{i}]: task '{gate.task}' does not score artifact '{gate.artifact}' (its artifacts: {', '.join(task.artifacts)})"
-                )
-            if gate.metric == "accuracy_norm" and task.kind != "multiple_choice":
-                raise ValueError(f"gates[{i}]: accuracy_norm is a multiple_choice task's; '{gate.task}' is {task.kind}")
+        check_task_gates(self.tasks, self.gates, "this recipe")
 
     def _check_gguf_target(self) -> None:
         """A GGUF export's size budget and the quantize stage that quantizes each layer on the type it picks go together."""

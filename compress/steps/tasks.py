@@ -43,12 +43,6 @@ def measure(root: Path, run: Run, source: Source, staged: Staged, exported: Expo
     entries = {e["name"]: e for e in exported.entries}
     scratch = work_dir_for(run.out_dir) / "tasks"
     files = {data.name: data.write(scratch / "data") for data in source.tasks}
-    tokenizer = source.lm.tokenizer
-    prefix = next((i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None), 0)  # before an empty context; padding
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text)["input_ids"])
-
     evaluations: list[Evaluation] = []
     with run.timed("tasks_s"):
         for artifact, jobs in wanted.items():
@@ -60,13 +54,40 @@ def measure(root: Path, run: Run, source: Source, staged: Staged, exported: Expo
                 continue
             forward, close, runtime, device = opened
             try:
-                for spec, data in jobs:
-                    lm = make_lm(forward, encode, prefix, run.reporter.track, f"{spec.name} on {artifact}")
-                    result = run_task(spec, data, files[data.name], scratch / "cache", lm, recipe.seed)
-                    evaluations.append(_evaluation(artifact, runtime, device, spec, data, result))
+                evaluations += score_tasks(
+                    forward, jobs, files, scratch / "cache", source.lm.tokenizer, recipe.seed, run.reporter.track, artifact, runtime, device
+                )
             finally:
                 if close is not None:
                     close()
+    return evaluations
+
+
+def score_tasks(
+    forward: Callable[..., Any],
+    jobs: list[tuple[TaskSpec, TaskData]],
+    files: dict[str, dict[str, str]],
+    cache_dir: Path,
+    tokenizer: Any,
+    seed: int,
+    track: Callable[..., Any] | None,
+    artifact: str,
+    runtime: str,
+    device: str,
+) -> list[Evaluation]:
+    """Each task of ``jobs`` answered by one artifact's ``forward`` (the source model's tokenizer
+    encodes every prompt, so every artifact answers the same token ids): one ``task`` evaluation each.
+    ``files``: each task's normalized question files (TaskData.write)."""
+    prefix = next((i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None), 0)  # before an empty context; padding
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text)["input_ids"])
+
+    evaluations = []
+    for spec, data in jobs:
+        lm = make_lm(forward, encode, prefix, track, f"{spec.name} on {artifact}")
+        result = run_task(spec, data, files[data.name], cache_dir, lm, seed)
+        evaluations.append(_evaluation(artifact, runtime, device, spec, data, result))
     return evaluations
 
 
