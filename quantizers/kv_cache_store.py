@@ -157,6 +157,11 @@ class QuantizedKVLayer(DynamicLayer):
         self.k_scale, self.v_scale = k_scale, v_scale
         self.k_store: QuantizedBlock | None = None
         self.v_store: QuantizedBlock | None = None
+        # What attention reads of the stored blocks: each block dequantized once, when it is stored (dequantizing
+        # is elementwise, so this equals dequantizing the whole store at every step, which made decoding 2,048
+        # tokens quadratic in unpacking work). Not counted in nbytes: a runtime reads its blocks in its kernel.
+        self.k_read: torch.Tensor | None = None
+        self.v_read: torch.Tensor | None = None
         self.stored_tokens = 0
         self.k_dim = -2 if cfg.key_axis == "channel" else -1
         self.v_dim = -2 if cfg.value_axis == "channel" else -1
@@ -165,6 +170,7 @@ class QuantizedKVLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         rd = self.cfg.residual_dtype
         self.window_dtype = key_states.dtype if rd == "model" else getattr(torch, rd)
+        self.read_dtype = key_states.dtype
         self.keys = self.keys.to(self.window_dtype)
         self.values = self.values.to(self.window_dtype)
 
@@ -172,11 +178,15 @@ class QuantizedKVLayer(DynamicLayer):
         """Quantize the oldest ``n`` window tokens as one block."""
         k = quantize_block(self.keys[..., :n, :], self.cfg, self.k_dim, self.k_scale)
         v = quantize_block(self.values[..., :n, :], self.cfg, self.v_dim, self.v_scale)
+        kd = dequantize_block(k, self.cfg, self.read_dtype, self.k_scale)
+        vd = dequantize_block(v, self.cfg, self.read_dtype, self.v_scale)
         if self.k_store is None:
-            self.k_store, self.v_store = k, v
+            self.k_store, self.v_store, self.k_read, self.v_read = k, v, kd, vd
         else:
+            assert self.v_store is not None and self.k_read is not None and self.v_read is not None
             self.k_store.extend(k)
             self.v_store.extend(v)
+            self.k_read, self.v_read = torch.cat([self.k_read, kd], dim=-2), torch.cat([self.v_read, vd], dim=-2)
         self.keys, self.values = self.keys[..., n:, :].clone(), self.values[..., n:, :].clone()
         self.stored_tokens += n
 
@@ -184,8 +194,8 @@ class QuantizedKVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         dtype = key_states.dtype
-        past_k = [] if self.k_store is None else [dequantize_block(self.k_store, self.cfg, dtype, self.k_scale)]
-        past_v = [] if self.v_store is None else [dequantize_block(self.v_store, self.cfg, dtype, self.v_scale)]
+        past_k = [] if self.k_read is None else [self.k_read.to(dtype)]
+        past_v = [] if self.v_read is None else [self.v_read.to(dtype)]
         # Attention sees the window and the new tokens as stored (window dtype), like a real cache read.
         new_k, new_v = key_states.to(self.window_dtype), value_states.to(self.window_dtype)
         keys = torch.cat([*past_k, self.keys.to(dtype), new_k.to(dtype)], dim=-2)

@@ -104,6 +104,9 @@ def test_cache_holds_quantized_blocks_and_a_window_and_counts_its_bytes() -> Non
     assert cache.get_seq_length() == 300 and layer.stored_tokens == 256 and layer.keys.shape[-2] == 44
     assert layer.keys.dtype == torch.float16 and layer.k_store.data.dtype == torch.uint8
     assert layer.k_store.scale.shape == (1, 2, 32, 4)  # one scale per channel and 64-token block
+    # what attention reads: the blocks dequantized as they were stored, equal to dequantizing the whole store
+    for read, store, scale in ((layer.k_read, layer.k_store, layer.k_scale), (layer.v_read, layer.v_store, layer.v_scale)):
+        assert torch.equal(read, dequantize_block(store, cfg, torch.float32, scale)) and read.shape[-2] == 256
     measured = cache_bytes(cache)
     # data: 4 bits x 32 channels = 16 bytes per token and head; K: scale + min per channel per 64-token block;
     # V: scale + min per token (one group = the head); window: fp16
