@@ -45,6 +45,7 @@ from compress.errors import FormatError
 from compress.export.gguf.names import GGUF_FILE  # noqa: F401 - the writer's file name
 from compress.export.parity import turn_end_id
 from compress.export.specs import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
+from compress.quantizers.arch import ARCHITECTURES as QUANT_ARCHITECTURES
 from compress.quantizers.core import QuantizedWeight
 from compress.schema.gguf_types import GGUF_GRIDS, QK_K
 from compress.streaming import tensors
@@ -58,8 +59,6 @@ METADATA_NAMESPACE = "compress"
 class GGUFArch:
     name: str  # llama.cpp's architecture name
     permute_qk: bool  # llama.cpp's llama arch expects interleaved rotary rows in Q/K
-    # Added to every RMSNorm weight as written: Gemma's norms compute x_hat * (1 + w), llama.cpp's x_hat * w.
-    norm_offset: float = 0.0
     # The family's own keys (soft-capping, sliding windows) as {GGUFWriter method: value}, after checking
     # that llama.cpp's graph for the family computes what this config does (FormatError naming the key).
     family_keys: Callable[[Any, str], dict[str, Any]] | None = None
@@ -113,8 +112,8 @@ ARCHITECTURES: dict[str, GGUFArch] = {
     "mistral": GGUFArch("llama", permute_qk=True),
     "qwen2": GGUFArch("qwen2", permute_qk=False),
     "qwen3": GGUFArch("qwen3", permute_qk=False),
-    "gemma2": GGUFArch("gemma2", permute_qk=False, norm_offset=1.0, family_keys=_gemma_keys),
-    "gemma3_text": GGUFArch("gemma3", permute_qk=False, norm_offset=1.0, family_keys=_gemma_keys),
+    "gemma2": GGUFArch("gemma2", permute_qk=False, family_keys=_gemma_keys),
+    "gemma3_text": GGUFArch("gemma3", permute_qk=False, family_keys=_gemma_keys),
 }
 
 
@@ -405,7 +404,7 @@ class TensorPlan:
     source: str  # "record" (exact), "requantized" (fallback from a record), "float"
     permute_heads: int | None = None  # Q/K row permutation with this many heads
     shape: tuple[int, ...] = ()  # the tensor's shape (rows, columns) as the state dict holds it
-    offset: float = 0.0  # added to the values as written (GGUFArch.norm_offset on norm weights)
+    offset: float = 0.0  # added to the values as written: the norm offset of quantizers/arch.py (Gemma's x_hat * (1 + w)), as llama.cpp computes x_hat * w
 
     def info(self) -> tuple[tuple[int, ...], Any, int, Any]:
         """What the GGUF tensor-info table says of this tensor before its data is made: (shape as
@@ -488,6 +487,8 @@ def plan_tensors(
     matrix_default = float_type or (type_name if type_name in GGUF_FLOAT_TYPES else "q8_0")
     plan = GGUFPlan(arch, family_keys=arch.family_keys(cfg, arch.name) if arch.family_keys else {})
     tied = embeddings_tied(model)
+    known = QUANT_ARCHITECTURES.get(getattr(cfg, "model_type", ""))
+    norm_offset = known.norm_offset if known is not None else 0.0
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp uses token_embd for the output when output.weight is absent
@@ -529,7 +530,7 @@ def plan_tensors(
             plan.fallbacks[module] = problem
             plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads, shape))
         elif tensor.dim() == 1:
-            offset = arch.norm_offset if hf_name.endswith("norm.weight") else 0.0
+            offset = norm_offset if hf_name.endswith("norm.weight") else 0.0
             plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads, shape, offset))
         else:
             usable = matrix_default
