@@ -571,7 +571,7 @@ def bench_gguf(
     _print_results(markdown_table(result), output)
 
 
-_ONNX_CANDIDATES = ("gptq:W4g32a", "builder:W4g32a", "gptq:W4g64s", "builder:W4g64s")
+_ONNX_CANDIDATES = ("gptq:W4g32s+head", "builder:W4g32s", "gptq:W4g32a+head", "builder:W4g32a")
 
 
 @bench_app.command("onnx")
@@ -587,22 +587,32 @@ def bench_onnx(
     eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
     candidates: str = typer.Option(
         ",".join(_ONNX_CANDIDATES),
-        help="Comma-separated: METHOD:SETTING (ours, exact MatMulNBits, "
-        "e.g. gptq:W4g32a) or builder:SETTING (onnxruntime-genai's own quantizer at that block size).",
+        help="Comma-separated: METHOD:SETTING (ours, exact MatMulNBits, e.g. gptq:W4g32a; +head: the output head through "
+        "the method too, else rounded at export) or builder:SETTING (onnxruntime-genai's own quantizer at that block size).",
     ),
     accuracy_level: int = typer.Option(4, min=0, max=4, help="MatMulNBits accuracy_level of every int4 file (4: int8 activations)."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch and ONNX Runtime CPU threads."),
     keep_files: bool = typer.Option(False, help="Keep the ONNX files under OUTPUT/files."),
+    keep_float: str = typer.Option(
+        "",
+        help="Comma-separated tables every file keeps float (lm_head, embeddings); default none: the builder's int4 layout.",
+    ),
 ) -> None:
     """Our exact GPTQ/AWQ int4 ONNX against onnxruntime-genai's own int4 at the same block size, measured in ONNX Runtime."""
     from compress.eval.bench_onnx import Candidate, markdown_table, run_onnx_bench
     from compress.progress import Reporter
 
     parsed = _candidates(Candidate.parse, candidates)
+    tables = [t.strip() for t in keep_float.split(",") if t.strip()]
+    unknown = [t for t in tables if t not in ("lm_head", "embeddings")]
+    if unknown:
+        raise typer.BadParameter(f"{', '.join(unknown)}: expected lm_head or embeddings", param_hint="--keep-float")
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
-    result = run_onnx_bench(model, data, parsed, output, threads, Reporter(err), accuracy_level, decode_tokens, repeats, keep_files)
+    result = run_onnx_bench(
+        model, data, parsed, output, threads, Reporter(err), accuracy_level, decode_tokens, repeats, keep_files, tables or None
+    )
     _print_results(markdown_table(result), output)
 
 

@@ -114,7 +114,21 @@ def uniform_bytes(shape: ModelShape, linear_bits: float, other_bits: float) -> i
     return int((linear * linear_bits + (shape.params - linear) * other_bits) / 8)
 
 
-def builder_bytes(shape: ModelShape, bits: int, block: int, symmetric: bool, float_bits: int) -> int:
+def builder_bytes(
+    shape: ModelShape, bits: int, block: int, symmetric: bool, float_bits: int, floats: tuple[str, ...] = ("lm_head", "embeddings")
+) -> int:
+    """Bytes of onnxruntime-genai's own int file: every decoder Linear in blocks, the head and the token
+    embeddings too unless ``floats`` names them (one table for a tied model when both are quantized)."""
     linear = linear_weights(shape, with_lm_head=False)
+    emb = shape.model.get_input_embeddings().weight.numel()
+    tied = bool(getattr(shape.text, "tie_word_embeddings", False))
+    head, embeddings = "lm_head" not in floats, "embeddings" not in floats
+    extra = 0  # a quantized copy beside the tied float table
+    if tied and head and embeddings:
+        linear += emb
+    elif tied:
+        extra = emb if head or embeddings else 0
+    else:
+        linear += (emb if head else 0) + (emb if embeddings else 0)
     per_weight = bits + (float_bits + (0 if symmetric else bits)) / block
-    return int((linear * per_weight + (shape.params - linear) * float_bits) / 8)
+    return int(((linear + extra) * per_weight + (shape.params - linear) * float_bits) / 8)

@@ -10,11 +10,13 @@ by its quantizer from that F16 file, with the token embedding in the same type a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import re
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ class Candidate:
     type_name: str  # GGUF type: auto-resolved for ours, llama.cpp's for theirs
     gguf_type: str | None = None  # ours, on llama.cpp's grid of this type
     budget: str | None = None  # ours, a mix under a size budget: bits per weight ("3.9"), or a llama.cpp type whose file to match
+    head: bool = False  # ours, the output head quantized too (ignore: []); a tied source's one table is its record
 
     @property
     def llama_cpp(self) -> bool:
@@ -58,8 +61,15 @@ class Candidate:
         under a budget: bits per weight, or the size of llama.cpp's own file of that type), ``llama.cpp:q4_k_m``,
         ``llama.cpp-imatrix:q4_k_m`` (llama-quantize with llama-imatrix's matrix of the same calibration
         text; needs scripts/build_llama_tools.py) or ``llama.cpp-pure:q4_k`` (every tensor in that one
-        type, as llama-quantize --pure; rows it cannot hold get its fallback)."""
-        source, sep, rest = text.strip().partition(":")
+        type, as llama-quantize --pure; rows it cannot hold get its fallback). ``+head`` after one of ours
+        (``gptq:W4g32s+head``) quantizes the output head too."""
+        body = text.strip()
+        if body.endswith("+head"):
+            found = cls.parse(body.removesuffix("+head"))
+            if found.llama_cpp or found.source == LLAMA_CPP_PURE or found.budget is not None:
+                raise ValueError(f"candidate '{text}': +head follows one of our methods at a setting or a type (gptq:W4g32s+head)")
+            return dataclasses.replace(found, head=True)
+        source, sep, rest = body.partition(":")
         rest = str(normalize_type(rest))
         if not sep:
             raise ValueError(
@@ -105,9 +115,10 @@ class Candidate:
             return f"{self.source} mix at {at}"
         if self.source == LLAMA_CPP_PURE:
             return f"llama.cpp {self.type_name.upper()} (pure)"
+        head = ", head too" if self.head else ""
         if self.gguf_type is not None:
-            return f"{self.source} on the {self.type_name.upper()} grid -> {self.type_name.upper()}"
-        return f"{self.source} {self.setting.label} -> {self.type_name.upper()}"
+            return f"{self.source} on the {self.type_name.upper()} grid -> {self.type_name.upper()}{head}"
+        return f"{self.source} {self.setting.label} -> {self.type_name.upper()}{head}"
 
 
 def decode_speed(runtime: gguf_runtime.LlamaCppModel, prompt: list[int], tokens: int, repeats: int) -> float:
@@ -202,7 +213,7 @@ def run_gguf_bench(
                     budget = GGUFExport(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
                 measured = len(sensitivity)
                 model, records, seconds = quantize_copy(
-                    lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity
+                    lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity, cand.head
                 )
                 if budget is not None:  # the seconds of a later budget leave out the measurement it reused
                     row["sensitivity_reused"] = len(sensitivity) == measured  # no new measurement was kept
@@ -314,7 +325,17 @@ def tool_chain(row: dict[str, Any]) -> str:
     return "llama.cpp" if row["source"] in (LLAMA_CPP, LLAMA_CPP_PURE) else "ours"
 
 
-def plot_kl_vs_size(result: dict[str, Any], path: Path) -> Path | None:
+GGUF_CHAINS = (("ours", "o"), ("llama.cpp", "s"), ("llama.cpp with its imatrix", "^"), ("llama.cpp on our mix's types", "x"))
+
+
+def plot_kl_vs_size(
+    result: dict[str, Any],
+    path: Path,
+    chains: tuple[tuple[str, str], ...] = GGUF_CHAINS,
+    chain_of: Callable[[dict[str, Any]], str] | None = None,
+    files: str = "GGUF files",
+    kl_label: str = "KL vs F16 in llama.cpp (nats/token)",
+) -> Path | None:
     """KL against file size, one series per tool chain (a log scale for KL), each point named."""
     from compress.eval.reports import pyplot, save_figure
 
@@ -324,13 +345,8 @@ def plot_kl_vs_size(result: dict[str, Any], path: Path) -> Path | None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     try:
-        for chain, marker in (
-            ("ours", "o"),
-            ("llama.cpp", "s"),
-            ("llama.cpp with its imatrix", "^"),
-            ("llama.cpp on our mix's types", "x"),
-        ):
-            mine = sorted((r for r in rows if tool_chain(r) == chain), key=lambda r: r["size_bytes"])
+        for chain, marker in chains:
+            mine = sorted((r for r in rows if (chain_of or tool_chain)(r) == chain), key=lambda r: r["size_bytes"])
             if mine:
                 ax.plot([r["size_bytes"] / 2**20 for r in mine], [r["metrics"]["kl_divergence"] for r in mine], marker, label=chain)
         for r in rows:
@@ -341,8 +357,8 @@ def plot_kl_vs_size(result: dict[str, Any], path: Path) -> Path | None:
             )
         ax.set_yscale("log")
         ax.set_xlabel("file size (MiB)")
-        ax.set_ylabel("KL vs F16 in llama.cpp (nats/token)")
-        ax.set_title(f"{result['model']['source']}: GGUF files, KL against size")
+        ax.set_ylabel(kl_label)
+        ax.set_title(f"{result['model']['source']}: {files}, KL against size")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=8)
         return save_figure(fig, path)

@@ -5,8 +5,11 @@ all run in ONNX Runtime.
 The reference is the builder's fp32 ONNX of the baseline; every candidate is scored against it on
 the same evaluation chunks in an ONNX Runtime session at the candidate's shipped accuracy level
 (KL, top-1 agreement, perplexity), with its file size and ONNX Runtime GenAI's single-stream decode
-speed (median of repeats). Embeddings and the output head stay float in every file, so the files
-differ only in the decoder's MatMulNBits weights.
+speed (median of repeats). Every file has the builder's int4 layout unless ``keep_float`` says
+otherwise: the output head and the token embeddings quantized too (one table for a tied model), so
+the files compare at equal bytes. Each of our rows is paired with the builder's row of the same
+block size and symmetry: the ratios of size, KL and decode speed, and a flag when the sizes differ
+by more than ``SIZE_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.documents import library_versions
-from compress.eval.bench_gguf import candidate_rows
+from compress.eval.bench_gguf import candidate_rows, plot_kl_vs_size
 from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
 from compress.export.onnx import export as onnx_export
@@ -32,17 +35,22 @@ from compress.progress import Reporter
 from compress.recipe import DataSpec
 
 BUILDER = "builder"
+SIZE_TOLERANCE = 0.02  # a pair whose sizes differ by more is not an equal-bytes comparison
 
 
 @dataclass(frozen=True)
 class Candidate:
     source: str  # a quantize method (ours) or "builder"
     setting: Setting
+    head: bool = False  # ours: the output head through the method too (ignore: []), not rounded at export
 
     @classmethod
     def parse(cls, text: str) -> Candidate:
-        """``gptq:W4g32a`` (ours, exact MatMulNBits) or ``builder:W4g32a`` (the builder's own round-to-nearest)."""
-        source, sep, rest = text.strip().partition(":")
+        """``gptq:W4g32a`` (ours, exact MatMulNBits; the head rounded at export), ``gptq:W4g32a+head`` (the head
+        through GPTQ too) or ``builder:W4g32a`` (the builder's own round-to-nearest)."""
+        body = text.strip()
+        head = body.endswith("+head")
+        source, sep, rest = body.removesuffix("+head").partition(":")
         if not sep:
             raise ValueError(f"candidate '{text}': expected METHOD:SETTING (gptq:W4g32a) or builder:SETTING (builder:W4g32a)")
         if source != BUILDER and source not in QUANT_METHODS:
@@ -50,26 +58,21 @@ class Candidate:
         setting = Setting.parse(rest)
         if setting.bits != 4 or setting.group_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"candidate '{text}': int4 with a MatMulNBits block size (16, 32, 64, 128, 256)")
-        return cls(source, setting)
+        if head and source == BUILDER:
+            raise ValueError(f"candidate '{text}': +head follows one of our methods (gptq:W4g32s+head)")
+        return cls(source, setting, head)
 
     @property
     def name(self) -> str:
         who = "builder RTN" if self.source == BUILDER else self.source
-        return f"{who} {self.setting.label}"
+        return f"{who} {self.setting.label}" + (", head too" if self.head else "")
 
-    def spec(self, accuracy_level: int) -> ONNXExport:
+    def spec(self, accuracy_level: int, keep_float: list[str] | None = None) -> ONNXExport:
         s = self.setting
+        common: dict[str, Any] = {"name": "candidate", "precision": "int4", "accuracy_level": accuracy_level, "verify": False}
         if self.source == BUILDER:
-            return ONNXExport(
-                name="candidate",
-                precision="int4",
-                quantizer=BUILDER,
-                block_size=s.group_size,
-                symmetric=s.symmetric,
-                accuracy_level=accuracy_level,
-                verify=False,
-            )
-        return ONNXExport(name="candidate", precision="int4", quantizer="records", accuracy_level=accuracy_level, verify=False)
+            return ONNXExport(**common, quantizer=BUILDER, block_size=s.group_size, symmetric=s.symmetric, keep_float=keep_float)
+        return ONNXExport(**common, quantizer="records", keep_float=keep_float)
 
 
 def decode_speed(directory: Path, prompt: list[int], tokens: int, repeats: int, threads: int) -> float:
@@ -94,6 +97,7 @@ def run_onnx_bench(
     decode_tokens: int = 64,
     repeats: int = 3,
     keep_files: bool = False,
+    keep_float: list[str] | None = None,
 ) -> dict[str, Any]:
     from compress.export.onnx.builder import require
 
@@ -116,6 +120,7 @@ def run_onnx_bench(
         "calibration": calibration.facts if calibration else None,
         "evaluation": evaluation.facts,
         "accuracy_level": accuracy_level,
+        "keep_float": keep_float,
         "threads": threads,
         "decode": {
             "runtime": "onnxruntime-genai",
@@ -135,9 +140,9 @@ def run_onnx_bench(
         seconds = 0.0
         model, records = lm.model, {}
         if cand.source != BUILDER:
-            model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter)
+            model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter, head=cand.head)
         with reporter.status(f"building {cand.name} ONNX"):
-            entry = onnx_export.write(directory, cand.spec(accuracy_level), model, lm.tokenizer, records)
+            entry = onnx_export.write(directory, cand.spec(accuracy_level, keep_float), model, lm.tokenizer, records)
         del model
         session = rt.OrtDecoder(directory / ONNX_FILE, threads)
         metrics = compare(reference.forward, {cand.name: session.forward}, evaluation.tokens, spec.min_context, progress=reporter.track)
@@ -152,6 +157,8 @@ def run_onnx_bench(
                 "size_bytes": entry["size_bytes"],
                 "records_exact": entry["records_exact"],
                 "weights_written_by": entry["weights_written_by"],
+                "tables": entry["tables"],
+                "builder_options": entry["builder_options"],
                 "quantize_seconds": round(seconds, 1),
                 "decode_tokens_per_s": round(speed, 1),
                 "metrics": metrics[cand.name],
@@ -159,10 +166,43 @@ def run_onnx_bench(
         )
         if not keep_files:
             shutil.rmtree(directory)
+        result["pairs"] = pairs(result["rows"])
         write_results(out_dir, result, markdown_table(result))
     if not keep_files:
         shutil.rmtree(fp32_dir)
+    plot_kl_vs_size(result, out_dir / "kl-vs-size.png", CHAINS, chain_of, "int4 ONNX files", "KL vs fp32 in ONNX Runtime (nats/token)")
     return result
+
+
+CHAINS = (("ours", "o"), ("onnxruntime-genai's builder", "s"))
+
+
+def chain_of(row: dict[str, Any]) -> str:
+    return CHAINS[1][0] if row["source"] == BUILDER else CHAINS[0][0]
+
+
+def pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each of our rows against the builder's row of the same setting: size, KL and decode ratios, and
+    whether the sizes are within SIZE_TOLERANCE (an equal-bytes comparison)."""
+    builders = {r["setting"]: r for r in rows if r["source"] == BUILDER}
+    out = []
+    for r in rows:
+        theirs = builders.get(r["setting"])
+        if r["source"] == BUILDER or theirs is None:
+            continue
+        size = r["size_bytes"] / theirs["size_bytes"]
+        kl_theirs = theirs["metrics"]["kl_divergence"]
+        out.append(
+            {
+                "ours": r["name"],
+                "builder": theirs["name"],
+                "size_ratio": round(size, 4),
+                "equal_bytes": abs(size - 1) <= SIZE_TOLERANCE,
+                "kl_ratio": round(r["metrics"]["kl_divergence"] / kl_theirs, 4) if kl_theirs > 0 else None,
+                "decode_ratio": round(r["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 4),
+            }
+        )
+    return out
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -170,8 +210,19 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [
         f"Reference: the builder's fp32 ONNX in ONNX Runtime ({ref['size_bytes'] / 2**20:.1f} MiB, "
         f"{ref['decode_tokens_per_s']:.1f} tokens/s); {ref.get('metrics', {}).get('tokens_scored', 0):,} scored tokens; "
-        f"{result['threads']} threads; int4 at accuracy level {result['accuracy_level']}; embeddings and output head float.",
+        f"{result['threads']} threads; int4 at accuracy level {result['accuracy_level']}; "
+        + (
+            f"kept float: {', '.join(result['keep_float'])}."
+            if result.get("keep_float")
+            else "head and embeddings quantized (the builder's layout)."
+        ),
         "",
         *candidate_rows(result["rows"], "KL vs fp32"),
     ]
+    if result.get("pairs"):
+        lines += ["", "| ours | builder's | size ratio | KL ratio | decode ratio |", "|---|---|---|---|---|"]
+        for p in result["pairs"]:
+            flag = "" if p["equal_bytes"] else f" (sizes differ by more than {SIZE_TOLERANCE:.0%})"
+            kl = "—" if p["kl_ratio"] is None else f"{p['kl_ratio']:.3f}"
+            lines.append(f"| {p['ours']} | {p['builder']} | {p['size_ratio']:.4f}{flag} | {kl} | {p['decode_ratio']:.3f} |")
     return "\n".join(lines)

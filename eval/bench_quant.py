@@ -65,11 +65,13 @@ def quantize_copy(
     gguf_type: str | None = None,
     budget: Any = None,
     sensitivity: dict[str, Any] | None = None,
+    head: bool = False,
 ) -> tuple[Any, dict[str, Any], float]:
     """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` (or on llama.cpp's ``gguf_type``
     grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExport with a
     target) on the calibration chunks: (model, records, seconds). ``sensitivity``: a dict kept across
-    calls on the same model, in which a budget's per-layer measurement is made once (RunContext.sensitivity)."""
+    calls on the same model, in which a budget's per-layer measurement is made once (RunContext.sensitivity).
+    ``head``: the output head quantized too (``ignore: []``)."""
     import copy
     import time
 
@@ -84,6 +86,8 @@ def quantize_copy(
         config = spec.config(method=method, gguf_type=gguf_type)
     else:
         config = spec.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
+    if head:
+        config = type(config).model_validate({**config.model_dump(exclude_unset=True), "ignore": []})  # validated: AWQ refuses the head
     model = copy.deepcopy(lm.model)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
     ctx.gguf_budget = budget

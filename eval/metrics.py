@@ -247,6 +247,30 @@ def torch_forward(model: torch.nn.Module, device: torch.device) -> Forward:
     return forward
 
 
+def tables_forward(model: torch.nn.Module, device: torch.device, embedding: torch.Tensor | None, head: torch.Tensor | None) -> Forward:
+    """``model``'s forward with another token-embedding table and/or output head (None: the model's
+    own): an export's quantized tables, dequantized, for its same-weights check. The model is not
+    changed; a scaled embedding (Gemma's ``embed_scale``) keeps its scale."""
+    module = model.get_input_embeddings()
+    dtype = module.weight.dtype
+    scale = getattr(module, "embed_scale", None)
+
+    def forward(ids: torch.Tensor) -> HiddenStates:
+        if embedding is None:
+            hidden = final_hidden(model, ids, device)
+        else:
+            embeds = torch.nn.functional.embedding(ids, embedding).to(device=device, dtype=dtype)
+            if scale is not None:
+                embeds = embeds * scale.to(device=device, dtype=dtype)
+            hidden = model.base_model(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        if head is None:
+            return with_head(model, hidden, device)
+        weight = head.to(device)
+        return HiddenStates(hidden, _soft_capped(model, lambda h: torch.nn.functional.linear(h, weight.to(h.dtype))))
+
+    return forward
+
+
 def final_hidden(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The model's final hidden states (its last norm's output, the head's input) on ``ids``."""
     return model.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state

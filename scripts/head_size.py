@@ -3,12 +3,13 @@
     python scripts/head_size.py [--cal 16x512] [--eval 16x512] [--threads 2] [-o head-size.json]
 
 One GPTQ W4 g32 asym run with ``ignore: []`` quantizes the decoder and then the head (calibrated on
-the final norm's output). Two exports are built from it, each proven to hold its records exactly:
-every decoder Linear in MatMulNBits with the head float (what the default ``ignore: [lm_head]`` gives:
-the decoder records do not depend on the head, which is quantized after the last block), and the
-same plus the head's MatMulNBits. Each file is scored in ONNX Runtime (accuracy level 4) against the
-float torch model on held-out Shakespeare (KL, top-1 agreement, perplexity). The embedding table stays
-float in both files.
+the final norm's output). Three exports are built from it, each proven to hold its records exactly:
+every decoder Linear in MatMulNBits with the head and embeddings float (``keep_float: [lm_head,
+embeddings]``, records without the head: the decoder records do not depend on the head, which is
+quantized after the last block); the same plus the head's MatMulNBits (``keep_float: [embeddings]``:
+the float table stays for the gather); and the default layout, where the gather reads the head's
+blocks (one table). Each file is scored in ONNX Runtime (accuracy level 4) against the float torch
+model on held-out Shakespeare (KL, top-1 agreement, perplexity).
 """
 
 from __future__ import annotations
@@ -72,15 +73,20 @@ def main() -> None:
     with_head = dict(ctx.quantized)
     head_float = copy.deepcopy(model)
     head_float.lm_head.weight = head_float.get_input_embeddings().weight  # tied again, as in the source
-    candidates = {
-        "GPTQ W4 g32 asym, lm_head float (ignore: [lm_head])": (head_float, {n: r for n, r in with_head.items() if n != HEAD}),
-        "GPTQ W4 g32 asym, lm_head GPTQ (ignore: [])": (model, with_head),
+    candidates = {  # name: (model, records, keep_float)
+        "GPTQ W4 g32 asym, lm_head float (ignore: [lm_head])": (
+            head_float,
+            {n: r for n, r in with_head.items() if n != HEAD},
+            ["lm_head", "embeddings"],
+        ),
+        "GPTQ W4 g32 asym, lm_head GPTQ (ignore: [])": (model, with_head, ["embeddings"]),
+        "GPTQ W4 g32 asym, lm_head GPTQ, one table for head and embeddings": (model, with_head, []),
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="head-size-") as tmp:
-        for i, (name, (candidate, records)) in enumerate(candidates.items()):
+        for i, (name, (candidate, records, keep_float)) in enumerate(candidates.items()):
             directory = Path(tmp) / str(i)
-            spec = ONNXExport(name=f"onnx{i}", precision="int4", quantizer="records", accuracy_level=4, verify=False)
+            spec = ONNXExport(name=f"onnx{i}", precision="int4", quantizer="records", accuracy_level=4, verify=False, keep_float=keep_float)
             entry = onnx_export.write(directory, spec, candidate, source.tokenizer, records)
             session = rt.OrtDecoder(directory / ONNX_FILE, args.threads)
             metrics = compare(baseline, {name: session.forward}, ev, MIN_CONTEXT)

@@ -246,6 +246,11 @@ def test_llama_cpp_pure_quantizer_makes_one_k_quant_type_and_the_bench_names_bot
     assert (ours.gguf_type, ours.type_name, theirs.type_name) == ("q4_k", "q4_k", "q4_k") and theirs.llama_cpp and not ours.llama_cpp
     with pytest.raises(ValueError, match="llama.cpp-pure type must be one of"):
         Candidate.parse("llama.cpp-pure:q4_k_m")
+    head = Candidate.parse("gptq:W4g32s+head")
+    assert head.head and not ours.head and head.type_name == "q4_0" and head.name == "gptq W4 g32 sym -> Q4_0, head too"
+    for bad in ("llama.cpp:q4_0+head", "gptq:mix@q4_0+head"):
+        with pytest.raises(ValueError, match=r"\+head follows one of our methods"):
+            Candidate.parse(bad)
 
 
 def _run_on_grid(tmp_path: Path, text_dir: Path, stage: str, export: str) -> dict:

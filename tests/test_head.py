@@ -110,8 +110,11 @@ def test_gptq_head_is_exact_in_gguf_onnx_and_the_checkpoint(tmp_path: Path, onnx
 
     from compress.artifact import load_artifact
     from compress.export.onnx import builder as ob
+    from compress.export.onnx import tables as tb
 
-    exports, evals, out = run_head_recipe(tmp_path, onnx_model_dir, text_dir, "  - format: gguf\n  - format: onnx\n")
+    onnx_exports = "  - format: onnx\n    keep_float: [embeddings]\n  - format: onnx\n    name: shared\n"
+    gguf_exports = "  - format: gguf\n    keep_float: [embeddings]\n  - format: gguf\n    name: gguf-shared\n"
+    exports, evals, out = run_head_recipe(tmp_path, onnx_model_dir, text_dir, gguf_exports + onnx_exports)
     # 2 blocks x 7 Linear layers + the head, each read back from the file and compared with its record
     assert exports["gguf"]["records_exact"] == 15 and exports["onnx"]["records_exact"] == 15
     assert (
@@ -119,7 +122,15 @@ def test_gptq_head_is_exact_in_gguf_onnx_and_the_checkpoint(tmp_path: Path, onnx
         and "/lm_head/MatMul" not in exports["onnx"]["builder_options"]["nodes_to_exclude"]
     )
     stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "exports" / "gguf" / "model.gguf").tensors}
-    assert stored["output.weight"] == "Q4_0" and stored["token_embd.weight"] == "Q8_0"  # tied in the source: two tensors now
+    assert stored["output.weight"] == "Q4_0" and stored["token_embd.weight"] == "Q8_0"  # keep_float: two tensors
+    # by default a tied source keeps one table in GGUF too: token_embd holds the head's record, read back exactly
+    shared_file = out / "exports" / "gguf-shared" / "model.gguf"
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(shared_file).tensors}
+    assert "output.weight" not in stored and stored["token_embd.weight"] == "Q4_0" and exports["gguf-shared"]["records_exact"] == 15
+    assert exports["gguf-shared"]["one_table"].startswith("token_embd.weight holds the head's record")
+    assert exports["gguf-shared"]["tensor_type_of"] == {n: t.lower() for n, t in stored.items()}
+    assert evals["gguf-shared"]["details"]["same_weights_kl"] < 0.005  # against the torch model with the file's embeddings
+    assert shared_file.stat().st_size < (out / "exports" / "gguf" / "model.gguf").stat().st_size
     for name in ("gguf", "onnx"):  # measured: KL 0.0004 on both runtimes, as the torch model
         assert evals[name]["metrics"]["kl_divergence"] < 0.01 and evals[name]["metrics"]["top1_agreement"] > 0.95
         assert evals[name]["metrics"]["kl_divergence"] == pytest.approx(evals["compressed"]["metrics"]["kl_divergence"], rel=0.1, abs=1e-4)
@@ -133,6 +144,12 @@ def test_gptq_head_is_exact_in_gguf_onnx_and_the_checkpoint(tmp_path: Path, onnx
     assert torch.equal(model.lm_head.weight, records["lm_head"].dequantize(model.lm_head.weight.dtype))
     proof = ob.compare_records(ob.load(out / "exports" / "onnx"), records)
     assert proof["problems"] == [] and proof["layers"] == 15
+    # the default int4 layout of a tied source: one table, the GPTQ head's blocks, read by the gather too
+    shared = ob.load(out / "exports" / "shared")
+    assert exports["shared"]["tables"]["lm_head"]["record"] == "the quantize stage's" and exports["shared"]["records_exact"] == 15
+    assert tb.compare_embeddings(shared, tb.Tables(head=records["lm_head"], embedding=records["lm_head"], shared=True)) == []
+    assert evals["shared"]["details"]["level0_same_weights_kl"] < 1e-5  # against the torch model with the file's tables
+    assert exports["shared"]["size_bytes"] < exports["onnx"]["size_bytes"]
     # transformers (compressed-tensors) loads model/ with its own quantized head: the same logits as ours
     from transformers import AutoModelForCausalLM
 

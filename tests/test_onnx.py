@@ -14,6 +14,7 @@ import torch
 from compress.errors import FormatError
 from compress.export.onnx import builder as ob
 from compress.export.onnx import matmulnbits as mnb
+from compress.export.onnx import tables as tb
 from compress.export.specs import ONNXExport
 from compress.quantizers.core import QuantizedWeight, QuantScheme
 from compress.quantizers.rtn import rtn_quantize
@@ -199,21 +200,54 @@ def test_gptq_checkpoint_handed_to_the_builder_is_proven_exact_and_verified(tmp_
     result, out = run_export(tmp_path, onnx_model_dir, text_dir, "  - format: onnx\n", gates=gates)
     assert result.exit_code == 0, result.output
     entry, evals = entry_and_eval(out)
-    assert entry["precision"] == "int4" and entry["quantizer"] == "records" and entry["records_exact"] == 14
+    # 14 decoder records and the head, rounded at export: int4's default layout is the builder's (head and embeddings quantized)
+    assert entry["precision"] == "int4" and entry["quantizer"] == "records" and entry["records_exact"] == 15
     assert entry["weights_written_by"].startswith("onnxruntime-genai's builder, from our GPTQ checkpoint")
-    assert entry["ops"]["com.microsoft.MatMulNBits"] == 10  # 2 layers × (fused qkv, o, gate, up, down)
+    assert entry["ops"]["com.microsoft.MatMulNBits"] == 11  # 2 layers × (fused qkv, o, gate, up, down) + the head
+    assert entry["ops"]["com.microsoft.GatherBlockQuantized"] == 1  # the tied source's one table, read by both
+    assert entry["tables"]["lm_head"]["record"] == "rounded to nearest at export"
+    assert entry["tables"]["embeddings"]["record"].startswith("the output head's")
     details = evals["onnx"]["details"]
     assert evals["onnx"]["runtime"] == "onnxruntime" and details["level0_same_weights_kl"] < 1e-5
     assert details["same_weights_kl"] < 0.02 and details["tokenizer_parity_bytes"] >= 200_000 and details["sample"]["decode_tokens"] > 0
     assert details["tokenizer_special_ids"]["eos"] in details["generation_stop_ids"]
     report = json.loads((out / "report.json").read_text())
     assert report["gates"][0]["value"] == evals["onnx"]["metrics"]["kl_divergence"]
-    # the artifact on disk holds the records: unpack it again from the file
-    records = {}
+    # the artifact on disk holds the records: unpack it again from the file (the head's record made again from model/)
+    graph = ob.load(out / "exports" / "onnx")
+    records, tables = file_records(out)
+    assert ob.compare_records(graph, records)["problems"] == [] and tb.compare_embeddings(graph, tables) == []
+    # the one table both read: changing a code of the head changes the embeddings too, and the proof sees it
+    head = next(n for n, names in ob.quantized_nodes(graph) if names == ("lm_head",))
+    flip_first_code(graph, head.input[1])
+    assert len(ob.compare_records(graph, records)["problems"]) == 1 and len(tb.compare_embeddings(graph, tables)) == 1
+
+
+def planned_sizes(tmp_path: Path, model_dir: Path, text_dir: Path, exports: str) -> dict[str, int]:
+    """`compress plan`'s size of each export of the run_export recipe with ``exports``."""
+    text = recipe_text(model_dir, text_dir, bits=4, group_size=32, symmetric=False).replace("exports: []\n", "exports:\n" + exports)
+    plan_file = tmp_path / "plan.json"
+    result = run_cli(["plan", write_recipe(tmp_path, text), "--json", plan_file])
+    assert result.exit_code == 0, result.output
+    return {a["artifact"]: a["size_bytes"] for a in json.loads(plan_file.read_text())["artifacts"]}
+
+
+def file_records(out: Path) -> tuple[dict, tb.Tables]:
+    """The records an int4 ONNX export of ``out`` holds: the artifact's, and the head's, rounded again from model/."""
     from compress.artifact import load_artifact
 
-    _, _, records = load_artifact(out)
-    assert ob.compare_records(ob.load(out / "exports" / "onnx"), records)["problems"] == []
+    model, _, records = load_artifact(out)
+    tables = tb.plan(model, records, (), 4, 32)
+    return {**records, "lm_head": tables.head}, tables
+
+
+def flip_first_code(graph, name: str) -> None:
+    from onnx import numpy_helper
+
+    tensor = next(t for t in graph.graph.initializer if t.name == name)
+    data = numpy_helper.to_array(tensor).copy()
+    data.flat[0] ^= 0x01  # one 4-bit code off by one
+    tensor.CopyFrom(numpy_helper.from_array(data, tensor.name))
 
 
 def test_partial_groups_are_written_into_the_builders_graph(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
@@ -221,26 +255,19 @@ def test_partial_groups_are_written_into_the_builders_graph(tmp_path: Path, onnx
     result, out = run_export(tmp_path, onnx_model_dir, text_dir, "  - format: onnx\n    accuracy_level: 0\n", group=64)
     assert result.exit_code == 0, result.output
     entry, evals = entry_and_eval(out)
-    assert "could not take our GPTQ checkpoint" in entry["gptq_handoff"] and entry["nodes_written"] == 10
-    assert entry["builder_options"]["block_size"] == 32 and entry["records_exact"] == 14
+    assert "could not take our GPTQ checkpoint" in entry["gptq_handoff"] and entry["nodes_written"] == 11
+    assert entry["builder_options"]["block_size"] == 32 and entry["records_exact"] == 15
     details = evals["onnx"]["details"]
     assert details["same_weights_kl"] == details["level0_same_weights_kl"] < 1e-5
 
 
 def test_a_changed_code_in_the_file_is_caught(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
-    from onnx import numpy_helper
-
-    from compress.artifact import load_artifact
-
     result, out = run_export(tmp_path, onnx_model_dir, text_dir, "  - format: onnx\n    verify: false\n")
     assert result.exit_code == 0, result.output
-    _, _, records = load_artifact(out)
+    records, _ = file_records(out)
     graph = ob.load(out / "exports" / "onnx")
     node = next(n for n, names in ob.quantized_nodes(graph) if names)
-    tensor = next(t for t in graph.graph.initializer if t.name == node.input[1])
-    data = numpy_helper.to_array(tensor).copy()
-    data.flat[0] ^= 0x01  # one 4-bit code off by one
-    tensor.CopyFrom(numpy_helper.from_array(data, tensor.name))
+    flip_first_code(graph, node.input[1])
     problems = ob.compare_records(graph, records)["problems"]
     assert len(problems) == 1 and "codes: 1 of" in problems[0]
 
@@ -340,6 +367,7 @@ def test_smollm2_recipe_exports_a_verified_int4_onnx_and_a_checked_tensorrt_grap
     assert all(g["passed"] for g in report["gates"]) and {g["artifact"] for g in report["gates"]} == {"int4"}
     onnx_entry, trt = json.loads((out / "manifest.json").read_text())["exports"]
     assert onnx_entry["records_exact"] == 210 and onnx_entry["builder_options"]["block_size"] == 64
+    assert onnx_entry["tables"] == {"lm_head": {"type": "float"}, "embeddings": {"type": "float"}}  # the recipe's keep_float
     assert trt["onnx"]["layers_by_precision"]["int4 block 128"] == 210 and trt["onnx"]["fallbacks"] == []
     assert trt["onnx"]["domains"] == [""] and trt["onnx_check"]["kl_divergence"] < 1e-3 and trt["onnx_check"]["top1_agreement"] > 0.95
 
@@ -349,7 +377,7 @@ def test_symmetric_records_ship_without_zero_points(tmp_path: Path, onnx_model_d
     result, out = run_export(tmp_path, onnx_model_dir, text_dir, "  - format: onnx\n    verify: false\n", symmetric=True)
     assert result.exit_code == 0, result.output
     entry = json.loads((out / "manifest.json").read_text())["exports"][0]
-    assert entry["weights_written_by"].startswith("onnxruntime-genai's builder") and entry["records_exact"] == 14
+    assert entry["weights_written_by"].startswith("onnxruntime-genai's builder") and entry["records_exact"] == 15
     graph = ob.load(out / "exports" / "onnx")
     assert all(len(node.input) == 3 for node, names in ob.quantized_nodes(graph) if names)
 
@@ -365,7 +393,7 @@ def test_llm_int8_records_become_an_exact_int8_onnx(tmp_path: Path, onnx_model_d
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", out, "-q"])
     assert result.exit_code == 0, result.output
     entry, evals = entry_and_eval(out)
-    assert entry["precision"] == "int8" and entry["records_exact"] == 14 and entry["not_carried"]  # the decomposition is not
+    assert entry["precision"] == "int8" and entry["records_exact"] == 15 and entry["not_carried"]  # the decomposition is not
     assert evals["onnx"]["details"]["level0_same_weights_kl"] < 1e-5  # the plain int8 weights, exactly
 
 
@@ -392,7 +420,7 @@ def test_bench_onnx_scores_ours_and_the_builders(tmp_path: Path, onnx_model_dir:
             "--eval-seq-len",
             "64",
             "--candidates",
-            "rtn:W4g32a,builder:W4g32a",
+            "rtn:W4g32s+head,builder:W4g32s,rtn:W4g32a,builder:W4g32a",
             "--decode-tokens",
             "4",
             "--repeats",
@@ -403,11 +431,87 @@ def test_bench_onnx_scores_ours_and_the_builders(tmp_path: Path, onnx_model_dir:
     )
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "results.json").read_text())
-    ours, theirs = saved["rows"]
-    assert (
-        ours["records_exact"] == 14 and theirs["records_exact"] == 0 and ours["size_bytes"] == pytest.approx(theirs["size_bytes"], rel=0.01)
+    ours, theirs, ours_asym, theirs_asym = saved["rows"]
+    # the builder's int4 layout in both: 14 decoder records + the head (through the method with +head, else rounded at
+    # export), its blocks the embedding table too
+    assert ours["records_exact"] == 15 and theirs["records_exact"] == 0 and ours["name"] == "rtn W4 g32 sym, head too"
+    assert ours["tables"]["lm_head"]["record"] == "the quantize stage's" and ours["tables"]["embeddings"]["record"].startswith(
+        "the output head's"
     )
+    assert ours_asym["tables"]["lm_head"]["record"] == "rounded to nearest at export"
+    assert theirs["tables"] == {
+        "lm_head": {"type": "int4 (the builder's own quantizer)"},
+        "embeddings": {"type": "int4 (the builder's own quantizer)"},
+    }
     assert 0 < ours["metrics"]["kl_divergence"] and ours["decode_tokens_per_s"] > 0 and theirs["decode_tokens_per_s"] > 0
-    assert "| rtn W4 g32 asym |" in (out / "results.md").read_text() and not (out / "files" / "fp32").exists()
+    # symmetric: one shared table in both files, equal bytes; asymmetric: the builder's shared table is broken in
+    # onnxruntime-genai 0.18, so it keeps the embedding table float, and the pair is flagged
+    sym, asym = saved["pairs"]
+    assert sym["equal_bytes"] and sym["size_ratio"] == pytest.approx(1, abs=0.02) and theirs["size_bytes"] > 0
+    assert theirs_asym["builder_options"]["shared_embeddings"] is False and not asym["equal_bytes"] and asym["size_ratio"] < 0.98
+    assert theirs_asym["tables"]["embeddings"] == {"type": "float"}
+    assert ours_asym["size_bytes"] > ours["size_bytes"]  # the zero points
+    text = (out / "results.md").read_text()
+    assert "| rtn W4 g32 asym |" in text and "sizes differ by more than 2%" in text and not (out / "files" / "fp32").exists()
+    assert (out / "kl-vs-size.png").stat().st_size > 0
     bad = run_cli(["bench", "onnx", "-o", out, "--candidates", "builder:W3g32a"])
     assert bad.exit_code == 2 and "int4 with a MatMulNBits block size" in bad.output
+    bad = run_cli(["bench", "onnx", "-o", out, "--candidates", "builder:W4g32s+head"])
+    assert bad.exit_code == 2 and "+head follows one of our methods" in bad.output
+    bad = run_cli(["bench", "onnx", "-o", out, "--keep-float", "head"])
+    assert bad.exit_code == 2 and "expected lm_head or embeddings" in bad.output
+
+
+def test_an_untied_sources_embeddings_get_a_table_of_their_own_and_keep_float_keeps_both(
+    tmp_path: Path, text_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from compress.artifact import load_artifact
+    from tests.conftest import texts_of
+    from tests.tiny import tiny_llama_dir
+
+    model_dir = tiny_llama_dir(tmp_path_factory.mktemp("untied") / "m", texts_of(text_dir), tie=False, heads=6, head_dim=16)
+    exports = "  - format: onnx\n    name: q\n  - format: onnx\n    name: f\n    keep_float: [lm_head, embeddings]\n    verify: false\n"
+    result, out = run_export(tmp_path, model_dir, text_dir, exports)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    q, f = manifest["exports"]
+    assert q["records_exact"] == 15 and q["ops"]["com.microsoft.GatherBlockQuantized"] == 1 and q["ops"]["com.microsoft.MatMulNBits"] == 11
+    assert q["tables"]["embeddings"]["record"] == "rounded to nearest at export" and q["tables"]["embeddings"]["bits_per_weight"] > 4
+    evals = {e["artifact"]: e for e in json.loads((out / "report.json").read_text())["evaluations"]}
+    assert evals["q"]["details"]["level0_same_weights_kl"] < 1e-5  # ONNX Runtime gathers the rows our record holds
+    model, _, records = load_artifact(out)
+    tables = tb.plan(model, records, (), 4, 32)
+    assert not tables.shared and tables.embedding is not tables.head
+    graph = ob.load(out / "exports" / "q")
+    assert tb.compare_embeddings(graph, tables) == [] and ob.compare_records(graph, {**records, "lm_head": tables.head})["problems"] == []
+    gather = next(n for n in graph.graph.node if n.op_type == "GatherBlockQuantized")
+    flip_first_code(graph, gather.input[0])  # a table of its own: an initializer [vocab, blocks · blob], no Reshape
+    assert len(tb.compare_embeddings(graph, tables)) == 1
+    from compress.export.onnx.latency import onnx_bytes, parameter_count
+
+    # the same parameters stored two ways; a decode step reads the quantized head, never the lookup table
+    assert parameter_count(out / "exports" / "q") == parameter_count(out / "exports" / "f")
+    assert onnx_bytes(out / "exports" / "q")[0] < q["size_bytes"] - tables.embedding.codes.numel() // 2
+    # compress plan knows the layout: what quantizing the tables saves, within 3% (the graph's own bytes, rotary caches
+    # and names, which the plan leaves out, are most of a tiny model's file and the same in both)
+    planned = planned_sizes(tmp_path, model_dir, text_dir, exports)
+    assert planned["f"] - planned["q"] == pytest.approx(f["size_bytes"] - q["size_bytes"], rel=0.03)
+    # keep_float: the decoder's records only, a float head and a float Gather
+    assert f["records_exact"] == 14 and "com.microsoft.GatherBlockQuantized" not in f["ops"] and f["ops"]["com.microsoft.MatMulNBits"] == 10
+    assert f["tables"] == {"lm_head": {"type": "float"}, "embeddings": {"type": "float"}} and f["size_bytes"] > 2 * q["size_bytes"] / 3
+
+
+def test_keep_float_is_checked(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
+    with pytest.raises(ValueError, match="names a table twice"):
+        ONNXExport(name="x", keep_float=["lm_head", "lm_head"])
+    with pytest.raises(ValueError, match="keep_float"):
+        ONNXExport(name="x", keep_float=["head"])
+    assert ONNXExport(name="x").float_tables("int4") == () and ONNXExport(name="x").float_tables("int8") == ("embeddings",)
+    assert ONNXExport(name="x", keep_float=[]).float_tables("int8") == () and ONNXExport(name="x").float_tables("fp32")
+    # the quantize stage quantized the head and the export is asked to keep it float: refused before any work
+    text = recipe_text(onnx_model_dir, text_dir, group_size=32).replace("method: rtn", "method: rtn\n      ignore: []")
+    text = text.replace("exports: []\n", "exports:\n  - format: onnx\n    keep_float: [lm_head]\n")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out, "-q"])
+    assert result.exit_code == 2 and "keep_float lists lm_head and the quantize stage quantized it" in result.output
+    assert "Traceback" not in result.output

@@ -189,6 +189,13 @@ class GGUFExport(_Export):
         "32, …); recorded per layer in the manifest. Default none: such records are an error.",
     )
     pre_tokenizer: str = Field("auto", description="llama.cpp pre-tokenizer name; auto recognizes it from tokenizer.json.")
+    keep_float: list[Literal["embeddings"]] = Field(
+        default_factory=list,
+        description="With quantizer records, when the source ties the output head to the token embeddings and the "
+        "quantize stage quantized the head (ignore: []): by default the file holds one table, token_embd from the head's "
+        "record, which llama.cpp reads for both (as for every tied model). [embeddings] keeps the embedding table at "
+        "float_type beside the head's output.weight instead: more bytes, less error.",
+    )
     verify: bool = Field(
         True,
         description="Run the file in llama.cpp after writing it: tokenizer parity, metrics against the "
@@ -277,6 +284,15 @@ class ONNXExport(_Export):
         description="MatMulNBits block size for quantizer builder (default 32, the builder's); with records it follows their group size.",
     )
     symmetric: bool = Field(True, description="Quantizer builder only: symmetric blocks (no zero points).")
+    keep_float: list[Literal["lm_head", "embeddings"]] | None = Field(
+        None,
+        description="Tables an int export keeps in float. Default: as onnxruntime-genai's builder lays out its own int4 "
+        "(the output head and the token embeddings quantized, one table for both when the source ties them) and its int8 "
+        "(head quantized, embeddings float; keep_float: [] quantizes them too). A quantized head "
+        "keeps its record (ignore: [] on the quantize stage) or is rounded to nearest at export in the records' scheme; "
+        "the embeddings go into a GatherBlockQuantized that reads the head's blocks (tied) or a table of their own, "
+        "proven like every other record. [lm_head, embeddings] keeps both float: more bytes, less error.",
+    )
     accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
         4,
         description="MatMulNBits accuracy_level shipped in the file: 4 (int8 activations, fastest on CPU, ~1e-2 logit "
@@ -306,7 +322,17 @@ class ONNXExport(_Export):
             raise ValueError("quantizer builder needs precision int4 or int8")
         if self.block_size is not None and self.quantizer != "builder":
             raise ValueError("block_size applies to quantizer builder; with records the block size follows their group size")
+        if self.keep_float is not None and len(set(self.keep_float)) != len(self.keep_float):
+            raise ValueError(f"keep_float names a table twice: {self.keep_float}")
         return self
+
+    def float_tables(self, precision: str) -> tuple[str, ...]:
+        """The tables kept float in an export of ``precision``: keep_float, or the builder's own layout."""
+        if precision not in ("int4", "int8"):
+            return ("lm_head", "embeddings")
+        if self.keep_float is not None:
+            return tuple(self.keep_float)
+        return () if precision == "int4" else ("embeddings",)
 
 
 # Axis names of the TensorRT-ready graph's inputs and outputs (what its optimization profiles are keyed by).

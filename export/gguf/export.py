@@ -11,10 +11,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.eval.metrics import Evaluation, compare
+from compress.eval.metrics import Evaluation, compare, tables_forward
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.parity import (
@@ -30,6 +31,7 @@ from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.gguf_types import GGUF_GRIDS
+from compress.streaming import compute_device
 
 GENERATION_PROMPT = "The quick brown fox"
 
@@ -50,7 +52,9 @@ def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight
     spec = with_records_quantizer(spec, records)
     gguf_writer.architecture_of(model)
     if spec.quantizer == "records":
-        gguf_writer.plan_tensors(model, records, gguf_writer.resolve_type(spec.type, records), spec.float_type, spec.fallback)
+        gguf_writer.plan_tensors(
+            model, records, gguf_writer.resolve_type(spec.type, records), spec.float_type, spec.fallback, not spec.keep_float
+        )
     if spec.verify:
         gguf_runtime.llama_cpp()
         if not has_eval:
@@ -83,14 +87,25 @@ def export(
         if spec.quantizer == "records":
             type_name = gguf_writer.resolve_type(spec.type, records)
             facts = gguf_writer.write_gguf(
-                path, model, tokenizer, records, type_name, spec.float_type, spec.fallback, spec.pre_tokenizer, metadata, source_gguf
+                path,
+                model,
+                tokenizer,
+                records,
+                type_name,
+                spec.float_type,
+                spec.fallback,
+                spec.pre_tokenizer,
+                metadata,
+                source_gguf,
+                share_head=not spec.keep_float,
             )
             problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
             if problems:
                 raise FormatError(f"{label}: reading the GGUF back does not give the records: {'; '.join(problems[:5])}")
             exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
+            shared = [t for t in facts["plan"].tensors if t.record == gguf_writer.HEAD_RECORD and t.gguf_name == "token_embd.weight"]
         else:
-            type_name = spec.type
+            type_name, shared = spec.type, []
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 f16 = Path(tmp) / "f16.gguf"
                 facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata, source_gguf)
@@ -109,20 +124,35 @@ def export(
         "fallbacks": facts["fallbacks"],
         "type_fallbacks": facts["type_fallbacks"],
         "tensor_types": facts["tensor_types"],
+        "tensor_type_of": gguf_writer.stored_types(path),  # every tensor, as llama.cpp will read it
         "tokenizer": facts["tokenizer"],
         "architecture": facts["architecture"],
         "size_bytes": path.stat().st_size,
         "verified": False,
         "check": "records read back bit-exact with gguf's dequantizer" if exact else "written by llama.cpp's quantizer",
     }
+    if shared:
+        entry["one_table"] = (
+            f"token_embd.weight holds the head's record ({shared[0].type_name.upper()}); no output.weight: llama.cpp reads token_embd for both"
+        )
     if kv_hint is not None:
         entry["kv_cache"] = kv_hint
     if spec.target is not None:
         entry["target"] = check_target(path, spec, label)
     evaluations: list[Evaluation] = []
     if spec.verify:
+        # a shared table: the file's embeddings are the head's record, the in-memory model's are float
+        embedding = records[gguf_writer.HEAD_RECORD].dequantize() if shared else None
         evaluation = verify(
-            path, spec, tokenizer, inputs, reporter, label, same_weights=spec.quantizer == "records", source_gguf=source_gguf
+            path,
+            spec,
+            tokenizer,
+            inputs,
+            reporter,
+            label,
+            same_weights=spec.quantizer == "records",
+            source_gguf=source_gguf,
+            embedding=embedding,
         )
         if kv_hint is not None and kv_hint["carried"]:
             kv_hint["measured_in_llama_cpp"] = verify_kv_cache(path, kv_hint["type_k"], inputs, reporter, label)
@@ -260,6 +290,7 @@ def verify(
     label: str,
     same_weights: bool,
     source_gguf: Path | None = None,
+    embedding: torch.Tensor | None = None,
 ) -> Evaluation:
     assert inputs.chunks is not None
     chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
@@ -279,7 +310,10 @@ def verify(
         if same_weights:
             sub = chunks[:SAME_WEIGHTS_CHUNKS]
             with reporter.status(f"{label} same-weights check in llama.cpp ({sub.shape[0]} chunks)"):
-                got = compare(inputs.compressed_forward, {"gguf": runtime.forward}, sub, inputs.min_context)
+                reference = inputs.compressed_forward
+                if embedding is not None:
+                    reference = tables_forward(inputs.compressed, compute_device(inputs.compressed), embedding, None)
+                got = compare(reference, {"gguf": runtime.forward}, sub, inputs.min_context)
             kl = float(got["gguf"]["kl_divergence"])
             details["same_weights_kl"] = kl
             details["same_weights_top1"] = float(got["gguf"]["top1_agreement"])

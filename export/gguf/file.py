@@ -405,6 +405,11 @@ class TensorPlan:
     permute_heads: int | None = None  # Q/K row permutation with this many heads
     shape: tuple[int, ...] = ()  # the tensor's shape (rows, columns) as the state dict holds it
     offset: float = 0.0  # added to the values as written: the norm offset of quantizers/arch.py (Gemma's x_hat * (1 + w)), as llama.cpp computes x_hat * w
+    record: str | None = None  # the record it holds, when not its own module's (token_embd holding a tied source's head)
+
+    @property
+    def record_name(self) -> str:
+        return self.record or self.hf_name.rsplit(".", 1)[0]
 
     def info(self) -> tuple[tuple[int, ...], Any, int, Any]:
         """What the GGUF tensor-info table says of this tensor before its data is made: (shape as
@@ -474,8 +479,30 @@ def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
     raise FormatError(f"type: auto cannot pick one GGUF block type for the schemes {sorted(schemes)}; set type (and fallback)")
 
 
+def head_table(model: nn.Module, records: dict[str, QuantizedWeight], share: bool = True) -> str | None:
+    """The state-dict name of the token embedding when the file's one table is the head's record: the
+    source ties them (config ``tie_word_embeddings``), the quantize stage quantized the head (and so
+    untied it in memory) and not the embedding. llama.cpp then reads token_embd for both, as for every
+    tied model. None otherwise, or when ``share`` is False (``keep_float: [embeddings]``)."""
+    from compress.hf_model import embeddings_tied
+
+    if not share or HEAD_RECORD not in records or embeddings_tied(model) or not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    weight = model.get_input_embeddings().weight
+    name = next(n for n, p in model.named_parameters() if p is weight)
+    return None if name.removesuffix(".weight") in records else name
+
+
+HEAD_RECORD = "lm_head"
+
+
 def plan_tensors(
-    model: nn.Module, records: dict[str, QuantizedWeight], type_name: str, float_type: str | None, fallback: str | None
+    model: nn.Module,
+    records: dict[str, QuantizedWeight],
+    type_name: str,
+    float_type: str | None,
+    fallback: str | None,
+    share_head: bool = True,
 ) -> GGUFPlan:
     """Which GGUF tensor each state-dict tensor becomes, in which type, and why."""
 
@@ -487,10 +514,11 @@ def plan_tensors(
     matrix_default = float_type or (type_name if type_name in GGUF_FLOAT_TYPES else "q8_0")
     plan = GGUFPlan(arch, family_keys=arch.family_keys(cfg, arch.name) if arch.family_keys else {})
     tied = embeddings_tied(model)
+    shared = head_table(model, records, share_head)
     known = QUANT_ARCHITECTURES.get(getattr(cfg, "model_type", ""))
     norm_offset = known.norm_offset if known is not None else 0.0
     for hf_name, tensor in model.state_dict().items():
-        if tied and hf_name == "lm_head.weight":
+        if (tied or shared) and hf_name == "lm_head.weight":
             continue  # llama.cpp uses token_embd for the output when output.weight is absent
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
@@ -504,6 +532,8 @@ def plan_tensors(
             heads = cfg.num_attention_heads
         elif arch.permute_qk and hf_name.endswith((".k_proj.weight", ".k_proj.bias")):
             heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if hf_name == shared:  # one table: the head's record, read by llama.cpp as embeddings and as the output
+            module = HEAD_RECORD
         if hf_name.endswith(".weight") and module in records:
             record = records[module]
             tensor_type = record.scheme.gguf_type if type_name == MIX else type_name
@@ -516,10 +546,10 @@ def plan_tensors(
                 )
             problem = record_problem(record, tensor_type) if tensor_type in GGUF_EXACT_TYPES else f"type {type_name} is a float type"
             if problem is None:
-                plan.tensors.append(TensorPlan(hf_name, gguf_name, tensor_type, "record", heads, shape))
+                plan.tensors.append(TensorPlan(hf_name, gguf_name, tensor_type, "record", heads, shape, record=module))
                 continue
             if type_name in GGUF_FLOAT_TYPES:
-                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads, shape))
+                plan.tensors.append(TensorPlan(hf_name, gguf_name, type_name, "dequantized", heads, shape, record=module))
                 continue
             if fallback is None:
                 raise FormatError(
@@ -528,7 +558,9 @@ def plan_tensors(
                 )
             exact_fallback = fallback in GGUF_EXACT_TYPES and record_problem(record, fallback) is None
             plan.fallbacks[module] = problem
-            plan.tensors.append(TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads, shape))
+            plan.tensors.append(
+                TensorPlan(hf_name, gguf_name, fallback, "record" if exact_fallback else "fallback", heads, shape, record=module)
+            )
         elif tensor.dim() == 1:
             offset = norm_offset if hf_name.endswith("norm.weight") else 0.0
             plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads, shape, offset))
@@ -836,18 +868,19 @@ def write_gguf(
     pre_tokenizer: str = "auto",
     extra_metadata: dict[str, Any] | None = None,
     tokenizer_from: Path | None = None,
+    share_head: bool = True,
 ) -> dict[str, Any]:
     """Write ``model`` (records packed exactly where ``type_name`` allows) to ``path``; return facts.
     ``tokenizer_from``: a GGUF source whose tokenizer is copied as it is (else it is built from
     ``tokenizer``'s tokenizer.json)."""
-    plan = plan_tensors(model, records, type_name, float_type, fallback)
+    plan = plan_tensors(model, records, type_name, float_type, fallback, share_head)
     writer, tok_facts = _write_header(path, model, tokenizer, plan, type_name, pre_tokenizer, extra_metadata, tokenizer_from)
     floats = {t.hf_name for t in plan.tensors if t.source not in ("record", "dequantized", "fallback")}
     # The plan follows the state dict's order; the float tensors are read one streamed unit at a time.
     streamed = ((name, tensor) for name, tensor in tensors(model, keep_tied=True) if name in floats)
     pending = dict.fromkeys(floats)
     for t in plan.tensors:
-        module = t.hf_name.rsplit(".", 1)[0]
+        module = t.record_name
         if t.hf_name in floats:
             while pending.get(t.hf_name) is None:
                 name, tensor = next(streamed)
@@ -969,7 +1002,7 @@ def check_gguf_records(path: Path, plan: GGUFPlan, records: dict[str, QuantizedW
             if stored is None:
                 problems.append(f"{t.gguf_name} missing")
                 continue
-            record = permuted_record(records[t.hf_name.rsplit(".", 1)[0]].cpu(), t.permute_heads)
+            record = permuted_record(records[t.record_name].cpu(), t.permute_heads)
             got = quants.dequantize(_read_data(f, stored), stored.tensor_type).reshape(record.shape)
             problems += _differences(t, record, got)
     return problems

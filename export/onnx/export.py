@@ -19,16 +19,18 @@ from typing import Any
 from torch import nn
 
 from compress.errors import FormatError
-from compress.eval.metrics import Evaluation, compare
+from compress.eval.metrics import Evaluation, compare, tables_forward
 from compress.export.checkpoint import autogptq
 from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
+from compress.export.onnx import tables as tb
 from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, special_ids, tokenization_mismatches
 from compress.export.specs import ONNXExport
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry
+from compress.streaming import compute_device
 
 BUILDER_LOG = "builder.log"
 LEVEL0_FILE = "model.level0.onnx"  # transient copy for the exactness check, removed after it
@@ -76,6 +78,7 @@ def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight
         if bits != {INT_BITS[precision]}:
             raise FormatError(f"precision {precision} holds {INT_BITS[precision]}-bit records; these have {sorted(bits)} bits")
         ob.mnb.common_block_size(records)
+        tb.check(records, spec.float_tables(precision))
     if spec.verify and not has_eval:
         raise FormatError(
             "verify: true scores the ONNX model on the evaluation chunks, and the recipe has no data.evaluation; "
@@ -84,16 +87,33 @@ def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight
 
 
 def builder_options(
-    spec: ONNXExport, precision: str, quantizer: str | None, records: dict[str, QuantizedWeight], kv_options: dict[str, str]
+    spec: ONNXExport,
+    precision: str,
+    quantizer: str | None,
+    records: dict[str, QuantizedWeight],
+    kv_options: dict[str, str],
+    model_config: Any = None,
 ) -> dict[str, Any]:
+    """The builder's --extra_options. With our records (the head's among them when the file quantizes
+    it) the builder never quantizes anything itself: the embedding Gather stays float for
+    tables.write_embeddings, and the head is a MatMulNBits node only when it has a record. The
+    builder's own quantizer follows keep_float (its int8 has no quantized gather)."""
     options: dict[str, Any] = dict(kv_options)
     if precision in INT_BITS:
-        # the embeddings stay float; the output head too, unless our records quantize it (then its node is proven like the others)
-        head_quantized = quantizer == "records" and ob.HEAD_LAYER in records
-        options["nodes_to_exclude"] = [n for n in ob.FLOAT_NODES if not (head_quantized and n == ob.HEAD_NODE)]
         if quantizer == "builder":
+            floats = set(spec.float_tables(precision)) | ({"embeddings"} if precision == "int8" else set())
+            excluded = [n for n, t in ((ob.HEAD_NODE, "lm_head"), (ob.EMBEDDING_NODE, "embeddings")) if t in floats]
+            if excluded:
+                options["nodes_to_exclude"] = excluded
+            if not spec.symmetric and not floats and getattr(model_config, "tie_word_embeddings", False):
+                # onnxruntime-genai 0.18's one table for a tied model reads the float weight's name when the blocks are
+                # asymmetric, and ONNX Runtime refuses the file; unshared, the builder keeps the embedding table float
+                options["shared_embeddings"] = False
             options.update(block_size=spec.block_size or 32, is_symmetric=spec.symmetric)
         else:
+            head_quantized = ob.HEAD_LAYER in records
+            options["nodes_to_exclude"] = [n for n in ob.FLOAT_NODES if not (head_quantized and n == ob.HEAD_NODE)]
+            options["shared_embeddings"] = False  # a shared table is ours to write and prove (tables.py)
             options.update(block_size=ob.mnb.common_block_size(records), is_symmetric=all(r.scheme.symmetric for r in records.values()))
     return options
 
@@ -116,7 +136,7 @@ def build(
     """Run the builder into ``directory`` and put our records into the graph. Returns how the weights got
     there and the graph, loaded with its weights for an int precision (the caller proves and saves it)."""
     precision, quantizer = resolve(spec, records)
-    options = builder_options(spec, precision, quantizer, records, kv_options)
+    options = builder_options(spec, precision, quantizer, records, kv_options, model.config)
     log = directory.parent / f".{directory.name}.{BUILDER_LOG}"
     facts: dict[str, Any] = {"precision": precision, "device": spec.device, "quantizer": quantizer, "builder_options": options}
     graph = None
@@ -168,14 +188,14 @@ def export(
 ) -> tuple[dict[str, Any], list[Evaluation]]:
     """Write, prove and verify one ONNX export; return its manifest entry and evaluations."""
     with reporter.status(f"{label} building ONNX with onnxruntime-genai's builder"):
-        entry = write(directory, spec, model, tokenizer, records, kv, label)
+        entry, tables = _write(directory, spec, model, tokenizer, records, kv, label)
     evaluations: list[Evaluation] = []
     skipped = unverifiable(spec)
     if spec.verify and skipped:  # said in the manifest and report.json; a gate on the export fails as unmeasured
         entry["verification_skipped"] = skipped
     elif spec.verify:
         assert inputs is not None
-        evaluation = verify(directory, spec, tokenizer, inputs, reporter, label, entry["precision"] in INT_BITS)
+        evaluation = verify(directory, spec, tokenizer, inputs, reporter, label, entry["precision"] in INT_BITS, tables)
         evaluations.append(evaluation)
         entry["verified"] = True
         entry["check"] += "; verified in ONNX Runtime (tokenizer parity, same-weights KL, metrics vs baseline, GenAI generation)"
@@ -202,24 +222,45 @@ def write(
 ) -> dict[str, Any]:
     """Build the export into ``directory``, prove it holds the records, set the shipped accuracy level and
     make its tokenizer.json readable by onnxruntime-extensions; returns the manifest entry."""
+    return _write(directory, spec, model, tokenizer, records, kv, label)[0]
+
+
+def _write(
+    directory: Path,
+    spec: ONNXExport,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    kv: KVCacheScheme | None,
+    label: str,
+) -> tuple[dict[str, Any], tb.Tables]:
     directory.mkdir(parents=True, exist_ok=True)
     scale_file = directory.parent / f".{directory.name}.{KV_SCALE_FILE}"
     kv_entry, kv_options = kv_cache_options(kv, model.config, scale_file, spec.device)
-    facts, graph = build(directory, spec, model, tokenizer, records, kv_options)
+    precision, quantizer = resolve(spec, records)
+    tables, file_records = tb.Tables(), records
+    if quantizer == "records":
+        tables = tb.plan(model, records, spec.float_tables(precision), INT_BITS[precision], ob.mnb.common_block_size(records))
+        if tables.head is not None and tb.HEAD not in records:  # rounded here: handed over and proven like the others
+            file_records = {**records, tb.HEAD: tables.head}
+    facts, graph = build(directory, spec, model, tokenizer, file_records, kv_options)
     if scale_file.exists():
         shutil.move(str(scale_file), directory / KV_SCALE_FILE)
     if graph is None:  # a float export: nothing to edit, the op counts need no weights
         graph = ob.load(directory, with_data=False)
     proof = None
     if facts["quantizer"] == "records":
-        proof = ob.compare_records(graph, records)
+        proof = ob.compare_records(graph, file_records)
         if proof["problems"]:  # a packing bug: never ship a file that does not hold the records
             raise FormatError(f"{label}: the ONNX file does not hold the records: {'; '.join(proof['problems'][:5])}")
     if facts["precision"] in INT_BITS:
-        if proof is not None and ob.drop_default_zero_points(graph):
-            proof = ob.compare_records(graph, records)  # absent zero points read as the default: prove it again
-            if proof["problems"]:
-                raise FormatError(f"{label}: dropping default zero points changed the weights: {proof['problems'][:3]}")
+        if proof is not None:
+            ob.drop_default_zero_points(graph)  # absent zero points read as the default
+            tb.write_embeddings(graph, tables)
+            proof = ob.compare_records(graph, file_records)  # after every edit: what ships is what is proven
+            problems = proof["problems"] + tb.compare_embeddings(graph, tables)
+            if problems:
+                raise FormatError(f"{label}: after the graph edits the ONNX file does not hold the records: {'; '.join(problems[:3])}")
         ob.set_accuracy_level(graph, spec.accuracy_level)
         ob.save(graph, directory)
     files = [directory / ob.ONNX_FILE, directory / ob.DATA_FILE]
@@ -231,6 +272,7 @@ def write(
         "accuracy_level": spec.accuracy_level if facts["precision"] in INT_BITS else None,
         "layers": len(records),
         "records_exact": proof["layers"] if proof else 0,
+        "tables": tables.facts or _builder_tables(graph, facts["precision"]),
         "ops": ob.op_counts(graph),
         "tokenizer_json_changes": ob.normalize_tokenizer(directory),
         "genai_config_changes": ob.align_generation_ids(directory, tokenizer),
@@ -243,9 +285,21 @@ def write(
             else "written by onnxruntime-genai's builder"
         ),
     }
+    if tables.embedding is not None:
+        entry["check"] += f"; the embedding table in {tb.GATHER_NODE} compared with its record the same way"
     if kv_entry is not None:
         entry["kv_cache"] = kv_entry
-    return entry
+    return entry, tables
+
+
+def _builder_tables(graph: Any, precision: str) -> dict[str, Any]:
+    """The head and embeddings of a file whose weights are the builder's (float, or its own quantizer),
+    as its graph has them: a MatMulNBits head, a GatherBlockQuantized embedding lookup."""
+    quantized = {
+        tb.HEAD: any(names == (tb.HEAD,) for _, names in ob.quantized_nodes(graph)),
+        tb.EMBEDDINGS: any(n.op_type == "GatherBlockQuantized" for n in graph.graph.node),
+    }
+    return {name: {"type": f"{precision} (the builder's own quantizer)" if q else "float"} for name, q in quantized.items()}
 
 
 def _version(dist: str) -> str | None:
@@ -307,7 +361,14 @@ def kv_cache_options(
 
 
 def verify(
-    directory: Path, spec: ONNXExport, tokenizer: Any, inputs: VerifyInputs, reporter: Reporter, label: str, quantized: bool
+    directory: Path,
+    spec: ONNXExport,
+    tokenizer: Any,
+    inputs: VerifyInputs,
+    reporter: Reporter,
+    label: str,
+    quantized: bool,
+    tables: tb.Tables | None = None,
 ) -> Evaluation:
     from compress.export.onnx import runtime as rt
 
@@ -342,6 +403,14 @@ def verify(
         raise FormatError(f"{label}: ONNX Runtime GenAI stops generating at {stops}, not at the source's {', '.join(missing)}")
     details["tokenizer_special_ids"], details["generation_stop_ids"] = want, stops
     reference = inputs.compressed_forward
+    if tables is not None and (tables.embedding is not None or tables.head_rounded_here):
+        # the file's head / embeddings differ from the in-memory model's: the same weights are the model with the file's tables
+        reference = tables_forward(
+            inputs.compressed,
+            compute_device(inputs.compressed),
+            None if tables.embedding is None else tables.embedding.dequantize(),
+            None if tables.head is None else tables.head.dequantize(),
+        )
     sub = chunks[:SAME_WEIGHTS_CHUNKS]
     session = rt.OrtDecoder(directory / ob.ONNX_FILE, inputs.threads, spec.device)
     candidates = {"shipped": session.forward}

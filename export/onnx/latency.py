@@ -75,14 +75,20 @@ def onnx_bytes(directory: Path) -> tuple[int, int]:
 
 
 def parameter_count(directory: Path) -> int:
-    """ONNX initializers, each MatMulNBits counted as its K x N weights."""
+    """ONNX initializers, each MatMulNBits counted as its K x N weights and a GatherBlockQuantized table
+    of its own as its rows x columns (one that reads a MatMulNBits' blocks is that node's weights)."""
     import onnx
 
     graph = onnx.load(str(directory / ONNX_FILE), load_external_data=False).graph
-    packed = {name for node in graph.node if node.op_type == "MatMulNBits" for name in node.input[1:]}
+    inits = {init.name: init for init in graph.initializer}
+    packed_ops = ("MatMulNBits", "GatherBlockQuantized")
+    packed = {name for node in graph.node if node.op_type in packed_ops for name in node.input if name in inits}
     count = sum(int(np.prod(init.dims)) for init in graph.initializer if init.name not in packed)
     for node in graph.node:
+        attrs = {a.name: a.i for a in node.attribute}
         if node.op_type == "MatMulNBits":
-            attrs = {a.name: a.i for a in node.attribute}
             count += attrs["K"] * attrs["N"]
+        elif node.op_type == "GatherBlockQuantized" and node.input[0] in inits:  # a table of its own, [rows, bytes]
+            rows, width = (int(d) for d in inits[node.input[0]].dims)
+            count += rows * width * 8 // attrs["bits"]
     return count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from compress.export.format import PlannedSize
@@ -17,8 +18,35 @@ def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
         size = shape.params * (32 if precision == "fp32" else 16) // 8
         return size, float_bits / 8, f"every parameter at {precision}"
     bits, block = (4 if precision == "int4" else 8), spec.block_size or 32
+    floats = spec.float_tables(precision)
+    tables = (
+        "head " + ("float" if "lm_head" in floats else "quantized") + ", embeddings " + ("float" if "embeddings" in floats else "quantized")
+    )
     if spec.quantizer == "builder" or not records:
-        size = builder_bytes(shape, bits, block, spec.symmetric, float_bits)
-        return size, float_bits / 8, f"builder {precision} blocks of {block}; floats at {float_bits} bits"
-    size = packed_bytes(shape, records, float_bits, code_bits=bits, scale_bits=float_bits)
-    return size, float_bits / 8, f"MatMulNBits {precision}: codes + {float_bits}-bit scales per group; floats at {float_bits} bits"
+        size = builder_bytes(shape, bits, block, spec.symmetric, float_bits, floats)
+        return size, float_bits / 8, f"builder {precision} blocks of {block}; {tables}; floats at {float_bits} bits"
+    size = packed_bytes(shape, with_tables(shape, records, floats), float_bits, code_bits=bits, scale_bits=float_bits)
+    return (
+        size,
+        float_bits / 8,
+        f"MatMulNBits {precision}: codes + {float_bits}-bit scales per group; {tables}; floats at {float_bits} bits",
+    )
+
+
+def with_tables(shape: ModelShape, records: dict[str, Record], floats: tuple[str, ...]) -> dict[str, Record]:
+    """The records plus the head and embedding tables the export quantizes (export/onnx/tables.py): the
+    head in the records' scheme unless the stage quantized it; a tied source's embeddings are the
+    head's table, an untied one's a table of their own."""
+    emb = shape.model.get_input_embeddings().weight
+    vocab, hidden = (int(n) for n in emb.shape)
+    tied = bool(getattr(shape.text, "tie_word_embeddings", False))
+    scheme = next(iter(records.values())).scheme
+    out = dict(records)
+    head_quantized = "lm_head" not in floats
+    embeddings_quantized = "embeddings" not in floats
+    if head_quantized:
+        head = out.get("lm_head") or Record(vocab, hidden, scheme, tied)
+        out["lm_head"] = dataclasses.replace(head, tied=tied and not embeddings_quantized)
+    if embeddings_quantized and not (tied and head_quantized):  # beside a tied float head, the float table stays
+        out["model.embed_tokens"] = Record(vocab, hidden, scheme, tied)
+    return out
