@@ -388,13 +388,19 @@ def test_llm_int8_records_become_an_exact_int8_onnx(tmp_path: Path, onnx_model_d
         "      method: rtn\n      bits: 8\n      group_size: null\n      symmetric: true\n",
         "      method: llm_int8\n      threshold: 6.0\n",
     )
-    text = text.replace("exports: []\n", "exports:\n  - format: onnx\n    accuracy_level: 0\n")
+    exports = "  - format: onnx\n    accuracy_level: 0\n  - format: onnx\n    name: all8\n    accuracy_level: 0\n    keep_float: []\n"
+    text = text.replace("exports: []\n", "exports:\n" + exports)
     out = tmp_path / "out"
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", out, "-q"])
     assert result.exit_code == 0, result.output
     entry, evals = entry_and_eval(out)
     assert entry["precision"] == "int8" and entry["records_exact"] == 15 and entry["not_carried"]  # the decomposition is not
     assert evals["onnx"]["details"]["level0_same_weights_kl"] < 1e-5  # the plain int8 weights, exactly
+    # int8's default is the builder's (head quantized, embeddings float); keep_float: [] puts them in an 8-bit gather
+    assert entry["tables"]["embeddings"] == {"type": "float"} and "com.microsoft.GatherBlockQuantized" not in entry["ops"]
+    all8 = json.loads((out / "manifest.json").read_text())["exports"][1]
+    assert all8["ops"]["com.microsoft.GatherBlockQuantized"] == 1 and all8["tables"]["embeddings"]["type"].startswith("int8")
+    assert evals["all8"]["details"]["level0_same_weights_kl"] < 1e-5
 
 
 def test_bench_onnx_scores_ours_and_the_builders(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
