@@ -287,6 +287,14 @@ def run_gate(
     return GateRun(report, results)
 
 
+def _open_forward(target: Any, seq_len: int, threads: int) -> tuple[Any, Any] | None:
+    """An artifact's forward on its own runtime and what closes it (None for torch), or None for a runtime
+    scored only by its export's verifier."""
+    if target.runtime == TORCH_RUNTIME:
+        return torch_forward(load_torch_model(Path(target.path), dtype=torch.float32), torch.device("cpu")), None
+    return runtime_formats()[target.runtime].forward(Path(target.path), seq_len, threads)
+
+
 def _accuracy(
     subject: Subject, wanted: set[str], lm: Any, spec: GatesFile, threads: int, reporter: Reporter
 ) -> tuple[list[Evaluation], dict[str, Any], Any]:
@@ -309,16 +317,12 @@ def _accuracy(
         if item.name not in wanted:
             continue
         target = item.target
-        if target.runtime == TORCH_RUNTIME:
-            model = load_torch_model(Path(target.path), dtype=torch.float32)
-            candidates[item.name] = torch_forward(model, cpu)
-        else:
-            found = runtime_formats()[target.runtime].forward(Path(target.path), seq_len, threads)
-            if found is None:
-                continue  # a runtime scored only by its export's verifier (a TensorRT engine, on the GPU it was built for)
-            candidates[item.name], close = found
-            if close is not None:
-                closers.append(close)
+        found = _open_forward(target, seq_len, threads)
+        if found is None:
+            continue  # a runtime scored only by its export's verifier (a TensorRT engine, on the GPU it was built for)
+        candidates[item.name], close = found
+        if close is not None:
+            closers.append(close)
         details[item.name] = {"runtime": target.runtime, "path": target.path}
     min_context = data_spec.evaluation.min_context
     try:
@@ -364,11 +368,9 @@ def _tasks(
             close = None
             if artifact == "baseline":
                 forward, runtime = torch_forward(lm.model, cpu), TORCH_RUNTIME
-            elif targets[artifact].runtime == TORCH_RUNTIME:
-                forward, runtime = torch_forward(load_torch_model(Path(targets[artifact].path), dtype=torch.float32), cpu), TORCH_RUNTIME
             else:
                 runtime = targets[artifact].runtime
-                found = runtime_formats()[runtime].forward(Path(targets[artifact].path), TASK_CONTEXT, threads)
+                found = _open_forward(targets[artifact], TASK_CONTEXT, threads)
                 if found is None:
                     reporter.warn(f"tasks: {artifact} has no runtime that scores log-likelihoods here; its task accuracy is not measured")
                     continue
