@@ -241,7 +241,7 @@ def _write(
     tables, file_records = tb.Tables(), records
     if quantizer == "records":
         tables = tb.plan(model, records, spec.float_tables(precision), INT_BITS[precision], ob.mnb.common_block_size(records))
-        if tables.head is not None and tb.HEAD not in records:  # rounded here: handed over and proven like the others
+        if tables.head_rounded_here:  # handed over and proven like the others
             file_records = {**records, tb.HEAD: tables.head}
     facts, graph = build(directory, spec, model, tokenizer, file_records, kv_options)
     if scale_file.exists():

@@ -45,11 +45,8 @@ class Tables:
     embedding: QuantizedWeight | None = None
     shared: bool = False  # the gather reads the head's blocks (a tied source)
     block_size: int = 32  # the file's MatMulNBits / GatherBlockQuantized block size
+    head_rounded_here: bool = False  # the head's record was made by the export, not the quantize stage
     facts: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def head_rounded_here(self) -> bool:
-        return self.facts.get(HEAD, {}).get("record") == "rounded to nearest at export"
 
 
 def export_scheme(records: dict[str, QuantizedWeight], bits: int, block_size: int) -> QuantScheme:
@@ -101,7 +98,7 @@ def plan(model: nn.Module, records: dict[str, QuantizedWeight], float_tables: tu
             tables.head = records[HEAD]
             tables.facts[HEAD] = {"type": _describe(records[HEAD], block_size), "record": "the quantize stage's"}
         else:
-            tables.head = rtn_quantize(_weight(head_module), scheme)
+            tables.head, tables.head_rounded_here = rtn_quantize(_weight(head_module), scheme), True
             tables.facts[HEAD] = {"type": _describe(tables.head, block_size), "record": "rounded to nearest at export"}
     else:
         tables.facts[HEAD] = {"type": "float"}
