@@ -103,9 +103,9 @@ def export(
             if problems:
                 raise FormatError(f"{label}: reading the GGUF back does not give the records: {'; '.join(problems[:5])}")
             exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
-            shared = [t for t in facts["plan"].tensors if t.record == gguf_writer.HEAD_RECORD and t.gguf_name == "token_embd.weight"]
+            shared = facts["plan"].one_table
         else:
-            type_name, shared = spec.type, []
+            type_name, shared = spec.type, None
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 f16 = Path(tmp) / "f16.gguf"
                 facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata, source_gguf)
@@ -131,9 +131,9 @@ def export(
         "verified": False,
         "check": "records read back bit-exact with gguf's dequantizer" if exact else "written by llama.cpp's quantizer",
     }
-    if shared:
+    if shared is not None:
         entry["one_table"] = (
-            f"token_embd.weight holds the head's record ({shared[0].type_name.upper()}); no output.weight: llama.cpp reads token_embd for both"
+            f"{shared.gguf_name} holds the head's record ({shared.type_name.upper()}); no output.weight: llama.cpp reads it for both"
         )
     if kv_hint is not None:
         entry["kv_cache"] = kv_hint
@@ -142,7 +142,7 @@ def export(
     evaluations: list[Evaluation] = []
     if spec.verify:
         # a shared table: the file's embeddings are the head's record, the in-memory model's are float
-        embedding = records[gguf_writer.HEAD_RECORD].dequantize() if shared else None
+        embedding = records[gguf_writer.HEAD_RECORD].dequantize() if shared is not None else None
         evaluation = verify(
             path,
             spec,

@@ -435,6 +435,11 @@ class GGUFPlan:
     type_fallbacks: dict[str, str] = field(default_factory=dict)
     family_keys: dict[str, Any] = field(default_factory=dict)  # GGUFArch.family_keys: {GGUFWriter method: value}
 
+    @property
+    def one_table(self) -> TensorPlan | None:
+        """The token embedding written from the head's record (head_table), if the file has one table."""
+        return next((t for t in self.tensors if t.record == HEAD_RECORD and t.hf_name != "lm_head.weight"), None)
+
     def counts(self) -> dict[str, int]:
         return dict(Counter(f"{t.type_name} ({t.source})" for t in self.tensors))
 
