@@ -548,7 +548,8 @@ def bench_gguf(
         "METHOD:mix@BITS or METHOD:mix@TYPE (ours, a type per layer under a size budget: bits per weight, or the size of "
         "llama.cpp's own file of that type, e.g. gptq:mix@Q4_K_M), llama.cpp:TYPE (its quantizer on our F16 file, mixes such "
         "as Q4_K_M), llama.cpp-imatrix:TYPE (the same with llama-imatrix's matrix of the calibration text; needs "
-        "scripts/build_llama_tools.py) or llama.cpp-pure:TYPE (every tensor in that one type).",
+        "scripts/build_llama_tools.py) or llama.cpp-pure:TYPE (every tensor in that one type). After one of ours, +head "
+        "quantizes the output head too, +head:TYPE by a second stage on that type's grid (gptq:W4g32s+head:Q8_0).",
     ),
     embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),

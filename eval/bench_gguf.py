@@ -49,6 +49,7 @@ class Candidate:
     gguf_type: str | None = None  # ours, on llama.cpp's grid of this type
     budget: str | None = None  # ours, a mix under a size budget: bits per weight ("3.9"), or a llama.cpp type whose file to match
     head: bool = False  # ours, the output head quantized too (ignore: []); a tied source's one table is its record
+    head_type: str | None = None  # ours, the head quantized by a stage of its own on this GGUF type's grid (+head:q8_0)
 
     @property
     def llama_cpp(self) -> bool:
@@ -62,13 +63,21 @@ class Candidate:
         ``llama.cpp-imatrix:q4_k_m`` (llama-quantize with llama-imatrix's matrix of the same calibration
         text; needs scripts/build_llama_tools.py) or ``llama.cpp-pure:q4_k`` (every tensor in that one
         type, as llama-quantize --pure; rows it cannot hold get its fallback). ``+head`` after one of ours
-        (``gptq:W4g32s+head``) quantizes the output head too."""
+        (``gptq:W4g32s+head``) quantizes the output head too, in the same scheme; ``+head:TYPE``
+        (``gptq:W4g32s+head:q8_0``) quantizes it by a second stage of the same method on that GGUF
+        type's grid, which the file keeps (llama.cpp's Q4_0 gives the output Q8_0)."""
         body = text.strip()
-        if body.endswith("+head"):
-            found = cls.parse(body.removesuffix("+head"))
+        if "+head" in body:
+            rest_, _, head_type = body.rpartition("+head")
+            found = cls.parse(rest_)
             if found.llama_cpp or found.source == LLAMA_CPP_PURE or found.budget is not None:
                 raise ValueError(f"candidate '{text}': +head follows one of our methods at a setting or a type (gptq:W4g32s+head)")
-            return dataclasses.replace(found, head=True)
+            if not head_type:
+                return dataclasses.replace(found, head=True)
+            name = str(normalize_type(head_type.removeprefix(":")))
+            if not head_type.startswith(":") or name not in GGUF_GRIDS:
+                raise ValueError(f"candidate '{text}': +head:TYPE takes a GGUF type with a grid ({', '.join(GGUF_GRIDS)}), e.g. +head:q8_0")
+            return dataclasses.replace(found, head=True, head_type=name)
         source, sep, rest = body.partition(":")
         rest = str(normalize_type(rest))
         if not sep:
@@ -115,7 +124,7 @@ class Candidate:
             return f"{self.source} mix at {at}"
         if self.source == LLAMA_CPP_PURE:
             return f"llama.cpp {self.type_name.upper()} (pure)"
-        head = ", head too" if self.head else ""
+        head = f", head {self.head_type.upper()}" if self.head_type else ", head too" if self.head else ""
         if self.gguf_type is not None:
             return f"{self.source} on the {self.type_name.upper()} grid -> {self.type_name.upper()}{head}"
         return f"{self.source} {self.setting.label} -> {self.type_name.upper()}{head}"
@@ -213,7 +222,7 @@ def run_gguf_bench(
                     budget = GGUFExport(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
                 measured = len(sensitivity)
                 model, records, seconds = quantize_copy(
-                    lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity, cand.head
+                    lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity, cand.head, cand.head_type
                 )
                 if budget is not None:  # the seconds of a later budget leave out the measurement it reused
                     row["sensitivity_reused"] = len(sensitivity) == measured  # no new measurement was kept

@@ -27,6 +27,7 @@ from compress.models import load_model
 from compress.plugins import quant_method
 from compress.progress import Reporter
 from compress.recipe import DataSpec, ModelSpec
+from compress.schema.quantize import HEAD
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,14 @@ def quantize_copy(
     budget: Any = None,
     sensitivity: dict[str, Any] | None = None,
     head: bool = False,
+    head_type: str | None = None,
 ) -> tuple[Any, dict[str, Any], float]:
     """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` (or on llama.cpp's ``gguf_type``
     grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExport with a
     target) on the calibration chunks: (model, records, seconds). ``sensitivity``: a dict kept across
     calls on the same model, in which a budget's per-layer measurement is made once (RunContext.sensitivity).
-    ``head``: the output head quantized too (``ignore: []``)."""
+    ``head``: the output head quantized too (``ignore: []``); with ``head_type``, by a second stage of
+    the same method on that GGUF type's grid (``targets: [lm_head]``), as a recipe would chain it."""
     import copy
     import time
 
@@ -86,7 +89,10 @@ def quantize_copy(
         config = spec.config(method=method, gguf_type=gguf_type)
     else:
         config = spec.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
-    if head:
+    head_config = None
+    if head_type is not None:
+        head_config = spec.config(method=method, gguf_type=head_type, targets=[HEAD], ignore=[])
+    elif head:
         config = type(config).model_validate({**config.model_dump(exclude_unset=True), "ignore": []})  # validated: AWQ refuses the head
     model = copy.deepcopy(lm.model)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
@@ -94,6 +100,8 @@ def quantize_copy(
     ctx.sensitivity = sensitivity
     started = time.perf_counter()
     spec.build(config, "bench").apply(model, ctx)
+    if head_config is not None:
+        spec.build(head_config, "bench-head").apply(model, ctx)
     return model, ctx.quantized, time.perf_counter() - started
 
 

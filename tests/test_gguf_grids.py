@@ -251,6 +251,11 @@ def test_llama_cpp_pure_quantizer_makes_one_k_quant_type_and_the_bench_names_bot
     for bad in ("llama.cpp:q4_0+head", "gptq:mix@q4_0+head"):
         with pytest.raises(ValueError, match=r"\+head follows one of our methods"):
             Candidate.parse(bad)
+    q8 = Candidate.parse("gptq:W4g32s+head:Q8_0")  # llama.cpp's spelling; the head on a grid of its own
+    assert q8.head and q8.head_type == "q8_0" and q8.type_name == "q4_0" and q8.name == "gptq W4 g32 sym -> Q4_0, head Q8_0"
+    for bad in ("gptq:W4g32s+head:q4_k_m", "gptq:W4g32s+headq8_0", "gptq:W4g32s+head:"):
+        with pytest.raises(ValueError, match=r"\+head:TYPE takes a GGUF type with a grid"):
+            Candidate.parse(bad)
 
 
 def _run_on_grid(tmp_path: Path, text_dir: Path, stage: str, export: str) -> dict:
@@ -382,3 +387,24 @@ def test_pipeline_records_on_the_q4_0_grid_are_packed_in_model_and_come_back_on_
     assert layer["scheme"]["gguf_type"] == "q4_0" and layer["stored_as"] == "compressed-tensors"
     entry = manifest["exports"][0]
     assert (entry["type"], entry["records_exact"]) == ("q4_0", 14)
+
+
+@pytest.mark.runtime
+def test_bench_gguf_head_on_q8_0_has_llama_cpps_q4_0_layout(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """`+head:q8_0`: GPTQ's head on the type llama.cpp's Q4_0 gives a tied model's one table; the file has
+    llama.cpp's own Q4_0 layout tensor for tensor, so its size is llama.cpp's to the byte of metadata."""
+    import json
+
+    from tests.helpers import run_cli
+
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "bench"
+    args = ["bench", "gguf", "-o", out, "--model", str(tiny_model_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
+    args += ["--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2", "--eval-seq-len", "64", "--repeats", "1"]
+    args += ["--decode-tokens", "8", "--threads", "2", "--candidates", "llama.cpp:q4_0,gptq:W4g32s+head:q8_0"]
+    result = run_cli(args)
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    theirs, ours = rows["llama.cpp Q4_0"], rows["gptq W4 g32 sym -> Q4_0, head Q8_0"]
+    assert ours["tensor_types"] == theirs["tensor_types"] and ours["records_exact"] == 15
+    assert abs(ours["size_bytes"] - theirs["size_bytes"]) < 0.001 * theirs["size_bytes"]

@@ -167,3 +167,27 @@ def test_head_written_into_the_builders_float_graph(tmp_path: Path, onnx_model_d
     entry = exports["onnx"]
     assert "could not take our GPTQ checkpoint" in entry["gptq_handoff"]
     assert entry["nodes_written"] == 11 and entry["records_exact"] == 15
+
+
+@pytest.mark.runtime
+def test_head_on_a_gguf_type_of_its_own_keeps_llama_cpps_mix(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    # llama.cpp's Q4_0 gives a tied model's one table (its output) Q8_0: a second stage puts GPTQ's head on that grid,
+    # and the Q4_0 export keeps it there instead of refusing a record that is not on Q4_0's grid
+    import gguf
+
+    head_stage = "  - quantize:\n      method: gptq\n      gguf_type: Q8_0\n      targets: [lm_head]\n      ignore: []\n"
+    text = recipe_text(tiny_model_dir, text_dir, group_size=32, extra_stage=head_stage).replace("method: rtn", "method: gptq", 1)
+    exports = "  - format: gguf\n    type: Q4_0\n  - format: gguf\n    name: auto\n"
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text.replace("exports: []\n", "exports:\n" + exports)), "-o", out, "-q"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    evals = {e["artifact"]: e for e in json.loads((out / "report.json").read_text())["evaluations"]}
+    for name in ("gguf", "auto"):  # auto: the body's records decide the type (q4_0); the head keeps its own
+        entry = next(e for e in manifest["exports"] if e["name"] == name)
+        stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "exports" / name / "model.gguf").tensors}
+        assert "output.weight" not in stored and stored["token_embd.weight"] == "Q8_0", stored
+        assert stored["blk.0.ffn_down.weight"] == "Q4_0" and entry["records_exact"] == 15
+        assert entry["tensor_type_of"]["token_embd.weight"] == "q8_0" and entry["fallbacks"] == {}
+        assert evals[name]["details"]["same_weights_kl"] < 0.005
+    assert manifest["exports"][0]["size_bytes"] == manifest["exports"][1]["size_bytes"]

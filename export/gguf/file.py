@@ -462,10 +462,20 @@ def tensor_names(model: nn.Module) -> Any:
     return gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.name], model.config.num_hidden_layers)
 
 
+def own_head_type(name: str, record: QuantizedWeight) -> str | None:
+    """The GGUF type a head record keeps in a file of another type: the head quantized on a GGUF
+    type's grid of its own (a stage of its own, ``targets: [lm_head]``, ``gguf_type: q8_0``), as
+    llama.cpp's mixes give the output its own type (Q8_0, or Q6_K for rows of a multiple of 256)."""
+    return record.scheme.gguf_type if name == HEAD_RECORD else None
+
+
 def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
-    """The block type of an exact export: ``auto`` picks from the records' schemes."""
+    """The block type of an exact export: ``auto`` picks from the records' schemes (a head on a
+    GGUF grid of its own keeps its type and does not take part)."""
     if spec_type != "auto":
         return spec_type
+    if any(own_head_type(n, r) for n, r in records.items()) and len(records) > 1:
+        records = {n: r for n, r in records.items() if not own_head_type(n, r)}
     schemes = {(r.scheme.bits, r.scheme.symmetric) for r in records.values()}
     if not schemes:
         return "f16"
@@ -541,8 +551,9 @@ def plan_tensors(
             module = HEAD_RECORD
         if hf_name.endswith(".weight") and module in records:
             record = records[module]
-            tensor_type = record.scheme.gguf_type if type_name == MIX else type_name
-            if type_name in GGUF_GRIDS and GGUF_GRIDS[type_name].for_width(record.shape[1]).name != type_name:
+            own = record.scheme.gguf_type if type_name == MIX else own_head_type(module, record)
+            tensor_type = type_name if own is None or type_name in GGUF_FLOAT_TYPES else own
+            if tensor_type == type_name and type_name in GGUF_GRIDS and GGUF_GRIDS[type_name].for_width(record.shape[1]).name != type_name:
                 grid = GGUF_GRIDS[type_name]
                 tensor_type = grid.for_width(record.shape[1]).name
                 plan.type_fallbacks[module] = (
