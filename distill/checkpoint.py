@@ -48,10 +48,9 @@ def latest(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(
-    directory: Path, student: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, fingerprint: str
-) -> Path:
-    """Write ``step-NNNNNN`` next to the old ones via a temporary name, then drop the older ones."""
+def save(directory: Path, student: nn.Module, optimizer_state: dict[str, Any], scheduler: Any, state: TrainState, fingerprint: str) -> Path:
+    """Write ``step-NNNNNN`` next to the old ones via a temporary name, then drop the older ones.
+    ``optimizer_state``: the optimizer's state dict with whole tensors (Processes.optimizer_state)."""
     from safetensors.torch import save_file, save_model
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -62,9 +61,7 @@ def save(
     save_model(student, str(tmp / "student.safetensors"))
     if state.best_weights is not None:
         save_file({str(i): t.contiguous() for i, t in enumerate(state.best_weights)}, str(tmp / BEST_FILE))
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt"
-    )
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
     payload = {
         "fingerprint": fingerprint,
         "step": state.step,

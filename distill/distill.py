@@ -13,8 +13,8 @@ evaluated weights with the lowest held-apart KL (before the first step, a period
 or the end).
 
 Several processes: ``accelerate launch -m compress run recipe.yaml`` runs the pipeline in every
-process; this stage wraps the student with accelerate (DDP, or FSDP when accelerate is configured
-for it), each process trains on its own share of every step's batches, and after the last
+process; this stage wraps the student with accelerate's DDP, or, with FSDP asked for
+(``--use_fsdp``), shards a copy of it with torch's FSDP2 (train.Processes.wrap), each process trains on its own share of every step's batches, and after the last
 distill stage only the main process goes on to quantize, export, evaluate and write.
 """
 
@@ -112,6 +112,11 @@ class DistillStage:
         if found is not None:
             state = checkpoint.load(found, model, optimizer, scheduler, fingerprint)
             ctx.reporter.info(f"{self.label} (distill): resuming from {found} (step {state.step} of {cfg.steps})")
+        if procs.mean(float(procs.agree(state.step) != state.step)) > 0:  # every process raises, none waits on the others
+            raise CompressError(
+                f"{self.label} (distill): the processes found different checkpoints in {ckpt_dir} (this one: step "
+                f"{state.step}); on several machines write the run (-o) to a folder every machine shares"
+            )
         trainer = Trainer(
             cfg,
             self.label,
@@ -140,9 +145,7 @@ class DistillStage:
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
-        full = procs.full_state(trainer.wrapped)
-        if full is not None:
-            model.load_state_dict(full)
+        procs.gather(trainer.wrapped, model)
         model.eval().requires_grad_(False)
         model.to("cpu")
         streaming.to_device(teacher, "cpu")
@@ -158,6 +161,7 @@ class DistillStage:
             "stopped_by": "max_minutes" if state.step < cfg.steps else "steps",
             "loop_seconds": round(state.wall_seconds, 2),
             "processes": procs.world,
+            "parallel": procs.kind,
             "tokens": state.tokens,
             "train_seconds": round(state.seconds, 2),
             "tokens_per_second": round(state.tokens / state.seconds, 1) if state.seconds else None,

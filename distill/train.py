@@ -4,6 +4,7 @@ checkpoints, and the processes of a multi-process run (see distill.py for the st
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import statistics
@@ -55,28 +56,126 @@ def end_processes() -> None:
         dist.destroy_process_group()
 
 
+def fsdp_requested() -> bool:
+    """``accelerate launch --use_fsdp`` (or an accelerate config with ``distributed_type: FSDP``) asked for FSDP."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 class Processes:
     """The processes of this run: one, or several under ``accelerate launch`` (accelerate
-    initializes the process group and wraps the model with DDP or FSDP)."""
+    initializes the process group and wraps the student with DDP; with FSDP asked for, the student
+    is sharded with torch's FSDP2 instead, see :meth:`wrap`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.rank, self.world = process_rank()
         self.accelerator = None
+        self.device = device
         if self.world > 1:
             from accelerate import Accelerator
 
             self.accelerator = Accelerator(cpu=device.type == "cpu")
             self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.fsdp = self.world > 1 and fsdp_requested()
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def kind(self) -> str:
+        return "one process" if self.world == 1 else "FSDP" if self.fsdp else "DDP"
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        return model if self.accelerator is None else self.accelerator.prepare_model(model)
+        """The student as trained: itself (one process), DDP around it, or under FSDP a copy of it
+        sharded over the processes — each decoder block its own FSDP2 unit, then the rest, with torch's
+        ``fully_shard`` (what accelerate's FSDP2 does with transformer-based wrapping; accelerate 1.15
+        itself turns FSDP off for processes on the CPU and runs DDP instead, silently). The copy
+        leaves ``model`` whole for the main process to go on with (:meth:`gather`)."""
+        if self.accelerator is None:
+            return model
+        if not self.fsdp:
+            return self.accelerator.prepare_model(model)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from compress.quantizers.arch import architecture_of, decoder_blocks
+
+        model.to("cpu")  # the whole student waits in host memory; fully_shard moves each process's shard to the mesh's device
+        sharded = copy.deepcopy(model)
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for block in decoder_blocks(sharded, architecture_of(sharded)):
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        return sharded
+
+    def gather(self, wrapped: nn.Module, model: nn.Module) -> None:
+        """After training, the trained weights whole in ``model`` in every process (FSDP: gathered
+        from the shards; DDP and one process train ``model``'s own parameters)."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+            model.load_state_dict(full)
+
+    def adopt(
+        self, model: nn.Module, sharded: nn.Module, optimizer: torch.optim.Optimizer, trainable: list[nn.Parameter]
+    ) -> list[nn.Parameter]:
+        """FSDP: the optimizer moved onto the sharded copy's parameters of the same names, any state
+        it holds (a resumed run's, whole) sharded like them, as accelerate's FSDP2 preparation moves an
+        optimizer; returns the trainable parameters of the copy."""
+        from torch.distributed.tensor import distribute_tensor
+
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        params = dict(sharded.named_parameters())
+        moved = {id(p): params[name_of[id(p)]] for p in trainable}
+        for group in optimizer.param_groups:
+            group["params"] = [moved[id(p)] for p in group["params"]]
+        state = {}
+        for p, entry in optimizer.state.items():
+            q = moved[id(p)]
+            state[q] = {
+                k: distribute_tensor(v.to(q.device), q.device_mesh, q.placements) if torch.is_tensor(v) and v.shape == q.shape else v
+                for k, v in entry.items()
+            }
+        optimizer.state.clear()
+        optimizer.state.update(state)
+        return [moved[id(p)] for p in trainable]
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state dict with whole tensors (FSDP: gathered; every process must call)."""
+        sd = optimizer.state_dict()
+        if self.fsdp:
+            sd["state"] = {i: {k: self.whole(v) for k, v in entry.items()} for i, entry in sd["state"].items()}
+        return sd
+
+    def like(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """``value`` (whole) laid out like ``param``: sharded the same way for an FSDP parameter."""
+        if not hasattr(param, "device_mesh"):
+            return value
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+    @contextlib.contextmanager
+    def whole_root(self, module: nn.Module) -> Iterator[None]:
+        """The sharded root's own parameters (embeddings, final norm, head) gathered while the body is
+        inside: the evaluation calls the base model and the head apart, not the root's forward, which
+        would gather them (the blocks gather their own)."""
+        if not self.fsdp or module is None or not hasattr(module, "unshard"):
+            yield
+            return
+        module.unshard()
+        try:
+            yield
+        finally:
+            module.reshard()
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """A parameter's full value: gathered from every process for an FSDP shard (every process must call)."""
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     def no_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-        if self.accelerator is None or sync:
+        if self.accelerator is None or sync or self.fsdp:  # FSDP reduces every micro-batch's gradients: slower, the same sums
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model)
 
@@ -96,9 +195,6 @@ class Processes:
         from accelerate.utils import broadcast
 
         return int(broadcast(torch.tensor([value], device=self.accelerator.device), from_process=0)[0])
-
-    def full_state(self, wrapped: nn.Module) -> dict[str, torch.Tensor] | None:
-        return None if self.accelerator is None else self.accelerator.get_state_dict(wrapped)
 
 
 @dataclass
@@ -145,15 +241,23 @@ class Trainer:
             rows = [sample_order(n, c.data.seed, (first + k) // n)[(first + k) % n] for k in range(c.batch_size)]
             yield self.train_tokens[rows]
 
+    @property
+    def live(self) -> nn.Module:
+        """The module holding the current weights: the sharded copy under FSDP once training began, else the student."""
+        wrapped = getattr(self, "wrapped", None)
+        return wrapped if wrapped is not None and self.procs.fsdp else self.model
+
     def evaluate(self) -> dict[str, Any]:
-        self.model.eval()
-        metrics = compare(
-            torch_forward(self.teacher, self.device),
-            {"student": torch_forward(self.model, self.device)},
-            self.eval_tokens,
-            min_context=eval_min_context(self.config.seq_len),
-        )["student"]
-        self.model.train()
+        live = self.live
+        live.eval()
+        with self.procs.whole_root(live if live is not self.model else None):
+            metrics = compare(
+                torch_forward(self.teacher, self.device),
+                {"student": torch_forward(live, self.device)},
+                self.eval_tokens,
+                min_context=eval_min_context(self.config.seq_len),
+            )["student"]
+        live.train()
         s = self.state
         return {
             "step": s.step,
@@ -190,7 +294,7 @@ class Trainer:
             loss_sum += float(loss.detach())
         grad_norm = None
         if c.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, c.max_grad_norm))
+            grad_norm = float(self.procs.whole(torch.nn.utils.clip_grad_norm_(self.trainable, c.max_grad_norm)))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,9 +318,11 @@ class Trainer:
                     f"top-1 {point['top1_agreement']:.2%}  ppl {point['perplexity']:.2f}"
                 )
         self.wrapped = self.procs.wrap(self.model)  # after the refit: it writes the plain modules' weights
+        if self.procs.fsdp:
+            self.trainable = self.procs.adopt(self.model, self.wrapped, self.optimizer, self.trainable)
         if state.step == 0 and state.best is None:
             self.consider(last=False)  # the weights training starts from
-        self.model.train()
+        self.live.train()
         timed: list[float] = []
         with self.reporter.bar(f"{self.label} distill", total=state.planned_steps, completed=state.step) as advance:
             while state.step < state.planned_steps:
@@ -241,8 +347,10 @@ class Trainer:
                     self.consider(last)
                 state.wall_seconds = time.perf_counter() - began
                 if self.checkpoint_dir is not None and c.checkpoint_every and state.step % c.checkpoint_every == 0 and not last:
+                    optimizer_state = self.procs.optimizer_state(self.optimizer)  # whole tensors: the same files for any process count
+                    self.procs.gather(self.wrapped, self.model)
                     if self.procs.main:
-                        checkpoint.save(self.checkpoint_dir, self.model, self.optimizer, self.scheduler, state, self.fingerprint)
+                        checkpoint.save(self.checkpoint_dir, self.model, optimizer_state, self.scheduler, state, self.fingerprint)
                     self.procs.barrier()
                     state.wall_seconds = time.perf_counter() - began
         self.restore_best()
@@ -258,7 +366,7 @@ class Trainer:
         if not self.procs.agree(int(better)):
             return
         state.best = newest
-        state.best_weights = None if last else [p.detach().to("cpu", copy=True) for p in self.trainable]
+        state.best_weights = None if last else [self.procs.whole(p.detach()).to("cpu", copy=True) for p in self.trainable]
 
     def restore_best(self) -> None:
         """Put back the remembered weights when an earlier evaluation beat the last one."""
@@ -266,7 +374,7 @@ class Trainer:
             return
         with torch.no_grad():
             for p, saved in zip(self.trainable, self.state.best_weights, strict=True):
-                p.copy_(saved)
+                p.copy_(self.procs.like(saved, p))
         self.state.best_weights = None
 
     def replan(self, timed: list[float]) -> int | None:

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -331,13 +332,13 @@ def test_a_checkpoint_keeps_the_best_weights_it_has_not_reached_again(tmp_path):
     state = ckpt.TrainState(
         step=10, history=[{"step": 0, "kl_divergence": 0.1}, {"step": 10, "kl_divergence": 0.3}], best=0, best_weights=best
     )
-    path = ckpt.save(tmp_path, model, opt, sched, state, fingerprint="f")
+    path = ckpt.save(tmp_path, model, opt.state_dict(), sched, state, fingerprint="f")
     back = ckpt.load(path, model, opt, sched, fingerprint="f")
     assert back.best == 0 and len(back.best_weights) == 2
     for a, b in zip(back.best_weights, best, strict=True):
         assert torch.equal(a, b)
     state.best, state.best_weights = 1, None  # the newest weights are the best: nothing more is written
-    path = ckpt.save(tmp_path, model, opt, sched, state, fingerprint="f")
+    path = ckpt.save(tmp_path, model, opt.state_dict(), sched, state, fingerprint="f")
     back = ckpt.load(path, model, opt, sched, fingerprint="f")
     assert back.best == 1 and back.best_weights is None and not (path / ckpt.BEST_FILE).exists()
 
@@ -513,7 +514,7 @@ def test_a_checkpoint_of_another_run_is_refused(trained_tiny_dir, text_dir, tmp_
     model = nn.Linear(2, 2)  # a checkpoint left by some other run under this output's work directory
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    ckpt.save(work, model, opt, sched, ckpt.TrainState(step=10), fingerprint="another run")
+    ckpt.save(work, model, opt.state_dict(), sched, ckpt.TrainState(step=10), fingerprint="another run")
     with pytest.raises(CompressError, match="checkpoint of a different run"):
         run(recipe, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -573,6 +574,69 @@ def test_two_cpu_processes_train_the_same_weights_as_one_with_the_same_global_ba
     pruned = run_prune_weights(trained_tiny_dir, text_dir, tmp_path)
     changed = sum(not torch.equal(pruned[k], a[k]) for k in a)
     assert changed > 0  # training moved the weights (the comparison above is not of two untrained copies)
+
+
+def launch(recipe: Path, out: Path, *flags: str, **kw) -> subprocess.Popen:
+    """``accelerate launch`` of ``compress run`` in 2 CPU processes (gloo), with accelerate's ``flags``."""
+    accelerate = Path(sys.executable).with_name("accelerate")
+    args = [str(accelerate), "launch", *flags, "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    args += ["--dynamo_backend", "no", "-m", "compress", "run", str(recipe), "-o", str(out), "-q"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
+
+
+FSDP = ("--use_fsdp", "--fsdp_version", "2")
+
+
+@pytest.mark.runtime
+def test_fsdp_in_two_cpu_processes_trains_as_one_process_and_resumes_after_a_kill(trained_tiny_dir, text_dir, tmp_path):
+    """accelerate's --use_fsdp: the student sharded over 2 gloo processes (FSDP2, a unit per block), killed
+    after a checkpoint and started again; the same weights and the same loss curve as one process with
+    the same global batch."""
+    steps, extra = 40, ", checkpoint_every: 5, data: {samples: 40}"
+    stage = distill_stage(steps, batch=4, extra=extra).replace("every: 10", "every: 5")
+    one = tmp_path / "one.yaml"
+    one.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + stage).replace("version: 1\n", "version: 1\ncompute: {threads: 1}\n"))
+    two = tmp_path / "two.yaml"
+    two.write_text(one.read_text().replace("batch_size: 4", "batch_size: 2"))
+    single = cli("run", str(one), "-o", str(tmp_path / "one"), "-q")
+    log, _ = single.communicate(timeout=300)
+    assert single.returncode == 0, log
+
+    out = tmp_path / "two"
+    proc = launch(two, out, *FSDP)
+    deadline = time.time() + 300
+    while not list((tmp_path / "two.work").glob("*/step-*/state.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed: " + proc.communicate()[0]
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]  # the launcher and both processes
+    for p in tree:
+        p.kill()
+    psutil.wait_procs(tree, timeout=30)
+    proc.wait()
+    killed_at = json.loads(next((tmp_path / "two.work").glob("*/step-*/state.json")).read_text())["step"]
+    assert 0 < killed_at < steps and not out.exists()
+    again = launch(two, out, *FSDP)
+    log, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, log
+
+    a_run = json.loads((tmp_path / "one" / "manifest.json").read_text())["stages"][1]["summary"]
+    b_run = json.loads((out / "manifest.json").read_text())["stages"][1]["summary"]
+    assert b_run["processes"] == 2 and b_run["parallel"] == "FSDP" and a_run["parallel"] == "one process"
+    assert b_run["resumed_from_step"] >= killed_at and b_run["tokens"] == a_run["tokens"] == steps * 4 * 64
+    # the loss and the held-apart KL at every evaluation: the same curve (the sums differ only in order)
+    a_curve = [(p["step"], p["loss"], p["kl_divergence"]) for p in a_run["history"]]
+    b_curve = [(p["step"], p["loss"], p["kl_divergence"]) for p in b_run["history"]]
+    assert [p[0] for p in a_curve] == [p[0] for p in b_curve] and len(a_curve) > 5
+    for (_, la, ka), (_, lb, kb) in zip(a_curve, b_curve, strict=True):
+        assert (la is None) == (lb is None) and kb == pytest.approx(ka, rel=1e-3, abs=1e-5)
+        if la is not None:
+            assert lb == pytest.approx(la, rel=1e-3)
+    a = load_file(str(tmp_path / "one" / "model" / "model.safetensors"))
+    b = load_file(str(out / "model" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-3, msg=k)
 
 
 def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
