@@ -641,9 +641,17 @@ def bench_prune(
         help="distill: options in YAML over the bench defaults (recipes/prune-distill.yaml's: 14.5 minutes, at most "
         "400 steps of 2 x 512 tokens, lr 3e-4, bf16), trained on --calibration text unless data.source says otherwise.",
     ),
+    repair: list[str] | None = typer.Option(
+        None,
+        "--repair",
+        help="A repair to run from the same pruned model: distill: options in YAML over --distill's, repeatable, e.g. "
+        "'{}' (distillation), '{loss: ce}' (fine-tuning on the text), '{stored_teacher: {top_k: 64}}'. Each one's "
+        "held-apart KL at every evaluation (set eval.every in --distill) is tabulated against training tokens and "
+        "plotted (repair-curves.png). Default: one, --distill itself.",
+    ),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
 ) -> None:
-    """Prune, then repair by distillation: KL, top-1 and perplexity before/after, repair time and tokens."""
+    """Prune, then repair by distillation (or several repairs): KL, top-1 and perplexity before/after, repair time and tokens."""
     import yaml
     from pydantic import ValidationError
 
@@ -663,9 +671,14 @@ def bench_prune(
 
     settings = [parse(PruneConfig, t, {}) for t in (setting or DEFAULT_SETTINGS)]
     config = parse(DistillConfig, distill, DEFAULT_DISTILL)
+    base = config.model_dump(exclude_unset=True)
+    repairs = []
+    for text in repair or []:
+        checked = parse(DistillConfig, text, base)  # a bad mapping or key: exit 2, naming it
+        repairs.append((yaml.safe_load(text), checked))
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     sources = ["reference:python-docs"] if unseen is None else [u for u in unseen if u]
-    result = run_prune_bench(model, data, sources, settings, config, output, threads, Reporter(err))
+    result = run_prune_bench(model, data, sources, settings, config, output, threads, Reporter(err), repairs or None)
     _print_results(markdown_table(result), output)
 
 

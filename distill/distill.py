@@ -79,7 +79,8 @@ class DistillStage:
         procs = Processes(ctx.device)
         pairs, channels = self._hidden_mapping(model, teacher, ctx)
         per_step = cfg.batch_size * cfg.grad_accum * procs.world
-        samples = cfg.data.samples or cfg.steps * per_step
+        cap = cfg.step_cap(procs.world)  # steps, or fewer under max_tokens
+        samples = cfg.data.samples or cap * per_step
         train_tokens = ctx.text("calibration", samples, cfg.seq_len, cfg.data.source, cfg.data.seed, cfg.data.text_field)
         eval_tokens = ctx.text("evaluation", cfg.eval.samples, cfg.seq_len, None, None, None)
         device = ctx.device
@@ -158,7 +159,8 @@ class DistillStage:
             "steps": state.step,
             "max_steps": cfg.steps,
             "max_minutes": cfg.max_minutes,
-            "stopped_by": "max_minutes" if state.step < cfg.steps else "steps",
+            "max_tokens": cfg.max_tokens,
+            "stopped_by": "steps" if state.step >= cfg.steps else "max_tokens" if state.step >= cap else "max_minutes",
             "loop_seconds": round(state.wall_seconds, 2),
             "processes": procs.world,
             "parallel": procs.kind,
@@ -191,7 +193,13 @@ class DistillStage:
         ctx.reporter.info(
             f"{self.label} (distill): KL to the teacher {first['kl_divergence']:.4f} → {final['kl_divergence']:.4f} "
             f"in {state.step} steps, {state.tokens:,} tokens, {state.wall_seconds:.0f} s"
-            + (f" (the {cfg.max_minutes:g}-minute budget ended it before step {cfg.steps})" if state.step < cfg.steps else "")
+            + (
+                ""
+                if state.step >= cfg.steps
+                else f" (the budget of {cfg.max_tokens:,} tokens ended it before step {cfg.steps})"
+                if state.step >= cap
+                else f" (the {cfg.max_minutes:g}-minute budget ended it before step {cfg.steps})"
+            )
         )
         if kept is not final:
             when = "from before the first step" if kept["step"] == 0 else f"of step {kept['step']}"

@@ -20,7 +20,7 @@ def _estimate(step: PlanStep) -> Estimate:
     cfg, cur = step.config, step.shape
     bf16 = cfg.autocast == "bf16"
     trainable = cur.params - (cur.frozen_params() if cfg.train == "blocks" else 0)
-    tokens = cfg.steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    tokens = cfg.step_cap() * cfg.tokens_per_step()
     rate = DISTILL_TOKENS_PER_S["bf16" if bf16 else "fp32"] * REF_PARAMS / cur.params
     mem = step.held_bytes + 12 * trainable + training_bytes(cur, cfg.batch_size, cfg.seq_len, bf16)
     basis = (

@@ -229,8 +229,7 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        c = self.config
-        return c.batch_size * c.grad_accum * self.procs.world * c.seq_len
+        return self.config.tokens_per_step(self.procs.world)
 
     def batches(self, step: int) -> Iterator[torch.Tensor]:
         """This process's micro-batches of optimizer step ``step``: a fixed function of the step,
@@ -268,6 +267,11 @@ class Trainer:
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.config
+        if c.loss == "ce":  # fine-tuning on the text: each position predicts the next token
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                s_out = self.wrapped(input_ids=ids, use_cache=False)
+            logits = s_out.logits[:, :-1].float()
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         if self.stored is not None:
             values, indices, rest = self.stored(ids)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -302,7 +306,7 @@ class Trainer:
 
     def run(self) -> None:
         c, state = self.config, self.state
-        state.planned_steps = state.planned_steps or c.steps
+        state.planned_steps = state.planned_steps or c.step_cap(self.procs.world)
         self.schedule.total = state.planned_steps
         began = time.perf_counter() - state.wall_seconds
         if not state.history:
@@ -395,7 +399,7 @@ class Trainer:
         elif len(timed) == PLAN_AFTER or (len(timed) > PLAN_AFTER and len(timed) % REPLAN_EVERY == 0):
             recent = statistics.median(timed[-REPLAN_EVERY:])  # at the first plan: the PLAN_AFTER steps timed
             per_step = recent + (state.eval_seconds / c.eval.every if c.eval.every else 0.0)
-            planned = min(c.steps, state.step + max(0, int(left // per_step)))
+            planned = min(c.step_cap(self.procs.world), state.step + max(0, int(left // per_step)))
         else:
             planned = state.planned_steps
         planned = self.procs.agree(planned)

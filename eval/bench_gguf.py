@@ -24,6 +24,7 @@ from typing import Any
 from compress.documents import library_versions
 from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
+from compress.eval.reports import equal_bytes_pairs, pairs_table
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.tools import llama_imatrix, llama_quantize
@@ -248,6 +249,7 @@ def run_gguf_bench(
                     "source": cand.source,
                     "setting": cand.setting.label if cand.setting else cand.gguf_type,
                     "type": cand.type_name,
+                    "pair_type": pair_type(cand),
                     "quantize_seconds": round(seconds, 1),
                     "records_exact": exact,
                     **file_facts(path, metrics[cand.name], speed),
@@ -276,6 +278,7 @@ def run_gguf_bench(
                     theirs.unlink()
             if not keep_files:
                 path.unlink()
+            result["pairs"] = gguf_pairs(result["rows"])
             write_results(out_dir, result, markdown_table(result))
             plot_kl_vs_size(result, out_dir / "kl-vs-size.png")
     finally:
@@ -283,6 +286,28 @@ def run_gguf_bench(
         if not keep_files:
             f16.unlink(missing_ok=True)
     return result
+
+
+def pair_type(cand: Candidate) -> str | None:
+    """The llama.cpp type whose file one of our candidates is compared with at equal bytes: its own
+    type, or the type whose size its budget matches (mix@q4_k_m); None for llama.cpp's rows and
+    budgets in bits per weight."""
+    if cand.llama_cpp:
+        return None
+    if cand.budget is not None:
+        return None if cand.budget[0].isdigit() else cand.budget
+    return cand.type_name
+
+
+def gguf_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each of our rows against llama.cpp's own file of its type (plain llama.cpp first, else its
+    --pure row): size, KL and decode ratios, a pair of sizes more than 2% apart flagged."""
+    order = {LLAMA_CPP: 0, LLAMA_CPP_PURE: 1}
+    theirs = sorted((r for r in rows if r["source"] in order), key=lambda r: order[r["source"]])
+    ours = [r for r in rows if r.get("pair_type")]
+    return equal_bytes_pairs(
+        ours + theirs, lambda r: r.get("pair_type"), lambda r: r["type"] if r["source"] in order else None, "llama_cpp"
+    )
 
 
 def file_facts(path: Path, metrics: dict[str, Any], speed: float) -> dict[str, Any]:
@@ -383,6 +408,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"embeddings {result['embedding_type']}.",
         "",
         *candidate_rows(result["rows"], "KL vs F16"),
+        *pairs_table(result.get("pairs", []), "llama_cpp", "llama.cpp's"),
     ]
     return "\n".join(lines)
 

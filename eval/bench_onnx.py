@@ -26,6 +26,7 @@ from compress.documents import library_versions
 from compress.eval.bench_gguf import candidate_rows, plot_kl_vs_size
 from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
+from compress.eval.reports import equal_bytes_pairs, pairs_table
 from compress.export.onnx import export as onnx_export
 from compress.export.onnx import runtime as rt
 from compress.export.onnx.builder import ONNX_FILE
@@ -35,7 +36,6 @@ from compress.progress import Reporter
 from compress.recipe import DataSpec
 
 BUILDER = "builder"
-SIZE_TOLERANCE = 0.02  # a pair whose sizes differ by more is not an equal-bytes comparison
 
 
 @dataclass(frozen=True)
@@ -184,25 +184,12 @@ def chain_of(row: dict[str, Any]) -> str:
 def pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each of our rows against the builder's row of the same setting: size, KL and decode ratios, and
     whether the sizes are within SIZE_TOLERANCE (an equal-bytes comparison)."""
-    builders = {r["setting"]: r for r in rows if r["source"] == BUILDER}
-    out = []
-    for r in rows:
-        theirs = builders.get(r["setting"])
-        if r["source"] == BUILDER or theirs is None:
-            continue
-        size = r["size_bytes"] / theirs["size_bytes"]
-        kl_theirs = theirs["metrics"]["kl_divergence"]
-        out.append(
-            {
-                "ours": r["name"],
-                "builder": theirs["name"],
-                "size_ratio": round(size, 4),
-                "equal_bytes": abs(size - 1) <= SIZE_TOLERANCE,
-                "kl_ratio": round(r["metrics"]["kl_divergence"] / kl_theirs, 4) if kl_theirs > 0 else None,
-                "decode_ratio": round(r["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 4),
-            }
-        )
-    return out
+    return equal_bytes_pairs(
+        rows,
+        lambda r: r["setting"] if r["source"] != BUILDER else None,
+        lambda r: r["setting"] if r["source"] == BUILDER else None,
+        "builder",
+    )
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -219,10 +206,5 @@ def markdown_table(result: dict[str, Any]) -> str:
         "",
         *candidate_rows(result["rows"], "KL vs fp32"),
     ]
-    if result.get("pairs"):
-        lines += ["", "| ours | builder's | size ratio | KL ratio | decode ratio |", "|---|---|---|---|---|"]
-        for p in result["pairs"]:
-            flag = "" if p["equal_bytes"] else f" (sizes differ by more than {SIZE_TOLERANCE:.0%})"
-            kl = "—" if p["kl_ratio"] is None else f"{p['kl_ratio']:.3f}"
-            lines.append(f"| {p['ours']} | {p['builder']} | {p['size_ratio']:.4f}{flag} | {kl} | {p['decode_ratio']:.3f} |")
+    lines += pairs_table(result.get("pairs", []), "builder", "builder's")
     return "\n".join(lines)

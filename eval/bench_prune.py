@@ -57,6 +57,11 @@ def text_label(source: str, taken: set[str]) -> str:
     return label
 
 
+def repair_label(override: dict[str, Any]) -> str:
+    """A repair's name: its overrides of the bench's distill options ({} is plain distillation)."""
+    return _flow(override) if override else "{loss: kl}"
+
+
 def run_prune_bench(
     model_source: str,
     data: DataSpec,
@@ -66,7 +71,11 @@ def run_prune_bench(
     out_dir: Path,
     threads: int,
     reporter: Reporter,
+    repairs: list[tuple[dict[str, Any], DistillConfig]] | None = None,
 ) -> dict[str, Any]:
+    """``repairs``: (overrides, config) of each repair to run from the same pruned model; default the
+    one ``distill``. The first is the row's ``repaired``; every one has its curve in ``repairs``."""
+    repairs = repairs or [({}, distill)]
     device = torch.device("cpu")
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
     streaming.materialize(lm.model, device)  # pruning and training need the whole model in memory
@@ -136,26 +145,118 @@ def run_prune_bench(
             row["pruned_by_activation"] = score(reference)
             del reference
         write_results(out_dir, result, markdown_table(result))
-        t0 = time.perf_counter()
-        record = DistillStage(distill, "distill").apply(model, ctx)
-        s = record.summary
-        row.update(
-            repair_seconds=round(time.perf_counter() - t0, 1),
-            train_seconds=s["train_seconds"],
-            steps=s["steps"],
-            stopped_by=s["stopped_by"],
-            tokens=s["tokens"],
-            tokens_per_second=s["tokens_per_second"],
-            refit=s["refit"],
-            repaired=score(model),
-        )
-        for key, pruned in (("kl_gap_recovered", "pruned"), ("kl_gap_recovered_of_activation", "pruned_by_activation")):
-            for name in texts if pruned in row else ():
-                gap, left = row[pruned][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
-                row.setdefault(key, {})[name] = round(1 - left / gap, 4) if gap > 0 else None
+        row["repairs"] = []
+        pruned_model = model
+        for n, (override, cfg) in enumerate(repairs):
+            model = pruned_model if n == len(repairs) - 1 else copy.deepcopy(pruned_model)  # the last repair takes the original
+            reporter.info(f"[bold]repair {repair_label(override)}[/]")
+            t0 = time.perf_counter()
+            record = DistillStage(cfg, "distill").apply(model, ctx)
+            s = record.summary
+            done = {
+                "repair": repair_label(override),
+                "overrides": override,
+                "loss": cfg.loss,
+                "stored_top_k": None if cfg.stored_teacher is None else cfg.stored_teacher.top_k,
+                "repair_seconds": round(time.perf_counter() - t0, 1),
+                "train_seconds": s["train_seconds"],
+                "steps": s["steps"],
+                "stopped_by": s["stopped_by"],
+                "tokens": s["tokens"],
+                "tokens_per_second": s["tokens_per_second"],
+                "refit": s["refit"],
+                "stored_teacher": s["stored_teacher"],
+                # the stage's own held-apart evaluations (eval.samples chunks of data.evaluation) against the unpruned model
+                "curve": [
+                    {"tokens": h["tokens"], "step": h["step"], "refit": "refit" in h, "loss": h["loss"]}
+                    | {k: h[k] for k in ("kl_divergence", "top1_agreement", "perplexity")}
+                    for h in s["history"]
+                ],
+                "kept_step": s["kept_step"],
+                "repaired": score(model),
+            }
+            for name in texts:
+                gap, left = row["pruned"][name]["kl_divergence"], done["repaired"][name]["kl_divergence"]
+                done.setdefault("kl_gap_recovered", {})[name] = round(1 - left / gap, 4) if gap > 0 else None
+            row["repairs"].append(done)
+            if n == 0:
+                row.update({k: done[k] for k in ("repair_seconds", "train_seconds", "steps", "stopped_by", "tokens", "tokens_per_second")})
+                row.update(refit=done["refit"], repaired=done["repaired"])
+                for key, pruned in (("kl_gap_recovered", "pruned"), ("kl_gap_recovered_of_activation", "pruned_by_activation")):
+                    for name in texts if pruned in row else ():
+                        gap, left = row[pruned][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
+                        row.setdefault(key, {})[name] = round(1 - left / gap, 4) if gap > 0 else None
+            write_results(out_dir, result, markdown_table(result))
+            if n < len(repairs) - 1:
+                del model
+        del pruned_model, ctx
+    if any(len(r.get("repairs", [])) > 1 or len(r.get("repairs", [{}])[0].get("curve", [])) > 2 for r in result["rows"]):
+        plot_repair_curves(result, out_dir / "repair-curves.png")
         write_results(out_dir, result, markdown_table(result))
-        del model, ctx
     return result
+
+
+def recovery(point: dict[str, Any], before: dict[str, Any]) -> float | None:
+    """The share of the KL gap ``before`` (the pruned model, the stage's step 0) that ``point`` closed."""
+    gap = before["kl_divergence"]
+    return 1 - point["kl_divergence"] / gap if gap > 0 else None
+
+
+def plot_repair_curves(result: dict[str, Any], path: Path) -> Path | None:
+    """Held-apart KL to the unpruned model against training tokens, one line per repair, one panel per setting."""
+    from compress.eval.reports import pyplot, save_figure
+
+    rows = [r for r in result["rows"] if r.get("repairs")]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(rows), figsize=(6.5 * len(rows), 4.5), squeeze=False)
+    try:
+        for ax, r in zip(axes[0], rows, strict=True):
+            for rep in r["repairs"]:  # from the pruned model at 0 tokens (then the refit's point, at 0 too, where it ran)
+                ax.plot([p["tokens"] for p in rep["curve"]], [p["kl_divergence"] for p in rep["curve"]], "o-", ms=3, label=rep["repair"])
+            before = r["repairs"][0]["curve"][0]["kl_divergence"]
+            ax.axhline(before, color="grey", ls="--", lw=1, label="pruned, no repair")
+            ax.set_yscale("log")
+            ax.set_xlabel("training tokens")
+            ax.set_ylabel("held-apart KL to the unpruned model (nats/token)")
+            ax.set_title(_setting(r["setting"]), fontsize=9)
+            ax.grid(True, alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{result['model']['source']}: repair against training tokens", fontsize=10)
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def curve_table(result: dict[str, Any]) -> list[str]:
+    """Per setting with several repairs or evaluations: KL (and share of the gap recovered) at each token count."""
+    lines: list[str] = []
+    for r in result["rows"]:
+        reps = r.get("repairs", [])
+        if not reps or (len(reps) == 1 and len(reps[0]["curve"]) <= 2):
+            continue
+        before = reps[0]["curve"][0]
+        lines += [
+            "",
+            f"{_setting(r['setting'])}: held-apart KL to the unpruned model during each repair ({result['distill']['eval']['samples']} "
+            f"chunks of the evaluation text; pruned: {before['kl_divergence']:.4f}); in brackets the share of that gap recovered.",
+            "",
+            "| tokens | " + " | ".join(rep["repair"] for rep in reps) + " |",
+            "|---|" + "---|" * len(reps),
+        ]
+        points = sorted({(p["tokens"], p["refit"]) for rep in reps for p in rep["curve"] if p["step"] > 0 or p["refit"]})
+        for tokens, refit in points:
+            cells = []
+            for rep in reps:
+                p = next((p for p in rep["curve"] if p["tokens"] == tokens and p["refit"] == refit and (p["step"] > 0 or refit)), None)
+                rec = None if p is None else recovery(p, before)
+                cells.append(
+                    "…" if p is None else f"{p['kl_divergence']:.4f} ({rec:.1%})" if rec is not None else f"{p['kl_divergence']:.4f}"
+                )
+            lines.append(f"| {tokens:,}{' (refit)' if refit else ''} | " + " | ".join(cells) + " |")
+        lines.append("| tokens/s | " + " | ".join(f"{rep['tokens_per_second'] or 0:,.0f}" for rep in reps) + " |")
+    return lines
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -188,6 +289,7 @@ def markdown_table(result: dict[str, Any]) -> str:
                 else f"| {_setting(r['setting'])} | {r['parameters']:,} | {name} | {p['kl_divergence']:.4f} | … | … | "
                 f"{p['top1_agreement']:.2%} | {p['baseline_perplexity']:.2f} / {p['perplexity']:.2f} / … | … | … |"
             )
+    lines += curve_table(result)
     for r in result["rows"]:
         if r.get("pruned_by_activation"):
             shares = r.get("kl_gap_recovered_of_activation", {})
@@ -223,4 +325,6 @@ def _flow(v: Any) -> str:
         return "{" + ", ".join(f"{k}: {_flow(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list):
         return "[" + ", ".join(_flow(x) for x in v) + "]"
+    if v is None or isinstance(v, bool):
+        return {None: "null", True: "true", False: "false"}[v]
     return str(v)

@@ -235,9 +235,50 @@ def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, tr
     )
 
 
+def test_bench_prune_repair_curves_from_the_same_pruned_model(tmp_path: Path, trained_tiny_dir: Path, text_dir: Path) -> None:
+    """--repair: distillation, cross-entropy fine-tuning and a stored teacher from one pruned model, each evaluated
+    every 4 steps under a token budget; KL against tokens tabulated and plotted."""
+    out = tmp_path / "curves"
+    args = ["bench", "prune", "-o", out, "--model", str(trained_tiny_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
+    args += ["--unseen", "", "--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2", "--eval-seq-len", "64", "--threads", "1"]
+    args += ["--setting", "{mlp: 0.5, multiple_of: 8}"]
+    args += [
+        "--distill",
+        "{steps: 100, max_tokens: 1536, batch_size: 2, seq_len: 64, lr: 2.0e-3, warmup_steps: 2, autocast: off, eval: {every: 4, samples: 2}}",
+    ]
+    args += ["--repair", "{}", "--repair", "{loss: ce}", "--repair", "{stored_teacher: {top_k: 16}, refit: null}"]
+    result = run_cli(args)
+    assert result.exit_code == 0, result.output
+    row = json.loads((out / "results.json").read_text())["rows"][0]
+    kl, ce, stored = row["repairs"]
+    assert [r["repair"] for r in row["repairs"]] == ["{loss: kl}", "{loss: ce}", "{stored_teacher: {top_k: 16}, refit: null}"]
+    assert (kl["loss"], ce["loss"], stored["stored_top_k"]) == ("kl", "ce", 16)
+    for r in row["repairs"]:  # 1536 tokens of 2 x 64 per step: 12 steps, evaluated at 0, 4, 8, 12
+        assert r["steps"] == 12 and r["tokens"] == 1536 and r["stopped_by"] == "max_tokens"
+        assert [p["tokens"] for p in r["curve"] if not p["refit"]] == [0, 512, 1024, 1536]
+        assert r["kl_gap_recovered"]["held_out"] == pytest.approx(
+            1 - r["repaired"]["held_out"]["kl_divergence"] / row["pruned"]["held_out"]["kl_divergence"], abs=1e-4
+        )
+    # the same pruned model under each: the same starting point; the refit (on by default) is one more point at 0 tokens
+    assert kl["curve"][0]["kl_divergence"] == ce["curve"][0]["kl_divergence"] == stored["curve"][0]["kl_divergence"]
+    assert kl["curve"][1]["refit"] and kl["refit"]["blocks"] and stored["refit"] is None
+    assert row["repaired"] == kl["repaired"] and kl["curve"][-1]["kl_divergence"] != ce["curve"][-1]["kl_divergence"]
+    assert stored["stored_teacher"]["top_k"] == 16
+    md = (out / "results.md").read_text()
+    assert "| tokens | {loss: kl} | {loss: ce} | {stored_teacher: {top_k: 16}, refit: null} |" in md and "| 1,536 |" in md
+    assert (out / "repair-curves.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     "args, message",
-    [(["--setting", "{mlp: 2}"], "between 0 and 1"), (["--setting", "mlp"], "not a YAML mapping"), (["--distill", "{stepz: 3}"], "stepz")],
+    [
+        (["--setting", "{mlp: 2}"], "between 0 and 1"),
+        (["--setting", "mlp"], "not a YAML mapping"),
+        (["--distill", "{stepz: 3}"], "stepz"),
+        (["--repair", "{loss: mse}"], "loss"),
+        (["--repair", "{loss: ce, stored_teacher: {top_k: 8}}"], "loss ce trains on the text alone"),
+        (["--repair", "[1"], "'[1'"),
+    ],
 )
 def test_bench_prune_cli_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
     result = run_cli(["bench", "prune", "-o", tmp_path, *args])

@@ -6,6 +6,7 @@ batch, keep_best returning the best evaluated weights, named teachers, and the e
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -274,6 +275,26 @@ def test_distillation_repairs_a_pruned_model_on_held_apart_text(trained_tiny_dir
     assert not (tmp_path / "out.work").exists()
 
 
+def test_cross_entropy_fine_tuning_under_a_token_budget(trained_tiny_dir, text_dir, tmp_path):
+    """loss: ce trains on the text's next tokens, without running the teacher during the steps; max_tokens
+    ends the run at the steps whose tokens fit (the cosine decay ends there) and says so."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(40, extra=", loss: ce, max_tokens: 2600")))
+    result = run(recipe, tmp_path / "out")
+    s = result.manifest["stages"][1]["summary"]
+    assert s["stopped_by"] == "max_tokens" and s["max_tokens"] == 2600
+    assert s["steps"] == 20 and s["tokens"] == 20 * 2 * 64 and s["history"][-1]["step"] == 20  # 2600 // 128
+    assert s["training_data"]["chunks"] == 40  # only the chunks the budget reads
+    losses = [h["loss"] for h in s["history"] if h["loss"] is not None]
+    # the loss is the text's cross-entropy: its exp is near the student's perplexity on such text, not a KL near 0
+    assert losses[-1] > 1.0 and s["history"][-1]["perplexity"] < 2 * math.exp(losses[-1])
+    # the same steps under the KL loss train a different student (the loss changes the gradients)
+    kl = tmp_path / "kl.yaml"
+    kl.write_text(recipe.read_text().replace("loss: ce, ", ""))
+    other = run(kl, tmp_path / "kl").manifest["stages"][1]["summary"]
+    assert other["steps"] == 20 and other["after"]["kl_divergence"] != s["after"]["kl_divergence"]
+
+
 def test_the_refit_runs_before_training_after_mlp_pruning(trained_tiny_dir, text_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
@@ -394,6 +415,13 @@ def test_distill_recipe_errors(trained_tiny_dir, text_dir, tmp_path):
     recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=", refit: {samples: 4}")))
     with pytest.raises(CompressError, match="no longer has once hidden channels are pruned"):
         run(recipe, tmp_path / "e")
+    for extra, key in (
+        (", loss: ce, stored_teacher: {top_k: 8}", "remove stored_teacher"),
+        (", loss: ce, hidden_loss_weight: 0.5", "remove hidden_loss_weight"),
+    ):
+        recipe.write_text(prune_recipe(trained_tiny_dir, text_dir, PRUNE + distill_stage(3, extra=extra)))
+        with pytest.raises(RecipeError, match=f"loss ce trains on the text alone.*{key}"):
+            load_recipe(recipe)
 
 
 def test_a_stored_teacher_trains_like_the_live_one_and_its_logits_are_reused_then_recomputed_for_new_data(

@@ -408,3 +408,8 @@ def test_bench_gguf_head_on_q8_0_has_llama_cpps_q4_0_layout(tmp_path: Path, tiny
     theirs, ours = rows["llama.cpp Q4_0"], rows["gptq W4 g32 sym -> Q4_0, head Q8_0"]
     assert ours["tensor_types"] == theirs["tensor_types"] and ours["records_exact"] == 15
     assert abs(ours["size_bytes"] - theirs["size_bytes"]) < 0.001 * theirs["size_bytes"]
+    # the equal-bytes pair: ours against llama.cpp's file of its type, ratios of size, KL and decode speed
+    (pair,) = json.loads((out / "results.json").read_text())["pairs"]
+    assert pair["ours"] == ours["name"] and pair["llama_cpp"] == theirs["name"] and pair["equal_bytes"]
+    assert pair["kl_ratio"] == pytest.approx(ours["metrics"]["kl_divergence"] / theirs["metrics"]["kl_divergence"], rel=1e-3)
+    assert "| gptq W4 g32 sym -> Q4_0, head Q8_0 | llama.cpp Q4_0 | 1.0000 |" in (out / "results.md").read_text()

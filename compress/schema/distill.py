@@ -78,7 +78,13 @@ class DistillConfig(StageConfig):
         "top_k tokens plus one bucket for the rest (distill/losses.py). Needs hidden_loss_weight 0 and no refit (both "
         "read the teacher's hidden states live). null: the live teacher, in memory beside the student.",
     )
-    steps: int = Field(ge=1, description="Optimizer steps (at most this many under max_minutes).")
+    steps: int = Field(ge=1, description="Optimizer steps (at most this many under max_minutes or max_tokens).")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Training-token budget (all processes together): the stage runs at most the steps whose tokens fit "
+        "(at least one), and the cosine decay ends there. With max_minutes too, whichever ends first. null: no token budget.",
+    )
     max_minutes: float | None = Field(
         None,
         gt=0,
@@ -95,7 +101,12 @@ class DistillConfig(StageConfig):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradient norm to this (null: no clipping).")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL loss (scaled by T²).")
-    loss: Literal["kl"] = Field("kl", description="kl: forward KL(teacher || student) on the logits.")
+    loss: Literal["kl", "ce"] = Field(
+        "kl",
+        description="kl: forward KL(teacher || student) on the logits (distillation); ce: cross-entropy on the training "
+        "text's next tokens (plain fine-tuning: the teacher does not run during the steps, it only scores the held-apart "
+        "evaluations and feeds the refit).",
+    )
     hidden_loss_weight: float = Field(0.0, ge=0, description="Weight of the hidden-state loss on mapped layers (0: off).")
     refit: DistillRefit | None = Field(
         default_factory=DistillRefit,
@@ -138,6 +149,13 @@ class DistillConfig(StageConfig):
         return self
 
     @model_validator(mode="after")
+    def _ce_trains_on_text(self) -> DistillConfig:
+        if self.loss == "ce" and (self.stored_teacher is not None or self.hidden_loss_weight > 0):
+            key = "stored_teacher" if self.stored_teacher is not None else f"hidden_loss_weight ({self.hidden_loss_weight:g})"
+            raise ValueError(f"loss ce trains on the text alone, without the teacher's outputs; remove {key} or use loss: kl")
+        return self
+
+    @model_validator(mode="after")
     def _stored_teacher_is_logits_only(self) -> DistillConfig:
         if self.stored_teacher is None:
             return self
@@ -156,3 +174,12 @@ class DistillConfig(StageConfig):
     @property
     def needs_calibration(self) -> bool:
         return self.data.source is None
+
+    def tokens_per_step(self, processes: int = 1) -> int:
+        return self.batch_size * self.grad_accum * processes * self.seq_len
+
+    def step_cap(self, processes: int = 1) -> int:
+        """``steps``, or fewer under ``max_tokens``: the steps whose tokens fit the budget (at least one)."""
+        if self.max_tokens is None:
+            return self.steps
+        return min(self.steps, max(1, self.max_tokens // self.tokens_per_step(processes)))
