@@ -150,6 +150,7 @@ class DistillStage:
         model.eval().requires_grad_(False)
         model.to("cpu")
         streaming.to_device(teacher, "cpu")
+        stopped_by = "steps" if state.step >= cfg.steps else "max_tokens" if state.step >= cap else "max_minutes"
         first, final = state.history[0], state.history[-1]
         kept = final if state.best is None else state.history[state.best]
         refitted = next((point for point in state.history if "refit" in point), None)
@@ -160,7 +161,7 @@ class DistillStage:
             "max_steps": cfg.steps,
             "max_minutes": cfg.max_minutes,
             "max_tokens": cfg.max_tokens,
-            "stopped_by": "steps" if state.step >= cfg.steps else "max_tokens" if state.step >= cap else "max_minutes",
+            "stopped_by": stopped_by,
             "loop_seconds": round(state.wall_seconds, 2),
             "processes": procs.world,
             "parallel": procs.kind,
@@ -195,9 +196,9 @@ class DistillStage:
             f"in {state.step} steps, {state.tokens:,} tokens, {state.wall_seconds:.0f} s"
             + (
                 ""
-                if state.step >= cfg.steps
+                if stopped_by == "steps"
                 else f" (the budget of {cfg.max_tokens:,} tokens ended it before step {cfg.steps})"
-                if state.step >= cap
+                if stopped_by == "max_tokens"
                 else f" (the {cfg.max_minutes:g}-minute budget ended it before step {cfg.steps})"
             )
         )

@@ -351,7 +351,7 @@ class Trainer:
                     self.consider(last)
                 state.wall_seconds = time.perf_counter() - began
                 if self.checkpoint_dir is not None and c.checkpoint_every and state.step % c.checkpoint_every == 0 and not last:
-                    optimizer_state = self.procs.optimizer_state(self.optimizer)  # whole tensors: the same files for any process count
+                    optimizer_state = self.procs.optimizer_state(self.optimizer)  # whole tensors, as one process writes them
                     self.procs.gather(self.wrapped, self.model)
                     if self.procs.main:
                         checkpoint.save(self.checkpoint_dir, self.model, optimizer_state, self.scheduler, state, self.fingerprint)

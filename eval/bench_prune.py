@@ -175,22 +175,18 @@ def run_prune_bench(
                 "kept_step": s["kept_step"],
                 "repaired": score(model),
             }
-            for name in texts:
-                gap, left = row["pruned"][name]["kl_divergence"], done["repaired"][name]["kl_divergence"]
-                done.setdefault("kl_gap_recovered", {})[name] = round(1 - left / gap, 4) if gap > 0 else None
+            done["kl_gap_recovered"] = gap_recovered(row["pruned"], done["repaired"])
             row["repairs"].append(done)
             if n == 0:
-                row.update({k: done[k] for k in ("repair_seconds", "train_seconds", "steps", "stopped_by", "tokens", "tokens_per_second")})
-                row.update(refit=done["refit"], repaired=done["repaired"])
-                for key, pruned in (("kl_gap_recovered", "pruned"), ("kl_gap_recovered_of_activation", "pruned_by_activation")):
-                    for name in texts if pruned in row else ():
-                        gap, left = row[pruned][name]["kl_divergence"], row["repaired"][name]["kl_divergence"]
-                        row.setdefault(key, {})[name] = round(1 - left / gap, 4) if gap > 0 else None
+                keys = ("repair_seconds", "train_seconds", "steps", "stopped_by", "tokens", "tokens_per_second", "refit", "repaired")
+                row.update({k: done[k] for k in (*keys, "kl_gap_recovered")})
+                if "pruned_by_activation" in row:
+                    row["kl_gap_recovered_of_activation"] = gap_recovered(row["pruned_by_activation"], done["repaired"])
             write_results(out_dir, result, markdown_table(result))
             if n < len(repairs) - 1:
                 del model
         del pruned_model, ctx
-    if any(len(r.get("repairs", [])) > 1 or len(r.get("repairs", [{}])[0].get("curve", [])) > 2 for r in result["rows"]):
+    if any(has_curves(r) for r in result["rows"]):
         plot_repair_curves(result, out_dir / "repair-curves.png")
         write_results(out_dir, result, markdown_table(result))
     return result
@@ -200,6 +196,18 @@ def recovery(point: dict[str, Any], before: dict[str, Any]) -> float | None:
     """The share of the KL gap ``before`` (the pruned model, the stage's step 0) that ``point`` closed."""
     gap = before["kl_divergence"]
     return 1 - point["kl_divergence"] / gap if gap > 0 else None
+
+
+def gap_recovered(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Per text, the share of ``before``'s KL gap that ``after`` closed (4 decimals; None without a gap)."""
+    shares = {name: recovery(after[name], b) for name, b in before.items()}
+    return {name: None if r is None else round(r, 4) for name, r in shares.items()}
+
+
+def has_curves(row: dict[str, Any]) -> bool:
+    """The row has repair curves to show: several repairs, or one evaluated during training too."""
+    reps = row.get("repairs", [])
+    return len(reps) > 1 or (len(reps) == 1 and len(reps[0]["curve"]) > 2)
 
 
 def plot_repair_curves(result: dict[str, Any], path: Path) -> Path | None:
@@ -233,9 +241,9 @@ def curve_table(result: dict[str, Any]) -> list[str]:
     """Per setting with several repairs or evaluations: KL (and share of the gap recovered) at each token count."""
     lines: list[str] = []
     for r in result["rows"]:
-        reps = r.get("repairs", [])
-        if not reps or (len(reps) == 1 and len(reps[0]["curve"]) <= 2):
+        if not has_curves(r):
             continue
+        reps = r["repairs"]
         before = reps[0]["curve"][0]
         lines += [
             "",

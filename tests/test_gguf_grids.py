@@ -393,23 +393,17 @@ def test_pipeline_records_on_the_q4_0_grid_are_packed_in_model_and_come_back_on_
 def test_bench_gguf_head_on_q8_0_has_llama_cpps_q4_0_layout(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     """`+head:q8_0`: GPTQ's head on the type llama.cpp's Q4_0 gives a tied model's one table; the file has
     llama.cpp's own Q4_0 layout tensor for tensor, so its size is llama.cpp's to the byte of metadata."""
-    import json
-
-    from tests.helpers import run_cli
+    from tests.helpers import run_gguf_bench
 
     pytest.importorskip("llama_cpp")
     out = tmp_path / "bench"
-    args = ["bench", "gguf", "-o", out, "--model", str(tiny_model_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
-    args += ["--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2", "--eval-seq-len", "64", "--repeats", "1"]
-    args += ["--decode-tokens", "8", "--threads", "2", "--candidates", "llama.cpp:q4_0,gptq:W4g32s+head:q8_0"]
-    result = run_cli(args)
-    assert result.exit_code == 0, result.output
-    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    saved = run_gguf_bench(out, tiny_model_dir, text_dir, "llama.cpp:q4_0,gptq:W4g32s+head:q8_0")
+    rows = {r["name"]: r for r in saved["rows"]}
     theirs, ours = rows["llama.cpp Q4_0"], rows["gptq W4 g32 sym -> Q4_0, head Q8_0"]
     assert ours["tensor_types"] == theirs["tensor_types"] and ours["records_exact"] == 15
     assert abs(ours["size_bytes"] - theirs["size_bytes"]) < 0.001 * theirs["size_bytes"]
     # the equal-bytes pair: ours against llama.cpp's file of its type, ratios of size, KL and decode speed
-    (pair,) = json.loads((out / "results.json").read_text())["pairs"]
+    (pair,) = saved["pairs"]
     assert pair["ours"] == ours["name"] and pair["llama_cpp"] == theirs["name"] and pair["equal_bytes"]
     assert pair["kl_ratio"] == pytest.approx(ours["metrics"]["kl_divergence"] / theirs["metrics"]["kl_divergence"], rel=1e-3)
     assert "| gptq W4 g32 sym -> Q4_0, head Q8_0 | llama.cpp Q4_0 | 1.0000 |" in (out / "results.md").read_text()

@@ -13,7 +13,7 @@ import torch
 from compress.errors import CompressError
 from compress.quantizers.mix import LayerChoice, _hull, allocate, candidate_types, tensor_bytes
 from tests.conftest import texts_of
-from tests.helpers import recipe_text, run_cli, write_recipe
+from tests.helpers import recipe_text, run_cli, run_gguf_bench, write_recipe
 
 
 def _layer(name: str, options: list[tuple[str, int, float]]) -> LayerChoice:
@@ -310,12 +310,7 @@ def test_bench_gguf_fills_llama_cpps_size_with_a_mix_and_plots_both(tmp_path: Pa
     quantizer then makes a file of the same tensor types as each mix of ours, to decode beside it."""
     pytest.importorskip("llama_cpp")
     out = tmp_path / "bench"
-    args = ["bench", "gguf", "-o", out, "--model", str(wide_model_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
-    args += ["--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2", "--eval-seq-len", "64", "--repeats", "1"]
-    args += ["--decode-tokens", "8", "--threads", "2", "--candidates", "llama.cpp:q4_k_m,gptq:mix@q4_k_m,rtn:mix@4.2"]
-    result = run_cli(args)
-    assert result.exit_code == 0, result.output
-    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    rows = {r["name"]: r for r in run_gguf_bench(out, wide_model_dir, text_dir, "llama.cpp:q4_k_m,gptq:mix@q4_k_m,rtn:mix@4.2")["rows"]}
     theirs, ours, four = rows["llama.cpp Q4_K_M"], rows["gptq mix at the size of llama.cpp's Q4_K_M"], rows["rtn mix at 4.2 bits/weight"]
     assert ours["budget_bits_per_weight"] == theirs["bits_per_weight"]
     assert theirs["bits_per_weight"] - 0.01 < ours["bits_per_weight"] <= theirs["bits_per_weight"]
