@@ -650,8 +650,10 @@ def bench_prune(
         "plotted (repair-curves.png). Default: one, --distill itself.",
     ),
     threads: int = typer.Option(os.cpu_count() or 1, help="torch CPU threads."),
+    device: str = typer.Option("cpu", help="Where pruning, repair and scoring compute: cpu, cuda or auto (as compute.device in a recipe)."),
 ) -> None:
     """Prune, then repair by distillation (or several repairs): KL, top-1 and perplexity before/after, repair time and tokens."""
+    import torch
     import yaml
     from pydantic import ValidationError
 
@@ -659,6 +661,7 @@ def bench_prune(
     from compress.eval.bench_prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
     from compress.progress import Reporter
     from compress.pruning.prune import PruneConfig
+    from compress.steps.load import resolve_device
 
     def parse(kind: Any, text: str, base: dict[str, Any]) -> Any:
         try:
@@ -678,7 +681,12 @@ def bench_prune(
         repairs.append((yaml.safe_load(text), checked))
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     sources = ["reference:python-docs"] if unseen is None else [u for u in unseen if u]
-    result = run_prune_bench(model, data, sources, settings, config, output, threads, Reporter(err), repairs or None)
+    if device not in ("cpu", "cuda", "auto"):
+        raise CompressError(f"--device '{device}': expected cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CompressError("--device cuda: torch sees no CUDA device here; use cpu or auto")
+    compute = resolve_device(device)
+    result = run_prune_bench(model, data, sources, settings, config, output, threads, Reporter(err), repairs or None, compute)
     _print_results(markdown_table(result), output)
 
 

@@ -72,13 +72,16 @@ def run_prune_bench(
     threads: int,
     reporter: Reporter,
     repairs: list[tuple[dict[str, Any], DistillConfig]] | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """``repairs``: (overrides, config) of each repair to run from the same pruned model; default the
-    one ``distill``. The first is the row's ``repaired``; every one has its curve in ``repairs``."""
+    one ``distill``. The first is the row's ``repaired``; every one has its curve in ``repairs``.
+    ``device``: where the stages and the scoring compute (default the CPU); the models wait on the CPU
+    between them, as in a recipe run."""
     repairs = repairs or [({}, distill)]
-    device = torch.device("cpu")
+    device = device or torch.device("cpu")
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
-    streaming.materialize(lm.model, device)  # pruning and training need the whole model in memory
+    streaming.materialize(lm.model, "cpu")  # pruning and training need the whole model in memory
     plan = DataPlan.load(data, Path.cwd(), reporter)
     texts = {"held_out": evaluation.tokens}
     unseen_facts = {}
@@ -91,11 +94,13 @@ def run_prune_bench(
 
     def score(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
         out = {}
+        lm.model.to(device), model.to(device)
         for name, tokens in texts.items():
             metrics = compare(
                 baseline, {"m": torch_forward(model, device)}, tokens, spec.min_context, spec.batch_size, progress=reporter.track
             )
             out[name] = {**metrics["m"], "baseline_perplexity": metrics["baseline"]["perplexity"]}
+        lm.model.to("cpu"), model.to("cpu")
         return out
 
     result: dict[str, Any] = {
@@ -104,6 +109,7 @@ def run_prune_bench(
         "texts": {"held_out": evaluation.facts, "unseen": unseen_facts},
         "distill": distill.model_dump(mode="json"),
         "threads": threads,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "host": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
@@ -269,7 +275,9 @@ def curve_table(result: dict[str, Any]) -> list[str]:
 
 def markdown_table(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['model']['source']}: {result['model']['parameters']:,} parameters; {result['threads']} threads; "
+        f"{result['model']['source']}: {result['model']['parameters']:,} parameters; {result['threads']} threads"
+        + (f" on {result['device']}" if result.get("device", "cpu") != "cpu" else "")
+        + "; "
         f"repair: up to {result['distill']['steps']} steps"
         + (f" within {result['distill']['max_minutes']:g} minutes" if result["distill"].get("max_minutes") else "")
         + f" of {result['distill']['batch_size']} x {result['distill']['seq_len']} tokens "

@@ -99,7 +99,7 @@ class Accumulator:
     def update(self, base_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """``base_logp``/``logits`` [n, vocab] at n scored positions of the open sequence; ``targets`` [n]."""
         logp = torch.log_softmax(logits.float(), dim=-1)
-        nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        nll = -logp.gather(-1, targets.to(logp.device).unsqueeze(-1)).squeeze(-1)
         kl = (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_(min=0.0)
         agree = logp.argmax(-1) == base_logp.argmax(-1)
         del logp

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from compress.eval.bench_quant import Setting, run_quant_bench
 from compress.progress import Reporter
@@ -278,6 +279,12 @@ def test_bench_prune_repair_curves_from_the_same_pruned_model(tmp_path: Path, tr
         (["--repair", "{loss: mse}"], "loss"),
         (["--repair", "{loss: ce, stored_teacher: {top_k: 8}}"], "loss ce trains on the text alone"),
         (["--repair", "[1"], "'[1'"),
+        (["--device", "tpu"], "--device 'tpu': expected cpu, cuda or auto"),
+        pytest.param(
+            ["--device", "cuda"],
+            "torch sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA"),
+        ),
     ],
 )
 def test_bench_prune_cli_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
