@@ -161,3 +161,42 @@ def test_the_large_reference_model_is_qwen2_5_coder_1_5b_in_bfloat16() -> None:
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])
     assert float(logp.mean()) > -2.0, float(logp.mean())  # uniform over 151,936 tokens would be -11.9
+
+
+def test_the_prune_stage_cuts_qwen_1_5b_block_by_block_to_a_smaller_dense_model() -> None:
+    """Issue 31 item 4 on the 1.5B model (skipped where it is not fetched, as in CI): 25% of every MLP and
+    8 of the 28 blocks cut from the streamed bfloat16 model, one block in memory at a time; the result is
+    the dense model of the new shape, still on disk block by block, and still close to the original on
+    held-out text (no repair)."""
+    from compress import streaming
+    from compress.pruning.prune import PruneConfig, PruneStage, parameters
+    from tests.conftest import reference_chunks
+
+    if assets.locate(assets.QWEN_CODER) is None:
+        pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
+    spec = ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16")
+    source, pruned = load_model(spec, ROOT, QUIET), load_model(spec, ROOT, QUIET).model
+    cal, ev = reference_chunks(source.tokenizer, (4, 256), (2, 256))
+    held: list[int] = []
+    original_resident = streaming.resident
+
+    def counting_resident(module, *args, **kwargs):  # blocks in memory when the next one is read to be cut
+        held.append(sum(any(p.device.type != "meta" for p in b.parameters()) for b in pruned.model.layers))
+        return original_resident(module, *args, **kwargs)
+
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=source.tokenizer, reporter=QUIET, calibration=lambda: cal)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(streaming, "resident", counting_resident)
+        summary = PruneStage(PruneConfig.model_validate({"mlp": 0.25, "layers": {"drop": 8}}), "stages[0]").apply(pruned, ctx).summary
+    assert held and max(held) == 0
+    assert streaming.is_streamed(pruned) and all(p.device.type == "meta" for p in pruned.parameters())
+    config = pruned.config
+    assert (config.num_hidden_layers, config.intermediate_size, len(pruned.model.layers)) == (20, 6720, 20)
+    assert len(summary["dropped_layers"]) == 8 and 0 not in summary["dropped_layers"]
+    h, kv, vocab = 1536, 2 * 128, 151_936
+    block = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * 6720 + 2 * h  # q, k, v (with biases), o, MLP, norms
+    assert parameters(pruned) == summary["after"]["parameters"] == vocab * h + 20 * block + h
+    scores = compare(torch_forward(source.model, torch.device("cpu")), {"pruned": torch_forward(pruned, torch.device("cpu"))}, ev, 32)
+    # measured: KL 1.46, top-1 34.6% (8 blocks and a quarter of the MLP, no repair); the bounds catch a cut
+    # model that no longer predicts like its source
+    assert scores["pruned"]["kl_divergence"] < 2.5 and scores["pruned"]["top1_agreement"] > 0.25, scores["pruned"]
