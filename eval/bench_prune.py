@@ -94,13 +94,15 @@ def run_prune_bench(
 
     def score(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
         out = {}
-        lm.model.to(device), model.to(device)
+        for m in (lm.model, model):  # both on the device while scored, then back to the CPU
+            m.to(device)
         for name, tokens in texts.items():
             metrics = compare(
                 baseline, {"m": torch_forward(model, device)}, tokens, spec.min_context, spec.batch_size, progress=reporter.track
             )
             out[name] = {**metrics["m"], "baseline_perplexity": metrics["baseline"]["perplexity"]}
-        lm.model.to("cpu"), model.to("cpu")
+        for m in (lm.model, model):
+            m.to("cpu")
         return out
 
     result: dict[str, Any] = {
