@@ -192,7 +192,7 @@ def test_the_prune_stage_cuts_qwen_1_5b_block_by_block_to_a_smaller_dense_model(
     assert streaming.is_streamed(pruned) and all(p.device.type == "meta" for p in pruned.parameters())
     config = pruned.config
     assert (config.num_hidden_layers, config.intermediate_size, len(pruned.model.layers)) == (20, 6720, 20)
-    assert len(summary["dropped_layers"]) == 8 and 0 not in summary["dropped_layers"]
+    assert len(summary["dropped_layers"]) == 8
     h, kv, vocab = 1536, 2 * 128, 151_936
     block = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * 6720 + 2 * h  # q, k, v (with biases), o, MLP, norms
     assert parameters(pruned) == summary["after"]["parameters"] == vocab * h + 20 * block + h
