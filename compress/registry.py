@@ -158,7 +158,23 @@ def connect(location: Location, create: bool = True) -> Any:
                 "--store or $COMPRESS_REGISTRY choose another)"
             )
         location.store.mkdir(parents=True, exist_ok=True)
+        if not location.exists:
+            _create_store(location, MlflowClient)
     return MlflowClient(tracking_uri=location.tracking_uri, registry_uri=location.registry_uri)
+
+
+def _create_store(location: Location, client_class: Any) -> None:
+    """Create the embedded store's database under a temporary name, then rename it into place:
+    MLflow creates and migrates a new SQLite database in many commits, and a publish killed between
+    two of them left a database that MLflow then refused ("out-of-date database schema"). Runs
+    under the publish lock (``_exclusive``), so a leftover temporary file is an abandoned attempt."""
+    assert location.store is not None
+    for stale in location.store.glob(f".{DATABASE}.creating-*"):
+        stale.unlink(missing_ok=True)
+    tmp = location.store / f".{DATABASE}.creating-{os.getpid()}-{time.time_ns()}"  # a new name each attempt: MLflow caches stores by URI
+    uri = f"sqlite:///{tmp}"
+    client_class(tracking_uri=uri, registry_uri=uri).search_registered_models(max_results=1)  # both stores' tables
+    os.replace(tmp, location.store / DATABASE)
 
 
 @contextmanager

@@ -549,3 +549,29 @@ def test_model_card_says_where_each_gate_was_measured_and_what_each_export_is_fo
     assert "Public domain (Project Gutenberg texts)" in card and "not recorded (your own text" in card
     assert '"group_size": 32' in card and "bits_per_weight 4.625" in card and "134,515,008" in card
     assert model_card(manifest, report, "demo", sizes, forced=True) == card  # deterministic
+
+
+def test_an_embedded_registry_killed_while_mlflow_creates_it_is_created_again(artifacts, tmp_path: Path, monkeypatch) -> None:
+    """MLflow creates and migrates a new SQLite database in many commits; a publish killed between two
+    of them left a database MLflow refused on the next command ("out-of-date database schema", once
+    in CI's kill test). The database is made under a temporary name and renamed into place: a
+    publish that dies while MLflow migrates it leaves no registry database, and the next one works."""
+    import mlflow.store.db.utils as mlflow_db
+
+    from compress.registry import DATABASE
+
+    store = tmp_path / "registry"
+    real_upgrade = mlflow_db._upgrade_db
+
+    def dies_midway(engine):  # the tables of the first migrations exist, the later ones never ran
+        raise KeyboardInterrupt("killed during MLflow's schema migration")
+
+    monkeypatch.setattr(mlflow_db, "_upgrade_db", dies_midway)
+    died = run_cli(["publish", artifacts["w4"], "--store", store, "--name", "mid", "-q"])
+    assert died.exit_code != 0 and not (store / DATABASE).exists(), died.output
+    monkeypatch.setattr(mlflow_db, "_upgrade_db", real_upgrade)
+    again = run_cli(["publish", artifacts["w4"], "--store", store, "--name", "mid", "-q"])
+    assert again.exit_code == 0, again.output
+    assert not list(store.glob(f".{DATABASE}.creating-*"))  # the abandoned attempt is gone
+    listing = run_cli(["registry", "list", "--store", store, "--json"])
+    assert [m["name"] for m in json.loads(listing.output)["models"]] == ["mid"]
