@@ -653,7 +653,6 @@ def bench_prune(
     device: str = typer.Option("cpu", help="Where pruning, repair and scoring compute: cpu, cuda or auto (as compute.device in a recipe)."),
 ) -> None:
     """Prune, then repair by distillation (or several repairs): KL, top-1 and perplexity before/after, repair time and tokens."""
-    import torch
     import yaml
     from pydantic import ValidationError
 
@@ -683,9 +682,7 @@ def bench_prune(
     sources = ["reference:python-docs"] if unseen is None else [u for u in unseen if u]
     if device not in ("cpu", "cuda", "auto"):
         raise CompressError(f"--device '{device}': expected cpu, cuda or auto")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CompressError("--device cuda: torch sees no CUDA device here; use cpu or auto")
-    compute = resolve_device(device)
+    compute = resolve_device(device, "--device")
     result = run_prune_bench(model, data, sources, settings, config, output, threads, Reporter(err), repairs or None, compute)
     _print_results(markdown_table(result), output)
 

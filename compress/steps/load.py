@@ -106,9 +106,10 @@ def work_dir_for(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".work")
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "compute.device") -> torch.device:
+    """``name`` (cpu, cuda or auto) as a torch device; ``key`` names the setting in the error."""
     if name == "cuda" and not torch.cuda.is_available():
-        raise CompressError("compute.device is cuda, but torch sees no CUDA device; use cpu or auto")
+        raise CompressError(f"{key} is cuda, but torch sees no CUDA device; use cpu or auto")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
