@@ -20,6 +20,8 @@ Per type, the parameters a range gives (the stored values are exactly what llama
 
 ``fix`` tries each row's range at several shares (``CLIP``), refits each try's parameters to the codes
 they give by (importance-weighted) least squares, and keeps per row the one with the smallest error.
+K-quants also get each sub-block's own step search (``SUB_STEPS``, llama.cpp's way), whose nearest-fp16
+``d`` / ``dmin`` find a source K-quant grid again (a model distributed as Q4_K_M).
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ refit by least squares: a shrunk range rounds a few outliers coarsely for a fine
 a slightly widened one leaves the top code unused, which puts a coarser source grid's step within the
 refit's reach (a Q4_1 grid in a Q5_1 block has 1/30 of the block's range as its step, not 1/31).
 scripts/grid_refit.py measured this set against eight shrunk ranges with and without the refit."""
+
+
+SUB_STEPS = (-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0)
+"""The K-quant sub-block step search (GridParams._search_sub): each sub-block's range is divided into
+qmax + f steps for each f here (the types with a minimum), or its largest-magnitude weight put f
+beyond the lowest code (the signed ones), as llama.cpp's K-quant quantizers search (21 and 19 tries
+of 0.1 there); empty turns the search off."""
 
 
 def _safe(x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +176,12 @@ class GridParams:
             for _ in range(REFIT_ROUNDS):
                 refit(u, groups, weights, k, importance, codes)
                 codes = kept.offer()
+        if self.k_quant and SUB_STEPS:  # each sub-block's own step search, refit as the ranges are
+            self._search_sub(u, groups, weights, importance)
+            codes = kept.offer()
+            for _ in range(REFIT_ROUNDS):
+                self._refit_super(u, groups, weights, k, importance, codes)
+                codes = kept.offer()
         kept.restore()
         for _ in range(REFIT_ROUNDS):  # once more from the best of all
             refit(u, groups, weights, k, importance, kept.codes)
@@ -204,24 +219,82 @@ class GridParams:
         e = (q - self.zero[:, k]).reshape(out_f, n, -1)
         xs = x.reshape(out_f, n, -1)
         ws = None if w is None else w.reshape(*w.shape[:-1], n, -1)
-        levels = float(self.grid.scale_levels)
         if self.grid.float_min:  # x = s·q - m with s >= 0, m >= 0
             s, o = _solve2(e, torch.ones_like(e), xs, ws)
             s, m = s.clamp(min=0), (-o).clamp(min=0)
             ok = torch.isfinite(s) & torch.isfinite(m)
             s = torch.where(ok, s, self.scale[:, groups])
             m = torch.where(ok, m, -self.offset[:, groups])
-            d, dmin = f16_up(s.amax(dim=-1) / levels), f16_up(m.amax(dim=-1) / levels)
-            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(0, levels)
-            mn = torch.round(m / _safe(dmin).unsqueeze(1)).clamp(0, levels)
         else:  # x = s·(q - z), s signed
             s = _solve1(e, xs, ws)
             s = torch.where(torch.isfinite(s), s, self.scale[:, groups])
-            d, dmin = f16_up(s.abs().amax(dim=-1) / levels), self.dmin[:, u]
+            m = None
+        self._set_sub(u, groups, s, m, f16_up)
+        self._refit_super(u, groups, x, k, w, self.round(x, k)[0])
+
+    def _set_sub(self, u: int, groups: slice, s: torch.Tensor, m: torch.Tensor | None, to_f16) -> None:  # noqa: ANN001
+        """Unit ``u``'s super-block ``d`` (and ``dmin``) and integer sub-block scales (and mins) from
+        float sub-block scales ``s`` [out, sub-blocks] (and mins ``m`` >= 0): ``d`` = the largest
+        magnitude / scale_levels, stored as ``to_f16`` rounds it, each integer the nearest multiple.
+        Signed scales with the nearest fp16 (``_f16``) follow llama.cpp instead: ``d`` = -(the
+        largest-magnitude scale) / (scale_levels + 1), so that scale is stored as -(scale_levels + 1)."""
+        levels = float(self.grid.scale_levels)
+        if m is not None:
+            d, dmin = to_f16(s.amax(dim=-1) / levels), to_f16(m.amax(dim=-1) / levels)
+            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(0, levels)
+            mn = torch.round(m / _safe(dmin).unsqueeze(1)).clamp(0, levels)
+        elif to_f16 is f16_up:
+            d, dmin = to_f16(s.abs().amax(dim=-1) / levels), self.dmin[:, u]
             sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels, levels)
             mn = self.sub_mins[:, groups]
+        else:  # llama.cpp's signed rule: the largest-magnitude scale on the one extra level, -(levels + 1)
+            extreme = s.gather(-1, s.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+            d, dmin = to_f16(-extreme / (levels + 1)), self.dmin[:, u]
+            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels - 1, levels)
+            mn = self.sub_mins[:, groups]
         self._set_k(u, groups, d, dmin, sc, mn)
-        self._refit_super(u, groups, x, k, w, self.round(x, k)[0])
+
+    def _search_sub(self, u: int, groups: slice, x: torch.Tensor, w: torch.Tensor | None) -> None:
+        """Each sub-block's own float scale (and minimum) from a search over steps near its range's,
+        each refit by least squares to the codes it gives, the best per sub-block kept (llama.cpp's
+        ``make_qkx2_quants`` / ``make_qx_quants``); then ``d`` / ``dmin`` and the integer sub-block
+        values from them, ``d`` the nearest fp16. A sub-block that sits on a source K-quant grid gets
+        its exact codes at one of the steps, so its scale (and minimum) come back exactly, and the
+        largest of them (the source's sub-block scale of scale_levels) gives the source's ``d``."""
+        out_f, n, qmax = x.shape[0], self.per_unit, float(self.scheme.qmax)
+        xs = x.reshape(out_f, n, -1)
+        ws = None if w is None else w.reshape(*w.shape[:-1], n, -1).expand_as(xs)
+        best_err = torch.full(xs.shape[:-1], float("inf"), device=x.device)
+        best_s, best_m = torch.zeros_like(best_err), torch.zeros_like(best_err)
+        if self.grid.float_min:  # x = s·q - m, s >= 0, m >= 0; steps (max - min) / (qmax ± 1)
+            lo = xs.amin(dim=-1, keepdim=True).clamp(max=0.0)
+            span = xs.amax(dim=-1, keepdim=True) - lo
+            for f in SUB_STEPS:
+                q = torch.round((xs - lo) * ((qmax + f) / _safe(span))).clamp(0, qmax)
+                s, o = _solve2(q, torch.ones_like(q), xs, ws)
+                s, m = s.clamp(min=0), (-o).clamp(min=0)
+                q = torch.round((xs + m.unsqueeze(-1)) / _safe(s).unsqueeze(-1)).clamp(0, qmax)
+                err = (s.unsqueeze(-1) * q - m.unsqueeze(-1) - xs).square()
+                err = (err if ws is None else err * ws).sum(dim=-1)
+                better = torch.isfinite(s) & torch.isfinite(m) & (err < best_err)
+                best_err, best_s, best_m = (
+                    torch.where(better, err, best_err),
+                    torch.where(better, s, best_s),
+                    torch.where(better, m, best_m),
+                )
+            self._set_sub(u, groups, best_s, best_m, _f16)
+            return
+        half = float(self.scheme.symmetric_zero)  # x = s·(q - half), s signed; the extreme near the lowest code
+        extreme = xs.gather(-1, xs.abs().argmax(dim=-1, keepdim=True))
+        for f in SUB_STEPS:
+            q = (torch.round(xs * (-(half + f) / _safe(extreme))) + half).clamp(0, qmax)
+            s = _solve1(q - half, xs, ws)
+            q = (torch.round(xs / _safe(s).unsqueeze(-1)) + half).clamp(0, qmax)
+            err = (s.unsqueeze(-1) * (q - half) - xs).square()
+            err = (err if ws is None else err * ws).sum(dim=-1)
+            better = torch.isfinite(s) & (err < best_err)
+            best_err, best_s = torch.where(better, err, best_err), torch.where(better, s, best_s)
+        self._set_sub(u, groups, best_s, None, _f16)
 
     def _set_k(self, u: int, groups: slice, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> None:
         self.d[:, u], self.dmin[:, u] = d, dmin

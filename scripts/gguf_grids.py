@@ -1,5 +1,5 @@
 """GPTQ on a llama.cpp type's own grid against llama.cpp's own quantizer at that type, on the reference
-model (SmolLM2-135M), all scored in llama.cpp against our F16 GGUF. Two steps, so that each process
+model (SmolLM2-135M; another with --model), all scored in llama.cpp against our F16 GGUF. Two steps, so that each process
 stays short on a small shared machine (``compress bench gguf`` does both in one run):
 
     python scripts/gguf_grids.py make -o DIR --candidate gptq:q4_k [--cal 32x512] [--threads 2]
@@ -56,7 +56,7 @@ def make(args: argparse.Namespace, reporter: Reporter) -> None:
     out: Path = args.output
     out.mkdir(parents=True, exist_ok=True)
     cand = Candidate.parse(args.candidate)
-    lm, calibration, _, _ = load_bench_inputs(MODEL, data_spec(args.cal, "1x64"), args.threads, reporter)
+    lm, calibration, _, _ = load_bench_inputs(args.model, data_spec(args.cal, "1x64"), args.threads, reporter)
     tokenizer_from = lm.source_path if gguf_writer.is_gguf_file(lm.source_path) else None
     f16 = out / "f16.gguf"
     if not f16.is_file():
@@ -85,7 +85,7 @@ def score(args: argparse.Namespace, reporter: Reporter) -> None:
     from compress.eval.metrics import compare
 
     out: Path = args.output
-    lm, _, evaluation, spec = load_bench_inputs(MODEL, data_spec(args.cal, args.eval), args.threads, reporter)
+    lm, _, evaluation, spec = load_bench_inputs(args.model, data_spec(args.cal, args.eval), args.threads, reporter)
     seq_len = int(evaluation.tokens.shape[1])
     reference = gguf_runtime.LlamaCppModel(out / "f16.gguf", n_ctx=seq_len, threads=args.threads)
     names = args.files.split(",") if args.files else [p.name for p in sorted(out.glob("*.gguf")) if p.name != "f16.gguf"]
@@ -110,7 +110,7 @@ def score(args: argparse.Namespace, reporter: Reporter) -> None:
         (out / (name + ".score.json")).write_text(json.dumps(row, indent=2) + "\n")
         reporter.info(f"{name}: KL {row['metrics']['kl_divergence']:.4f}")
     rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.score.json"))]
-    result = {"model": MODEL, "evaluation": evaluation.facts, "llama_cpp_python": library_versions()["llama_cpp_python"], "rows": rows}
+    result = {"model": args.model, "evaluation": evaluation.facts, "llama_cpp_python": library_versions()["llama_cpp_python"], "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["| candidate | file, MiB | tensor types | KL vs F16 | top-1 agreement | perplexity |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("step", choices=["make", "score"])
     parser.add_argument("-o", "--output", type=Path, required=True)
     parser.add_argument("--candidate", help="make: gptq:q4_k | rtn:q6_k | llama.cpp:q4_k_m | llama.cpp-pure:q4_k")
+    parser.add_argument("--model", default=MODEL, help="the model (default: the reference model); the same for make and score")
     parser.add_argument("--cal", default="32x512", help="calibration chunks x tokens (the evaluation text is held out from it)")
     parser.add_argument("--eval", default="16x512", help="evaluation chunks x tokens")
     parser.add_argument("--threads", type=int, default=2)

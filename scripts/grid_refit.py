@@ -1,7 +1,8 @@
 """How much each step of the parameter search on a llama.cpp type's grid (quantizers/gguf_grid.py)
 lowers the rounding error of a real model's weights, and what it costs: for each type, round-to-nearest
 of the Linear weights of a few blocks with the plain min/max range, with the earlier search over eight
-shrunk ranges, and with today's ranges (``CLIP``) each refit by least squares (``REFIT_ROUNDS``).
+shrunk ranges, with today's ranges (``CLIP``) each refit by least squares (``REFIT_ROUNDS``), and with
+the K-quants' sub-block step search added (``SUB_STEPS``; no change for the legacy types).
 
     python scripts/grid_refit.py [--model reference:smollm2-135m] [--blocks 0,7,15,29] [--types q4_0,q5_1,q4_k]
 
@@ -30,10 +31,11 @@ from compress.quantizers.core import QuantScheme  # noqa: E402
 from compress.schema.gguf_types import GGUF_GRID_TYPES  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SETTINGS = {  # name: (CLIP, REFIT_ROUNDS)
-    "plain range": ((1.0,), 0),
-    "8 shrunk ranges": ((1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79), 0),  # the search before the refit (6b22e11)
-    "ranges + refit": (gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS),  # today's
+SETTINGS = {  # name: (CLIP, REFIT_ROUNDS, SUB_STEPS)
+    "plain range": ((1.0,), 0, ()),
+    "8 shrunk ranges": ((1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79), 0, ()),  # the search before the refit (6b22e11)
+    "ranges + refit": (gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS, ()),  # before the K-quant sub-block search
+    "+ sub-block steps": (gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS, gguf_grid.SUB_STEPS),  # today's
 }
 
 
@@ -62,8 +64,8 @@ def main() -> None:
     for type_name in args.types.split(","):
         scheme = QuantScheme(gguf_type=type_name)
         cells, base = [], None
-        for clip, rounds in SETTINGS.values():
-            gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS = clip, rounds
+        for clip, rounds, steps in SETTINGS.values():
+            gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS, gguf_grid.SUB_STEPS = clip, rounds, steps
             start, err = time.perf_counter(), 0.0
             for w in weights.values():
                 err += float((gguf_grid.grid_quantize(w, scheme).dequantize().float() - w).square().sum())

@@ -318,6 +318,7 @@ def test_the_range_search_rounds_no_row_worse_than_the_plain_range(monkeypatch: 
     w = torch.randn(64, 512, generator=gen) ** 3  # heavy tails: a few weights set the plain range
     scheme = QuantScheme(gguf_type=type_name)
     monkeypatch.setattr(gguf_grid, "REFIT_ROUNDS", 0)  # the range search alone (the refit's own test is below)
+    monkeypatch.setattr(gguf_grid, "SUB_STEPS", ())  # and no sub-block search (its own test is below)
 
     def row_errors() -> torch.Tensor:
         return (gguf_grid.grid_quantize(w, scheme).dequantize().float() - w).square().sum(dim=1)
@@ -345,6 +346,7 @@ def test_the_least_squares_refit_rounds_no_row_worse_and_the_whole_weight_better
     w[::7, 5] = 0.2  # a few outliers
     importance = torch.rand(512, generator=gen) * 4 + 0.1 if weighted else None
     scheme = QuantScheme(gguf_type=type_name)
+    monkeypatch.setattr(gguf_grid, "SUB_STEPS", ())  # the ranges' refit alone (the sub-block search's test is above)
 
     def row_errors() -> torch.Tensor:
         params = gguf_grid.GridParams(64, 512, scheme, w.device)
@@ -358,6 +360,60 @@ def test_the_least_squares_refit_rounds_no_row_worse_and_the_whole_weight_better
     searched = row_errors()
     assert bool((refit <= searched).all())
     assert float(refit.sum()) < 0.995 * float(searched.sum())
+
+
+@pytest.mark.parametrize("type_name", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+def test_the_sub_block_search_finds_a_source_k_quant_grid_again(monkeypatch: pytest.MonkeyPatch, type_name: str) -> None:
+    """Weights dequantized from a K-quant file made as llama.cpp makes them (the largest sub-block scale
+    on scale_levels, or on -(scale_levels + 1) where scales are signed; every sub-block using its lowest
+    and highest code) round back to themselves: the sub-block step search (gguf_grid.SUB_STEPS) finds
+    each sub-block's codes (or, signed, their mirror image), hence its scale and ``d``. Without it, the range search and the refit do
+    not where sub-blocks of one super-block span different numbers of codes
+    (the real case: Qwen2.5-Coder-1.5B, distributed as Q4_K_M; scripts/rounding_choice.py). Stored
+    in bfloat16 (as that model's checkpoint is), the weights are rounded as closely as the source grid
+    holds them."""
+    from compress.quantizers import gguf_grid
+
+    gen = torch.Generator().manual_seed(3)
+    scheme = QuantScheme(gguf_type=type_name)
+    rows, in_f = 32, 512
+    src = gguf_grid.GridParams(rows, in_f, scheme, torch.device("cpu"))
+    grid, qmax, levels = src.grid, scheme.qmax, src.grid.scale_levels
+    subs = in_f // grid.group
+    codes = torch.randint(0, qmax + 1, (rows, subs, grid.group), generator=gen).float()
+    codes[..., 0], codes[..., 1] = 0, qmax  # even sub-blocks span every code,
+    odd = codes[:, 1::2]  # odd ones one fewer, as llama.cpp's step search often leaves them
+    if grid.signed_scales:  # (the extreme weight a level in from the lowest code)
+        odd.clamp_(min=1)[..., 0] = 1
+    else:  # (the highest code unused)
+        odd.clamp_(max=qmax - 1)[..., 1] = qmax - 1
+    for u in range(src.n_units):
+        groups = slice(u * src.per_unit, (u + 1) * src.per_unit)
+        d = (torch.rand(rows, generator=gen) * 1e-3 + 1e-4).half().float()
+        if grid.signed_scales:
+            sc = torch.randint(-levels, levels + 1, (rows, src.per_unit), generator=gen).float()
+            sc[:, 0] = -levels - 1
+            src._set_k(u, groups, d, src.dmin[:, u], sc, src.sub_mins[:, groups])
+            src.zero[:, groups] = float(scheme.symmetric_zero)
+        else:
+            sc = torch.randint(1, levels + 1, (rows, src.per_unit), generator=gen).float()
+            mn = torch.randint(0, levels + 1, (rows, src.per_unit), generator=gen).float()
+            sc[:, 0], mn[:, 1] = levels, levels
+            dmin = (torch.rand(rows, generator=gen) * 1e-3 + 1e-4).half().float()
+            src._set_k(u, groups, d, dmin, sc, mn)
+    source_codes = codes.reshape(rows, in_f)
+    w = src.record(source_codes).dequantize().float()
+
+    def again(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        record = gguf_grid.grid_quantize(weight, scheme)
+        return record.codes.float(), record.dequantize().float()
+
+    assert float((again(w)[1] - w).abs().max()) <= 1e-6 * float(w.abs().max())
+    stored = w.bfloat16().float()  # off the grid by bfloat16's rounding: rounded as close as the source grid is
+    assert float((again(stored)[1] - stored).square().sum()) <= 1.15 * float((w - stored).square().sum())
+    monkeypatch.setattr(gguf_grid, "SUB_STEPS", ())
+    assert float((again(w)[1] - w).square().sum()) > 1e-6 * float(w.square().sum())
+    assert float((again(stored)[1] - stored).square().sum()) > 2 * float((w - stored).square().sum())
 
 
 @pytest.mark.parametrize("type_name", GGUF_GRID_TYPES)
