@@ -229,21 +229,22 @@ class GridParams:
             s = _solve1(e, xs, ws)
             s = torch.where(torch.isfinite(s), s, self.scale[:, groups])
             m = None
-        self._set_sub(u, groups, s, m, f16_up)
+        self._set_sub(u, groups, s, m, llama_rule=False)
         self._refit_super(u, groups, x, k, w, self.round(x, k)[0])
 
-    def _set_sub(self, u: int, groups: slice, s: torch.Tensor, m: torch.Tensor | None, to_f16) -> None:  # noqa: ANN001
+    def _set_sub(self, u: int, groups: slice, s: torch.Tensor, m: torch.Tensor | None, llama_rule: bool) -> None:
         """Unit ``u``'s super-block ``d`` (and ``dmin``) and integer sub-block scales (and mins) from
         float sub-block scales ``s`` [out, sub-blocks] (and mins ``m`` >= 0): ``d`` = the largest
-        magnitude / scale_levels, stored as ``to_f16`` rounds it, each integer the nearest multiple.
-        Signed scales with the nearest fp16 (``_f16``) follow llama.cpp instead: ``d`` = -(the
-        largest-magnitude scale) / (scale_levels + 1), so that scale is stored as -(scale_levels + 1)."""
+        magnitude / scale_levels rounded up to fp16, each integer the nearest multiple. ``llama_rule``:
+        llama.cpp's instead, ``d`` the nearest fp16, and signed scales' ``d`` = -(the largest-magnitude
+        scale) / (scale_levels + 1), so that scale is stored as -(scale_levels + 1)."""
         levels = float(self.grid.scale_levels)
+        to_f16 = _f16 if llama_rule else f16_up
         if m is not None:
             d, dmin = to_f16(s.amax(dim=-1) / levels), to_f16(m.amax(dim=-1) / levels)
             sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(0, levels)
             mn = torch.round(m / _safe(dmin).unsqueeze(1)).clamp(0, levels)
-        elif to_f16 is f16_up:
+        elif not llama_rule:
             d, dmin = to_f16(s.abs().amax(dim=-1) / levels), self.dmin[:, u]
             sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels, levels)
             mn = self.sub_mins[:, groups]
@@ -282,7 +283,7 @@ class GridParams:
                     torch.where(better, s, best_s),
                     torch.where(better, m, best_m),
                 )
-            self._set_sub(u, groups, best_s, best_m, _f16)
+            self._set_sub(u, groups, best_s, best_m, llama_rule=True)
             return
         half = float(self.scheme.symmetric_zero)  # x = s·(q - half), s signed; the extreme near the lowest code
         extreme = xs.gather(-1, xs.abs().argmax(dim=-1, keepdim=True))
@@ -294,7 +295,7 @@ class GridParams:
             err = (err if ws is None else err * ws).sum(dim=-1)
             better = torch.isfinite(s) & (err < best_err)
             best_err, best_s = torch.where(better, err, best_err), torch.where(better, s, best_s)
-        self._set_sub(u, groups, best_s, None, _f16)
+        self._set_sub(u, groups, best_s, None, llama_rule=True)
 
     def _set_k(self, u: int, groups: slice, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> None:
         self.d[:, u], self.dmin[:, u] = d, dmin
