@@ -79,6 +79,11 @@ its super-block ``d`` / ``dmin``) and keeps, per row, whichever rounds the weigh
 error, as llama.cpp's own quantizer refits each block (``make_qkx``); 0 turns refitting off."""
 
 
+def _extreme(x: torch.Tensor) -> torch.Tensor:
+    """Along the last dimension, the value of largest magnitude (with its sign)."""
+    return x.gather(-1, x.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+
 def _f16(x: torch.Tensor) -> torch.Tensor:
     """The nearest fp16 value (as float32): what a least-squares ``d`` or minimum is stored as."""
     return x.clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)
@@ -249,8 +254,7 @@ class GridParams:
             sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels, levels)
             mn = self.sub_mins[:, groups]
         else:  # llama.cpp's signed rule: the largest-magnitude scale on the one extra level, -(levels + 1)
-            extreme = s.gather(-1, s.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-            d, dmin = to_f16(-extreme / (levels + 1)), self.dmin[:, u]
+            d, dmin = to_f16(-_extreme(s) / (levels + 1)), self.dmin[:, u]
             sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels - 1, levels)
             mn = self.sub_mins[:, groups]
         self._set_k(u, groups, d, dmin, sc, mn)
@@ -265,37 +269,37 @@ class GridParams:
         out_f, n, qmax = x.shape[0], self.per_unit, float(self.scheme.qmax)
         xs = x.reshape(out_f, n, -1)
         ws = None if w is None else w.reshape(*w.shape[:-1], n, -1).expand_as(xs)
-        best_err = torch.full(xs.shape[:-1], float("inf"), device=x.device)
-        best_s, best_m = torch.zeros_like(best_err), torch.zeros_like(best_err)
         if self.grid.float_min:  # x = s·q - m, s >= 0, m >= 0; steps (max - min) / (qmax ± 1)
             lo = xs.amin(dim=-1, keepdim=True).clamp(max=0.0)
             span = xs.amax(dim=-1, keepdim=True) - lo
-            for f in SUB_STEPS:
+
+            def fit(f: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                 q = torch.round((xs - lo) * ((qmax + f) / _safe(span))).clamp(0, qmax)
                 s, o = _solve2(q, torch.ones_like(q), xs, ws)
                 s, m = s.clamp(min=0), (-o).clamp(min=0)
                 q = torch.round((xs + m.unsqueeze(-1)) / _safe(s).unsqueeze(-1)).clamp(0, qmax)
-                err = (s.unsqueeze(-1) * q - m.unsqueeze(-1) - xs).square()
-                err = (err if ws is None else err * ws).sum(dim=-1)
-                better = torch.isfinite(s) & torch.isfinite(m) & (err < best_err)
-                best_err, best_s, best_m = (
-                    torch.where(better, err, best_err),
-                    torch.where(better, s, best_s),
-                    torch.where(better, m, best_m),
-                )
-            self._set_sub(u, groups, best_s, best_m, llama_rule=True)
-            return
-        half = float(self.scheme.symmetric_zero)  # x = s·(q - half), s signed; the extreme near the lowest code
-        extreme = xs.gather(-1, xs.abs().argmax(dim=-1, keepdim=True))
+                return s, m, s.unsqueeze(-1) * q - m.unsqueeze(-1)
+
+        else:  # x = s·(q - half), s signed; the extreme weight near the lowest code
+            half = float(self.scheme.symmetric_zero)
+            extreme = _extreme(xs).unsqueeze(-1)
+
+            def fit(f: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                q = (torch.round(xs * (-(half + f) / _safe(extreme))) + half).clamp(0, qmax)
+                s = _solve1(q - half, xs, ws)
+                q = (torch.round(xs / _safe(s).unsqueeze(-1)) + half).clamp(0, qmax)
+                return s, torch.zeros_like(s), s.unsqueeze(-1) * (q - half)
+
+        best_err = torch.full(xs.shape[:-1], float("inf"), device=x.device)
+        best_s, best_m = torch.zeros_like(best_err), torch.zeros_like(best_err)
         for f in SUB_STEPS:
-            q = (torch.round(xs * (-(half + f) / _safe(extreme))) + half).clamp(0, qmax)
-            s = _solve1(q - half, xs, ws)
-            q = (torch.round(xs / _safe(s).unsqueeze(-1)) + half).clamp(0, qmax)
-            err = (s.unsqueeze(-1) * (q - half) - xs).square()
+            s, m, values = fit(f)
+            err = (values - xs).square_()
             err = (err if ws is None else err * ws).sum(dim=-1)
-            better = torch.isfinite(s) & (err < best_err)
-            best_err, best_s = torch.where(better, err, best_err), torch.where(better, s, best_s)
-        self._set_sub(u, groups, best_s, None, llama_rule=True)
+            better = torch.isfinite(s) & torch.isfinite(m) & (err < best_err)
+            best_err = torch.where(better, err, best_err)
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+        self._set_sub(u, groups, best_s, best_m if self.grid.float_min else None, llama_rule=True)
 
     def _set_k(self, u: int, groups: slice, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> None:
         self.d[:, u], self.dmin[:, u] = d, dmin
@@ -328,8 +332,7 @@ class GridParams:
         grid, levels = self.grid, float(self.grid.scale_levels)
         if grid.symmetric:  # Q3_K, Q6_K: signed sub-block scales, the extreme weight on the lowest code
             half = float(self.scheme.symmetric_zero)
-            extreme = sub.gather(-1, sub.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-            want = -extreme / half
+            want = -_extreme(sub) / half
             d = f16_up(want.abs().amax(dim=-1) / levels)
             sc = torch.round(want / _safe(d).unsqueeze(1)).clamp(-levels, levels)
             self.zero[:, groups] = half

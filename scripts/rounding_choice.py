@@ -33,7 +33,7 @@ from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.core import QuantScheme  # noqa: E402
 from compress.quantizers.gguf_grid import grid_quantize  # noqa: E402
-from compress.quantizers.gptq import gptq_quantize  # noqa: E402
+from compress.quantizers.gptq import accumulate_hessian, gptq_quantize  # noqa: E402
 from compress.recipe import DataSpec  # noqa: E402
 
 TEXT = "reference:shakespeare"
@@ -55,10 +55,9 @@ def hessians(model: torch.nn.Module, tokens: torch.Tensor, blocks: list[int]) ->
 
     def hook(name: str):
         def fn(_m, args, _out):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            h = found.setdefault(name, torch.zeros(x.shape[1], x.shape[1]))
-            h.addmm_(x.T, x)
-            count[name] = count.get(name, 0) + x.shape[0]
+            width = args[0].shape[-1]
+            h = found.setdefault(name, torch.zeros(width, width))
+            count[name] = accumulate_hessian(h, count.get(name, 0), args[0].detach())
 
         return fn
 
@@ -72,7 +71,7 @@ def hessians(model: torch.nn.Module, tokens: torch.Tensor, blocks: list[int]) ->
             model(row.unsqueeze(0))
     for h in handles:
         h.remove()
-    return {n: 2 * h / count[n] for n, h in found.items()}
+    return found
 
 
 def objective(dw: torch.Tensor, h: torch.Tensor) -> float:
