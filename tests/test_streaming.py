@@ -118,8 +118,12 @@ def test_chunked_scoring_gives_the_numbers_of_whole_rows(monkeypatch: pytest.Mon
     vocab = model.config.vocab_size
     monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 5 * vocab)  # 5 positions at a time
     chunked = compare(torch_forward(model, CPU), {"o": torch_forward(other, CPU)}, x, 4, batch_size=2)["o"]
-    for key in ("kl_divergence", "perplexity", "top1_agreement", "tokens_scored"):
+    for key in ("perplexity", "top1_agreement", "tokens_scored"):
         assert chunked[key] == pytest.approx(whole[key], rel=1e-5), key
+    # KL here is ~2e-4 nats, a small difference of two float32 log-probabilities per position, so the
+    # head's matmul rounding over 5 positions instead of 40 moves it relatively more (1.3e-5 on the CI
+    # machine); a lost or repeated position of the 160 scored would move it by far more.
+    assert chunked["kl_divergence"] == pytest.approx(whole["kl_divergence"], rel=1e-4)
     assert chunked.intervals["kl_divergence"]["lower"] == pytest.approx(whole.intervals["kl_divergence"]["lower"], rel=1e-3)
     # logits as a plain tensor (a runtime's forward) score as hidden states and a head do (the head's
     # matmul over a whole row rounds a little differently from one over 5 positions)
