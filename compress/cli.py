@@ -530,6 +530,9 @@ def _print_results(table: str, output: Path) -> None:
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
 
 
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @bench_app.command("gguf")
 @guarded
 def bench_gguf(
@@ -559,15 +562,22 @@ def bench_gguf(
     same_mix: bool = typer.Option(
         True, help="After each mix of ours, llama.cpp's quantizer on the same tensor types (its decode speed is the reference)."
     ),
+    dtype: str = typer.Option(
+        "auto",
+        help="Compute dtype of the model, as a recipe's model.dtype: auto | float32 | bfloat16 | float16 (float32 on a CPU "
+        "without bfloat16 instructions, where bfloat16 is many times slower: scripts/bf16_matmul.py).",
+    ),
 ) -> None:
     """Our exact GGUFs (GPTQ/AWQ/RTN records, one type or a mix under a size budget) against llama.cpp's own quantizations, measured in llama.cpp."""
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
 
+    if dtype not in _DTYPES:
+        raise CompressError(f"--dtype: expected one of {', '.join(_DTYPES)}; got {dtype!r}")
     parsed = _candidates(Candidate.parse, candidates)
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     result = run_gguf_bench(
-        model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files, same_mix
+        model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files, same_mix, dtype
     )
     _print_results(markdown_table(result), output)
 

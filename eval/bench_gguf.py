@@ -153,9 +153,10 @@ def run_gguf_bench(
     repeats: int = 3,
     keep_files: bool = False,
     same_mix: bool = True,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     gguf_runtime.llama_cpp()  # fail before any work when the binding is missing
-    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
+    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter, dtype)
     seq_len = int(evaluation.tokens.shape[1])
     files = out_dir / "files"
     files.mkdir(parents=True, exist_ok=True)
@@ -168,7 +169,7 @@ def run_gguf_bench(
     reference = gguf_runtime.LlamaCppModel(f16, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
     prompt = evaluation.tokens[0, :64].tolist()
     result: dict[str, Any] = {
-        "model": {"source": model_source, "sha256": lm.facts["sha256"]},
+        "model": {"source": model_source, "sha256": lm.facts["sha256"], "dtype": str(lm.model.dtype).removeprefix("torch.")},
         "reference": {
             "file": "f16.gguf",
             "size_bytes": f16.stat().st_size,

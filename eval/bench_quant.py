@@ -105,12 +105,15 @@ def quantize_copy(
     return model, ctx.quantized, time.perf_counter() - started
 
 
-def load_bench_inputs(model_source: str, data: DataSpec, threads: int, reporter: Reporter) -> tuple[Any, Any, Any, Any]:
-    """The model, calibration chunks (None without calibration data), evaluation chunks and
-    evaluation spec a benchmark runs on, with torch set to ``threads``."""
+def load_bench_inputs(
+    model_source: str, data: DataSpec, threads: int, reporter: Reporter, dtype: str = "auto"
+) -> tuple[Any, Any, Any, Any]:
+    """The model (computing in ``dtype``, a recipe's ``model.dtype``), calibration chunks (None without
+    calibration data), evaluation chunks and evaluation spec a benchmark runs on, with torch set to
+    ``threads``."""
     torch.set_num_threads(threads)
     base_dir = Path.cwd()
-    lm = load_model(ModelSpec(source=model_source), base_dir, reporter)
+    lm = load_model(ModelSpec(source=model_source, dtype=dtype), base_dir, reporter)
     plan = DataPlan.load(data, base_dir, reporter)
     evaluation = plan.chunks("evaluation", lm.tokenizer)
     calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None

@@ -74,14 +74,15 @@ def write_recipe(directory: Path, text: str, name: str = "recipe.yaml") -> Path:
     return path
 
 
-def run_gguf_bench(out: Path, model_dir: Path, text_dir: Path, candidates: str) -> dict:
+def run_gguf_bench(out: Path, model_dir: Path, text_dir: Path, candidates: str, extra: tuple[str, ...] = ()) -> dict:
     """`compress bench gguf` on a tiny model with small data (4 x 64 calibration, 2 x 64 evaluation, 8
-    decoded tokens, one repeat, 2 threads); its results.json, after checking it exited 0."""
+    decoded tokens, one repeat, 2 threads, then ``extra`` options); its results.json, after checking it
+    exited 0."""
     import json
 
     args = ["bench", "gguf", "-o", out, "--model", str(model_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
     args += ["--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2", "--eval-seq-len", "64", "--repeats", "1"]
-    args += ["--decode-tokens", "8", "--threads", "2", "--candidates", candidates]
+    args += ["--decode-tokens", "8", "--threads", "2", "--candidates", candidates, *extra]
     result = run_cli(args)
     assert result.exit_code == 0, result.output
     return json.loads((out / "results.json").read_text())

@@ -290,3 +290,20 @@ def test_bench_prune_repair_curves_from_the_same_pruned_model(tmp_path: Path, tr
 def test_bench_prune_cli_rejects_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
     result = run_cli(["bench", "prune", "-o", tmp_path, *args])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.runtime
+def test_bench_gguf_computes_in_the_dtype_asked(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """`--dtype` is a recipe's model.dtype for the bench (float32 where bfloat16 is slow on the CPU):
+    results.json records the dtype the model computed in; a dtype it does not know is refused by name."""
+    from tests.helpers import run_gguf_bench
+
+    pytest.importorskip("llama_cpp")
+    saved = run_gguf_bench(tmp_path / "bf16", tiny_model_dir, text_dir, "rtn:W4g32s", ("--dtype", "bfloat16"))
+    assert saved["model"]["dtype"] == "bfloat16"
+    assert saved["rows"][0]["records_exact"] > 0
+    saved = run_gguf_bench(tmp_path / "auto", tiny_model_dir, text_dir, "rtn:W4g32s")
+    assert saved["model"]["dtype"] == "float32"  # the tiny fixture stores float32
+    result = run_cli(["bench", "gguf", "-o", tmp_path / "bad", "--model", str(tiny_model_dir), "--dtype", "fp8"])
+    assert result.exit_code == 2 and "--dtype: expected one of auto, float32, bfloat16, float16; got 'fp8'" in result.output
+    assert not (tmp_path / "bad").exists()
