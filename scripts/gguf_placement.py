@@ -24,14 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gguf import GGUFReader  # noqa: E402
-
 from compress import assets  # noqa: E402
+from compress.export.gguf.file import stored_types  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 
 
 def tensor_types(path: Path) -> dict[str, str]:
-    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    """Every tensor's type, written the way llama.cpp writes it (Q6_K, F32)."""
+    return {name: kind.upper() for name, kind in stored_types(path).items()}
 
 
 def placement(types: dict[str, str]) -> dict[str, dict[str, list[int]]]:
