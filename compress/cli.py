@@ -530,9 +530,6 @@ def _print_results(table: str, output: Path) -> None:
     out.print(f"results: {output / 'results.json'}, {output / 'results.md'}")
 
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
 @bench_app.command("gguf")
 @guarded
 def bench_gguf(
@@ -569,11 +566,15 @@ def bench_gguf(
     ),
 ) -> None:
     """Our exact GGUFs (GPTQ/AWQ/RTN records, one type or a mix under a size budget) against llama.cpp's own quantizations, measured in llama.cpp."""
+    from typing import get_args
+
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
+    from compress.recipe import ModelSpec
 
-    if dtype not in _DTYPES:
-        raise CompressError(f"--dtype: expected one of {', '.join(_DTYPES)}; got {dtype!r}")
+    dtypes = get_args(ModelSpec.model_fields["dtype"].annotation)  # the recipe's model.dtype values, kept in one place
+    if dtype not in dtypes:
+        raise CompressError(f"--dtype: expected one of {', '.join(dtypes)}; got {dtype!r}")
     parsed = _candidates(Candidate.parse, candidates)
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
     result = run_gguf_bench(
