@@ -222,6 +222,7 @@ def test_search_clip_equals_replaying_the_tokens(out_f: int, in_f: int, group: i
         errors.append((torch.einsum("ogk,tgk->ogt", q, xg) - reference).pow(2).mean(-1))
     expected = org * (1 - torch.stack(errors).argmin(0) / 20)
     assert torch.equal(search_clip(x, w, scheme, 20, 0.5), expected)
+    assert torch.equal(search_clip(x, w, scheme, 20, 0.5, rows_per_step=7), expected)  # rows in chunks: the same bounds
 
 
 @pytest.mark.runtime

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import string
 from pathlib import Path
 
 import gguf
@@ -645,7 +646,8 @@ def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path,
         tmp_path, smollm2.model, smollm2.tokenizer, GPTQStage(GPTQConfig(bits=4, group_size=32, symmetric=True), "s"), "q4_0", cal, ev
     )
     assert kl["ours"] < 0.8 * kl["theirs"], kl
-    assert sum(w.isalpha() for w in text.split()) >= 4, text  # words, not byte soup
+    # words, not byte soup: "Paris." and "is:" are words (punctuation around a word is stripped before counting)
+    assert sum(w.strip(string.punctuation).isalpha() for w in text.split()) >= 4, text
 
 
 @needs_llama_cpp
