@@ -129,6 +129,44 @@ def test_act_order_keeps_groups_static_and_contiguous() -> None:
     assert float((record.dequantize() - w).abs().max()) < 2 * float(record.scale.float().max())
 
 
+@pytest.mark.parametrize("type_name", ["W3 g24 asym", "q4_1", "q4_k", "q6_k"])
+def test_numpy_column_loop_is_torchs_bit_for_bit_and_sub_blocks_keep_the_sums(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the column loop runs on NumPy views; CUDA runs the same loop in torch. Both must give
+    the same record bit for bit. Sub-blocks (errors sent eagerly within 16 columns, then to the
+    rest of the block in one product) are the same sums as the one-level loop (a sub-block as wide
+    as the block), rounded differently: nearly every code agrees. 5-column sub-blocks divide no unit
+    (24, 32, 256 columns), so without act_order the units' starts split them."""
+    g = torch.Generator().manual_seed(0)
+    scheme = QuantScheme(bits=3, group_size=24, symmetric=False) if type_name.startswith("W3") else QuantScheme(gguf_type=type_name)
+    w = torch.randn(40, 512, generator=g) * 0.05
+    w[:3, :256] = 0.0  # all-zero units
+    h = torch.zeros(512, 512)
+    accumulate_hessian(h, 0, torch.randn(1024, 512, generator=g) @ torch.randn(512, 512, generator=g) / 23)
+    for act_order in (False, True):
+        records = {}
+        for numpy, sub in ((True, 16), (False, 16), (True, 5), (False, 5), (True, 128)):
+            monkeypatch.setattr(gptq_module, "COLUMNS_IN_NUMPY", numpy)
+            monkeypatch.setattr(gptq_module, "SUB_BLOCK", sub)
+            records[numpy, sub], _ = gptq_quantize(w, h, scheme, act_order=act_order)
+        for sub in (16, 5):
+            a, b = records[True, sub], records[False, sub]
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("codes", "scale", "zero_point")), (sub, act_order)
+            assert (a.offset is None) == (b.offset is None) and (a.offset is None or torch.equal(a.offset, b.offset))
+            assert (a.super_blocks is None) == (b.super_blocks is None)
+            if a.super_blocks is not None:
+                assert all(torch.equal(getattr(a.super_blocks, f), getattr(b.super_blocks, f)) for f in ("d", "dmin", "scales", "mins"))
+            agree = (a.codes == records[True, 128].codes).float().mean()
+            assert agree > 0.998, (sub, act_order, float(agree))
+        record, width = records[True, 16], scheme.group_width(512)
+        # With act_order the units are fixed from the original weights, before any error reaches
+        # them; a llama.cpp grid stores an all-zero unit as zero scales (a plain scheme, a tiny one).
+        if act_order and scheme.gguf_grid is not None:
+            assert (record.scale[:3, : 256 // width] == 0).all()
+            assert torch.equal(record.dequantize()[:3, :256], torch.zeros(3, 256))
+            zero_points = record.zero_point[:3].repeat_interleave(width, dim=1)
+            assert torch.equal(record.codes[:3, :256], zero_points[:, :256])
+
+
 # --------------------------------------------------------------------------- architectures
 
 
