@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from compress.eval.performance import Timed, baseline_timed, device_evaluations,
 from compress.export.format import TORCH_RUNTIME
 from compress.fsutil import MANIFEST, check_target, sha256_file
 from compress.inputs import check_model_directory
+from compress.paths import usable_cpus
 from compress.plugins import EXPORT_FORMATS, runtime_formats
 from compress.progress import Reporter
 from compress.recipe import (
@@ -213,7 +213,7 @@ def run_gate(
     for g in gates:
         if g.device is not None and g.device != LOCAL:
             get_profile(profiles, g.device)  # an unknown name fails here, before any work, with the known names
-    threads = threads or os.cpu_count() or 1
+    threads = threads or usable_cpus()
     torch.set_num_threads(threads)
     wanted = {g.artifact for g in gates} | ({"compressed"} if any(g.artifact in subject.stand_ins for g in gates) else set())
     started = time.perf_counter()

@@ -16,3 +16,14 @@ def cache_root() -> Path:
         return Path(os.environ["COMPRESS_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "compress"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on, the default thread count everywhere: its affinity mask where
+    the OS keeps one (``taskset``, a container's cpuset, each pytest-xdist worker of the test suite),
+    else ``os.cpu_count()``. More threads than usable CPUs make torch's OpenMP threads wait on each
+    other many-fold."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -37,6 +37,7 @@ import numpy as np
 from compress.errors import CompressError
 from compress.export.format import TORCH_RUNTIME, Runner
 from compress.fsutil import tree_size
+from compress.paths import usable_cpus
 from compress.plugins import runtime_formats
 
 
@@ -52,7 +53,7 @@ class LatencySettings:
     batch_sizes: tuple[int, ...] = (1, 4)
     warmup: int = 1
     repeats: int = 5
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    threads: int = field(default_factory=usable_cpus)
 
 
 @dataclass

@@ -8,8 +8,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_text
-from tests.tiny import tiny_llama_dir, tiny_moe_dir, train_tiny
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (the README's `pytest -n 2`), worker gwN keeps every n-th of the CPUs this process may
+    use, before torch is imported: each worker, and every command it starts, then counts only its own CPUs
+    (compress.paths.usable_cpus, the default thread count), so two workers on two cores run one thread each
+    instead of two thread pools of two waiting on each other."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= count:
+        index = int(worker.removeprefix("gw")) % count
+        os.sched_setaffinity(0, cpus[index::count])
+
+
+_pin_xdist_worker()
+
+from tests.helpers import make_text  # noqa: E402  (after the pinning: these import torch)
+from tests.tiny import tiny_llama_dir, tiny_moe_dir, train_tiny  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # the registry tests' client and server: no usage reports
@@ -24,6 +41,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         if not (item.get_closest_marker("runtime") or item.get_closest_marker("slow")):
             item.add_marker(pytest.mark.unit)
+    # The real-model tests first, then the other slow ones (each file's tests in their order): the two
+    # workers of `pytest -n 2` start the longest tests early and fill in with the short ones, rather than
+    # ending on one worker's ten-minute test while the other waits.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("real_model") else 1 if item.get_closest_marker("slow") else 2)
 
 
 def texts_of(text_dir: Path) -> list[str]:
@@ -74,10 +95,11 @@ def smollm2():
 
     from compress import streaming
     from compress.models import load_model
+    from compress.paths import usable_cpus
     from compress.progress import Reporter
     from compress.recipe import ModelSpec
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(usable_cpus())
     lm = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
     # Read into memory once: the method tests apply stages to copies of it directly, and stages that
     # do not stream expect an in-memory model (a run reads it whole for them: compress/steps/stages.py).

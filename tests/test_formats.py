@@ -26,6 +26,7 @@ from compress.export.checkpoint.readers import read_records
 from compress.export.packing import pack_int32, unpack_int32
 from compress.fsutil import sha256_file
 from compress.models import load_model
+from compress.paths import usable_cpus
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
@@ -482,7 +483,7 @@ def test_gate_on_an_export_name_validates(tmp_path: Path, tiny_model_dir: Path, 
 @pytest.mark.real_model
 def test_smollm2_compressed_tensors_export_loads_in_transformers(tmp_path: Path) -> None:
     """SmolLM2-135M (width 576 = 9 x 64): RTN W4 g64 asym -> compressed-tensors -> transformers, same logits."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(usable_cpus())
     root = Path(__file__).resolve().parents[1]
     src = load_model(ModelSpec(source="reference:smollm2-135m"), root, QUIET)
     model = src.model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from compress.eval.memory import PhaseMemory
 from compress.eval.performance import baseline_timed, wanted_devices
 from compress.fsutil import check_target
 from compress.models import LoadedModel, load_model
+from compress.paths import usable_cpus
 from compress.plugins import STAGE_KINDS, stage_kind
 from compress.progress import Reporter
 from compress.recipe import LoadedRecipe, ModelSpec, Recipe
@@ -166,7 +166,7 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
         rank,
         world,
         resolve_device(recipe.compute.device),
-        recipe.compute.threads or os.cpu_count() or 1,
+        recipe.compute.threads or usable_cpus(),
     )
     seed_everything(recipe.seed)
     torch.set_num_threads(run.threads)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from compress.errors import FormatError
+from compress.paths import usable_cpus
 
 FLOAT_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
@@ -121,7 +122,7 @@ def export_encoder(
     with torch.no_grad():
         reference = mean_pool(wrapper(*args).numpy(), batch["attention_mask"].numpy())
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or os.cpu_count() or 1
+    options.intra_op_num_threads = threads or usable_cpus()
     feeds = {n: batch[n].numpy().astype(np.int64) for n in names}
     checks: dict[str, Any] = {}
     for name, minimum in ((FLOAT_FILE, min_cosine_fp32), (INT8_FILE, min_cosine_int8)):

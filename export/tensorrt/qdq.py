@@ -46,6 +46,7 @@ from torch import nn
 from compress import streaming
 from compress.errors import FormatError
 from compress.export.specs import BATCH, PAST, SEQUENCE, TOTAL
+from compress.paths import usable_cpus
 from compress.quantizers.core import QuantizedWeight, QuantScheme
 
 OPSET = 21  # DequantizeLinear's block_size attribute and the INT4 type start at opset 21
@@ -445,7 +446,7 @@ def check_qdq_onnx(directory: Path, model: nn.Module, input_ids: torch.Tensor) -
         raise FormatError(f"{path}: non-standard operators {foreign}; TensorRT accepts only standard ONNX ops")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    options.intra_op_num_threads = usable_cpus()
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     kinds = {i.name: i for i in session.get_inputs()}
     float_np = np.float16 if kinds["past_key_values.0.key"].type == "tensor(float16)" else np.float32
