@@ -41,10 +41,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         if not (item.get_closest_marker("runtime") or item.get_closest_marker("slow")):
             item.add_marker(pytest.mark.unit)
-    # The real-model tests first, then the other slow ones (each file's tests in their order): the two
-    # workers of `pytest -n 2` start the longest tests early and fill in with the short ones, rather than
-    # ending on one worker's ten-minute test while the other waits.
-    items.sort(key=lambda item: 0 if item.get_closest_marker("real_model") else 1 if item.get_closest_marker("slow") else 2)
+    # Longest first: the tests marked minutes(n) by n, then the other real-model tests, then the other slow
+    # ones, then the rest (each file's tests in their order within a rank). `--dist loadgroup` hands every
+    # test to whichever worker is nearly idle, so the two workers start the long tests early and fill in
+    # with short ones, rather than one ending on a fifteen-minute test while the other waits.
+    items.sort(key=_start_rank)
+
+
+def _start_rank(item: pytest.Item) -> tuple[int, float]:
+    minutes = item.get_closest_marker("minutes")
+    if minutes:
+        return 0, -float(minutes.args[0])
+    return (1 if item.get_closest_marker("real_model") else 2 if item.get_closest_marker("slow") else 3), 0.0
 
 
 def texts_of(text_dir: Path) -> list[str]:

@@ -82,6 +82,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, text_d
     return {"root": root, "recipe": recipe, "rng": random.Random(25)}
 
 
+@pytest.mark.minutes(2)
 def test_kill_during_run(setup: dict) -> None:
     root, recipe, rng = setup["root"], setup["recipe"], setup["rng"]
     full = _timed("run", recipe, "-o", root / "reference", cwd=root)
