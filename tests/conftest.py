@@ -10,7 +10,7 @@ import pytest
 
 
 def _pin_xdist_worker() -> None:
-    """Under pytest-xdist (the README's `pytest -n 2`), worker gwN keeps every n-th of the CPUs this process may
+    """Under pytest-xdist (`-n 2` in pyproject.toml's addopts), worker gwN keeps every n-th of the CPUs it may
     use, before torch is imported: each worker, and every command it starts, then counts only its own CPUs
     (compress.paths.usable_cpus, the default thread count), so two workers on two cores run one thread each
     instead of two thread pools of two waiting on each other."""

@@ -134,8 +134,9 @@ def test_numpy_column_loop_is_torchs_bit_for_bit_and_sub_blocks_keep_the_sums(ty
     """On CPU the column loop runs on NumPy views; CUDA runs the same loop in torch. Both must give
     the same record bit for bit. Sub-blocks (errors sent eagerly within 16 columns, then to the
     rest of the block in one product) are the same sums as the one-level loop (a sub-block as wide
-    as the block), rounded differently: nearly every code agrees. 5-column sub-blocks divide no unit
-    (24, 32, 256 columns), so without act_order the units' starts split them."""
+    as the block), rounded differently: nearly every code agrees (measured at least 99.8% on two threads and
+    99.5% on one, where torch sums the products in another order; 80% when the sub-block product is dropped).
+    5-column sub-blocks divide no unit (24, 32, 256 columns), so without act_order the units' starts split them."""
     g = torch.Generator().manual_seed(0)
     scheme = QuantScheme(bits=3, group_size=24, symmetric=False) if type_name.startswith("W3") else QuantScheme(gguf_type=type_name)
     w = torch.randn(40, 512, generator=g) * 0.05
@@ -156,7 +157,7 @@ def test_numpy_column_loop_is_torchs_bit_for_bit_and_sub_blocks_keep_the_sums(ty
             if a.super_blocks is not None:
                 assert all(torch.equal(getattr(a.super_blocks, f), getattr(b.super_blocks, f)) for f in ("d", "dmin", "scales", "mins"))
             agree = (a.codes == records[True, 128].codes).float().mean()
-            assert agree > 0.998, (sub, act_order, float(agree))
+            assert agree > 0.99, (sub, act_order, float(agree))
         record, width = records[True, 16], scheme.group_width(512)
         # With act_order the units are fixed from the original weights, before any error reaches
         # them; a llama.cpp grid stores an all-zero unit as zero scales (a plain scheme, a tiny one).

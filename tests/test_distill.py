@@ -677,7 +677,7 @@ def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, tor
 
 @pytest.mark.runtime
 @pytest.mark.real_model
-@pytest.mark.minutes(8)
+@pytest.mark.minutes(7)
 def test_smollm2_prune_distill_recipe_exports_gguf_and_onnx_that_run_on_their_runtimes(tmp_path):
     """recipes/prune-distill.yaml on reduced data and a short repair (refit, then 10 steps of 2 x 256 tokens at lr 1e-4;
     256-token rows shorten the test on 2 cores, where a float32 step of 2 x 512 took 15 s: 405 s -> 299 s):

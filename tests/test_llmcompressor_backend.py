@@ -144,7 +144,7 @@ def test_recipe_end_to_end_with_a_compressed_tensors_export(tmp_path: Path, tiny
 
 @pytest.mark.runtime
 @pytest.mark.real_model
-@pytest.mark.minutes(15)
+@pytest.mark.minutes(16)
 def test_our_gptq_is_no_worse_than_llmcompressors_on_the_reference_model(smollm2, shakespeare_chunks, shakespeare_eval_32x512) -> None:
     """Same model, calibration (16 x 256 tokens of Shakespeare) and recipe (W4 g64 sym); KL on
     32 x 512 held-out tokens. act_order false (columns in order): ours computes each group's scale

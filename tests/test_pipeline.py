@@ -253,3 +253,33 @@ def test_hub_id_resolves_from_local_cache(tmp_path: Path, tiny_model_dir: Path, 
     )
     assert result.manifest["model"]["kind"] == "huggingface-cache"
     assert result.manifest["model"]["path"] == str(snapshot)
+
+
+def test_default_threads_follow_the_cpu_affinity_and_a_cgroup_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every default thread count is compress.paths.usable_cpus(): the CPUs the process may run on (a command
+    started under `taskset` or in a pinned test worker counts one CPU), and no more than a cgroup quota allows."""
+    import os
+    import subprocess
+    import sys
+
+    from compress import paths
+
+    first = min(os.sched_getaffinity(0))
+    pinned = f"import os; os.sched_setaffinity(0, {{{first}}}); from compress.paths import usable_cpus; print(usable_cpus())"
+    assert subprocess.run([sys.executable, "-c", pinned], capture_output=True, text=True, check=True).stdout.strip() == "1"
+    monkeypatch.setattr(paths.os, "sched_getaffinity", lambda _pid: set(range(8)))
+    v2, v1_quota, v1_period = tmp_path / "cpu.max", tmp_path / "quota", tmp_path / "period"
+    monkeypatch.setattr(paths, "CGROUP_CPU_FILES", ((str(v2), None), (str(v1_quota), str(v1_period))))
+    assert paths.usable_cpus() == 8  # no quota files: the affinity
+    v2.write_text("max 100000\n")
+    assert paths.usable_cpus() == 8
+    v2.write_text("250000 100000\n")  # 2.5 CPUs: 3 threads
+    assert paths.usable_cpus() == 3
+    v2.unlink()
+    v1_quota.write_text("100000\n")
+    v1_period.write_text("100000\n")
+    assert paths.usable_cpus() == 1
+    v1_quota.write_text("-1\n")
+    assert paths.usable_cpus() == 8
+    v1_quota.write_text("garbage\n")  # unreadable: no cap
+    assert paths.usable_cpus() == 8

@@ -420,7 +420,9 @@ class PublishSpec(Strict):
 
 class ComputeSpec(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when available.")
-    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: all cores).")
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads for torch (default: the cores this process may run on, its CPU affinity)."
+    )
 
 
 class Recipe(Strict):
