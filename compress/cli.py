@@ -21,6 +21,8 @@ from compress import __version__
 from compress.errors import EXIT_ERROR, CompressError
 from compress.paths import usable_cpus
 
+_THREADS = usable_cpus()  # every --threads default: the CPUs this process may run on
+
 app = typer.Typer(
     help="Compress LLMs with declarative recipes, evaluate every artifact against the source model, and gate on the result.",
     no_args_is_help=True,
@@ -475,7 +477,7 @@ def bench_quant(
     eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
     methods: str = typer.Option("rtn,gptq,awq", help="Comma-separated methods."),
     settings: str = typer.Option("W4g128s,W4g128a,W3g128s,W3g128a", help="Comma-separated: W<bits>g<group><s|a>, or W<bits>pc<s|a>."),
-    threads: int = typer.Option(usable_cpus(), help="torch CPU threads."),
+    threads: int = typer.Option(_THREADS, help="torch CPU threads."),
     option: list[str] | None = typer.Option(
         None,
         "--option",
@@ -555,7 +557,7 @@ def bench_gguf(
     embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
-    threads: int = typer.Option(usable_cpus(), help="torch and llama.cpp CPU threads."),
+    threads: int = typer.Option(_THREADS, help="torch and llama.cpp CPU threads."),
     keep_files: bool = typer.Option(False, help="Keep the GGUF files under OUTPUT/files."),
     same_mix: bool = typer.Option(
         True, help="After each mix of ours, llama.cpp's quantizer on the same tensor types (its decode speed is the reference)."
@@ -606,7 +608,7 @@ def bench_onnx(
     accuracy_level: int = typer.Option(4, min=0, max=4, help="MatMulNBits accuracy_level of every int4 file (4: int8 activations)."),
     decode_tokens: int = typer.Option(64, help="Tokens generated per decode-speed repeat."),
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
-    threads: int = typer.Option(usable_cpus(), help="torch and ONNX Runtime CPU threads."),
+    threads: int = typer.Option(_THREADS, help="torch and ONNX Runtime CPU threads."),
     keep_files: bool = typer.Option(False, help="Keep the ONNX files under OUTPUT/files."),
     keep_float: str = typer.Option(
         "",
@@ -661,7 +663,7 @@ def bench_prune(
         "held-apart KL at every evaluation (set eval.every in --distill) is tabulated against training tokens and "
         "plotted (repair-curves.png). Default: one, --distill itself.",
     ),
-    threads: int = typer.Option(usable_cpus(), help="torch CPU threads."),
+    threads: int = typer.Option(_THREADS, help="torch CPU threads."),
     device: str = typer.Option("cpu", help="Where pruning, repair and scoring compute: cpu, cuda or auto (as compute.device in a recipe)."),
 ) -> None:
     """Prune, then repair by distillation (or several repairs): KL, top-1 and perplexity before/after, repair time and tokens."""
@@ -719,7 +721,7 @@ def bench_kv(
     decode_prefill: int = typer.Option(1024, help="Prompt tokens in the cache before the decode-speed repeats."),
     repeats: int = typer.Option(3, help="Decode-speed repeats (the median is reported)."),
     memory_gib: str = typer.Option("8,24,80", help="Comma-separated device memory budgets for the memory plan."),
-    threads: int = typer.Option(usable_cpus(), help="torch CPU threads."),
+    threads: int = typer.Option(_THREADS, help="torch CPU threads."),
 ) -> None:
     """KV-cache schemes against the full-precision cache: bytes, KL at long context, decode speed, memory plan."""
     from pydantic import ValidationError
@@ -755,7 +757,7 @@ def bench_memory(
     eval_seq_len: int = _EVAL_SEQ_LEN_OPTION,
     methods: str = typer.Option("rtn,gptq", help="Comma-separated methods, each run at W4 g128 symmetric."),
     cut_blocks: int = typer.Option(4, min=1, help="Blocks of the cut copy the model is compared with."),
-    threads: int = typer.Option(usable_cpus(), help="torch CPU threads of each run."),
+    threads: int = typer.Option(_THREADS, help="torch CPU threads of each run."),
     set_: list[str] | None = SetOption,
     keep_files: bool = typer.Option(False, help="Keep the cut copy and the runs' artifacts under OUTPUT/files."),
 ) -> None:
@@ -790,7 +792,7 @@ def bench_latency(
     batch: int = typer.Option(4, min=1, help="The batch size measured besides 1."),
     warmup: int = typer.Option(1, min=0),
     repeats: int = typer.Option(5, min=1),
-    threads: int = typer.Option(usable_cpus(), help="Threads per runtime."),
+    threads: int = typer.Option(_THREADS, help="Threads per runtime."),
 ) -> None:
     """Time each runtime of ARTIFACT in several independent rounds: medians, p90, and the spread between rounds."""
     from compress.eval.bench_latency import markdown_table, run_latency_bench

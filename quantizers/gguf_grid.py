@@ -68,7 +68,8 @@ beyond the lowest code (the signed ones), as llama.cpp's K-quant quantizers sear
 of 0.1 there); empty turns the search off."""
 
 
-def _safe(x: torch.Tensor) -> torch.Tensor:
+def nonzero_divisor(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its zeros replaced by ones: a divisor for scales where a zero scale stores all-zero weights."""
     return torch.where(x == 0, torch.ones_like(x), x)
 
 
@@ -247,15 +248,15 @@ class GridParams:
         to_f16 = _f16 if llama_rule else f16_up
         if m is not None:
             d, dmin = to_f16(s.amax(dim=-1) / levels), to_f16(m.amax(dim=-1) / levels)
-            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(0, levels)
-            mn = torch.round(m / _safe(dmin).unsqueeze(1)).clamp(0, levels)
+            sc = torch.round(s / nonzero_divisor(d).unsqueeze(1)).clamp(0, levels)
+            mn = torch.round(m / nonzero_divisor(dmin).unsqueeze(1)).clamp(0, levels)
         elif not llama_rule:
             d, dmin = to_f16(s.abs().amax(dim=-1) / levels), self.dmin[:, u]
-            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels, levels)
+            sc = torch.round(s / nonzero_divisor(d).unsqueeze(1)).clamp(-levels, levels)
             mn = self.sub_mins[:, groups]
         else:  # llama.cpp's signed rule: the largest-magnitude scale on the one extra level, -(levels + 1)
             d, dmin = to_f16(-_extreme(s) / (levels + 1)), self.dmin[:, u]
-            sc = torch.round(s / _safe(d).unsqueeze(1)).clamp(-levels - 1, levels)
+            sc = torch.round(s / nonzero_divisor(d).unsqueeze(1)).clamp(-levels - 1, levels)
             mn = self.sub_mins[:, groups]
         self._set_k(u, groups, d, dmin, sc, mn)
 
@@ -274,10 +275,10 @@ class GridParams:
             span = xs.amax(dim=-1, keepdim=True) - lo
 
             def fit(f: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                q = torch.round((xs - lo) * ((qmax + f) / _safe(span))).clamp(0, qmax)
+                q = torch.round((xs - lo) * ((qmax + f) / nonzero_divisor(span))).clamp(0, qmax)
                 s, o = _solve2(q, torch.ones_like(q), xs, ws)
                 s, m = s.clamp(min=0), (-o).clamp(min=0)
-                q = torch.round((xs + m.unsqueeze(-1)) / _safe(s).unsqueeze(-1)).clamp(0, qmax)
+                q = torch.round((xs + m.unsqueeze(-1)) / nonzero_divisor(s).unsqueeze(-1)).clamp(0, qmax)
                 return s, m, s.unsqueeze(-1) * q - m.unsqueeze(-1)
 
         else:  # x = s·(q - half), s signed; the extreme weight near the lowest code
@@ -285,9 +286,9 @@ class GridParams:
             extreme = _extreme(xs).unsqueeze(-1)
 
             def fit(f: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                q = (torch.round(xs * (-(half + f) / _safe(extreme))) + half).clamp(0, qmax)
+                q = (torch.round(xs * (-(half + f) / nonzero_divisor(extreme))) + half).clamp(0, qmax)
                 s = _solve1(q - half, xs, ws)
-                q = (torch.round(xs / _safe(s).unsqueeze(-1)) + half).clamp(0, qmax)
+                q = (torch.round(xs / nonzero_divisor(s).unsqueeze(-1)) + half).clamp(0, qmax)
                 return s, torch.zeros_like(s), s.unsqueeze(-1) * (q - half)
 
         best_err = torch.full(xs.shape[:-1], float("inf"), device=x.device)
@@ -334,7 +335,7 @@ class GridParams:
             half = float(self.scheme.symmetric_zero)
             want = -_extreme(sub) / half
             d = f16_up(want.abs().amax(dim=-1) / levels)
-            sc = torch.round(want / _safe(d).unsqueeze(1)).clamp(-levels, levels)
+            sc = torch.round(want / nonzero_divisor(d).unsqueeze(1)).clamp(-levels, levels)
             self.zero[:, groups] = half
             self._set_k(u, groups, d, self.dmin[:, u], sc, self.sub_mins[:, groups])
         else:  # Q2_K, Q4_K, Q5_K: unsigned sub-block scales and mins, w = d·sc·q - dmin·m
@@ -342,8 +343,8 @@ class GridParams:
             step = (sub.amax(dim=-1) - lo).clamp(min=0.0) / self.scheme.qmax
             d = f16_up(step.amax(dim=-1) / levels)
             dmin = f16_up((-lo).amax(dim=-1) / levels)
-            sc = torch.round(step / _safe(d).unsqueeze(1)).clamp(0, levels)
-            mn = torch.round(-lo / _safe(dmin).unsqueeze(1)).clamp(0, levels)
+            sc = torch.round(step / nonzero_divisor(d).unsqueeze(1)).clamp(0, levels)
+            mn = torch.round(-lo / nonzero_divisor(dmin).unsqueeze(1)).clamp(0, levels)
             self._set_k(u, groups, d, dmin, sc, mn)
 
     def fix_all(self, weight: torch.Tensor, importance: torch.Tensor | None = None) -> None:
@@ -368,7 +369,7 @@ class GridParams:
         """Codes and dequantized values of ``w``: a column [out] in group ``k``, or columns [out, cols]
         in the groups ``k`` [cols]."""
         s, z, o = self.scale[:, k], self.zero[:, k], self.offset[:, k]
-        q = torch.clamp(torch.round((w - o) / _safe(s)) + z, 0, self.scheme.qmax)
+        q = torch.clamp(torch.round((w - o) / nonzero_divisor(s)) + z, 0, self.scheme.qmax)
         q = torch.where(s == 0, z.expand_as(q), q)
         return q, (q - z) * s + o
 

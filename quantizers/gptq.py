@@ -25,7 +25,7 @@ from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
 from compress.quantizers.core import QuantizedWeight, QuantScheme, one_cpu_thread
-from compress.quantizers.gguf_grid import GridParams
+from compress.quantizers.gguf_grid import GridParams, nonzero_divisor
 from compress.quantizers.mix import layer_schemes
 from compress.quantizers.sequential import BlockJob, run_layerwise, select_block_linears
 from compress.schema.quantize import GPTQConfig
@@ -262,7 +262,7 @@ def _gptq(
                     params.fix(col // unit, wt[col:end].t(), importance[col:end])
                 ks = group_t[col : i1 + b]  # the sub-block's parameters, gathered once, a column a row
                 s, z, o = (p[:, ks].t().contiguous() for p in (params.scale, params.zero, params.offset))
-                s_x, z_x, o_x, safe_x = view(s), view(z), view(o), view(torch.where(s == 0, torch.ones_like(s), s))
+                s_x, z_x, o_x, safe_x = view(s), view(z), view(o), view(nonzero_divisor(s))
                 for i in range(a, b):
                     j = i - a
                     col_w = w1_x[i]
