@@ -1,7 +1,15 @@
-"""Progress bars and messages for long work (rich), on stderr so stdout stays clean."""
+"""Progress bars and messages for long work (rich), on stderr so stdout stays clean.
+
+Where stderr is not a terminal (a CI log, a pipeline step, ``2> run.log``) rich draws a bar only once,
+when it ends; there each bar also writes a plain line (``description: 5/28, 0:03:12 elapsed, eta 0:14:00``)
+at most every ``$COMPRESS_PROGRESS_EVERY`` seconds (60 unless set), so an hour-long step shows in the log
+that it moves."""
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -12,10 +20,13 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+from compress.errors import CompressError
 
 T = TypeVar("T")
 
@@ -36,6 +47,7 @@ class Reporter:
     def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
         self.console = console or Console(stderr=True)
         self.quiet = quiet
+        self.log_every = _log_every()  # seconds between a bar's plain lines where the console is not a terminal
 
     def track(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
         if self.quiet:
@@ -43,9 +55,11 @@ class Reporter:
             return
         with Progress(*_COLUMNS, console=self.console) as progress:
             task = progress.add_task(description, total=total if total is not None else _len(items))
+            lines = self._log_lines(progress, task)
             for item in items:
                 yield item
                 progress.advance(task)
+                lines()
 
     @contextmanager
     def bar(self, description: str, total: int, completed: int = 0) -> Iterator[Callable[..., None]]:
@@ -57,7 +71,13 @@ class Reporter:
             return
         with Progress(*_COLUMNS, TextColumn("{task.fields[info]}"), console=self.console) as progress:
             task = progress.add_task(description, total=total, completed=completed, info="")
-            yield lambda info, total=None: progress.update(task, advance=1, info=info, **({} if total is None else {"total": total}))
+            lines = self._log_lines(progress, task)
+
+            def step(info: str, total: int | None = None) -> None:
+                progress.update(task, advance=1, info=info, **({} if total is None else {"total": total}))
+                lines()
+
+            yield step
 
     @contextmanager
     def status(self, message: str) -> Iterator[None]:
@@ -74,6 +94,50 @@ class Reporter:
 
     def warn(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/] {message}")
+
+    def _log_lines(self, progress: Progress, task: TaskID) -> Callable[[], None]:
+        """Called after each step of a bar: where the console is not a terminal, writes the bar's state as
+        a plain line once ``log_every`` seconds have passed since the last (the end is rich's own line)."""
+        if self.console.is_terminal:
+            return lambda: None
+        last = time.monotonic()
+
+        def maybe() -> None:
+            nonlocal last
+            now = time.monotonic()
+            state = next(t for t in progress.tasks if t.id == task)
+            if now - last < self.log_every or state.finished:
+                return
+            last = now
+            parts = [f"{state.completed:g}/{state.total:g}" if state.total is not None else f"{state.completed:g}"]
+            parts.append(f"{_clock(state.elapsed or 0.0)} elapsed")
+            if state.time_remaining is not None:
+                parts.append(f"eta {_clock(state.time_remaining)}")
+            info = state.fields.get("info")
+            progress.console.print(
+                f"  {state.description}: {', '.join(parts)}" + (f"  {info}" if info else ""), markup=False, highlight=False
+            )
+
+        return maybe
+
+
+def _log_every() -> float:
+    text = os.environ.get("COMPRESS_PROGRESS_EVERY", "").strip()
+    if not text:
+        return 60.0
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise CompressError(f"COMPRESS_PROGRESS_EVERY: expected seconds between progress lines (a number >= 0); got {text!r}")
+    return seconds
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 def _len(items: Iterable[object]) -> int | None:
