@@ -105,8 +105,10 @@ class Reporter:
         def maybe() -> None:
             nonlocal last
             now = time.monotonic()
-            state = next(t for t in progress.tasks if t.id == task)
-            if now - last < self.log_every or state.finished:
+            if now - last < self.log_every:
+                return
+            state = next(t for t in progress.tasks if t.id == task)  # a copy of the task list: only once due
+            if state.finished:
                 return
             last = now
             parts = [f"{state.completed:g}/{state.total:g}" if state.total is not None else f"{state.completed:g}"]
