@@ -483,9 +483,13 @@ def bench_quant(
         "--option",
         help="METHOD.KEY=VALUE (YAML value), a method option other than the setting's; repeatable, e.g. awq.duo_scaling=true.",
     ),
+    backends: str = typer.Option(
+        "compress",
+        help="Comma-separated implementations of gptq and awq, each scored as a row of its own: compress, llmcompressor.",
+    ),
 ) -> None:
-    """Compare RTN, GPTQ and AWQ: KL divergence, top-1 agreement, perplexity, time and memory."""
-    from compress.eval.bench_quant import Setting, markdown_table, run_quant_bench
+    """Compare RTN, GPTQ and AWQ (and their implementations): KL divergence, top-1 agreement, perplexity, time and memory."""
+    from compress.eval.bench_quant import Setting, backend_choices, markdown_table, run_quant_bench
     from compress.progress import Reporter
 
     try:
@@ -515,8 +519,13 @@ def bench_quant(
             QUANT_METHODS[method].config(method=method, bits=4, **opts)
         except ValidationError as exc:
             raise CompressError(f"--option for {method}: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    chosen_backends = [b.strip() for b in backends.split(",") if b.strip()]
+    if not chosen_backends or any(b not in backend_choices() for b in chosen_backends):
+        raise CompressError(f"--backends '{backends}': expected a comma-separated list of {', '.join(backend_choices())}")
+    if any(opts.get("backend") for opts in method_options.values()):
+        raise CompressError("--option METHOD.backend: choose implementations with --backends (each one becomes a row)")
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
-    result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err), method_options)
+    result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err), method_options, chosen_backends)
     _print_results(markdown_table(result), output)
 
 

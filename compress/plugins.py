@@ -105,9 +105,15 @@ def stage_streams(stage: Any) -> bool:
     its method's spec streams); else the run reads the whole model into memory before it."""
     kind = stage_kind(stage.kind)
     if kind.quantizes_weights:
-        method = quant_method(stage.config.method).streams
-        return kind.streams and (method(stage.config) if callable(method) else method)
+        return kind.streams and method_streams(stage.config)
     return kind.streams(stage.config) if callable(kind.streams) else kind.streams
+
+
+def method_streams(config: Any) -> bool:
+    """Whether a weight-quantization method's stage with ``config`` works on a streamed model (its
+    spec's ``streams``); else it needs the whole model in memory (e.g. ``backend: llmcompressor``)."""
+    streams = quant_method(config.method).streams
+    return streams(config) if callable(streams) else streams
 
 
 def export_format(name: str) -> ExportFormat:

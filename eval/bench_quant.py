@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
+from compress import streaming
 from compress.context import RunContext
 from compress.data import DataPlan
 from compress.eval.memory import PeakRSS
 from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
-from compress.plugins import quant_method
+from compress.plugins import method_streams, quant_method
 from compress.progress import Reporter
 from compress.recipe import DataSpec, ModelSpec
 from compress.schema.quantize import HEAD
@@ -75,7 +76,6 @@ def quantize_copy(
     calls on the same model, in which a budget's per-layer measurement is made once (RunContext.sensitivity).
     ``head``: the output head quantized too (``ignore: []``); with ``head_type``, by a second stage of
     the same method on that GGUF type's grid (``targets: [lm_head]``), as a recipe would chain it."""
-    import copy
     import time
 
     from compress.context import RunContext
@@ -94,7 +94,7 @@ def quantize_copy(
         head_config = spec.config(method=method, gguf_type=head_type, targets=[HEAD], ignore=[])
     elif head:
         config = type(config).model_validate({**config.model_dump(exclude_unset=True), "ignore": []})  # validated: AWQ refuses the head
-    model = copy.deepcopy(lm.model)
+    model = working_copy(lm.model, config)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
     ctx.gguf_budget = budget
     ctx.sensitivity = sensitivity
@@ -103,6 +103,15 @@ def quantize_copy(
     if head_config is not None:
         spec.build(head_config, "bench-head").apply(model, ctx)
     return model, ctx.quantized, time.perf_counter() - started
+
+
+def working_copy(model: Any, config: Any) -> Any:
+    """A copy of the (streamed) source ``model`` for one candidate: read into memory first when the
+    method's stage needs the whole model (``backend: llmcompressor``), as a recipe run does."""
+    copied = copy.deepcopy(model)
+    if streaming.is_streamed(copied) and not method_streams(config):
+        streaming.materialize(copied)
+    return copied
 
 
 def load_bench_inputs(
@@ -121,6 +130,33 @@ def load_bench_inputs(
     return lm, calibration, evaluation, data.evaluation
 
 
+DEFAULT_BACKEND = "compress"
+
+
+def backend_choices() -> tuple[str, ...]:
+    """The values of the calibrated methods' ``backend`` option (read from the recipe schema)."""
+    from typing import get_args
+
+    from compress.schema.quantize import GPTQConfig
+
+    return get_args(GPTQConfig.model_fields["backend"].annotation)
+
+
+def candidates(methods: list[str], backends: list[str]) -> list[tuple[str, str | None]]:
+    """(method, backend) pairs in order: a method with a ``backend`` option once per backend, any other
+    method once (backend None)."""
+    pairs: list[tuple[str, str | None]] = []
+    for method in methods:
+        has_backend = "backend" in quant_method(method).config.model_fields
+        pairs += [(method, b) for b in backends] if has_backend else [(method, None)]
+    return pairs
+
+
+def method_label(method: str, backend: str | None) -> str:
+    """``gptq``, or ``gptq (llmcompressor)`` for a backend other than ours."""
+    return method if backend in (None, DEFAULT_BACKEND) else f"{method} ({backend})"
+
+
 def run_quant_bench(
     model_source: str,
     data: DataSpec,
@@ -130,7 +166,10 @@ def run_quant_bench(
     threads: int,
     reporter: Reporter,
     method_options: dict[str, dict[str, Any]] | None = None,
+    backends: list[str] | None = None,
 ) -> dict[str, Any]:
+    """Every method at every setting; a method with a ``backend`` option (gptq, awq) once per entry of
+    ``backends`` (default: ours alone), so two implementations are scored side by side on the same data."""
     device = torch.device("cpu")
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
     baseline = torch_forward(lm.model, device)
@@ -147,17 +186,19 @@ def run_quant_bench(
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     for setting in settings:
-        for method in methods:
+        for method, backend in candidates(methods, backends or [DEFAULT_BACKEND]):
             method_spec = quant_method(method)
             options = dict((method_options or {}).get(method, {}))
+            if backend is not None:
+                options["backend"] = backend
             config = method_spec.config(
                 method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric, **options
             )
             if getattr(config, "needs_calibration", False) and calibration is None:
                 raise ValueError(f"{method} needs calibration data")
-            name = f"{method} {setting.label}"
+            name = f"{method_label(method, backend)} {setting.label}"
             reporter.info(f"[bold]{name}[/]")
-            model = copy.deepcopy(lm.model)
+            model = working_copy(lm.model, config)
             ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)  # type: ignore[union-attr]
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
@@ -178,6 +219,7 @@ def run_quant_bench(
                 {
                     "name": name,
                     "method": method,
+                    "backend": backend,
                     "setting": setting.label,
                     "seconds": round(seconds, 2),
                     "peak_extra_mb": round(mem.extra_mb),
@@ -204,7 +246,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ref = rtn.get(r["setting"])
         versus = "—" if r["method"] == "rtn" or ref is None else f"{(m['kl_divergence'] / ref - 1):+.1%}"
         lines.append(
-            f"| {r['method']} | {r['setting']} | {m['kl_divergence']:.4f} | {versus} | {m['top1_agreement']:.2%} | "
+            f"| {method_label(r['method'], r.get('backend'))} | {r['setting']} | {m['kl_divergence']:.4f} | {versus} | {m['top1_agreement']:.2%} | "
             f"{m['perplexity']:.2f} | {r['seconds']:.1f} | {r['peak_extra_mb']:,} |"
         )
     return "\n".join(lines)

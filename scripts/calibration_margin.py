@@ -1,10 +1,12 @@
-"""How much calibration text the real-model "GPTQ and AWQ beat RTN by a quarter at W3" test needs.
+"""How much calibration text, and how many blocks, the real-model "GPTQ and AWQ beat RTN at W3" test needs.
 
     python scripts/calibration_margin.py 32x512 64x512 128x512
+    python scripts/calibration_margin.py 8x256 --blocks 10 --eval 8x256
 
-For each calibration size: W3 g128 symmetric RTN, GPTQ and AWQ on the reference model (SmolLM2-135M),
-KL against the float model on 8 x 512 held-out tokens (the test's evaluation), the ratio of each
-calibrated method's KL to RTN's (the test asks for < 0.75), and the seconds each method took.
+For each calibration size: W3 g128 symmetric RTN, GPTQ and AWQ on the reference model (SmolLM2-135M)
+(every decoder block, or the first ``--blocks N``), KL against the float model on held-out tokens
+(``--eval``, default 8 x 512), the ratio of each calibrated method's KL to RTN's, and the seconds each
+method took.
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ from compress.recipe import ModelSpec  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 
 
-def main(sizes: list[str]) -> None:
-    torch.set_num_threads(2)
+def main(sizes: list[str], blocks: int | None, evaluation: tuple[int, int], threads: int) -> None:
+    torch.set_num_threads(threads)
+    targets = ["*"] if blocks is None else [rf"re:model\.layers\.({'|'.join(map(str, range(blocks)))})\..*"]
     quiet = Reporter(quiet=True)
     source = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, quiet)
     cpu = torch.device("cpu")
     for size in sizes:
         samples, seq_len = (int(x) for x in size.split("x"))
-        cal, ev = reference_chunks(source.tokenizer, (samples, seq_len), (8, 512))
+        cal, ev = reference_chunks(source.tokenizer, (samples, seq_len), evaluation)
         stages = {
-            "rtn": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=True), "s"),
-            "gptq": GPTQStage(GPTQConfig(bits=3, group_size=128, symmetric=True), "s"),
-            "awq": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=True), "s"),
+            "rtn": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=True, targets=targets), "s"),
+            "gptq": GPTQStage(GPTQConfig(bits=3, group_size=128, symmetric=True, targets=targets), "s"),
+            "awq": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=True, targets=targets), "s"),
         }
         candidates, seconds = {}, {}
         for name, stage in stages.items():
@@ -60,4 +63,13 @@ def main(sizes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["32x512", "64x512", "128x512"])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sizes", nargs="*", default=["32x512", "64x512", "128x512"], help="calibration SAMPLESxSEQ_LEN")
+    parser.add_argument("--blocks", type=int, default=None, help="quantize only the first N decoder blocks")
+    parser.add_argument("--eval", default="8x512", help="evaluation SAMPLESxSEQ_LEN")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    n, length = (int(x) for x in args.eval.split("x"))
+    main(args.sizes, args.blocks, (n, length), args.threads)

@@ -136,9 +136,17 @@ def shakespeare_chunks(smollm2):
 
 
 @pytest.fixture(scope="session")
-def shakespeare_eval_32x512(smollm2):
-    """32 x 512 held-out evaluation tokens (16k): enough to tell two near-equal quantizations apart."""
-    return reference_chunks(smollm2.tokenizer, (16, 256), (32, 512))[1]
+def quickstart_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """recipes/quickstart.yaml run once by the CLI on the reference model, its evaluation cut to 8 x 512
+    tokens; shared read-only by the tests marked ``xdist_group("quickstart")`` (one worker runs them)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("quickstart") / "out"
+    cmd = [sys.executable, "-m", "compress", "run", str(ROOT / "recipes" / "quickstart.yaml"), "-o", str(out), "-q"]
+    run = subprocess.run([*cmd, "--set", "data.evaluation.samples=8"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -102,6 +102,36 @@ def test_bench_cli_rejects_bad_options(tmp_path: Path, option: str, message: str
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.runtime
+def test_bench_scores_each_backend_side_by_side(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """--backends compress,llmcompressor: gptq once per implementation on the same data, rtn once."""
+    out = tmp_path / "b"
+    data = ["--calibration", str(text_dir), "--evaluation", str(text_dir), "--cal-samples", "4", "--cal-seq-len", "64"]
+    data += ["--eval-samples", "2", "--eval-seq-len", "64", "--threads", "1", "--model", str(tiny_model_dir)]
+    args = ["bench", "quant", "-o", out, *data, "--methods", "rtn,gptq", "--settings", "W4g32s", "--backends", "compress,llmcompressor"]
+    result = run_cli([*args, "--option", "gptq.act_order=false"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["method"], r["backend"]) for r in rows] == [("rtn", None), ("gptq", "compress"), ("gptq", "llmcompressor")]
+    assert [r["config"].get("backend") for r in rows] == [None, "compress", "llmcompressor"]
+    assert all(not r["config"]["act_order"] for r in rows[1:])
+    assert rows[1]["metrics"] != rows[2]["metrics"]  # two implementations, each scored
+    assert "| gptq (llmcompressor) | W4 g32 sym |" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backends", "autogptq"], "--backends 'autogptq': expected a comma-separated list of compress, llmcompressor"),
+        (["--backends", ","], "expected a comma-separated list"),
+        (["--option", "gptq.backend=llmcompressor"], "choose implementations with --backends"),
+    ],
+)
+def test_bench_cli_rejects_bad_backends(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli(["bench", "quant", "-o", tmp_path, *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_bench_kv_cli_measures_every_scheme(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     out = tmp_path / "kv"
     result = run_cli(

@@ -108,6 +108,18 @@ def test_w2_recipe_fails_its_gate_with_exit_1(tmp_path: Path) -> None:
     assert manifest["recipe"]["overrides"][0] == "stages.0.quantize.bits=2"
 
 
+@pytest.mark.xdist_group("quickstart")
+def test_the_quickstarts_metrics_do_not_drift(quickstart_artifact: Path) -> None:
+    """The golden numbers: the quickstart's report metrics (8 x 512 evaluation tokens) equal those measured
+    before the issue-26 refactor, recorded with `python scripts/compare_metrics.py OUT --save
+    tests/data/quickstart-eval8.metrics.json`. The tolerance (relative 1e-4) allows float rounding that
+    differs between CPU instruction sets, nothing more."""
+    expected = ROOT / "tests" / "data" / "quickstart-eval8.metrics.json"
+    compare_cmd = [sys.executable, str(ROOT / "scripts" / "compare_metrics.py"), str(expected), str(quickstart_artifact), "--rel", "1e-4"]
+    compared = subprocess.run(compare_cmd, capture_output=True, text=True)
+    assert compared.returncode == 0, compared.stdout + compared.stderr
+
+
 @pytest.mark.minutes(17)
 def test_gptq_and_awq_beat_rtn_by_a_quarter_at_w3_on_the_reference_model(smollm2, shakespeare_calibration_16x512) -> None:
     """W3 g128 symmetric (the harder symmetry for AWQ), each method's default settings otherwise,
