@@ -22,6 +22,7 @@ from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.memory import PhaseMemory
 from compress.eval.performance import baseline_timed, wanted_devices
 from compress.fsutil import check_target
+from compress.marker import ARTIFACT
 from compress.models import LoadedModel, load_model
 from compress.paths import usable_cpus
 from compress.plugins import STAGE_KINDS, stage_kind
@@ -151,7 +152,7 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
         )
     reporter = Reporter(quiet=True) if rank > 0 else (reporter or Reporter())
     out_dir = Path(out_dir)
-    check_target(out_dir, overwrite)  # atomic_directory checks again at the end
+    check_target(out_dir, overwrite, ARTIFACT)  # atomic_directory checks again at the end
     devices = [name for name in wanted_devices(recipe.latency, recipe.targets, recipe.gates) if name != LOCAL]
     if devices:  # profiles are read only when a run names a device
         profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
