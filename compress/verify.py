@@ -65,9 +65,11 @@ def check_artifact(directory: str | Path, advice: str = RERUN) -> Contents:
         raise ArtifactError(f"{root} is not a compress artifact (needs {MANIFEST} and {REPORT}, as `compress run` writes them)")
     manifest = _json(root / MANIFEST)
     try:
-        read_marker(root)
+        kind, _ = read_marker(root)
     except ValueError as exc:
         raise ArtifactError(f"{root} is not verified: {exc}" + (f"; {advice}" if advice else "")) from None
+    if not kind.manifest:
+        raise ArtifactError(f"{root} is {kind.described}, not an artifact, pulled version or gate report; nothing to verify")
     listed = manifest.get("files")
     if not isinstance(listed, dict) or not listed or not all(isinstance(v, str) for v in listed.values()):
         raise ArtifactError(f"{root / MANIFEST} lists no files with their checksums; {advice}")

@@ -229,12 +229,18 @@ EDITS: dict[str, Callable[[dict], None]] = {
     "weights_format": lambda m: m["quantization"].update(weights_format="compress-quantized-v1"),
     "exports": lambda m: m.update(exports=[{"name": "q4", "format": "gguf", "path": "exports/q4", "files": {}}]),
 }
-OUTSIDE: dict[str, Callable[[dict], None]] = {
-    "export path ../outside": lambda m: m.update(exports=[{"name": "q4", "format": "gguf", "path": "../outside/x", "files": {}}]),
-    "absolute export path": lambda m: m.update(exports=[{"name": "q4", "format": "gguf", "path": "/tmp/x", "files": {}}]),
-    "export file a/../../x": lambda m: m.update(exports=[{"name": "q4", "format": "gguf", "path": "exports", "files": {"a/../../x": "0"}}]),
-    "absolute file": lambda m: m["files"].update({"/etc/passwd": "0" * 64}),
+OUTSIDE_MESSAGE = "names paths outside the artifact"
+FORGED: dict[str, tuple[Callable[[dict], None], str]] = {
+    "export path ../outside": (lambda m: m.update(exports=[{"name": "q4", "format": "gguf", "path": "../outside/x"}]), OUTSIDE_MESSAGE),
+    "absolute export path": (lambda m: m.update(exports=[{"name": "q4", "format": "gguf", "path": "/tmp/x"}]), OUTSIDE_MESSAGE),
+    "export file a/../../x": (
+        lambda m: m.update(exports=[{"name": "q4", "format": "gguf", "path": "exports", "files": {"a/../../x": "0"}}]),
+        OUTSIDE_MESSAGE,
+    ),
+    "absolute file": (lambda m: m["files"].update({"/etc/passwd": "0" * 64}), OUTSIDE_MESSAGE),
+    "exports not a list": (lambda m: m.update(exports="exports/q4"), "`exports` is not a list of export entries"),
 }
+"""Manifests edited with the marker written anew to match (a forger who knows the format): still refused."""
 
 
 def refusals(root: Path, inputs: dict[str, Path]) -> dict[str, object]:
@@ -255,12 +261,13 @@ def test_an_edited_manifest_is_refused_by_verify_gate_and_publish(edit: str, cop
     assert not (copy.parent / "report").exists() and not (copy.parent / "registry").exists()
 
 
-@pytest.mark.parametrize("edit", list(OUTSIDE))
+@pytest.mark.parametrize("edit", list(FORGED))
 def test_a_path_outside_the_artifact_is_refused_even_with_a_forged_marker(edit: str, copy: Path, inputs: dict[str, Path]) -> None:
-    edit_manifest(copy, OUTSIDE[edit], remark=True)
+    change, expected = FORGED[edit]
+    edit_manifest(copy, change, remark=True)
     for command, result in refusals(copy, inputs).items():
         assert result.exit_code == 2, (command, result.output)
-        assert "names paths outside the artifact" in result.output and "Traceback" not in result.output, (command, result.output)
+        assert expected in result.output and "Traceback" not in result.output, (command, result.output)
 
 
 def _symlink(root: Path) -> str:
