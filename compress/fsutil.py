@@ -159,6 +159,31 @@ def _marked(target: Path, kind: OutputKind) -> bool:
         return False
 
 
+def claim_work_directory(target: Path, kind: OutputKind) -> None:
+    """A folder a run keeps next to its output between attempts (its work directory): made and
+    marked when missing, used as it is when empty or ours (a killed run resumes from it), refused
+    otherwise, before any work."""
+    if target.exists() or target.is_symlink():
+        why = "it is not a directory" if target.is_symlink() or not target.is_dir() else not_ours(target, kind)
+        if why is not None:
+            raise ArtifactError(
+                f"{target} would hold this run's work files, but {why}; nothing was changed: delete it yourself or choose another -o"
+            )
+    target.mkdir(parents=True, exist_ok=True)
+    if not (target / MARKER).is_file():
+        write_marker(target, kind)
+
+
+def remove_if_only_marked(directory: Path) -> None:
+    """Remove ``directory`` when nothing but its marker is left in it; anything else stays."""
+    try:
+        if [p.name for p in directory.iterdir()] == [MARKER]:
+            (directory / MARKER).unlink()
+        directory.rmdir()
+    except OSError:  # absent, or holds something else
+        pass
+
+
 @contextmanager
 def atomic_directory(target: Path, overwrite: bool, kind: OutputKind | None) -> Iterator[Path]:
     """Yield an empty temporary directory; on success it replaces ``target`` in one rename.

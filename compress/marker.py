@@ -45,7 +45,7 @@ class OutputKind:
     name: str
     described: str  # for messages: "an artifact", ...
     manifest: bool = False  # bound to manifest.json, whose ``files`` name every other file
-    names: tuple[str, ...] = ()  # without a manifest: top-level entries it may hold (besides the marker's ``names``)
+    names: tuple[str, ...] = ()  # without a manifest: top-level entries it may hold (``x*``: any name starting with x)
     nested: str | None = None  # a folder of outputs of their own (a search's candidates), each checked as one
 
 
@@ -56,7 +56,8 @@ BENCH = OutputKind(
     "bench", "a benchmark's results", names=("results.json", "results.md", "files", "runs", "kl-vs-size.png", "repair-curves.png")
 )
 ENCODER = OutputKind("encoder", "an exported encoder")
-KINDS = {kind.name: kind for kind in (ARTIFACT, GATE_REPORT, SEARCH, BENCH, ENCODER)}
+WORK = OutputKind("work", "a run's work directory", names=("overlay", "records", "baseline", "tasks", "stages[*"))
+KINDS = {kind.name: kind for kind in (ARTIFACT, GATE_REPORT, SEARCH, BENCH, ENCODER, WORK)}
 """Every kind by the name its marker records."""
 
 
@@ -75,8 +76,11 @@ def marker_content(root: Path, kind: OutputKind) -> dict[str, Any]:
 
 
 def write_marker(root: Path, kind: OutputKind) -> None:
-    """Mark ``root`` as ours, last (a kind with a manifest: after manifest.json is final)."""
-    (root / MARKER).write_text(json.dumps(marker_content(root, kind), indent=2, sort_keys=True) + "\n")
+    """Mark ``root`` as ours, last (a kind with a manifest: after manifest.json is final); in one
+    rename, so a reader never sees half a marker."""
+    tmp = root / f"{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(marker_content(root, kind), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, root / MARKER)
 
 
 def read_marker(root: Path) -> tuple[OutputKind, dict[str, Any]]:
@@ -131,13 +135,12 @@ def _foreign(root: Path, kind: OutputKind, content: dict[str, Any]) -> list[str]
     if kind.manifest:
         listed = _manifest_files(root)
         return [rel for rel in entries(root) if rel not in listed]
-    allowed = {MARKER, *kind.names, *content.get("names", [])}
+    allowed = {MARKER, *content.get("names", []), *(n for n in kind.names if not n.endswith("*"))}
+    prefixes = tuple(n[:-1] for n in kind.names if n.endswith("*"))
     foreign = []
     for rel in entries(root):
         top = rel.split("/", 1)[0]
-        if top == kind.nested:
-            continue
-        if top not in allowed:
+        if top != kind.nested and top not in allowed and not top.startswith(prefixes):
             foreign.append(rel)
     if kind.nested and (root / kind.nested).is_dir():
         foreign += _foreign_nested(root, kind.nested)
@@ -149,11 +152,19 @@ def _foreign_nested(root: Path, nested: str) -> list[str]:
     foreign = []
     for child in sorted((root / nested).iterdir()):
         rel = f"{nested}/{child.name}"
-        if child.is_dir() and not child.is_symlink():
-            if _LEFTOVER.match(child.name) or not_ours(child, ARTIFACT) is None:
-                continue
+        if child.is_dir() and not child.is_symlink() and (_LEFTOVER.match(child.name) or _ours_of_any_kind(child)):
+            continue
         foreign.append(rel)
     return foreign
+
+
+def _ours_of_any_kind(directory: Path) -> bool:
+    """An output of ours (an artifact, a killed run's work directory, ...) holding only what its marker accounts for."""
+    try:
+        kind, _ = read_marker(directory)
+    except (ValueError, OSError):
+        return not any(directory.iterdir())
+    return not_ours(directory, kind) is None
 
 
 def _manifest_files(root: Path) -> set[str]:

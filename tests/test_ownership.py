@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from compress.errors import ArtifactError
-from compress.fsutil import check_target, claim_directory
-from compress.marker import ARTIFACT, BENCH, GATE_REPORT, KINDS, MARKER, SEARCH, not_ours, write_marker
+from compress.fsutil import check_target, claim_directory, claim_work_directory, remove_if_only_marked
+from compress.marker import ARTIFACT, BENCH, GATE_REPORT, KINDS, MARKER, SEARCH, WORK, not_ours, write_marker
 from compress.verify import check_artifact
 from tests.helpers import recipe_text, run_cli, write_recipe
 
@@ -163,13 +163,29 @@ def test_check_target_rules(tmp_path: Path) -> None:
 def test_a_search_resumes_only_a_search_of_ours_and_its_candidates_must_be_ours(tmp_path: Path) -> None:
     out = claim_directory(tmp_path / "s", SEARCH, overwrite=False, resume=True)
     (out / "report.json").write_text("{}")
-    (out / "candidates" / ".00-x.partial-123-abc").mkdir(parents=True)  # a killed candidate's leftover
+    (out / "candidates" / ".00-x.partial-123-abc").mkdir(parents=True)  # a killed candidate's leftovers
+    claim_work_directory(out / "candidates" / "00-x.work", WORK)
+    (out / "candidates" / "00-x.work" / "stages[0]").mkdir()
     assert claim_directory(out, SEARCH, overwrite=False, resume=True) == out and (out / "report.json").is_file()
     (out / "candidates" / "00-x").mkdir()
     (out / "candidates" / "00-x" / "thesis.tex").write_text("mine")
     with pytest.raises(ArtifactError, match="candidates/00-x"):
         claim_directory(out, SEARCH, overwrite=True, resume=True)
     assert (out / "candidates" / "00-x" / "thesis.tex").read_text() == "mine"
+
+
+def test_a_run_keeps_its_work_files_only_in_a_work_directory_of_its_own(inputs: dict[str, Path], tmp_path: Path) -> None:
+    work = tmp_path / "out.work"
+    before = plant(work, {"records/mine.txt": b"mine\n", "overlay/app.js": b"mine\n"})
+    result = run_cli(["run", inputs["recipe"], "-o", tmp_path / "out"])
+    assert result.exit_code == 2 and "would hold this run's work files, but it has no .compress-output marker" in result.output
+    assert snapshot(work) == before and not (tmp_path / "out").exists()
+    claim_work_directory(tmp_path / "ours.work", WORK)  # a killed run's: used again, and removed once nothing but the marker is left
+    (tmp_path / "ours.work" / "stages[0]").mkdir()
+    assert claim_work_directory(tmp_path / "ours.work", WORK) is None and (tmp_path / "ours.work" / "stages[0]").is_dir()
+    (tmp_path / "ours.work" / "stages[0]").rmdir()
+    remove_if_only_marked(tmp_path / "ours.work")
+    assert not (tmp_path / "ours.work").exists()
 
 
 NAMES = st.sampled_from(["manifest.json", "report.json", "candidates", "index.html", "results.json", "model", "plots", "src", "a.txt"])
@@ -315,3 +331,4 @@ def test_the_marker_binds_the_manifest_and_is_not_part_of_the_content(artifact: 
     marker = json.loads((artifact / MARKER).read_text())
     assert marker == {"compress_output": 1, "kind": "artifact", "manifest_sha256": contents.files["manifest.json"]}
     assert MARKER not in contents.files and not_ours(artifact, ARTIFACT) is None
+    assert not artifact.with_name("artifact.work").exists()  # the run's work directory went with its scratch

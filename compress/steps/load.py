@@ -21,8 +21,8 @@ from compress.eval.baseline import CachedBaseline
 from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.memory import PhaseMemory
 from compress.eval.performance import baseline_timed, wanted_devices
-from compress.fsutil import check_target
-from compress.marker import ARTIFACT
+from compress.fsutil import check_target, claim_work_directory
+from compress.marker import ARTIFACT, WORK
 from compress.models import LoadedModel, load_model
 from compress.paths import usable_cpus
 from compress.plugins import STAGE_KINDS, stage_kind
@@ -169,6 +169,7 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
         resolve_device(recipe.compute.device),
         recipe.compute.threads or usable_cpus(),
     )
+    claim_work_directory(work_dir_for(out_dir), WORK)  # last: a run that fails here leaves nothing behind
     seed_everything(recipe.seed)
     torch.set_num_threads(run.threads)
     return run
