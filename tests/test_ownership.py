@@ -62,7 +62,7 @@ PROJECT: Tree = {
 def artifact(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, text_dir: Path) -> Path:
     root = tmp_path_factory.mktemp("ownership")
     out = root / "artifact"
-    result = run_cli(["run", write_recipe(root, recipe_text(tiny_model_dir, text_dir)), "-o", out, "-q"])
+    result = run_cli(["run", write_recipe(root, recipe_text(tiny_model_dir, text_dir, samples=2, cal_samples=2)), "-o", out, "-q"])
     assert result.exit_code == 0, result.output
     return out
 
@@ -77,12 +77,19 @@ def inputs(artifact: Path, tiny_model_dir: Path, text_dir: Path) -> dict[str, Pa
     return {"recipe": root / "recipe.yaml", "search": write_recipe(root, search, "search.yaml"), "gates": gates, "model": tiny_model_dir}
 
 
+BENCHES = ("quant", "gguf", "onnx", "prune", "kv", "memory")  # and latency, which takes an artifact
+
+
+def _bench(name: str) -> Callable[[dict[str, Path], Path, Path], list]:
+    return lambda i, art, out: ["bench", name, "-o", out, "--model", i["model"]]
+
+
 WRITERS: dict[str, Callable[[dict[str, Path], Path, Path], list]] = {
     "run": lambda i, art, out: ["run", i["recipe"], "-o", out],
     "search": lambda i, art, out: ["run", i["search"], "-o", out],
     "gate": lambda i, art, out: ["gate", art, "--gates", i["gates"], "-o", out],
     "pull": lambda i, art, out: ["pull", "mine@prod", "-o", out, "--store", art.parent / "registry"],
-    "bench quant": lambda i, art, out: ["bench", "quant", "-o", out, "--model", i["model"]],
+    **{f"bench {name}": _bench(name) for name in BENCHES},
     "bench latency": lambda i, art, out: ["bench", "latency", art, "-o", out],
     "export-encoder": lambda i, art, out: ["export-encoder", i["model"], "-o", out],
 }
@@ -201,6 +208,8 @@ def test_a_directory_without_our_marker_or_with_files_it_does_not_name_is_never_
     tree: dict[str, bytes], kind: str, copied_marker: bool, artifact: Path
 ) -> None:
     tree = {rel: data for rel, data in tree.items() if not any(rel.startswith(other + "/") for other in tree)}  # a file is no folder
+    if copied_marker:  # the copied manifest takes its place
+        tree = {rel: data for rel, data in tree.items() if rel.split("/")[0] != "manifest.json"}
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "theirs"
         before = plant(target, tree)
