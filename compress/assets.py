@@ -450,7 +450,7 @@ def fetch(name: str, reporter: Reporter | None = None, force: bool = False, conv
             return existing
         reporter.warn(f"{name}: {len(bad)} cached file(s) changed since fetch ({bad[0]}, ...); fetching again")
     target = asset_dir(name)
-    with tempfile.TemporaryDirectory(prefix=f"compress-{name}-") as work, atomic_directory(target, overwrite=True, owned=False) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"compress-{name}-") as work, atomic_directory(target, overwrite=True, kind=None) as tmp:
         files = tmp / "files"
         files.mkdir()
         facts = spec.fetch(Path(work), files, FetchTools(reporter, convert_gguf))

@@ -67,6 +67,13 @@ SetOption = typer.Option(
 )
 
 
+_OVERWRITE_OPTION = typer.Option(
+    False,
+    "--overwrite",
+    help="Replace the output directory if it exists and compress wrote it (its .compress-output marker); never another directory.",
+)
+
+
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Print CompressErrors for people (no traceback) and exit 2."""
 
@@ -153,7 +160,7 @@ def run(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     output: Path = typer.Option(..., "-o", "--output", help="Artifact directory to create (written atomically)."),
     set_: list[str] | None = SetOption,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output directory if it exists."),
+    overwrite: bool = _OVERWRITE_OPTION,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
 ) -> None:
     """Run RECIPE: load the model, apply the stages, evaluate, check gates, write the artifact.
@@ -233,7 +240,7 @@ def publish(
 def pull(
     ref: str = typer.Argument(..., metavar="NAME@ALIAS|NAME/VERSION", help="The version to download, e.g. mymodel@candidate or mymodel/3."),
     output: Path = typer.Option(..., "-o", "--output", help="Directory to create (written atomically)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the output directory if it exists."),
+    overwrite: bool = _OVERWRITE_OPTION,
     uri: str | None = UriOption,
     store: Path | None = StoreOption,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress."),
@@ -313,6 +320,7 @@ def export_encoder(
     texts: Path | None = typer.Option(None, help="Text file, one sample per line, for the embedding check (default: built-in samples)."),
     int8: bool = typer.Option(True, help="Also write ONNX Runtime's dynamic int8 quantization (model.int8.onnx)."),
     min_cosine_int8: float = typer.Option(0.99, help="Smallest sentence-embedding cosine similarity the int8 file may reach."),
+    overwrite: bool = _OVERWRITE_OPTION,
 ) -> None:
     """Export an encoder to ONNX (+ dynamic int8), checked by embedding cosine similarity against torch."""
     from compress.export.onnx.encoder import export_encoder as run_export
@@ -325,7 +333,7 @@ def export_encoder(
             raise CompressError(f"cannot read {texts}: {exc}") from None
         if not samples:
             raise CompressError(f"{texts} has no non-empty lines")
-    report = run_export(source, output, samples, int8=int8, min_cosine_int8=min_cosine_int8)
+    report = run_export(source, output, samples, int8=int8, min_cosine_int8=min_cosine_int8, overwrite=overwrite)
     for name, check in report["checks"].items():
         out.print(
             f"{name}: {check['size_bytes'] / 2**20:.1f} MiB, sentence-embedding cosine vs torch min {check['min_cosine']:.5f} "
@@ -348,9 +356,10 @@ def gate(
         Path("gate-report"),
         "-o",
         "--output",
-        help="Directory for report.json, junit.xml, summary.md, plots/ "
-        "and manifest.json (written atomically; replaces an earlier gate report, never another directory).",
+        help="Directory for report.json, junit.xml, summary.md, plots/ and manifest.json (written atomically; "
+        "an existing one only with --overwrite).",
     ),
+    overwrite: bool = _OVERWRITE_OPTION,
     threads: int | None = typer.Option(None, help="CPU threads (default: all cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
 ) -> None:
@@ -362,12 +371,13 @@ def gate(
     from compress.eval.reports import write_reports
     from compress.fsutil import atomic_directory
     from compress.gate import check_report_directory, run_gate, write_listing
+    from compress.marker import GATE_REPORT
     from compress.progress import Reporter
     from compress.schema.report import Report
 
-    check_report_directory(artifact, output)  # before any work: not inside the artifact, writable, ours to replace
+    check_report_directory(artifact, output, overwrite)  # before any work: not inside the artifact, writable, ours to replace
     result = run_gate(artifact, gates, baseline, device, devices_file or [], threads, Reporter(err, quiet=quiet))
-    with atomic_directory(output, overwrite=True) as tmp:
+    with atomic_directory(output, overwrite, GATE_REPORT) as tmp:
         write_document(tmp / "report.json", result.report, Report)
         files = write_reports(tmp, json_safe(result.report), suite=f"compress gate {artifact.name}")
         write_listing(tmp, artifact)
@@ -455,6 +465,22 @@ _EVAL_SAMPLES_OPTION = typer.Option(32, help="Evaluation chunks.")
 _EVAL_SEQ_LEN_OPTION = typer.Option(512, help="Tokens per evaluation chunk.")
 
 
+_BENCH_OUTPUT = {
+    name: typer.Option(
+        Path(f"bench-{name}"), "-o", "--output", help="Directory for results.json and results.md (a new one, or --overwrite)."
+    )
+    for name in ("quant", "gguf", "onnx", "prune", "kv", "memory", "latency")
+}
+
+
+def _claim_bench(output: Path, overwrite: bool) -> None:
+    """The benchmark's directory, before any work: new, empty, or (with --overwrite) a benchmark's of ours, started afresh."""
+    from compress.fsutil import claim_directory
+    from compress.marker import BENCH
+
+    claim_directory(output, BENCH, overwrite)
+
+
 def _bench_data(calibration: str, cal_samples: int, cal_seq_len: int, evaluation: str, eval_samples: int, eval_seq_len: int) -> Any:
     from compress.recipe import DataSpec
 
@@ -467,7 +493,8 @@ def _bench_data(calibration: str, cal_samples: int, cal_seq_len: int, evaluation
 @bench_app.command("quant")
 @guarded
 def bench_quant(
-    output: Path = typer.Option(Path("bench-quant"), "-o", "--output", help="Directory for results.json and results.md."),
+    output: Path = _BENCH_OUTPUT["quant"],
+    overwrite: bool = _OVERWRITE_OPTION,
     model: str = _MODEL_OPTION,
     calibration: str = _CALIBRATION_OPTION,
     cal_samples: int = _CAL_SAMPLES_OPTION,
@@ -525,6 +552,7 @@ def bench_quant(
     if any(opts.get("backend") for opts in method_options.values()):
         raise CompressError("--option METHOD.backend: choose implementations with --backends (each one becomes a row)")
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
+    _claim_bench(output, overwrite)
     result = run_quant_bench(model, data, chosen, parsed, output, threads, Reporter(err), method_options, chosen_backends)
     _print_results(markdown_table(result), output)
 
@@ -545,7 +573,8 @@ def _print_results(table: str, output: Path) -> None:
 @bench_app.command("gguf")
 @guarded
 def bench_gguf(
-    output: Path = typer.Option(Path("bench-gguf"), "-o", "--output", help="Directory for results.json and results.md."),
+    output: Path = _BENCH_OUTPUT["gguf"],
+    overwrite: bool = _OVERWRITE_OPTION,
     model: str = _MODEL_OPTION,
     calibration: str = _CALIBRATION_OPTION,
     cal_samples: int = _CAL_SAMPLES_OPTION,
@@ -589,6 +618,7 @@ def bench_gguf(
         raise CompressError(f"--dtype: expected one of {', '.join(dtypes)}; got {dtype!r}")
     parsed = _candidates(Candidate.parse, candidates)
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
+    _claim_bench(output, overwrite)
     result = run_gguf_bench(
         model, data, parsed, output, threads, embedding_type, Reporter(err), decode_tokens, repeats, keep_files, same_mix, dtype
     )
@@ -601,7 +631,8 @@ _ONNX_CANDIDATES = ("gptq:W4g32s+head", "builder:W4g32s", "gptq:W4g32a+head", "b
 @bench_app.command("onnx")
 @guarded
 def bench_onnx(
-    output: Path = typer.Option(Path("bench-onnx"), "-o", "--output", help="Directory for results.json and results.md."),
+    output: Path = _BENCH_OUTPUT["onnx"],
+    overwrite: bool = _OVERWRITE_OPTION,
     model: str = _MODEL_OPTION,
     calibration: str = _CALIBRATION_OPTION,
     cal_samples: int = _CAL_SAMPLES_OPTION,
@@ -634,6 +665,7 @@ def bench_onnx(
     if unknown:
         raise typer.BadParameter(f"{', '.join(unknown)}: expected lm_head or embeddings", param_hint="--keep-float")
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
+    _claim_bench(output, overwrite)
     result = run_onnx_bench(
         model, data, parsed, output, threads, Reporter(err), accuracy_level, decode_tokens, repeats, keep_files, tables or None
     )
@@ -643,7 +675,8 @@ def bench_onnx(
 @bench_app.command("prune")
 @guarded
 def bench_prune(
-    output: Path = typer.Option(Path("bench-prune"), "-o", "--output", help="Directory for results.json and results.md."),
+    output: Path = _BENCH_OUTPUT["prune"],
+    overwrite: bool = _OVERWRITE_OPTION,
     model: str = _MODEL_OPTION,
     calibration: str = typer.Option("reference:shakespeare", help="Calibration text: importance scores and the repair's training text."),
     cal_samples: int = typer.Option(32, help="Calibration chunks for the importance pass."),
@@ -706,6 +739,7 @@ def bench_prune(
     if device not in ("cpu", "cuda", "auto"):
         raise CompressError(f"--device '{device}': expected cpu, cuda or auto")
     compute = resolve_device(device, "--device")
+    _claim_bench(output, overwrite)
     result = run_prune_bench(model, data, sources, settings, config, output, threads, Reporter(err), repairs or None, compute)
     _print_results(markdown_table(result), output)
 
@@ -713,7 +747,8 @@ def bench_prune(
 @bench_app.command("kv")
 @guarded
 def bench_kv(
-    output: Path = typer.Option(Path("bench-kv"), "-o", "--output", help="Directory for results.json and results.md."),
+    output: Path = _BENCH_OUTPUT["kv"],
+    overwrite: bool = _OVERWRITE_OPTION,
     model: str = _MODEL_OPTION,
     calibration: str = _CALIBRATION_OPTION,
     cal_samples: int = typer.Option(16, help="Calibration chunks (static-scale schemes only)."),
@@ -745,6 +780,7 @@ def bench_kv(
     except (ValueError, ValidationError) as exc:
         raise CompressError(f"--schemes/--memory-gib: {exc}") from None
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, samples, context)
+    _claim_bench(output, overwrite)
     result = run_kv_bench(
         model, data, parsed, output, threads, Reporter(err), context, samples, decode_tokens, decode_prefill, repeats, budgets
     )
@@ -754,7 +790,8 @@ def bench_kv(
 @bench_app.command("memory")
 @guarded
 def bench_memory(
-    output: Path = typer.Option(Path("bench-memory"), "-o", "--output", help="Directory for results.json and results.md."),
+    output: Path = _BENCH_OUTPUT["memory"],
+    overwrite: bool = _OVERWRITE_OPTION,
     model: str = typer.Option(
         "reference:smollm2-135m", help="Model source: reference:smollm2-135m, reference:qwen2.5-coder-1.5b, or a Hugging Face folder."
     ),
@@ -781,6 +818,7 @@ def bench_memory(
     if unknown or not chosen:
         raise CompressError(f"--methods: unknown or none ({', '.join(unknown)}); known: {', '.join(QUANT_METHODS)}")
     data = _bench_data(calibration, cal_samples, cal_seq_len, evaluation, eval_samples, eval_seq_len)
+    _claim_bench(output, overwrite)
     result = run_memory_bench(model, data, chosen, cut_blocks, output, threads, Reporter(err), set_ or [], keep_files)
     _print_results(markdown_table(result), output)
 
@@ -791,7 +829,8 @@ def bench_latency(
     artifact: Path = typer.Argument(
         ..., help="A compress artifact directory (its torch model and runtime exports), GGUF file or ONNX folder."
     ),
-    output: Path = typer.Option(Path("bench-latency"), "-o", "--output", help="Directory for results.json and results.md."),
+    output: Path = _BENCH_OUTPUT["latency"],
+    overwrite: bool = _OVERWRITE_OPTION,
     runtimes: str | None = typer.Option(
         None, help="Comma-separated runtimes to time (torch, llama.cpp, onnxruntime, tensorrt); default all."
     ),
@@ -810,6 +849,7 @@ def bench_latency(
 
     settings = LatencySettings(prompt_tokens, output_tokens, tuple(sorted({1, batch})), warmup, repeats, threads)
     chosen = [r.strip() for r in runtimes.split(",")] if runtimes else None
+    _claim_bench(output, overwrite)
     result = run_latency_bench(artifact, chosen, settings, rounds, output, Reporter(err))
     _print_results(markdown_table(result), output)
 

@@ -4,7 +4,8 @@ A directory is built under a temporary name next to its target and renamed into 
 when complete, so a killed run leaves either nothing or a complete directory. Leftovers of
 killed runs (``.NAME.partial-PID-*``) are removed by the next write to the same target, and a
 directory a killed run was replacing (``.NAME.old-PID``) is put back when the target is missing.
-``--overwrite`` replaces only an empty directory or one we wrote (`written_by_us`).
+``--overwrite`` replaces only an empty directory or one of ours (compress/marker.py: a marker we
+write, and nothing in the directory it does not account for).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import ArtifactError
+from compress.marker import MARKER, OutputKind, not_ours, write_marker
 
 _CHUNK = 1 << 20
 
@@ -85,7 +87,6 @@ def clean_stale_partials(target: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-MANIFEST = "manifest.json"
 REPORT = "report.json"
 
 
@@ -98,28 +99,19 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def written_by_us(directory: Path) -> bool:
-    """An empty directory, or one of ours: a manifest.json listing its files (an artifact, a pulled
-    version, a gate report), or a recipe search (report.json with a `search` entry)."""
-    try:
-        if not any(directory.iterdir()):
-            return True
-    except OSError:
-        return False
-    manifest = read_json_object(directory / MANIFEST)
-    if manifest is not None and isinstance(manifest.get("files"), dict):
-        return True
-    report = read_json_object(directory / REPORT)
-    return report is not None and isinstance(report.get("search"), dict)
+NOT_OURS_ADVICE = (
+    f"compress replaces (with --overwrite) only an empty directory or an output of the same kind that it wrote, marked by "
+    f"its {MARKER} file and holding nothing else; nothing was changed: delete it yourself or choose another directory"
+)
 
 
-def check_target(target: Path, overwrite: bool, owned: bool = True) -> Path:
+def check_target(target: Path, overwrite: bool, kind: OutputKind | None) -> Path:
     """Check, before any heavy work, that ``target`` can be written; return it resolved.
 
-    Refused: the current directory or one holding it; an existing path without ``overwrite``;
-    with ``overwrite``, anything but an empty directory or one of ours (``owned=False`` skips that
-    check, for our own caches); a parent that cannot be created or written. Leftovers of killed
-    writes to the same target are cleaned up first."""
+    Refused: the current directory or one holding it; an existing path that is not an empty
+    directory or an output of ours of the same ``kind`` (`not_ours`; ``kind=None`` skips that
+    check, for our own caches and scratch folders); any existing path without ``overwrite``; a
+    parent that cannot be created or written. Leftovers of killed writes to the same target are cleaned up first."""
     shown = target
     target = Path(target).expanduser().resolve()
     cwd = Path.cwd().resolve()
@@ -131,13 +123,10 @@ def check_target(target: Path, overwrite: bool, owned: bool = True) -> Path:
     if target.exists() or target.is_symlink():  # resolved: a link was followed, a dangling one stays a link
         if not target.is_dir():
             raise ArtifactError(f"{shown} exists and is not a directory; choose another output")
+        if kind is not None and (why := not_ours(target, kind)) is not None:
+            raise ArtifactError(f"{shown} already exists and cannot be replaced: {why}; {NOT_OURS_ADVICE}")
         if not overwrite:
-            raise ArtifactError(f"{shown} already exists; choose another directory or pass --overwrite")
-        if owned and not written_by_us(target):
-            raise ArtifactError(
-                f"{shown} holds files that are not a compress output (no readable {MANIFEST}); --overwrite "
-                "replaces only an artifact, pulled version, gate report or search of ours, or an empty directory"
-            )
+            raise ArtifactError(f"{shown} already exists; pass --overwrite to replace it, or choose another directory")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-probe-", dir=target.parent))
@@ -146,13 +135,62 @@ def check_target(target: Path, overwrite: bool, owned: bool = True) -> Path:
     return target
 
 
+def claim_directory(target: Path, kind: OutputKind, overwrite: bool, resume: bool = False) -> Path:
+    """Make ``target`` ready for an output written in place (a search, a benchmark), marked as
+    ``kind``; return it resolved. An existing directory follows `check_target`'s rule and, being
+    ours, is replaced with ``overwrite``; with ``resume`` and no ``overwrite``, an output of ours of
+    the same kind is kept as it is, to be continued."""
+    target = Path(target)
+    if resume and not overwrite and _marked(target, kind):
+        return target.expanduser().resolve()
+    resolved = check_target(target, overwrite, kind)
+    if resolved.exists():  # ours (or empty) and --overwrite: start afresh
+        shutil.rmtree(resolved)
+    resolved.mkdir(parents=True)
+    write_marker(resolved, kind)
+    return resolved
+
+
+def _marked(target: Path, kind: OutputKind) -> bool:
+    """``target`` is a non-empty output of ours of ``kind``."""
+    try:
+        return target.is_dir() and any(target.iterdir()) and not_ours(target, kind) is None
+    except OSError:
+        return False
+
+
+def claim_work_directory(target: Path, kind: OutputKind) -> None:
+    """A folder a run keeps next to its output between attempts (its work directory): made and
+    marked when missing, used as it is when empty or ours (a killed run resumes from it), refused
+    otherwise, before any work."""
+    if target.exists() or target.is_symlink():
+        why = "it is not a directory" if target.is_symlink() or not target.is_dir() else not_ours(target, kind)
+        if why is not None:
+            raise ArtifactError(
+                f"{target} would hold this run's work files, but {why}; nothing was changed: delete it yourself or choose another -o"
+            )
+    target.mkdir(parents=True, exist_ok=True)
+    if not (target / MARKER).is_file():
+        write_marker(target, kind)
+
+
+def remove_if_only_marked(directory: Path) -> None:
+    """Remove ``directory`` when nothing but its marker is left in it; anything else stays."""
+    try:
+        if [p.name for p in directory.iterdir()] == [MARKER]:
+            (directory / MARKER).unlink()
+        directory.rmdir()
+    except OSError:  # absent, or holds something else
+        pass
+
+
 @contextmanager
-def atomic_directory(target: Path, overwrite: bool = False, owned: bool = True) -> Iterator[Path]:
+def atomic_directory(target: Path, overwrite: bool, kind: OutputKind | None) -> Iterator[Path]:
     """Yield an empty temporary directory; on success it replaces ``target`` in one rename.
 
     ``target`` is checked as `check_target` does, before and again after the work (something may
     have appeared there meanwhile)."""
-    target = check_target(Path(target), overwrite, owned)
+    target = check_target(Path(target), overwrite, kind)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
         yield tmp
@@ -161,7 +199,7 @@ def atomic_directory(target: Path, overwrite: bool = False, owned: bool = True) 
         raise
     if target.exists():
         try:
-            check_target(target, overwrite, owned)
+            check_target(target, overwrite, kind)
         except ArtifactError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ArtifactError(f"{target} appeared or changed while this run was writing; nothing was replaced") from None

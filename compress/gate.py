@@ -35,8 +35,10 @@ from compress.eval.latency import LatencySettings, Target, load_torch_model, tre
 from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.export.format import TORCH_RUNTIME
-from compress.fsutil import MANIFEST, check_target, sha256_file
+from compress.fsutil import check_target, sha256_file
 from compress.inputs import check_model_directory
+from compress.marker import GATE_REPORT as GATE_REPORT_KIND
+from compress.marker import MANIFEST, write_marker
 from compress.paths import usable_cpus
 from compress.plugins import EXPORT_FORMATS, runtime_formats
 from compress.progress import Reporter
@@ -153,10 +155,10 @@ def _bare_inputs() -> str:
     return ", ".join(fmt.input_kind for fmt in EXPORT_FORMATS.values() if fmt.input_kind is not None)
 
 
-def check_report_directory(artifact: Path, output: Path) -> Path:
+def check_report_directory(artifact: Path, output: Path, overwrite: bool) -> Path:
     """Refuse a report directory that is the artifact, inside it or holds it (writing it would
     change the artifact's files or replace it); otherwise check it as any output (writable; an
-    existing one only when it is an earlier report of ours, or empty)."""
+    existing one only with ``overwrite`` and when it is an output of ours, or empty)."""
     subject, target = artifact.expanduser().resolve(), output.expanduser().resolve()
     if target == subject or subject in target.parents:
         raise CompressError(
@@ -168,15 +170,17 @@ def check_report_directory(artifact: Path, output: Path) -> Path:
             f"-o {output}: the gate report would replace a directory holding the artifact {artifact}; "
             "choose a directory outside it (the default is ./gate-report)"
         )
-    return check_target(target, overwrite=True)
+    return check_target(target, overwrite, GATE_REPORT_KIND)
 
 
 def write_listing(directory: Path, artifact: Path) -> None:
-    """The report directory's manifest.json: each file's SHA-256, so `compress verify` checks it."""
+    """The report directory's manifest.json (each file's SHA-256, so `compress verify` checks it) and,
+    last, its marker."""
     files = {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*")) if p.is_file()}
     listing = {"schema_version": GATE_LISTING_VERSION, "kind": GATE_REPORT, "artifact": str(artifact), "files": files}
     GateReportListing.model_validate(listing)
     (directory / MANIFEST).write_text(json.dumps(listing, indent=2, sort_keys=True) + "\n")
+    write_marker(directory, GATE_REPORT_KIND)
 
 
 @dataclass

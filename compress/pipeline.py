@@ -15,6 +15,7 @@ from compress.errors import EXIT_GATE_FAILED, EXIT_OK
 from compress.eval.gates import GateResult
 from compress.eval.metrics import Evaluation
 from compress.fsutil import atomic_directory
+from compress.marker import ARTIFACT
 from compress.progress import Reporter
 from compress.recipe import LoadedRecipe
 from compress.steps import evaluate, exports, load, performance, report, stages, tasks, write
@@ -62,7 +63,7 @@ def _run(run: load.Run, loaded: LoadedRecipe, overwrite: bool, step_summary: boo
     in_memory = evaluate.in_memory(run, source, staged)  # baseline and compressed with torch
     evaluations = list(in_memory.evaluations)
     manifest = write.build_manifest(run, source, staged)
-    with atomic_directory(run.out_dir, overwrite=overwrite) as root:
+    with atomic_directory(run.out_dir, overwrite, ARTIFACT) as root:
         with run.timed("write_model_s"):
             write.write_model_files(root, run, source, staged)
         exported = exports.write(root, run, source, staged)  # each export verified on its own runtime

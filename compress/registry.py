@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import EXIT_GATE_FAILED, ArtifactError, CompressError
-from compress.fsutil import MANIFEST, atomic_directory, sha256_file
+from compress.fsutil import atomic_directory, check_target, sha256_file
+from compress.marker import ARTIFACT, MANIFEST, write_marker
 from compress.model_card import gate_summary, model_card
 from compress.progress import Reporter
 from compress.schema.recipe import alias_problem
@@ -589,6 +590,7 @@ def pull(
     """Download a version into ``out_dir`` (atomically) and verify every file; nothing is left
     behind when a check fails."""
     reporter = reporter or Reporter(quiet=True)
+    check_target(Path(out_dir), overwrite, ARTIFACT)  # before any download (atomic_directory checks again)
     location = location or resolve_location()
     client = connect(location, create=False)
     from mlflow.artifacts import download_artifacts
@@ -600,7 +602,7 @@ def pull(
             raise RegistryError(f"{where} is {version.status}, not READY; it cannot be pulled")
         if Tag.CONTENT not in version.tags:
             raise RegistryError(f"{where} was not published by compress (no {Tag.CONTENT} tag), so its files cannot be verified")
-        with atomic_directory(Path(out_dir), overwrite=overwrite) as tmp:
+        with atomic_directory(Path(out_dir), overwrite, ARTIFACT) as tmp:
             with reporter.status(f"downloading {where} ({int(version.tags.get(Tag.SIZE, 0)) / 2**20:,.1f} MiB)"):
                 incoming = Path(
                     download_artifacts(artifact_uri=version.source, dst_path=str(tmp / ".incoming"), tracking_uri=location.tracking_uri)
@@ -608,6 +610,8 @@ def pull(
             for child in incoming.iterdir():
                 child.rename(tmp / child.name)
             shutil.rmtree(tmp / ".incoming")
+            if (tmp / MANIFEST).is_file():  # missing: verify_pulled says so
+                write_marker(tmp, ARTIFACT)  # verify_pulled checks the manifest against the version's tag
             with reporter.status(f"verifying {where} against its manifest"):
                 try:
                     contents = verify_pulled(tmp, version.tags)

@@ -6,9 +6,14 @@ estimate, since candidates run in that order).
 
 Layout of the output directory::
 
+    .compress-output          the marker that makes it ours (compress/marker.py: kind ``search``), written first
     candidates/<NN>-<name>/   one complete artifact per candidate run (reused when a search resumes)
     report.json               the chosen candidate's gates, and ``search``: every candidate
     summary.md, junit.xml, plots/pareto.png
+
+Run again without ``--overwrite`` into a search of ours, it resumes; with it, starts afresh. Any
+other existing directory is refused (compress/fsutil.py's rule), and a candidate folder is replaced
+only when it is an artifact of ours.
 """
 
 from __future__ import annotations
@@ -17,13 +22,13 @@ import copy
 import itertools
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError, RecipeError
-from compress.fsutil import check_target
+from compress.errors import EXIT_GATE_FAILED, EXIT_OK, ArtifactError, CompressError, RecipeError
+from compress.fsutil import claim_directory
+from compress.marker import SEARCH
 from compress.plugins import QUANT_METHODS, quant_method, stage_kind
 from compress.progress import Reporter
 from compress.recipe import LoadedRecipe, Recipe, apply_override, parse_yaml, validate
@@ -117,11 +122,8 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
     assert spec is not None
     candidates = expand(loaded)
     out_dir = Path(out_dir)
-    ours = (out_dir / "candidates").is_dir()  # a search of ours, finished or not: resumed, or replaced with --overwrite
-    check_target(out_dir, overwrite or ours, owned=not ours)  # anything else: refused unless empty (or --overwrite of ours)
-    if out_dir.exists() and overwrite:
-        shutil.rmtree(out_dir)
-    (out_dir / "candidates").mkdir(parents=True, exist_ok=True)
+    claim_directory(out_dir, SEARCH, overwrite, resume=True)  # a search of ours resumes; anything else as any output
+    (out_dir / "candidates").mkdir(exist_ok=True)
     rows: list[dict[str, Any]] = []
     reports: dict[str, dict[str, Any]] = {}
     for i, cand in enumerate(candidates):
@@ -137,12 +139,11 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
             report = json.loads((directory / "report.json").read_text())
             row["status"] = "reused"
         else:
-            if directory.exists():  # a candidate of another recipe (or of this one before an edit): run again
-                shutil.rmtree(directory)
             reporter.console.print(f"[bold]search candidate {i + 1}/{len(candidates)}[/]: {' '.join(cand.overrides)}")
             one = LoadedRecipe(recipe=cand.recipe, path=loaded.path, text=loaded.text, overrides=loaded.overrides + cand.overrides)
             try:
-                report = run_recipe(one, directory, reporter=reporter, step_summary=False).report
+                # a candidate of another recipe (or of this one before an edit) is replaced only when it is ours
+                report = run_recipe(one, directory, overwrite=True, reporter=reporter, step_summary=False).report
             except CompressError as exc:  # e.g. an export that cannot hold this scheme: the candidate fails, the search goes on
                 rows.append({**row, "status": f"error: {exc}", "passed": False, "size_mb": None, "metrics": {}})
                 continue
@@ -196,11 +197,14 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
 
 
 def _same_run(directory: Path, recipe: Recipe) -> bool:
-    """A finished candidate of exactly this recipe (the validated recipe's hash matches)."""
-    manifest = directory / "manifest.json"
-    if not manifest.is_file() or not (directory / "report.json").is_file():
+    """A finished candidate of exactly this recipe: it verifies, and the validated recipe's hash matches."""
+    from compress.verify import check_artifact
+
+    try:
+        record = check_artifact(directory).manifest.get("recipe")
+    except ArtifactError:
         return False
-    return json.loads(manifest.read_text())["recipe"]["sha256"] == recipe.sha256()
+    return isinstance(record, dict) and record.get("sha256") == recipe.sha256()
 
 
 def recipe_primary(recipe: Recipe) -> str:

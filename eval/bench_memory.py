@@ -84,7 +84,7 @@ def cut_blocks(source: Path, target: Path, blocks: int) -> dict[str, Any]:
             match = BLOCK_INDEX.search(name)
             if name != "__metadata__" and (match is None or int(match.group(1)) < blocks):
                 kept.append((path, name, entry))
-    with atomic_directory(target, overwrite=True) as tmp:
+    with atomic_directory(target, overwrite=True, kind=None) as tmp:  # a scratch copy in our benchmark's folder
         for item in sorted(source.iterdir()):
             if item.is_file() and item.name not in NOT_COPIED and not item.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(item, tmp / item.name)

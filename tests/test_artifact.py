@@ -29,6 +29,7 @@ from compress.context import RunContext
 from compress.errors import ArtifactError, FormatError
 from compress.export.checkpoint.compressed_tensors import merge_groups, split_groups, stored_scheme
 from compress.export.checkpoint.hf_checkpoint import records_identical
+from compress.marker import ARTIFACT, MARKER, write_marker
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, QuantScheme
@@ -224,8 +225,9 @@ def write_legacy_layout(out: Path) -> None:
     del manifest["quantization"]["weights_format"]
     for info in manifest["quantization"]["layers"].values():
         del info["stored_as"]
-    manifest["files"] = {k: v for k, v in checksums(out).items() if k != "manifest.json"}
+    manifest["files"] = {k: v for k, v in checksums(out).items() if k not in ("manifest.json", MARKER)}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_marker(out, ARTIFACT)
 
 
 def compressed_kl(directory: Path) -> list[float]:
@@ -257,6 +259,7 @@ def test_an_unknown_weights_format_is_refused_with_how_to_recreate(tmp_path: Pat
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["quantization"]["weights_format"] = "compressed-tensors-v9"
     (out / "manifest.json").write_text(json.dumps(manifest))
+    write_marker(out, ARTIFACT)  # as a later release would write it
     with pytest.raises(ArtifactError, match=r"compressed-tensors-v9.*compress run <recipe> -o .* --overwrite"):
         load_artifact(out)
     gates = tmp_path / "gates.yaml"

@@ -536,8 +536,11 @@ def test_a_checkpoint_of_another_run_is_refused(trained_tiny_dir, text_dir, tmp_
 
     from compress.distill import checkpoint as ckpt
     from compress.errors import CompressError
+    from compress.fsutil import claim_work_directory
+    from compress.marker import WORK
 
     recipe = checkpoint_recipe(trained_tiny_dir, text_dir, tmp_path, 12)
+    claim_work_directory(tmp_path / "out.work", WORK)  # the work directory of another run of compress to this output
     work = tmp_path / "out.work" / "stages[1]"
     model = nn.Linear(2, 2)  # a checkpoint left by some other run under this output's work directory
     opt = torch.optim.AdamW(model.parameters())

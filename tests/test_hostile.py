@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from compress.errors import ArtifactError, ModelLoadError, RecipeError
-from compress.fsutil import check_target, clean_stale_partials
+from compress.errors import ModelLoadError, RecipeError
+from compress.fsutil import clean_stale_partials
 from compress.inputs import check_json, check_safetensors
 from compress.recipe import load_recipe
 from tests.helpers import recipe_text, run_cli, write_recipe
@@ -161,7 +161,7 @@ def test_output_problems_fail_before_loading(tmp_path: Path, tiny_model_dir: Pat
     exists = run_cli(["run", path, "-o", tmp_path / "taken"])
     assert exists.exit_code == 2 and "already exists" in exists.output
     refused = run_cli(["run", path, "-o", tmp_path / "taken", "--overwrite"])
-    assert refused.exit_code == 2 and "not a compress output" in refused.output
+    assert refused.exit_code == 2 and "cannot be replaced" in refused.output
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine" and (tmp_path / "a-file").read_text() == "mine"
     monkeypatch.chdir(tmp_path / "taken")
     for target in (".", "..", str(tmp_path)):
@@ -191,27 +191,6 @@ def test_leftovers_of_killed_writes_are_cleaned_and_a_replaced_artifact_restored
     assert not old.exists() and (target / "manifest.json").is_file()
 
 
-def test_check_target_rules(tmp_path: Path) -> None:
-    (tmp_path / "empty").mkdir()
-    assert check_target(tmp_path / "empty", overwrite=True) == (tmp_path / "empty").resolve()
-    (tmp_path / "ours").mkdir()
-    (tmp_path / "ours" / "manifest.json").write_text('{"files": {"a": "b"}}')
-    check_target(tmp_path / "ours", overwrite=True)
-    (tmp_path / "search").mkdir()
-    (tmp_path / "search" / "report.json").write_text('{"search": {"candidates": []}}')
-    check_target(tmp_path / "search", overwrite=True)
-    (tmp_path / "theirs").mkdir()
-    (tmp_path / "theirs" / "manifest.json").write_text("not json")
-    with pytest.raises(ArtifactError, match="not a compress output"):
-        check_target(tmp_path / "theirs", overwrite=True)
-    (tmp_path / "link").symlink_to(tmp_path / "theirs")  # a link is followed: what it points at decides
-    with pytest.raises(ArtifactError, match="not a compress output"):
-        check_target(tmp_path / "link", overwrite=True)
-    (tmp_path / "file").write_text("mine")
-    with pytest.raises(ArtifactError, match="not a directory"):
-        check_target(tmp_path / "file", overwrite=True)
-
-
 @pytest.fixture()
 def artifact(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> Path:
     gates = "  - metric: kl_divergence\n    max: 100\n"
@@ -232,7 +211,9 @@ def test_verify_gate_and_publish_refuse_an_altered_artifact(artifact: Path, tmp_
     assert run_cli(["gate", artifact, "--gates", gates, "-o", tmp_path / "report"]).exit_code == 0
     reported = run_cli(["verify", tmp_path / "report"])  # a gate report lists its own files
     assert reported.exit_code == 0, reported.output
-    assert run_cli(["gate", artifact, "--gates", gates, "-o", tmp_path / "report"]).exit_code == 0  # replaces its earlier report
+    again = run_cli(["gate", artifact, "--gates", gates, "-o", tmp_path / "report"])
+    assert again.exit_code == 2 and "already exists; pass --overwrite" in again.output, again.output
+    assert run_cli(["gate", artifact, "--gates", gates, "-o", tmp_path / "report", "--overwrite"]).exit_code == 0  # replaces its report
 
     weights = artifact / "model" / "model.safetensors"
     original = weights.read_bytes()

@@ -106,9 +106,10 @@ def test_kill_during_gate(setup: dict) -> None:
     full = _timed("gate", artifact, "--gates", root / "gates.yaml", "-o", root / "gate-full", cwd=root)
     report = root / "gate-out"
     for _ in range(POINTS["gate"]):
-        _kill_at(full * rng.uniform(0.05, 1.1), "gate", artifact, "--gates", root / "gates.yaml", "-o", report, cwd=root)
+        overwrite = ["--overwrite"] if report.exists() else []
+        _kill_at(full * rng.uniform(0.05, 1.1), "gate", artifact, "--gates", root / "gates.yaml", "-o", report, *overwrite, cwd=root)
         _absent_or_verified(report, cwd=root)
-    done = _compress("gate", artifact, "--gates", root / "gates.yaml", "-o", report, cwd=root)
+    done = _compress("gate", artifact, "--gates", root / "gates.yaml", "-o", report, "--overwrite", cwd=root)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _absent_or_verified(report, cwd=root) == "complete" and _leftovers(report) == []
     assert _compress("verify", artifact, cwd=root).returncode == 0  # gating never touched the artifact

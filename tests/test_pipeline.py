@@ -86,7 +86,7 @@ def test_run_writes_complete_artifact(tmp_path: Path, tiny_model_dir: Path, text
     }
     for rel, digest in manifest["files"].items():
         assert sha256_file(out / rel) == digest
-    assert set(manifest["files"]) == set(checksums(out)) - {"manifest.json"}
+    assert set(manifest["files"]) == set(checksums(out)) - {"manifest.json", ".compress-output"}
     assert not list(tmp_path.glob(".out.partial-*"))
 
     # peak memory per phase: each phase the run timed, positive, none above the run's peak; the plan's prediction beside it
@@ -151,15 +151,18 @@ def test_existing_output_needs_overwrite(tmp_path: Path, tiny_model_dir: Path, t
     assert result.exit_code == 2 and "already exists" in result.output
     assert (out / "keep.txt").read_text() == "mine"
     refused = run_cli(["run", recipe, "-o", out, "--overwrite"])  # not an output of ours: --overwrite does not delete it
-    assert refused.exit_code == 2 and "not a compress output" in refused.output, refused.output
+    assert refused.exit_code == 2 and "cannot be replaced" in refused.output, refused.output
     assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()  # an empty directory may be written into
     assert run_cli(["run", recipe, "-o", out]).exit_code == 2  # still exists: needs --overwrite
     assert run_cli(["run", recipe, "-o", out, "--overwrite"]).exit_code == 0
     first = json.loads((out / "manifest.json").read_text())["created_at"]
-    (out / "extra.txt").write_text("added later")  # an artifact of ours is replaced whole by --overwrite
+    (out / "extra.txt").write_text("added later")  # a file of someone else's in an artifact of ours: kept
+    refused = run_cli(["run", recipe, "-o", out, "--overwrite"])
+    assert refused.exit_code == 2 and "compress did not write there: extra.txt" in refused.output, refused.output
+    (out / "extra.txt").unlink()  # an artifact of ours is replaced whole by --overwrite
     assert run_cli(["run", recipe, "-o", out, "--overwrite"]).exit_code == 0
-    assert (out / "manifest.json").is_file() and not (out / "extra.txt").exists()
+    assert (out / "manifest.json").is_file() and (out / ".compress-output").is_file()
     assert json.loads((out / "manifest.json").read_text())["created_at"] >= first
 
 

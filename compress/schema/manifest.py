@@ -137,12 +137,14 @@ class Manifest(Closed):
     exports: list[ManifestExport] | SkipJsonSchema[None] = None
     timings: dict[str, float] | SkipJsonSchema[None] = Field(None, description="Seconds per phase.")
     files: dict[str, Sha256] | SkipJsonSchema[None] = Field(
-        None, description="Every file of the artifact but manifest.json -> SHA-256 (`compress verify` checks them)."
+        None,
+        description="Every file of the artifact but manifest.json and the .compress-output marker (which holds "
+        "manifest.json's SHA-256) -> SHA-256, by a relative path inside the artifact (`compress verify` checks them).",
     )
 
 
 class GateReportListing(Closed):
-    """manifest.json of a `compress gate -o` directory: each file's SHA-256."""
+    """manifest.json of a `compress gate -o` directory: each file's SHA-256 (the marker, written after it, not listed)."""
 
     schema_version: Literal[GATE_LISTING_VERSION]
     kind: Literal["gate-report"]

@@ -21,7 +21,8 @@ from compress.eval.baseline import CachedBaseline
 from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.memory import PhaseMemory
 from compress.eval.performance import baseline_timed, wanted_devices
-from compress.fsutil import check_target
+from compress.fsutil import check_target, claim_work_directory
+from compress.marker import ARTIFACT, WORK
 from compress.models import LoadedModel, load_model
 from compress.paths import usable_cpus
 from compress.plugins import STAGE_KINDS, stage_kind
@@ -151,7 +152,7 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
         )
     reporter = Reporter(quiet=True) if rank > 0 else (reporter or Reporter())
     out_dir = Path(out_dir)
-    check_target(out_dir, overwrite)  # atomic_directory checks again at the end
+    check_target(out_dir, overwrite, ARTIFACT)  # atomic_directory checks again at the end
     devices = [name for name in wanted_devices(recipe.latency, recipe.targets, recipe.gates) if name != LOCAL]
     if devices:  # profiles are read only when a run names a device
         profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
@@ -168,6 +169,7 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
         resolve_device(recipe.compute.device),
         recipe.compute.threads or usable_cpus(),
     )
+    claim_work_directory(work_dir_for(out_dir), WORK)  # last: a run that fails here leaves nothing behind
     seed_everything(recipe.seed)
     torch.set_num_threads(run.threads)
     return run

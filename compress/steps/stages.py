@@ -15,6 +15,7 @@ from compress.context import RunContext, Stage, StageRecord
 from compress.distill.train import end_processes
 from compress.eval.baseline import RememberedRows
 from compress.export.parity import SAME_WEIGHTS_CHUNKS
+from compress.fsutil import remove_if_only_marked
 from compress.plugins import quant_method, stage_kind, stage_streams
 from compress.quantizers.core import RecordStore
 from compress.recipe import Recipe
@@ -127,11 +128,9 @@ def remove_checkpoints(run: Run) -> None:
 
 
 def _remove_work(run: Run, names: Iterable[str]) -> None:
-    """Delete the named folders of the run's work directory, then the directory if it is empty."""
+    """Delete the named folders of the run's work directory, then the directory if nothing but its
+    marker is left (checkpoints stay, so a failed run resumes)."""
     work_dir = work_dir_for(run.out_dir)
     for name in names:
         shutil.rmtree(work_dir / name, ignore_errors=True)
-    try:
-        work_dir.rmdir()
-    except OSError:  # absent, or holds checkpoints or something that is not ours
-        pass
+    remove_if_only_marked(work_dir)

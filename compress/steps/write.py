@@ -21,6 +21,7 @@ from compress.eval.memory import memory_section
 from compress.eval.plan import run_estimate
 from compress.eval.reports import write_reports
 from compress.experts import expert_view
+from compress.marker import ARTIFACT, write_marker
 from compress.schema.manifest import MANIFEST_VERSION, Manifest
 from compress.schema.report import Report
 from compress.steps.exports import Exported
@@ -106,8 +107,8 @@ def write_interim_manifest(root: Path, manifest: dict[str, Any]) -> None:
 
 def write_documents(root: Path, run: Run, manifest: dict[str, Any], report: dict[str, Any], exported: Exported, step_summary: bool) -> None:
     """report.json (with the run's peak memory per phase against `compress plan`'s prediction) and its
-    JUnit/Markdown/plot renderings, then manifest.json last, with the exports, the timings and the
-    SHA-256 of every other file in the artifact."""
+    JUnit/Markdown/plot renderings, then manifest.json, with the exports, the timings and the
+    SHA-256 of every other file in the artifact, and last the marker holding the manifest's SHA-256."""
     recipe = run.recipe
     if "kv_cache" in report:
         manifest["kv_cache"] = report["kv_cache"]
@@ -120,3 +121,4 @@ def write_documents(root: Path, run: Run, manifest: dict[str, Any], report: dict
         manifest["timings"] = {k: round(v, 3) for k, v in run.timings.items()}
         manifest["files"] = {k: v for k, v in checksums(root).items() if k != "manifest.json"}  # a latency run wrote an interim one
         write_document(root / "manifest.json", manifest, Manifest)
+        write_marker(root, ARTIFACT)

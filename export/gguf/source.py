@@ -53,7 +53,7 @@ def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Calla
     converted = converted_dir(digest)
     marker = converted / CONVERTED_MARKER
     if _marker(marker).get("tokenizer_repair") != TOKENIZER_REPAIR:  # not converted yet, or by another repair
-        with atomic_directory(converted, overwrite=True, owned=False) as tmp:
+        with atomic_directory(converted, overwrite=True, kind=None) as tmp:
             repair = convert(path, tmp, "float32", False, reporter)
             (tmp / CONVERTED_MARKER).write_text(
                 json.dumps({"gguf": str(path), "sha256": digest, "tokenizer_repair": TOKENIZER_REPAIR, "tokenizer": repair}, indent=2)

@@ -10,8 +10,6 @@ sentence-transformers pools) against the torch model on sample texts.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,8 @@ import numpy as np
 import torch
 
 from compress.errors import FormatError
+from compress.fsutil import atomic_directory
+from compress.marker import ENCODER, write_marker
 from compress.paths import usable_cpus
 
 FLOAT_FILE = "model.onnx"
@@ -83,9 +83,27 @@ def export_encoder(
     min_cosine_fp32: float = 0.9999,
     min_cosine_int8: float = 0.99,
     threads: int | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Export, quantize and check; writes ``out_dir`` atomically (model.onnx, model.int8.onnx, tokenizer,
-    config, encoder_report.json) and returns the report. Raises FormatError when a check fails."""
+    config, encoder_report.json, the marker) and returns the report. Raises FormatError when a check
+    fails. An existing ``out_dir`` is replaced only with ``overwrite`` and when compress wrote it."""
+    with atomic_directory(Path(out_dir), overwrite, ENCODER) as tmp:
+        report = _export(source, tmp, texts, int8, min_cosine_fp32, min_cosine_int8, threads)
+        write_marker(tmp, ENCODER)
+    return report
+
+
+def _export(
+    source: str | Path,
+    tmp: Path,
+    texts: list[str] | None,
+    int8: bool,
+    min_cosine_fp32: float,
+    min_cosine_int8: float,
+    threads: int | None,
+) -> dict[str, Any]:
+    """The export, its int8 copy and their checks, written into ``tmp``; the report."""
     import onnxruntime as ort
 
     model, tokenizer = load_encoder(source)
@@ -93,10 +111,6 @@ def export_encoder(
     batch = tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
     with_types = "token_type_ids" in batch
     names = ["input_ids", "attention_mask", *(["token_type_ids"] if with_types else [])]
-    out_dir = Path(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     started = time.perf_counter()
     wrapper = _Encoder(model, with_types).eval()  # a fresh Module is in training mode: dropout would stay on
     args = tuple(batch[n] for n in names)
@@ -138,7 +152,6 @@ def export_encoder(
             "size_bytes": (tmp / name).stat().st_size,
         }
         if sims.min() < minimum:
-            shutil.rmtree(tmp)
             raise FormatError(
                 f"{name}: sentence-embedding cosine similarity to the torch model is {sims.min():.5f} on one of "
                 f"{len(texts)} texts, below the required {minimum}"
@@ -161,7 +174,4 @@ def export_encoder(
         "onnxruntime": ort.__version__,
     }
     (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
     return report
