@@ -350,16 +350,15 @@ def test_recipe_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: 
 def test_outlier_decomposition_beats_w8a8_on_the_reference_model(smollm2, shakespeare_chunks) -> None:
     """SmolLM2-135M, 16 x 256 calibration tokens, KL on 4 x 256 held-out tokens (half the shared
     evaluation chunks: scoring dominates the run time): LLM.int8 with threshold 6 is closer to the
-    float model than plain W8A8 (threshold .inf). Weight-only int8 RTN is printed for comparison."""
+    float model than plain W8A8 (threshold .inf). Weight-only RTN int8 beside them on the full data:
+    docs/llm-int8.md."""
     from compress.eval.metrics import compare, torch_forward
-    from compress.quantizers.rtn import RTNConfig, RTNStage
 
     cal, ev = shakespeare_chunks
     ev = ev[:4]
     stages = {
         "llm_int8 t=6": LLMInt8Stage(LLMInt8Config(threshold=6.0), "s"),
         "w8a8 t=inf": LLMInt8Stage(LLMInt8Config(threshold=float("inf")), "s"),
-        "rtn w8 per-channel": RTNStage(RTNConfig(bits=8, group_size=None, symmetric=True), "s"),
     }
     candidates, outliers = {}, {}
     for name, stage in stages.items():

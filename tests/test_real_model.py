@@ -120,35 +120,44 @@ def test_the_quickstarts_metrics_do_not_drift(quickstart_artifact: Path) -> None
     assert compared.returncode == 0, compared.stdout + compared.stderr
 
 
-@pytest.mark.minutes(17)
-def test_gptq_and_awq_beat_rtn_by_a_quarter_at_w3_on_the_reference_model(smollm2, shakespeare_calibration_16x512) -> None:
-    """W3 g128 symmetric (the harder symmetry for AWQ), each method's default settings otherwise,
-    calibrated on 16 x 512 tokens, KL on 8 x 512 held-out tokens: GPTQ and AWQ each at least 25%
-    below RTN. Measured with `python scripts/calibration_margin.py 16x512 32x512 64x512`: KL as a
-    share of RTN's, GPTQ 0.389 and AWQ 0.623 at 16 x 512, 0.369 and 0.639 at 32 x 512, 0.369 and
-    0.660 at 64 x 512 (AWQ's scale and clip search is most of the time at every size: 246 s of
-    it at 16 x 512); at 128 x 512 this test took 650 s. `compress bench quant` measures all four settings on 128 x 512
-    calibration tokens (docs/benchmarks.md, "GPTQ and AWQ against RTN": at W3 g128 sym GPTQ -64.8%,
-    AWQ -37.8%)."""
+def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_models_first_blocks(smollm2, shakespeare_chunks) -> None:
+    """W3 g128 symmetric (the harder symmetry for AWQ), each method's default settings otherwise, on the
+    first three decoder blocks of the reference model (the rest stays float), calibrated on 16 x 256
+    tokens: on held-out text, the error the quantized blocks leave in the residual stream after them
+    (|h - h_float|^2 / |h_float|^2, the float model's embeddings going in) is at least a quarter below
+    RTN's for GPTQ and for AWQ. Measured (AMD EPYC, 1 thread): GPTQ MEASURED_GPTQ, AWQ MEASURED_AWQ of RTN's.
+    The same comparison on the whole model, in KL over 32 x 512 held-out tokens after 128 x 512 calibration
+    tokens: `compress bench quant` (docs/benchmarks.md, "GPTQ and AWQ against RTN": at W3 g128 sym GPTQ
+    -64.8%, AWQ -37.8% of RTN's KL)."""
     from compress.quantizers.awq import AWQConfig, AWQStage
     from compress.quantizers.gptq import GPTQConfig, GPTQStage
 
-    cal, ev = shakespeare_calibration_16x512
+    cal, ev = shakespeare_chunks
+    ev = ev[:4]
+    blocks = [r"re:model\.layers\.[012]\..*"]
     stages = {
-        "rtn sym": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=True), "s"),
-        "gptq sym": GPTQStage(GPTQConfig(bits=3, group_size=128, symmetric=True), "s"),
-        "awq sym": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=True), "s"),
+        "rtn": RTNStage(RTNConfig(bits=3, group_size=128, symmetric=True, targets=blocks), "s"),
+        "gptq": GPTQStage(GPTQConfig(bits=3, group_size=128, symmetric=True, targets=blocks), "s"),
+        "awq": AWQStage(AWQConfig(bits=3, group_size=128, symmetric=True, targets=blocks), "s"),
     }
-    candidates = {}
+
+    def after_three_blocks(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return model(ev, output_hidden_states=True).hidden_states[3]
+
+    reference = after_three_blocks(smollm2.model)
+    error = {}
     for name, stage in stages.items():
         model = copy.deepcopy(smollm2.model)
         ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=smollm2.tokenizer, reporter=QUIET, calibration=lambda: cal)
         record = stage.apply(model, ctx)
-        assert record.summary["layers_quantized"] == 210
-        candidates[name] = torch_forward(model, torch.device("cpu"))
-    kl = {k: m["kl_divergence"] for k, m in compare(torch_forward(smollm2.model, torch.device("cpu")), candidates, ev, 32).items()}
-    assert kl["gptq sym"] < 0.75 * kl["rtn sym"], kl
-    assert kl["awq sym"] < 0.75 * kl["rtn sym"], kl
+        assert record.summary["layers_quantized"] == 3 * 7
+        error[name] = float(((after_three_blocks(model) - reference) ** 2).sum() / (reference**2).sum())
+    print(
+        f"\nrelative squared error after block 2: {error}; of rtn: gptq {error['gptq'] / error['rtn']:.3f} awq {error['awq'] / error['rtn']:.3f}"
+    )
+    assert error["gptq"] < 0.75 * error["rtn"], error
+    assert error["awq"] < 0.75 * error["rtn"], error
 
 
 def test_the_large_reference_model_is_qwen2_5_coder_1_5b_in_bfloat16() -> None:
