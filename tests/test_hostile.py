@@ -272,38 +272,74 @@ def _one_line_error(result) -> str:
     return result.output
 
 
-@pytest.mark.parametrize(
-    "damage",
-    ["truncate-weights", "header-garbage", "bad-dtype", "config-garbage", "config-not-object", "tokenizer-garbage", "empty-weights"],
-)
+def _rewrite_header(weights: Path, change) -> None:
+    """Edit a safetensors file's JSON header in place (``change(header)``), keeping its length."""
+    data = weights.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= length, "the edited header must fit in the old one"
+    weights.write_bytes(data[:8] + raw.ljust(length) + data[8 + length :])
+
+
+def _retensor(weights: Path, change) -> None:
+    """Rewrite a safetensors file with ``change(tensors)`` applied (a consistent file: header and bytes agree)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    change(tensors)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def _set_config(model: Path, **values) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config.update(values)
+    (model / "config.json").write_text(json.dumps(config))  # allow_nan: NaN is written as the bare NaN Python's json reads
+
+
+DOWN = "model.layers.1.mlp.down_proj.weight"
+# damage -> (what it does to a copy of the tiny model's folder, the words the error must hold besides the file's name)
+DAMAGE = {
+    "truncate-weights": (lambda m, w: w.write_bytes(w.read_bytes()[: w.stat().st_size // 2]), ["truncated"]),
+    "header-garbage": (lambda m, w: w.write_bytes(w.read_bytes()[:8] + b"{not json" + w.read_bytes()[17:]), ["not valid JSON"]),
+    "bad-dtype": (lambda m, w: _rewrite_header(w, lambda h: h[DOWN].update(dtype="Q9")), [DOWN, "Q9"]),
+    "config-garbage": (lambda m, w: (m / "config.json").write_text('{"model_type": "llama", '), ["config.json"]),
+    "config-not-object": (lambda m, w: (m / "config.json").write_text("[1, 2]"), ["config.json"]),
+    "tokenizer-garbage": (lambda m, w: (m / "tokenizer.json").write_bytes(b"\x00\x01garbage"), ["tokenizer.json"]),
+    "empty-weights": (lambda m, w: w.write_bytes(b""), []),
+    # issue 54: never a model with a weight it does not have, or one the config does not describe
+    "removed-tensor": (lambda m, w: _retensor(w, lambda t: t.pop(DOWN)), [DOWN, "missing", "initialised at random"]),
+    "extra-config-layers": (lambda m, w: _set_config(m, num_hidden_layers=4), ["config.json", "num_hidden_layers is 4", "2 blocks"]),
+    "fewer-config-layers": (lambda m, w: _set_config(m, num_hidden_layers=1), ["config.json", "num_hidden_layers is 1", "model.layers.1."]),
+    "wrong-hidden-size": (lambda m, w: _set_config(m, hidden_size=128), ["config.json", "model.embed_tokens.weight", "hidden_size (128)"]),
+    "wrong-vocab": (lambda m, w: _set_config(m, vocab_size=500), ["config.json", "model.embed_tokens.weight", "vocab_size (500)"]),
+    "wrong-heads": (lambda m, w: _set_config(m, num_attention_heads=8), ["config.json", "self_attn", "num_attention_heads (8)"]),
+    "untied-head": (lambda m, w: _set_config(m, tie_word_embeddings=False), ["lm_head.weight", "tie_word_embeddings"]),
+    "header-shape": (lambda m, w: _rewrite_header(w, lambda h: h[DOWN].update(shape=h[DOWN]["shape"][::-1])), [DOWN, "[160, 96]"]),
+    "header-dtype": (lambda m, w: _rewrite_header(w, lambda h: h[DOWN].update(dtype="I32")), [DOWN, "I32", "floating-point"]),
+    "zero-sized-tensor": (lambda m, w: _retensor(w, lambda t: t.update({DOWN: t[DOWN][:0]})), [DOWN, "[0, 160]"]),
+    "zero-sized-config": (lambda m, w: _set_config(m, intermediate_size=0), ["config.json", "intermediate_size is 0"]),
+    "nan-weight": (lambda m, w: _retensor(w, lambda t: t[DOWN].view(-1).__setitem__(7, float("nan"))), [DOWN, "NaN"]),
+    "inf-weight": (lambda m, w: _retensor(w, lambda t: t[DOWN].view(-1).__setitem__(0, float("-inf"))), [DOWN, "infinite"]),
+    "nan-rms-norm-eps": (lambda m, w: _set_config(m, rms_norm_eps=float("nan")), ["config.json", "rms_norm_eps is nan"]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_corrupt_model_directory_is_named(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, damage: str) -> None:
+    """Every damage class exits 2 with one line naming the file and the tensor or key: never a model run
+    with a weight initialised at random, with blocks it does not have, or with non-finite values."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     weights = next(model.glob("*.safetensors"))
-    data = weights.read_bytes()
-    if damage == "truncate-weights":
-        weights.write_bytes(data[: len(data) // 2])
-    elif damage == "header-garbage":
-        weights.write_bytes(data[:8] + b"{not json" + data[17:])
-    elif damage == "bad-dtype":
-        length = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + length])
-        key = next(k for k in header if k != "__metadata__")
-        header[key]["dtype"] = "Q9"
-        raw = json.dumps(header).encode().ljust(length)
-        weights.write_bytes(data[:8] + raw + data[8 + length :])
-    elif damage == "config-garbage":
-        (model / "config.json").write_text('{"model_type": "llama", ')
-    elif damage == "config-not-object":
-        (model / "config.json").write_text("[1, 2]")
-    elif damage == "tokenizer-garbage":
-        (model / "tokenizer.json").write_bytes(b"\x00\x01garbage")
-    elif damage == "empty-weights":
-        weights.write_bytes(b"")
+    change, words = DAMAGE[damage]
+    change(model, weights)
     path = write_recipe(tmp_path, recipe_text(model, text_dir))
-    output = _one_line_error(run_cli(["run", path, "-o", tmp_path / "out"]))
-    named = "tokenizer.json" if damage == "tokenizer-garbage" else ("config.json" if damage.startswith("config") else weights.name)
-    assert named in output, output
+    output = " ".join(_one_line_error(run_cli(["run", path, "-o", tmp_path / "out"])).split())  # rich wraps long lines
+    named = "tokenizer.json" if damage == "tokenizer-garbage" else ("config.json" if damage.startswith("config") or "config.json" in words else weights.name)
+    for expected in [named, *words]:
+        assert expected in output, (expected, output)
     assert not (tmp_path / "out").exists()
 
 
