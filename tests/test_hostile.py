@@ -266,6 +266,24 @@ def test_gate_report_cannot_go_into_or_around_the_artifact(artifact: Path, tmp_p
     assert run_cli(["verify", artifact]).exit_code == 0
 
 
+def test_gate_refuses_a_damaged_baseline_or_model_folder(artifact: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`compress gate` opens models too: a --baseline, or a Hugging Face folder gated on its own, with a
+    tensor removed is refused naming it (it was once run with the weight initialised at random)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model_dir, damaged)
+    _retensor(damaged / "model.safetensors", lambda t: t.pop(DOWN))
+    latency = tmp_path / "latency.yaml"
+    latency.write_text(
+        "gates:\n  - metric: decode_tokens_per_s\n    min: 0.001\nlatency: {prompt_tokens: 8, output_tokens: 2, repeats: 1, warmup: 0}\n"
+    )
+    for command in (
+        ["gate", artifact, "--gates", tmp_path / "gates.yaml", "--baseline", damaged, "-o", tmp_path / "r1"],
+        ["gate", damaged, "--gates", latency, "-o", tmp_path / "r2"],
+    ):
+        output = " ".join(_one_line_error(run_cli(command)).split())
+        assert str(damaged) in output and f"tensor {DOWN} is missing" in output, (command, output)
+
+
 def _one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "unexpected failure" not in result.output, result.output
@@ -337,7 +355,11 @@ def test_corrupt_model_directory_is_named(tmp_path: Path, tiny_model_dir: Path, 
     change(model, weights)
     path = write_recipe(tmp_path, recipe_text(model, text_dir))
     output = " ".join(_one_line_error(run_cli(["run", path, "-o", tmp_path / "out"])).split())  # rich wraps long lines
-    named = "tokenizer.json" if damage == "tokenizer-garbage" else ("config.json" if damage.startswith("config") or "config.json" in words else weights.name)
+    named = (
+        "tokenizer.json"
+        if damage == "tokenizer-garbage"
+        else ("config.json" if damage.startswith("config") or "config.json" in words else weights.name)
+    )
     for expected in [named, *words]:
         assert expected in output, (expected, output)
     assert not (tmp_path / "out").exists()
@@ -376,6 +398,61 @@ def test_corrupt_gguf_and_onnx_are_named(tmp_path: Path, tiny_model_dir: Path) -
     (folder / "model.onnx").write_bytes(b"\x08\x07garbage protobuf \xff\xff")
     output = _one_line_error(run_cli(["gate", folder, "--gates", gates, "-o", tmp_path / "r3"]))
     assert "model.onnx: not a readable ONNX model" in output, output
+
+
+def _copy_gguf(source: Path, target: Path, keep) -> None:
+    """A GGUF file with ``source``'s metadata and the tensors ``keep(name)`` accepts (as float32)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        if keep(tensor.name):
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.export.gguf.file import write_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(path, AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir), {}, "f32")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("keep", "words"),
+    [
+        (lambda name: False, "holds no tensors"),
+        (lambda name: name != "blk.1.ffn_down.weight", "tensor blk.1.ffn_down.weight is missing"),
+        (lambda name: not name.startswith("blk.1."), "block_count is 2, but the file holds no tensors of block 1"),
+    ],
+    ids=["no-tensors", "missing-tensor", "missing-block"],
+)
+def test_incomplete_gguf_is_refused_as_source_and_by_gate(
+    tmp_path: Path, tiny_gguf: Path, text_dir: Path, cache_dir: Path, keep, words: str
+) -> None:
+    """A GGUF whose tensor table does not hold what its architecture needs: exit 2 naming the file and
+    the tensor, as a recipe's source and as `compress gate`'s input (even for a gate that loads nothing)."""
+    damaged = tmp_path / "damaged.gguf"
+    _copy_gguf(tiny_gguf, damaged, keep)
+    recipe = write_recipe(tmp_path, recipe_text(damaged, text_dir))
+    gates = tmp_path / "gates.yaml"
+    gates.write_text("gates:\n  - metric: decode_tokens_per_s\n    min: 1\nlatency: {}\n")
+    for command in (["run", recipe, "-o", tmp_path / "out"], ["gate", damaged, "--gates", gates, "-o", tmp_path / "report"]):
+        output = " ".join(_one_line_error(run_cli(command)).split())
+        assert "damaged.gguf" in output and words in output, (command, output)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "report").exists()
 
 
 def test_an_unexpected_failure_is_one_line_with_the_traceback_in_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
