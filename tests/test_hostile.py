@@ -400,8 +400,9 @@ def test_corrupt_gguf_and_onnx_are_named(tmp_path: Path, tiny_model_dir: Path) -
     assert "model.onnx: not a readable ONNX model" in output, output
 
 
-def _copy_gguf(source: Path, target: Path, keep) -> None:
-    """A GGUF file with ``source``'s metadata and the tensors ``keep(name)`` accepts (as float32)."""
+def _copy_gguf(source: Path, target: Path, keep, values: dict | None = None) -> None:
+    """A GGUF file with ``source``'s metadata (``values`` replacing some) and the tensors ``keep(name)``
+    accepts (as float32)."""
     import gguf
     import numpy as np
 
@@ -409,7 +410,8 @@ def _copy_gguf(source: Path, target: Path, keep) -> None:
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if not key.startswith("GGUF.") and key != "general.architecture":
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+            value = (values or {}).get(key, field.contents())
+            writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
     for tensor in reader.tensors:
         if keep(tensor.name):
             writer.add_tensor(tensor.name, np.array(tensor.data))
@@ -446,6 +448,16 @@ def test_incomplete_gguf_is_refused_as_source_and_by_gate(
     the tensor, as a recipe's source and as `compress gate`'s input (even for a gate that loads nothing)."""
     damaged = tmp_path / "damaged.gguf"
     _copy_gguf(tiny_gguf, damaged, keep)
+    _refused_as_source_and_by_gate(tmp_path, damaged, text_dir, words)
+
+
+def test_gguf_with_a_nan_in_its_metadata_is_refused(tmp_path: Path, tiny_gguf: Path, text_dir: Path, cache_dir: Path) -> None:
+    damaged = tmp_path / "damaged.gguf"
+    _copy_gguf(tiny_gguf, damaged, lambda name: True, {"llama.attention.layer_norm_rms_epsilon": float("nan")})
+    _refused_as_source_and_by_gate(tmp_path, damaged, text_dir, "metadata llama.attention.layer_norm_rms_epsilon is nan")
+
+
+def _refused_as_source_and_by_gate(tmp_path: Path, damaged: Path, text_dir: Path, words: str) -> None:
     recipe = write_recipe(tmp_path, recipe_text(damaged, text_dir))
     gates = tmp_path / "gates.yaml"
     gates.write_text("gates:\n  - metric: decode_tokens_per_s\n    min: 1\nlatency: {}\n")
@@ -453,6 +465,26 @@ def test_incomplete_gguf_is_refused_as_source_and_by_gate(
         output = " ".join(_one_line_error(run_cli(command)).split())
         assert "damaged.gguf" in output and words in output, (command, output)
     assert not (tmp_path / "out").exists() and not (tmp_path / "report").exists()
+
+
+def test_integrity_checks_are_pure_and_exact() -> None:
+    """The checks without a model: a float sum that overflows is not a non-finite weight; a shape
+    mismatch names the config key whose value it is; a config size must be a whole number above 0."""
+    import torch
+
+    from compress import integrity
+
+    integrity.check_finite(torch.full((4,), 3e38), "big", "f")  # sums to infinity in float32, every value finite
+    with pytest.raises(ModelLoadError, match=r"f: tensor w holds 1 infinite"):
+        integrity.check_finite(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16), "w", "f")
+    config = {"hidden_size": 64, "vocab_size": 300, "num_attention_heads": 4}
+    assert integrity.suspects("model.embed_tokens.weight", (300, 64), (300, 96), config) == ["hidden_size (64)"]
+    assert integrity.suspects("model.layers.0.self_attn.k_proj.weight", (32, 64), (48, 64), config) == ["num_attention_heads (4)"]
+    for bad in (True, 0, -1, 2.5, "4"):
+        with pytest.raises(ModelLoadError, match="num_attention_heads"):
+            integrity.check_config_values({**config, "num_attention_heads": bad}, Path("config.json"))
+    with pytest.raises(ModelLoadError, match=r"rope_scaling.factor is inf"):
+        integrity.check_config_values({**config, "rope_scaling": {"factor": float("inf")}}, Path("config.json"))
 
 
 def test_an_unexpected_failure_is_one_line_with_the_traceback_in_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
