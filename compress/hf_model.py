@@ -67,10 +67,19 @@ def assemble_model(
     trust_remote_code: bool = False,
 ) -> nn.Module:
     """Build a model from ``config`` with the ``floats`` tensors and every record's dequantized
-    weight installed; ``where`` names the weight source in errors. Returned in eval mode, frozen."""
+    weight installed; ``where`` names the weight source in errors. Returned in eval mode, frozen.
+    Refused (compress.integrity): blocks the weights do not hold, a shape or dtype the config does not
+    imply, a weight missing, a non-finite value."""
     from transformers import AutoModelForCausalLM
 
+    from compress import integrity
+
+    stored = {**integrity.in_memory(floats, where), **{f"{n}.weight": integrity.Stored(where, r.shape, "F32") for n, r in records.items()}}
+    if isinstance(getattr(config, "num_hidden_layers", None), int):
+        integrity.check_block_count(config.num_hidden_layers, stored, where)  # before building: a config's 10⁹ blocks are refused
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    needed = {name: (tuple(t.shape), t.is_floating_point()) for name, t in model.state_dict().items() if name in floats}
+    integrity.check_stored(needed, stored, config.to_dict(), where)
     missing, unexpected = model.load_state_dict(floats, strict=False)
     if unexpected:
         raise ArtifactError(f"{where}: weights the model does not have: {unexpected[:5]}")
@@ -92,4 +101,5 @@ def assemble_model(
     ]
     if still_missing:
         raise ArtifactError(f"{where}: weights missing: {still_missing[:5]}")
+    integrity.check_all_finite(model.state_dict().items(), where)
     return model.eval().requires_grad_(False)

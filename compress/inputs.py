@@ -7,7 +7,8 @@ These checks read only headers and small JSON files, so they are cheap, and they
 * ``*.safetensors``: the 8-byte header length, the JSON header, every tensor's dtype, shape and
   byte range, and that the data section is as long as the header says (a truncated copy fails);
 * ``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``:
-  valid UTF-8 JSON objects (config.json with a ``model_type``);
+  valid UTF-8 JSON objects (config.json with a ``model_type``, finite numbers and positive sizes:
+  ``compress.integrity.check_config_values``);
 * an export format's own files (a GGUF file, an ONNX model): its spec's ``check_input``
   (export/<format>/inputs.py), found through compress.plugins.EXPORT_FORMATS.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import ModelLoadError
+from compress.integrity import check_config_values
 
 SAFETENSORS_ITEMSIZE = {
     "BOOL": 1,
@@ -136,5 +138,7 @@ def check_model_directory(path: Path) -> None:
             data = check_json(path / name)
             if name == "config.json" and not isinstance(data.get("model_type"), str):
                 raise ModelLoadError(f"{path / name}: no model_type; is this a Hugging Face model's config?")
+            if name == "config.json":
+                check_config_values(data, path / name)
     for file in sorted(path.glob("*.safetensors")):
         check_safetensors(file)

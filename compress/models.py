@@ -164,15 +164,22 @@ def stored_dtype(weights: list[Path]) -> str:
     return "float32"
 
 
-def stream_units(model: Any) -> list[str]:
-    """The modules that are read from disk one at a time: every decoder block, and every module
-    outside the blocks that holds weights of its own (token embedding, final norm, output head)."""
+def blocks_name(model: Any) -> str:
+    """The name of the model's list of decoder blocks (``model.layers``): the module list of num_hidden_layers entries."""
     from torch import nn
 
     n_blocks = getattr(model.config, "num_hidden_layers", None)
     blocks = next((name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_blocks and len(m) > 0), None)
     if blocks is None:
         raise ModelLoadError(f"cannot find the {n_blocks} decoder blocks of this {type(model).__name__} to stream them")
+    return blocks
+
+
+def stream_units(model: Any) -> list[str]:
+    """The modules that are read from disk one at a time: every decoder block, and every module
+    outside the blocks that holds weights of its own (token embedding, final norm, output head)."""
+    n_blocks = getattr(model.config, "num_hidden_layers", None)
+    blocks = blocks_name(model)
     inside = blocks + "."
     found = [f"{blocks}.{i}" for i in range(n_blocks)]
     for name, m in model.named_modules():
@@ -189,50 +196,70 @@ def open_streamed(path: Path, config: Any, spec: ModelSpec, weights: list[Path])
     names are not the model's (one transformers converts while loading) is loaded whole once and
     written to the run's overlay, and streamed from there. Returns the model and how it was opened."""
     import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
-    from compress import streaming
+    from compress import integrity, streaming
 
     dtype = getattr(torch, stored_dtype(weights) if spec.dtype == "auto" else spec.dtype)
     if not weights:  # pickle checkpoints (allow_pickle): no memory map; loaded whole, then streamed from the overlay
         return _spilled(path, config, spec, dtype, weights), "loaded whole (pickle checkpoint), streamed from the work directory"
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=spec.trust_remote_code)
-    model.tie_weights()  # built on meta the ties are not made (accelerate's init_empty_weights); made here
-    model.eval().requires_grad_(False)
-    source: dict[str, tuple[Path, str]] = {}
-    for file in weights:
-        source.update({key: (file, key) for key in streaming.safetensors_header(file)[0] if key != "__metadata__"})
+    config_path = path / "config.json"
+    stored = integrity.stored_entries({file: streaming.safetensors_header(file)[0] for file in weights})
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int):
+        integrity.check_block_count(layers, stored, config_path)  # before building: 10⁹ blocks are refused at once
+    model = skeleton(config, dtype, spec.trust_remote_code, config_path)
+    if isinstance(layers, int):
+        integrity.check_block_count(layers, stored, config_path, blocks_name(model))
+    source = {key: (entry.file, key) for key, entry in stored.items()}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
-    missing = []
+    needed: dict[str, tuple[tuple[int, ...], bool]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         first = first_name.setdefault(id(t), name)
-        if name in source:
-            continue
-        if first != name and first in source:  # a tied copy (lm_head.weight is the embedding)
+        if first != name and first in source and name not in source:  # a tied copy (lm_head.weight is the embedding)
             aliases[name] = first
         else:
-            missing.append(name)
-    if missing:
+            needed[name] = (tuple(t.shape), t.is_floating_point())
+    absent = integrity.missing(needed, source)
+    if absent and set(source) <= set(needed) | set(aliases):  # nothing stored under other names: truly missing
+        integrity.refuse_missing(absent, _weights_where(weights), config_path)
+    if absent:
         return _spilled(path, config, spec, dtype, weights), (
-            f"loaded whole once (the checkpoint names its tensors differently, e.g. {missing[0]}), streamed from the work directory"
+            f"loaded whole once (the checkpoint names its tensors differently, e.g. {absent[0]}), streamed from the work directory"
         )
+    integrity.check_stored(needed, stored, config.to_dict(), config_path)
     stamps = {file: (file.stat().st_size, file.stat().st_mtime_ns) for file in weights}
     streaming.attach(model, streaming.TensorStore(source, aliases, stamps=stamps), stream_units(model), torch.device("cpu"))
     return model, "streamed from the checkpoint"
+
+
+def skeleton(config: Any, dtype: Any, trust_remote_code: bool, config_path: Path) -> Any:
+    """The model ``config`` describes, built on the meta device (shapes and dtypes, no memory), ties made, frozen."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers and the model's own code raise many types for sizes that do not fit
+        raise ModelLoadError(f"{config_path}: no model can be built from it ({type(exc).__name__}: {str(exc)[:300]})") from None
+    model.tie_weights()  # built on meta the ties are not made (accelerate's init_empty_weights); made here
+    return model.eval().requires_grad_(False)
+
+
+def _weights_where(weights: list[Path]) -> str:
+    """The weight files, for messages: the file, or how many files in which folder."""
+    return str(weights[0]) if len(weights) == 1 else f"the {len(weights)} weight files in {weights[0].parent}"
 
 
 def _spilled(path: Path, config: Any, spec: ModelSpec, dtype: Any, weights: list[Path]) -> Any:
     """Load through transformers (which renames and converts tensors as the model needs), then write
     every unit to an overlay and stream from it."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from compress import streaming
+    from compress import integrity, streaming
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model = integrity.from_pretrained_checked(
         path, dtype=dtype, trust_remote_code=spec.trust_remote_code, use_safetensors=bool(weights), local_files_only=True
     )
     model.eval().requires_grad_(False)

@@ -12,6 +12,9 @@ Where each tensor lives is a ``TensorStore``: the source's safetensors files, re
 new files in a work directory (files are never rewritten, so a fork of the store — the baseline,
 a distillation teacher — keeps seeing what it saw).
 
+Every source tensor is checked finite on its first read (``TensorStore.verified``): a NaN weight is
+refused naming its file and tensor, with no second pass over the model.
+
 Parameters keep their identity while they come and go (``torch.utils.swap_tensors``), so ties
 (``lm_head`` and the token embedding share one Parameter) and ``is`` checks hold.
 
@@ -41,6 +44,7 @@ from compress.errors import ModelLoadError
 from compress.fsutil import scratch_dir
 from compress.heap import return_to_os as _return_to_os
 from compress.inputs import check_safetensors
+from compress.integrity import check_finite
 
 
 class ChangedFileError(ModelLoadError):
@@ -64,6 +68,9 @@ class TensorStore:
     stamps: dict[Path, tuple[int, int]] = field(default_factory=dict)
     """(size, mtime_ns) of each source file when it was opened: a file changed since is refused on
     the next read, since the digests in the manifest would no longer describe what the run read."""
+    verified: set[tuple[Path, str]] = field(default_factory=set)
+    """(file, key) of the source tensors already checked finite (``compress.integrity.check_finite``, on
+    their first read); shared with forks, since the source files do not change (``stamps``)."""
     _dir: Path | None = None
     _count: itertools.count = field(default_factory=itertools.count)
 
@@ -83,15 +90,27 @@ class TensorStore:
         for file, pairs in by_file.items():
             self._check_unchanged(file)
             found = read_tensors(file, [key for _, key in pairs])
+            for name, key in pairs:
+                if name not in self.overlay:
+                    self._check_finite(file, key, found[key])
             out.update({name: found[key] for name, key in pairs})
         return out
+
+    def _check_finite(self, file: Path, key: str, tensor: torch.Tensor) -> None:
+        """A source tensor's values, on its first read (the overlay holds what stages computed, not the source)."""
+        if (file, key) not in self.verified:
+            check_finite(tensor, key, file)
+            self.verified.add((file, key))
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the stored tensor ``name`` (its first dimension), read alone: a slice
         of an output head without the rest of it."""
         file, key = self.location(name)
         self._check_unchanged(Path(file))
-        return read_rows(Path(file), key, start, stop)
+        rows = read_rows(Path(file), key, start, stop)
+        if name not in self.overlay and (Path(file), key) not in self.verified:
+            check_finite(rows, key, file)
+        return rows
 
     def _check_unchanged(self, file: Path) -> None:
         stamp = self.stamps.get(file)
@@ -125,7 +144,7 @@ class TensorStore:
         """A store that sees what this one sees now and writes its own overlay from here on.
         Overlay files stay while any store that reads them lives (each store's folder is removed
         when that store is garbage-collected, so a fork keeps a reference to its parent)."""
-        child = TensorStore(dict(self.source), dict(self.aliases), dict(self.overlay), self.root, dict(self.stamps))
+        child = TensorStore(dict(self.source), dict(self.aliases), dict(self.overlay), self.root, dict(self.stamps), self.verified)
         child._parent = self  # type: ignore[attr-defined]  # keeps the parent's overlay folder alive
         return child
 

@@ -218,9 +218,9 @@ def load_torch_model(path: Path, dtype: Any = None) -> Any:
         from compress.artifact import load_artifact
 
         return load_artifact(path)[0]
-    from transformers import AutoModelForCausalLM
+    from compress.integrity import from_pretrained_checked
 
-    return AutoModelForCausalLM.from_pretrained(str(path), **({} if dtype is None else {"dtype": dtype})).eval()
+    return from_pretrained_checked(path, **({} if dtype is None else {"dtype": dtype})).eval()
 
 
 def safetensors_entries(folder: Path) -> Iterator[tuple[str, int, str]]:

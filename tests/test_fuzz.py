@@ -265,6 +265,52 @@ def test_damaged_safetensors_are_named_or_load(
 
 
 @given(
+    which=st.integers(0, 10**6),
+    damage=st.sampled_from(["remove", "nan", "inf", "transpose", "relabel"]),
+    where=st.integers(0, 10**9),
+)
+@settings(FUZZ, max_examples=25 * SCALE)
+def test_a_damaged_tensor_is_named_at_load(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, weights_bytes: bytes, which: int, damage: str, where: int
+) -> None:
+    """One tensor of the tiny checkpoint, drawn at random, removed, given a NaN or an infinity at a random
+    place, its header shape reversed, or its header dtype relabelled: loading it (and reading every
+    tensor once, as a run does block by block) fails with a ModelLoadError naming the file and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from compress import streaming
+    from compress.errors import ModelLoadError
+    from compress.models import load_model
+    from compress.progress import Reporter
+    from compress.schema.recipe import ModelSpec
+
+    model = tmp_path_factory.mktemp("fuzz") / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    tensors = load_file(str(weights))
+    names = sorted(name for name, t in tensors.items() if damage != "transpose" or (t.dim() == 2 and t.shape[0] != t.shape[1]))
+    name = names[which % len(names)]
+    if damage in ("transpose", "relabel"):
+        length = int.from_bytes(weights_bytes[:8], "little")
+        header = json.loads(weights_bytes[8 : 8 + length])
+        header[name]["shape" if damage == "transpose" else "dtype"] = header[name]["shape"][::-1] if damage == "transpose" else "I32"
+        weights.write_bytes(
+            weights_bytes[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(length) + weights_bytes[8 + length :]
+        )
+    else:
+        if damage == "remove":
+            del tensors[name]
+        else:
+            tensors[name].view(-1)[where % tensors[name].numel()] = float(damage)
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as refused:
+        loaded = load_model(ModelSpec(source=str(model)), model.parent, Reporter(quiet=True))
+        for _ in streaming.tensors(loaded.model):
+            pass
+    assert str(weights) in str(refused.value) and name in str(refused.value), str(refused.value)
+
+
+@given(
     text=st.one_of(
         st.text(max_size=200),
         st.builds(lambda d: json.dumps(d)[: 10**6], junk_values),

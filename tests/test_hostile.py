@@ -247,44 +247,102 @@ def test_gate_report_cannot_go_into_or_around_the_artifact(artifact: Path, tmp_p
     assert run_cli(["verify", artifact]).exit_code == 0
 
 
+def test_gate_refuses_a_damaged_baseline_or_model_folder(artifact: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`compress gate` opens models too: a --baseline, or a Hugging Face folder gated on its own, with a
+    tensor removed is refused naming it (it was once run with the weight initialised at random)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model_dir, damaged)
+    _retensor(damaged / "model.safetensors", lambda t: t.pop(DOWN))
+    latency = tmp_path / "latency.yaml"
+    latency.write_text(
+        "gates:\n  - metric: decode_tokens_per_s\n    min: 0.001\nlatency: {prompt_tokens: 8, output_tokens: 2, repeats: 1, warmup: 0}\n"
+    )
+    for command in (
+        ["gate", artifact, "--gates", tmp_path / "gates.yaml", "--baseline", damaged, "-o", tmp_path / "r1"],
+        ["gate", damaged, "--gates", latency, "-o", tmp_path / "r2"],
+    ):
+        output = " ".join(_one_line_error(run_cli(command)).split())
+        assert str(damaged) in output and f"tensor {DOWN} is missing" in output, (command, output)
+
+
 def _one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "unexpected failure" not in result.output, result.output
     return result.output
 
 
-@pytest.mark.parametrize(
-    "damage",
-    ["truncate-weights", "header-garbage", "bad-dtype", "config-garbage", "config-not-object", "tokenizer-garbage", "empty-weights"],
-)
+def _rewrite_header(weights: Path, change) -> None:
+    """Edit a safetensors file's JSON header in place (``change(header)``), keeping its length."""
+    data = weights.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= length, "the edited header must fit in the old one"
+    weights.write_bytes(data[:8] + raw.ljust(length) + data[8 + length :])
+
+
+def _retensor(weights: Path, change) -> None:
+    """Rewrite a safetensors file with ``change(tensors)`` applied (a consistent file: header and bytes agree)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    change(tensors)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def _set_config(model: Path, **values) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config.update(values)
+    (model / "config.json").write_text(json.dumps(config))  # allow_nan: NaN is written as the bare NaN Python's json reads
+
+
+DOWN = "model.layers.1.mlp.down_proj.weight"
+# damage -> (what it does to a copy of the tiny model's folder, the words the error must hold besides the file's name)
+DAMAGE = {
+    "truncate-weights": (lambda m, w: w.write_bytes(w.read_bytes()[: w.stat().st_size // 2]), ["truncated"]),
+    "header-garbage": (lambda m, w: w.write_bytes(w.read_bytes()[:8] + b"{not json" + w.read_bytes()[17:]), ["not valid JSON"]),
+    "bad-dtype": (lambda m, w: _rewrite_header(w, lambda h: h[DOWN].update(dtype="Q9")), [DOWN, "Q9"]),
+    "config-garbage": (lambda m, w: (m / "config.json").write_text('{"model_type": "llama", '), ["config.json"]),
+    "config-not-object": (lambda m, w: (m / "config.json").write_text("[1, 2]"), ["config.json"]),
+    "tokenizer-garbage": (lambda m, w: (m / "tokenizer.json").write_bytes(b"\x00\x01garbage"), ["tokenizer.json"]),
+    "empty-weights": (lambda m, w: w.write_bytes(b""), []),
+    # issue 54: never a model with a weight it does not have, or one the config does not describe
+    "removed-tensor": (lambda m, w: _retensor(w, lambda t: t.pop(DOWN)), [DOWN, "missing", "initialised at random"]),
+    "extra-config-layers": (lambda m, w: _set_config(m, num_hidden_layers=4), ["config.json", "num_hidden_layers is 4", "2 blocks"]),
+    "fewer-config-layers": (lambda m, w: _set_config(m, num_hidden_layers=1), ["config.json", "num_hidden_layers is 1", "model.layers.1."]),
+    "wrong-hidden-size": (lambda m, w: _set_config(m, hidden_size=128), ["config.json", "model.embed_tokens.weight", "hidden_size (128)"]),
+    "wrong-vocab": (lambda m, w: _set_config(m, vocab_size=500), ["config.json", "model.embed_tokens.weight", "vocab_size (500)"]),
+    "wrong-heads": (lambda m, w: _set_config(m, num_attention_heads=8), ["config.json", "self_attn", "num_attention_heads (8)"]),
+    "untied-head": (lambda m, w: _set_config(m, tie_word_embeddings=False), ["lm_head.weight", "tie_word_embeddings"]),
+    "header-shape": (lambda m, w: _rewrite_header(w, lambda h: h[DOWN].update(shape=h[DOWN]["shape"][::-1])), [DOWN, "[160, 96]"]),
+    "header-dtype": (lambda m, w: _rewrite_header(w, lambda h: h[DOWN].update(dtype="I32")), [DOWN, "I32", "floating-point"]),
+    "zero-sized-tensor": (lambda m, w: _retensor(w, lambda t: t.update({DOWN: t[DOWN][:0]})), [DOWN, "[0, 160]"]),
+    "zero-sized-config": (lambda m, w: _set_config(m, intermediate_size=0), ["config.json", "intermediate_size is 0"]),
+    "nan-weight": (lambda m, w: _retensor(w, lambda t: t[DOWN].view(-1).__setitem__(7, float("nan"))), [DOWN, "NaN"]),
+    "inf-weight": (lambda m, w: _retensor(w, lambda t: t[DOWN].view(-1).__setitem__(0, float("-inf"))), [DOWN, "infinite"]),
+    "nan-rms-norm-eps": (lambda m, w: _set_config(m, rms_norm_eps=float("nan")), ["config.json", "rms_norm_eps is nan"]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_corrupt_model_directory_is_named(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, damage: str) -> None:
+    """Every damage class exits 2 with one line naming the file and the tensor or key: never a model run
+    with a weight initialised at random, with blocks it does not have, or with non-finite values."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     weights = next(model.glob("*.safetensors"))
-    data = weights.read_bytes()
-    if damage == "truncate-weights":
-        weights.write_bytes(data[: len(data) // 2])
-    elif damage == "header-garbage":
-        weights.write_bytes(data[:8] + b"{not json" + data[17:])
-    elif damage == "bad-dtype":
-        length = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + length])
-        key = next(k for k in header if k != "__metadata__")
-        header[key]["dtype"] = "Q9"
-        raw = json.dumps(header).encode().ljust(length)
-        weights.write_bytes(data[:8] + raw + data[8 + length :])
-    elif damage == "config-garbage":
-        (model / "config.json").write_text('{"model_type": "llama", ')
-    elif damage == "config-not-object":
-        (model / "config.json").write_text("[1, 2]")
-    elif damage == "tokenizer-garbage":
-        (model / "tokenizer.json").write_bytes(b"\x00\x01garbage")
-    elif damage == "empty-weights":
-        weights.write_bytes(b"")
+    change, words = DAMAGE[damage]
+    change(model, weights)
     path = write_recipe(tmp_path, recipe_text(model, text_dir))
-    output = _one_line_error(run_cli(["run", path, "-o", tmp_path / "out"]))
-    named = "tokenizer.json" if damage == "tokenizer-garbage" else ("config.json" if damage.startswith("config") else weights.name)
-    assert named in output, output
+    output = " ".join(_one_line_error(run_cli(["run", path, "-o", tmp_path / "out"])).split())  # rich wraps long lines
+    named = (
+        "tokenizer.json"
+        if damage == "tokenizer-garbage"
+        else ("config.json" if damage.startswith("config") or "config.json" in words else weights.name)
+    )
+    for expected in [named, *words]:
+        assert expected in output, (expected, output)
     assert not (tmp_path / "out").exists()
 
 
@@ -321,6 +379,93 @@ def test_corrupt_gguf_and_onnx_are_named(tmp_path: Path, tiny_model_dir: Path) -
     (folder / "model.onnx").write_bytes(b"\x08\x07garbage protobuf \xff\xff")
     output = _one_line_error(run_cli(["gate", folder, "--gates", gates, "-o", tmp_path / "r3"]))
     assert "model.onnx: not a readable ONNX model" in output, output
+
+
+def _copy_gguf(source: Path, target: Path, keep, values: dict | None = None) -> None:
+    """A GGUF file with ``source``'s metadata (``values`` replacing some) and the tensors ``keep(name)``
+    accepts (as float32)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            value = (values or {}).get(key, field.contents())
+            writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        if keep(tensor.name):
+            writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.export.gguf.file import write_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(path, AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir), {}, "f32")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("keep", "words"),
+    [
+        (lambda name: False, "holds no tensors"),
+        (lambda name: name != "blk.1.ffn_down.weight", "tensor blk.1.ffn_down.weight is missing"),
+        (lambda name: not name.startswith("blk.1."), "block_count is 2, but the file holds no tensors of block 1"),
+    ],
+    ids=["no-tensors", "missing-tensor", "missing-block"],
+)
+def test_incomplete_gguf_is_refused_as_source_and_by_gate(
+    tmp_path: Path, tiny_gguf: Path, text_dir: Path, cache_dir: Path, keep, words: str
+) -> None:
+    """A GGUF whose tensor table does not hold what its architecture needs: exit 2 naming the file and
+    the tensor, as a recipe's source and as `compress gate`'s input (even for a gate that loads nothing)."""
+    damaged = tmp_path / "damaged.gguf"
+    _copy_gguf(tiny_gguf, damaged, keep)
+    _refused_as_source_and_by_gate(tmp_path, damaged, text_dir, words)
+
+
+def test_gguf_with_a_nan_in_its_metadata_is_refused(tmp_path: Path, tiny_gguf: Path, text_dir: Path, cache_dir: Path) -> None:
+    damaged = tmp_path / "damaged.gguf"
+    _copy_gguf(tiny_gguf, damaged, lambda name: True, {"llama.attention.layer_norm_rms_epsilon": float("nan")})
+    _refused_as_source_and_by_gate(tmp_path, damaged, text_dir, "metadata llama.attention.layer_norm_rms_epsilon is nan")
+
+
+def _refused_as_source_and_by_gate(tmp_path: Path, damaged: Path, text_dir: Path, words: str) -> None:
+    recipe = write_recipe(tmp_path, recipe_text(damaged, text_dir))
+    gates = tmp_path / "gates.yaml"
+    gates.write_text("gates:\n  - metric: decode_tokens_per_s\n    min: 1\nlatency: {}\n")
+    for command in (["run", recipe, "-o", tmp_path / "out"], ["gate", damaged, "--gates", gates, "-o", tmp_path / "report"]):
+        output = " ".join(_one_line_error(run_cli(command)).split())
+        assert "damaged.gguf" in output and words in output, (command, output)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "report").exists()
+
+
+def test_integrity_checks_are_pure_and_exact() -> None:
+    """The checks without a model: a float sum that overflows is not a non-finite weight; a shape
+    mismatch names the config key whose value it is; a config size must be a whole number above 0."""
+    import torch
+
+    from compress import integrity
+
+    integrity.check_finite(torch.full((4,), 3e38), "big", "f")  # sums to infinity in float32, every value finite
+    with pytest.raises(ModelLoadError, match=r"f: tensor w holds 1 infinite"):
+        integrity.check_finite(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16), "w", "f")
+    config = {"hidden_size": 64, "vocab_size": 300, "num_attention_heads": 4}
+    assert integrity.suspects("model.embed_tokens.weight", (300, 64), (300, 96), config) == ["hidden_size (64)"]
+    assert integrity.suspects("model.layers.0.self_attn.k_proj.weight", (32, 64), (48, 64), config) == ["num_attention_heads (4)"]
+    for bad in (True, 0, -1, 2.5, "4"):
+        with pytest.raises(ModelLoadError, match="num_attention_heads"):
+            integrity.check_config_values({**config, "num_attention_heads": bad}, Path("config.json"))
+    with pytest.raises(ModelLoadError, match=r"rope_scaling.factor is inf"):
+        integrity.check_config_values({**config, "rope_scaling": {"factor": float("inf")}}, Path("config.json"))
 
 
 def test_an_unexpected_failure_is_one_line_with_the_traceback_in_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

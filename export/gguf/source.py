@@ -94,6 +94,8 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from compress.integrity import from_pretrained_checked
+
     # transformers draws its own tqdm bars; ours (status lines) are shown instead. Its GGUF reader's bar
     # (plain tqdm) obeys TQDM_DISABLE only when tqdm was not imported yet, so it may still show.
     hf_logging.disable_progress_bar()
@@ -103,7 +105,10 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
         with reporter.status(f"reading the tokenizer of {path.name}"):
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         with reporter.status(f"dequantizing {path.name} to {dtype} (once per file)"):
-            gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
+            # refused: a tensor the architecture needs and the file lacks (never initialised at random), a non-finite value
+            gguf_model = from_pretrained_checked(path.parent, path, gguf_file=path.name, dtype=getattr(torch, dtype))
+    except ModelLoadError:
+        raise
     except Exception as exc:  # transformers' GGUF reader: OSError, ValueError, KeyError, RuntimeError, struct errors …
         raise ModelLoadError(f"transformers could not read {path}: {type(exc).__name__}: {str(exc)[:300]}") from None
     finally:
