@@ -150,12 +150,6 @@ def quickstart_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shakespeare_calibration_16x512(smollm2):
-    """16 x 512 calibration tokens and 8 x 512 evaluation chunks of held-out text."""
-    return reference_chunks(smollm2.tokenizer, (16, 512), (8, 512))
-
-
-@pytest.fixture(scope="session")
 def onnx_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
     """The tiny test model with 6 heads of 16 (ONNX Runtime's CPU attention wants head sizes in multiples of 16);
     hidden 96 and MLP 160 leave partial last groups of 64."""
