@@ -7,6 +7,8 @@ import random
 import textwrap
 from pathlib import Path
 
+from compress.paths import usable_cpus
+
 WORDS = (
     "the a of and to in is was that it for on with as by at from this be are or an which his her their "
     "king queen lord lady night day light dark sword crown river stone house field garden winter summer "
@@ -82,7 +84,7 @@ def run_gguf_bench(out: Path, model_dir: Path, text_dir: Path, candidates: str, 
 
     args = ["bench", "gguf", "-o", out, "--model", str(model_dir), "--calibration", str(text_dir), "--evaluation", str(text_dir)]
     args += ["--cal-samples", "4", "--cal-seq-len", "64", "--eval-samples", "2", "--eval-seq-len", "64", "--repeats", "1"]
-    args += ["--decode-tokens", "8", "--threads", "2", "--candidates", candidates, *extra]
+    args += ["--decode-tokens", "8", "--threads", str(usable_cpus()), "--candidates", candidates, *extra]
     result = run_cli(args)
     assert result.exit_code == 0, result.output
     return json.loads((out / "results.json").read_text())

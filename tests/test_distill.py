@@ -680,7 +680,7 @@ def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, tor
 
 @pytest.mark.runtime
 @pytest.mark.real_model
-@pytest.mark.minutes(7)
+@pytest.mark.minutes(6)
 def test_smollm2_prune_distill_recipe_exports_a_gguf_that_runs_in_llama_cpp(tmp_path):
     """recipes/prune-distill.yaml on reduced data and a short repair (refit, then 10 steps of 2 x 256 tokens at lr 1e-4):
     pruned, repaired (KL to the teacher falls on held-apart text), GPTQ W4 g32 asym, exported exactly to

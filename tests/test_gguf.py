@@ -23,6 +23,7 @@ from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.parity import compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.export.specs import GGUFExport
+from compress.paths import usable_cpus
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_formats import quantize, token_ids
 from tests.tiny import perturb_norms, scale_weights, tiny_llama, tiny_model
@@ -132,7 +133,7 @@ def test_every_architecture_round_trips_through_transformers_and_llama_cpp(tmp_p
     if gguf_runtime.available():
         from compress.eval.metrics import compare, torch_forward
 
-        runtime = gguf_runtime.LlamaCppModel(tmp_path / "m.gguf", n_ctx=64, threads=2)
+        runtime = gguf_runtime.LlamaCppModel(tmp_path / "m.gguf", n_ctx=64, threads=usable_cpus())
         try:
             same = compare(torch_forward(model, torch.device("cpu")), {"gguf": runtime.forward}, ids, 8)["gguf"]
         finally:
@@ -183,7 +184,7 @@ def test_gemma2_and_gemma3_run_in_llama_cpp_as_our_model(tmp_path: Path, tokeniz
         assert field(path, "gemma3.rope.freq_base") == 1e6 and field(path, "gemma3.rope.freq_base_swa") == 1e4
         assert field(path, "gemma3.rope.scaling.factor") == 4.0
     ids = torch.randint(0, len(tokenizer), (2, 64), generator=torch.Generator().manual_seed(0))
-    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2)
+    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=usable_cpus())
     try:
         same = compare(torch_forward(model, torch.device("cpu")), {"gguf": runtime.forward}, ids, 8)["gguf"]
     finally:
@@ -311,7 +312,7 @@ def test_sentencepiece_style_tokenizer_parity_in_llama_cpp(tmp_path: Path, text_
     assert facts["tokenizer"]["model"] == "llama" and field(path, "tokenizer.ggml.add_space_prefix") is True
     types = field(path, "tokenizer.ggml.token_type")
     assert types[3] == gguf.TokenType.BYTE and types[1] == gguf.TokenType.CONTROL
-    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2)
+    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=usable_cpus())
     try:
         texts = ["The king speaks softly.", "  leading spaces and 1234 digits", "Ünïcödé bytes: 東京 🙂", "value\nreturn\tindex"]
         assert tokenization_mismatches(runtime.tokenize, hf, texts) == []
@@ -410,14 +411,14 @@ def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: 
     records = quantize(model, 4, 32, True)
     path = tmp_path / "m.gguf"
     G.write_gguf(path, model, tok, records, "q4_0")
-    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2)
+    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=usable_cpus())
     try:
         assert tokenization_mismatches(runtime.tokenize, tok, ["Hello world! 1234 the king speaks."]) == []
         ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(0))
         same = compare(torch_forward(model, torch.device("cpu")), {"gguf": runtime.forward}, ids, 8)["gguf"]
         assert same["kl_divergence"] < 1e-3 and same["top1_agreement"] > 0.85, same
         # Pieces wholly before the asked positions only fill llama.cpp's cache (no logits made): the same numbers.
-        pieces = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2, piece_tokens=16)
+        pieces = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=usable_cpus(), piece_tokens=16)
         try:
             tail = pieces.forward(ids).logits(1, slice(40, 48)).clone()
             whole = pieces.forward(ids).logits(1, slice(0, 48)).clone()
@@ -433,7 +434,7 @@ def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: 
             G.ARCHITECTURES["llama"] = G.GGUFArch("llama", permute_qk=True)
     finally:
         runtime.close()
-    wrong = gguf_runtime.LlamaCppModel(bad, n_ctx=64, threads=2)
+    wrong = gguf_runtime.LlamaCppModel(bad, n_ctx=64, threads=usable_cpus())
     try:
         broken = compare(torch_forward(model, torch.device("cpu")), {"gguf": wrong.forward}, ids, 8)["gguf"]
     finally:
@@ -447,11 +448,11 @@ def test_llama_cpp_quantizer_makes_k_quants_from_our_f16(tmp_path: Path, tokeniz
     f16 = tmp_path / "f16.gguf"
     G.write_gguf(f16, model, tokenizer, {}, "f16")
     out = tmp_path / "q4km.gguf"
-    gguf_runtime.quantize(f16, out, "q4_k_m", threads=2)
+    gguf_runtime.quantize(f16, out, "q4_k_m", threads=usable_cpus())
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     assert "Q4_K" in types.values() and out.stat().st_size < f16.stat().st_size
     with pytest.raises(FormatError, match="not offered"):
-        gguf_runtime.quantize(f16, out, "q9_k", threads=2)
+        gguf_runtime.quantize(f16, out, "q9_k", threads=usable_cpus())
 
 
 @needs_llama_cpp
@@ -612,11 +613,12 @@ def ours_against_llama_cpp(
     assert G.check_gguf_records(ours, facts["plan"], ctx.quantized) == []
     assert facts["tensor_types"][f"{type_name} (record)"] == len(ctx.quantized)
     G.write_gguf(f16, source_model, tokenizer, {}, "f16")
-    gguf_runtime.quantize(f16, theirs, type_name, threads=2, token_embedding_type="q8_0")
+    gguf_runtime.quantize(f16, theirs, type_name, threads=usable_cpus(), token_embedding_type="q8_0")
     assert ours.stat().st_size == theirs.stat().st_size
     n_ctx = max(256, ev.shape[1])
     runtimes = {
-        name: gguf_runtime.LlamaCppModel(p, n_ctx=n_ctx, threads=2) for name, p in (("f16", f16), ("ours", ours), ("theirs", theirs))
+        name: gguf_runtime.LlamaCppModel(p, n_ctx=n_ctx, threads=usable_cpus())
+        for name, p in (("f16", f16), ("ours", ours), ("theirs", theirs))
     }
     try:
         assert tokenization_mismatches(runtimes["ours"].tokenize, tokenizer, [tokenizer.decode(ev[0])]) == []

@@ -20,6 +20,7 @@ from compress.errors import FormatError
 from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.specs import GGUFExport
+from compress.paths import usable_cpus
 from compress.progress import Reporter
 from compress.quantizers.core import QuantScheme, refuse_gguf_grids
 from compress.quantizers.gguf_grid import grid_quantize
@@ -173,7 +174,7 @@ def test_llama_cpp_runs_our_grid_records_like_our_model(tmp_path: Path, tiny_mod
     records = rtn_records(model, type_name)  # installs the dequantized records in the model
     path = tmp_path / "m.gguf"
     G.write_gguf(path, model, tok, records, type_name)
-    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=2)
+    runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=usable_cpus())
     try:
         ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(0))
         same = compare(torch_forward(model, torch.device("cpu")), {"gguf": runtime.forward}, ids, 8)["gguf"]
@@ -237,11 +238,11 @@ def test_llama_cpp_pure_quantizer_makes_one_k_quant_type_and_the_bench_names_bot
     f16 = tmp_path / "f16.gguf"
     G.write_gguf(f16, model, tokenizer, {}, "f16")
     out = tmp_path / "q4k.gguf"
-    gguf_runtime.quantize(f16, out, "q4_k", threads=2, token_embedding_type="q8_0", pure=True)
+    gguf_runtime.quantize(f16, out, "q4_k", threads=usable_cpus(), token_embedding_type="q8_0", pure=True)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors if t.name.startswith("blk.") and "norm" not in t.name}
     assert types and set(types.values()) == {"Q4_K"}
     with pytest.raises(FormatError, match="not offered pure"):
-        gguf_runtime.quantize(f16, out, "q4_k_m", threads=2, pure=True)
+        gguf_runtime.quantize(f16, out, "q4_k_m", threads=usable_cpus(), pure=True)
     ours, theirs = Candidate.parse("gptq:Q4_K"), Candidate.parse("llama.cpp-pure:q4_k")
     assert (ours.gguf_type, ours.type_name, theirs.type_name) == ("q4_k", "q4_k", "q4_k") and theirs.llama_cpp and not ours.llama_cpp
     with pytest.raises(ValueError, match="llama.cpp-pure type must be one of"):

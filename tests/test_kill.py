@@ -98,6 +98,7 @@ def test_kill_during_run(setup: dict) -> None:
     assert "absent" in seen  # early kills left nothing
 
 
+@pytest.mark.minutes(2)
 def test_kill_during_gate(setup: dict) -> None:
     root, rng = setup["root"], setup["rng"]
     artifact = root / "reference"
@@ -116,6 +117,7 @@ def test_kill_during_gate(setup: dict) -> None:
 
 
 @pytest.mark.runtime
+@pytest.mark.minutes(2)
 def test_kill_during_publish(setup: dict) -> None:
     pytest.importorskip("mlflow")
     root, rng = setup["root"], setup["rng"]

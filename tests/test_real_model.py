@@ -60,7 +60,7 @@ def test_gguf_loads_as_llama_and_conversion_is_cached(smollm2) -> None:
 
 
 def test_rtn_kl_orders_w8_w4_w3(smollm2) -> None:
-    data = DataSpec(evaluation={"source": "reference:shakespeare", "samples": 8, "seq_len": 256})
+    data = DataSpec(evaluation={"source": "reference:shakespeare", "samples": 4, "seq_len": 256})
     chunks = DataPlan.load(data, ROOT, QUIET).chunks("evaluation", smollm2.tokenizer)
     candidates = {}
     for bits in (8, 4, 3):
@@ -120,6 +120,7 @@ def test_the_quickstarts_metrics_do_not_drift(quickstart_artifact: Path) -> None
     assert compared.returncode == 0, compared.stdout + compared.stderr
 
 
+@pytest.mark.minutes(3)
 def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_models_first_blocks(smollm2, shakespeare_chunks) -> None:
     """W3 g128 symmetric (the harder symmetry for AWQ), each method's default settings otherwise, on the
     first three decoder blocks of the reference model (the rest stays float), calibrated on 16 x 256

@@ -16,6 +16,7 @@ from compress.errors import DataError
 from compress.eval.gates import evaluate_gates
 from compress.eval.metrics import Evaluation, torch_forward
 from compress.eval.tasks import Scorer, interval, load_task
+from compress.paths import usable_cpus
 from compress.recipe import GateSpec, Recipe, TaskSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 
@@ -245,6 +246,7 @@ def test_run_scores_a_task_on_every_runtime_and_gates_on_it(tmp_path: Path, onnx
 @pytest.mark.real_model
 @pytest.mark.runtime
 @pytest.mark.slow
+@pytest.mark.minutes(2)
 def test_mmlu_on_the_reference_model_in_torch_and_in_llama_cpp(smollm2, tmp_path: Path) -> None:
     """reference:mmlu is read whole (14,042 questions, 57 subjects); 40 of them scored on the reference
     model in torch (float32 weights dequantized from its GGUF) and in llama.cpp (the GGUF itself):
@@ -264,7 +266,7 @@ def test_mmlu_on_the_reference_model_in_torch_and_in_llama_cpp(smollm2, tmp_path
     on_torch = run_task(
         spec, data, files, tmp_path / "cache", make_lm(torch_forward(smollm2.model, torch.device("cpu")), encode, tok.eos_token_id)
     )
-    runtime = LlamaCppModel(Path(smollm2.source_path), n_ctx=2048, threads=2)
+    runtime = LlamaCppModel(Path(smollm2.source_path), n_ctx=2048, threads=usable_cpus())
     try:
         on_llama = run_task(spec, data, files, tmp_path / "cache", make_lm(runtime.forward, encode, tok.eos_token_id))
     finally:
