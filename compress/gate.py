@@ -19,11 +19,11 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
@@ -55,6 +55,7 @@ from compress.recipe import (
     parse_yaml,
     validation_context,
 )
+from compress.schema.base import not_a_bool
 from compress.schema.manifest import GATE_LISTING_VERSION, GATE_REPORT, GateReportListing
 from compress.schema.report import REPORT_VERSION
 from compress.schema.yamlio import read_text
@@ -66,7 +67,8 @@ DEFAULT_EVALUATION = {"source": "reference:shakespeare", "samples": 16, "seq_len
 class GatesFile(Strict):
     """A gates file: the gates, and optionally the text, latency protocol and devices they need."""
 
-    version: int = Field(1, description="Gates file version; this release reads 1.")
+    version: Literal[1] = Field(1, description="Gates file version; this release reads 1.")
+    _version_is_a_number = field_validator("version", mode="before")(not_a_bool)
     data: DataSpec | None = Field(None, description="Evaluation text (default: the artifact's run's, else 16 x 512 tokens of Shakespeare).")
     latency: LatencySpec | None = None
     devices: list[DeviceProfile] = Field(default_factory=list)

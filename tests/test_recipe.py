@@ -127,6 +127,45 @@ def test_overrides(tmp_path: Path) -> None:
         load_recipe(p, ["stages.0.quantize.bits"])
 
 
+@pytest.mark.parametrize(
+    ("override", "where", "expected"),
+    [
+        ("seed=true", "seed", "valid integer"),
+        ("data.evaluation.samples=true", "data.evaluation.samples", "valid integer"),
+        ("stages.0.quantize.bits=4.0", "stages[0].quantize.bits", "valid integer"),
+        ("stages.0.quantize.group_size='32'", "stages[0].quantize.group_size", "valid integer"),
+        ("stages.0.quantize.symmetric=yes_please", "stages[0].quantize.symmetric", "valid boolean"),
+        ("stages.0.quantize.symmetric='true'", "stages[0].quantize.symmetric", "valid boolean"),
+        ("stages.0.quantize.symmetric=1", "stages[0].quantize.symmetric", "valid boolean"),
+        ("version=true", "version", "true is a boolean"),
+        ("model.source=7", "model.source", "valid string"),
+    ],
+)
+def test_values_keep_their_types(tmp_path: Path, override: str, where: str, expected: str) -> None:
+    """Strict types, as the docs promise: no bool for a number, no float or string for an integer, no
+    string or number for a bool, no number for a string (compress/schema/base.py)."""
+    result = run_cli(["validate", write_recipe(tmp_path, GOOD), "--set", override])
+    assert result.exit_code == 2 and where in result.output and expected in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_float_key_still_takes_an_integer(tmp_path: Path) -> None:
+    assert load_recipe(write_recipe(tmp_path, GOOD), ["gates.0.max=1"]).recipe.gates[0].max == 1.0
+
+
+def test_gates_file_version_is_1_and_not_a_boolean(tmp_path: Path) -> None:
+    from compress.errors import CompressError
+    from compress.gate import load_gates_file
+
+    for version, expected in (("true", "true is a boolean"), ("2", "Input should be 1")):
+        path = tmp_path / f"gates-{version}.yaml"
+        path.write_text(f"version: {version}\ngates:\n  - metric: kl_divergence\n    max: 0.1\n")
+        with pytest.raises(CompressError, match=expected):
+            load_gates_file(path)
+    path.write_text("version: 1\ngates:\n  - metric: kl_divergence\n    max: 0.1\n")
+    assert load_gates_file(path).version == 1
+
+
 def test_cli_validate_exit_codes(tmp_path: Path) -> None:
     good = write_recipe(tmp_path, GOOD)
     assert run_cli(["validate", good]).exit_code == 0

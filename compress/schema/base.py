@@ -38,12 +38,24 @@ def _too_large(value: Any) -> int | None:
     return None
 
 
+def not_a_bool(value: Any) -> Any:
+    """For a ``Literal`` of integers (a ``version``), which even strict mode matches to true (True == 1):
+    use as ``field_validator(NAME, mode="before")(not_a_bool)``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is a boolean, not a version number")
+    return value
+
+
 class Strict(BaseModel):
-    """Unknown keys are errors; floats must be finite; integers stay within ±MAX_INT.
+    """Unknown keys are errors; values keep their type; floats must be finite; integers stay within ±MAX_INT.
 
-    A field that really takes infinity says so itself (``Field(allow_inf_nan=True)``)."""
+    Strict types (pydantic's strict mode): a number field takes no bool (``seed: true``), an integer
+    field no float (``bits: 4.0``) and no string (``group_size: "32"``), a bool field only true or
+    false (not ``"yes"``), a string field no number. A float field still takes an integer
+    (``max: 1``). A field that really takes infinity says so itself (``Field(allow_inf_nan=True)``);
+    a path field takes a string (``Field(strict=False)``)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="after")
     @classmethod

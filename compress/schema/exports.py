@@ -371,6 +371,7 @@ class TensorRTConfig(Strict):
     workspace_mib: int = Field(4096, ge=64, description="Scratch memory TensorRT may use while building and running.")
     timing_cache: Path | None = Field(
         None,
+        strict=False,  # a path is written as a string
         description="Kernel timing cache: loaded when the file exists, saved after the build (speeds up rebuilds). "
         "Default: timing.cache next to the engine.",
     )

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from compress.schema.base import Seed, Strict
+from compress.schema.base import Seed, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.distill import DistillConfig
 from compress.schema.exports import ExportSpec
@@ -427,6 +427,7 @@ class ComputeSpec(Strict):
 
 class Recipe(Strict):
     version: Literal[SCHEMA_VERSION] = Field(description="Recipe schema version; this release reads version 1.")
+    _version_is_a_number = field_validator("version", mode="before")(not_a_bool)
     name: str | None = Field(None, description="A label for reports and the manifest.")
     seed: Seed = Field(0, description="Global seed (torch, Python, numpy) for reproducible runs.")
     model: ModelSpec
