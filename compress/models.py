@@ -80,7 +80,7 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
         raise ModelLoadError(f"model.source {source}: a file must be a .gguf; for Hugging Face models give the directory")
     if path.is_dir():
         return from_hf_dir(path, spec, reporter, kind="huggingface-directory", source=source)
-    if HUB_ID.match(source):
+    if HUB_ID.fullmatch(source):
         return _from_hub_cache(source, spec, reporter)
     raise ModelLoadError(
         f"model.source '{source}' is not a directory, a .gguf file, a reference:<name>, or a Hugging Face id (looked for {path})"

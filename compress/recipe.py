@@ -68,6 +68,7 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
     if (
         (key.strip() in PATH_FIELDS or TASK_SOURCE_FIELD.fullmatch(key.strip()))
         and isinstance(value, str)
+        and value.strip()  # an empty path is an error of the schema's, not the current directory
         and not value.startswith("reference:")
     ):
         candidate = Path(value).expanduser()

@@ -460,6 +460,8 @@ def test_pipeline_rejects_an_impossible_export_before_evaluating(tmp_path: Path,
         ("  - name: x\n", "an export names its format"),
         ("  - format: gptq\n    nme: x\n", "exports[0].nme: unknown key 'nme' (did you mean 'name'?)"),
         ("  - format: gptq\n    name: baseline\n", "reserved"),
+        ('  - format: gptq\n    name: "ok\\n"\n', "export name 'ok\\n' must be letters"),  # a trailing newline is no folder name
+        ("  - format: gptq\n    name: ../up\n", "export name '../up' must be letters"),
     ],
 )
 def test_export_specs_are_validated(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, exports: str, expected: str) -> None:

@@ -139,6 +139,8 @@ def test_overrides(tmp_path: Path) -> None:
         ("stages.0.quantize.symmetric=1", "stages[0].quantize.symmetric", "valid boolean"),
         ("version=true", "version", "true is a boolean"),
         ("model.source=7", "model.source", "valid string"),
+        ("model.source=", "model.source", "is empty"),
+        ("data.evaluation.source=' '", "data.evaluation.source", "is empty"),
     ],
 )
 def test_values_keep_their_types(tmp_path: Path, override: str, where: str, expected: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_INT = 2**31 - 1
 """Largest integer any field accepts unless its own bound says less (chunk counts, widths, steps…)."""
@@ -36,6 +36,16 @@ def _too_large(value: Any) -> int | None:
         if (found := _too_large(item)) is not None:
             return found
     return None
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("is empty; name a file, a directory or reference:<name>")
+    return value
+
+
+Source = Annotated[str, AfterValidator(_not_blank)]
+"""Where a model, text or task comes from: a path or a name, never empty (an empty one would mean the current directory)."""
 
 
 def not_a_bool(value: Any) -> Any:

@@ -61,8 +61,8 @@ class _Export(Strict):
     def _default_name(self) -> _Export:
         if self.name is None:
             self.name = self.format
-        if not NAME_PATTERN.match(self.name):
-            raise ValueError(f"export name '{self.name}' must be letters, digits, '.', '_' or '-' (it names a folder)")
+        if not NAME_PATTERN.fullmatch(self.name):  # fullmatch: "$" alone would let a trailing newline through
+            raise ValueError(f"export name {self.name!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
         if self.name in RESERVED_NAMES:
             raise ValueError(f"export name '{self.name}' is reserved for the in-memory artifacts {', '.join(RESERVED_NAMES)}")
         return self

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from compress.schema.base import Seed, Strict, not_a_bool
+from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.distill import DistillConfig
 from compress.schema.exports import ExportSpec
@@ -55,7 +55,7 @@ def alias_problem(alias: str) -> str | None:
 
 
 class ModelSpec(Strict):
-    source: str = Field(
+    source: Source = Field(
         description="A Hugging Face model directory, a Hugging Face id already in the local cache, "
         "a .gguf file, or reference:<name> (see `compress assets list`)."
     )
@@ -69,7 +69,7 @@ class ModelSpec(Strict):
 
 
 class TextSpec(Strict):
-    source: str = Field(description="A .txt/.md/.rst/.jsonl file, a directory of them, a glob, or reference:<name>.")
+    source: Source = Field(description="A .txt/.md/.rst/.jsonl file, a directory of them, a glob, or reference:<name>.")
     samples: int = Field(ge=1, description="Number of token chunks.")
     seq_len: int = Field(ge=8, description="Tokens per chunk.")
     seed: Seed = Field(0, description="Seed for choosing which text becomes chunks.")
@@ -297,7 +297,7 @@ class TaskSpec(Strict):
     standard error and its 95% interval."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$", description="The task's name in reports and in a gate's `task:`.")
-    source: str = Field(
+    source: Source = Field(
         description="reference:mmlu (MMLU test questions, fetched offline with the assets), or a local "
         ".jsonl / .json (a list of objects) / .csv file of questions, relative to the recipe's directory."
     )
