@@ -151,8 +151,12 @@ def test_values_keep_their_types(tmp_path: Path, override: str, where: str, expe
     assert "Traceback" not in result.output
 
 
-def test_a_float_key_still_takes_an_integer(tmp_path: Path) -> None:
+def test_a_float_key_still_takes_an_integer_and_exponents_are_numbers(tmp_path: Path) -> None:
     assert load_recipe(write_recipe(tmp_path, GOOD), ["gates.0.max=1"]).recipe.gates[0].max == 1.0
+    # YAML 1.1 reads 1e-3 and 1.0e9 as text; with strict types they would be refused, so they are read as numbers
+    assert load_recipe(write_recipe(tmp_path, GOOD), ["gates.0.max=1e-3"]).recipe.gates[0].max == 1e-3
+    in_file = write_recipe(tmp_path, GOOD.replace("max: 0.1", "max: 1.0e9"), "exp.yaml")
+    assert load_recipe(in_file).recipe.gates[0].max == 1e9
 
 
 def test_gates_file_version_is_1_and_not_a_boolean(tmp_path: Path) -> None:

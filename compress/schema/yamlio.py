@@ -54,6 +54,13 @@ class _KeysStayText(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.1 (PyYAML) reads 1e9, 1.0e9 and 1e-4 as text (it wants a dot and a signed exponent); YAML 1.2,
+# JSON and people read them as numbers. With strict types a text is no number, so read them as floats.
+_KeysStayText.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
+
+
 def load_yaml(text: str, filename: str, error: type[CompressError] = CompressError) -> tuple[Any, dict[tuple, int]]:
     """Parse ``text``; return the plain data and a map from key path to 1-based line number.
 
