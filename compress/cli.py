@@ -482,7 +482,7 @@ def _claim_bench(output: Path, overwrite: bool) -> None:
 
 
 def _bench_data(calibration: str, cal_samples: int, cal_seq_len: int, evaluation: str, eval_samples: int, eval_seq_len: int) -> Any:
-    from compress.recipe import DataSpec
+    from compress.schema.recipe import DataSpec
 
     return DataSpec(
         calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
@@ -611,7 +611,7 @@ def bench_gguf(
 
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
-    from compress.recipe import ModelSpec
+    from compress.schema.recipe import ModelSpec
 
     dtypes = get_args(ModelSpec.model_fields["dtype"].annotation)  # the recipe's model.dtype values, kept in one place
     if dtype not in dtypes:
@@ -712,10 +712,10 @@ def bench_prune(
     import yaml
     from pydantic import ValidationError
 
-    from compress.distill.distill import DistillConfig
     from compress.eval.bench_prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
     from compress.progress import Reporter
-    from compress.pruning.prune import PruneConfig
+    from compress.schema.distill import DistillConfig
+    from compress.schema.prune import PruneConfig
     from compress.steps.load import resolve_device
 
     def parse(kind: Any, text: str, base: dict[str, Any]) -> Any:

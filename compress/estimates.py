@@ -39,7 +39,7 @@ class PlanStep:
     config: Any
     """The stage's validated config (``stage.config`` of the recipe)."""
     shape: Any
-    """The model as this stage sees it (``compress.eval.plan_sizes.ModelShape``: ``params``,
+    """The model as this stage sees it (``compress.sizes.ModelShape``: ``params``,
     ``text`` config, ``config``, the meta-device ``model``, ``frozen_params()``)."""
     held_bytes: float
     """What is in memory before the stage adds its own: the libraries and, for a stage that streams,

@@ -28,35 +28,26 @@ from pydantic import Field, field_validator, model_validator
 from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
 from compress.eval.coverage import expert_coverage
-from compress.eval.devices import LOCAL, DeviceProfile, get_profile, load_profiles
-from compress.eval.gates import Evaluation, GateResult, evaluate_gates
+from compress.eval.devices import LOCAL, get_profile, load_profiles
+from compress.eval.gates import GateResult, evaluate_gates
 from compress.eval.identity import with_build
-from compress.eval.latency import LatencySettings, Target, load_torch_model, tree_size
-from compress.eval.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, compare, torch_forward
+from compress.eval.latency import LatencySettings, Target, load_torch_model
+from compress.eval.metrics import Evaluation, compare, torch_forward
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.export.format import TORCH_RUNTIME
-from compress.fsutil import check_target, sha256_file
+from compress.fsutil import check_target, sha256_file, tree_size
 from compress.inputs import check_model_directory
 from compress.marker import GATE_REPORT as GATE_REPORT_KIND
 from compress.marker import MANIFEST, write_marker
 from compress.paths import usable_cpus
 from compress.plugins import EXPORT_FORMATS, runtime_formats
 from compress.progress import Reporter
-from compress.recipe import (
-    DataSpec,
-    GateSpec,
-    LatencySpec,
-    ModelSpec,
-    Strict,
-    TargetSpec,
-    TaskSpec,
-    check_task_gates,
-    format_validation_error,
-    parse_yaml,
-    validation_context,
-)
-from compress.schema.base import not_a_bool
+from compress.recipe import format_validation_error, parse_yaml, validation_context
+from compress.schema.base import Strict, not_a_bool
+from compress.schema.devices import DeviceProfile
 from compress.schema.manifest import GATE_LISTING_VERSION, GATE_REPORT, GateReportListing
+from compress.schema.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS
+from compress.schema.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, TargetSpec, TaskSpec, check_task_gates
 from compress.schema.report import REPORT_VERSION
 from compress.schema.yamlio import read_text
 from compress.verify import check_artifact

@@ -20,7 +20,7 @@ from compress.inputs import check_model_directory
 from compress.paths import HUB_ID
 from compress.plugins import source_format
 from compress.progress import Reporter
-from compress.recipe import ModelSpec
+from compress.schema.recipe import ModelSpec
 
 # No network for model files, ever: set before transformers / huggingface_hub are imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

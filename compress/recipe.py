@@ -1,7 +1,6 @@
 """Recipes: parsed from YAML, overridden with --set, validated strictly; errors name the key path and line.
 
-The models (Recipe, GateSpec, ...) live in the torch-free compress.schema.recipe and are
-re-exported here, so ``from compress.recipe import Recipe`` keeps working.
+The models (Recipe, GateSpec, ...) live in the torch-free compress.schema.recipe.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from compress.errors import RecipeError
 from compress.schema.devices import DEVICE_FORMATS, DEVICE_RUNTIMES
 from compress.schema.exports import EXPORT_CONFIGS
-from compress.schema.recipe import *  # noqa: F403 - the recipe models (compress.schema.recipe), importable from here too
 from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, TASK_SOURCE_FIELD, Recipe
 from compress.schema.yamlio import format_path, load_yaml, read_text
 

@@ -37,11 +37,11 @@ from typing import Any
 
 from compress.errors import EXIT_GATE_FAILED, ArtifactError, CompressError
 from compress.fsutil import atomic_directory, check_target, sha256_file
-from compress.marker import ARTIFACT, MANIFEST, write_marker
+from compress.marker import ARTIFACT, MANIFEST, MODEL_CARD, write_marker
 from compress.model_card import gate_summary, model_card
 from compress.progress import Reporter
 from compress.schema.recipe import alias_problem
-from compress.verify import MODEL_CARD, Contents, check_artifact
+from compress.verify import Contents, check_artifact
 
 EXPERIMENT = "compress-publish"  # the MLflow experiment holding one run per publish
 ARTIFACT_PATH = "artifact"  # the run artifact folder a version's source points at

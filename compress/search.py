@@ -31,7 +31,8 @@ from compress.fsutil import claim_directory
 from compress.marker import SEARCH
 from compress.plugins import QUANT_METHODS, quant_method, stage_kind
 from compress.progress import Reporter
-from compress.recipe import LoadedRecipe, Recipe, apply_override, parse_yaml, validate
+from compress.recipe import LoadedRecipe, apply_override, parse_yaml, validate
+from compress.schema.recipe import Recipe
 
 
 @dataclass
@@ -90,7 +91,8 @@ def artifact_size(directory: Path, recipe: Recipe) -> int:
     Without exports, an estimate from the bits: each quantized layer at its bits per weight with
     scales and zero points (the manifest's stage records), the float tensors as stored (model/ of an
     artifact before the packed layout kept one byte per code; the estimate ranks both alike)."""
-    from compress.eval.latency import SAFETENSORS_ITEMSIZE, float_entries, tree_size
+    from compress.eval.latency import SAFETENSORS_ITEMSIZE, float_entries
+    from compress.fsutil import tree_size
 
     if recipe.exports:
         return tree_size(directory / "exports" / recipe.exports[0].name)

@@ -40,7 +40,7 @@ from compress.distill.refit import refit_down_proj, refit_targets
 from compress.distill.teacher_store import FOLDER, TeacherLogits
 from compress.distill.train import Processes, Trainer, eval_min_context, sample_order
 from compress.errors import CompressError
-from compress.schema.distill import ORIGINAL, DistillConfig, DistillData, DistillEval, DistillRefit  # noqa: F401 - re-exported
+from compress.schema.distill import ORIGINAL, DistillConfig
 
 # --------------------------------------------------------------------------- the stage
 

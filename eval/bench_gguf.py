@@ -28,11 +28,11 @@ from compress.eval.reports import equal_bytes_pairs, pairs_table
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.tools import llama_imatrix, llama_quantize
-from compress.export.specs import GGUF_LLAMA_CPP_TYPES, GGUFExport
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.recipe import DataSpec
+from compress.schema.exports import GGUF_LLAMA_CPP_TYPES, GGUFExport
 from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
+from compress.schema.recipe import DataSpec
 
 LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_PURE = "llama.cpp-pure"

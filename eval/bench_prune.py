@@ -25,12 +25,14 @@ import torch
 from compress import streaming
 from compress.context import RunContext
 from compress.data import DataPlan
-from compress.distill.distill import DistillConfig, DistillStage
+from compress.distill.distill import DistillStage
 from compress.eval.bench_quant import load_bench_inputs, write_results
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
-from compress.pruning.prune import PruneConfig, PruneStage, parameters
-from compress.recipe import DataSpec, EvaluationSpec
+from compress.pruning.prune import PruneStage, parameters
+from compress.schema.distill import DistillConfig
+from compress.schema.prune import PruneConfig
+from compress.schema.recipe import DataSpec, EvaluationSpec
 
 DEFAULT_SETTINGS = ("{mlp: 0.25}", "{layers: {drop: 4}}")
 # recipes/prune-distill.yaml's repair (a 14.5-minute training budget, at most 400 steps of 2 x 512 tokens, bf16

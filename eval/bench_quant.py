@@ -27,8 +27,8 @@ from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
 from compress.plugins import method_streams, quant_method
 from compress.progress import Reporter
-from compress.recipe import DataSpec, ModelSpec
 from compress.schema.quantize import HEAD
+from compress.schema.recipe import DataSpec, ModelSpec
 
 
 @dataclass(frozen=True)

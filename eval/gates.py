@@ -7,8 +7,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from compress.eval.devices import LOCAL
-from compress.eval.metrics import METRICS, Evaluation  # noqa: F401 - Evaluation re-exported (it lived here)
-from compress.recipe import GateSpec
+from compress.eval.metrics import Evaluation
+from compress.schema.metrics import METRICS
+from compress.schema.recipe import GateSpec
 
 
 @dataclass

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from compress import streaming
-from compress.schema.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS, METRICS, MetricInfo  # noqa: F401 - re-exported
 
 Forward = Callable[[torch.Tensor], Any]
 """Maps token ids [batch, seq] to logits [batch, seq, vocab] for one artifact on its runtime, or to

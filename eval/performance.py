@@ -16,8 +16,10 @@ import numpy as np
 
 from compress.eval import devices as dev
 from compress.eval.latency import LatencySettings, Target, latency_metrics, measure, static_bytes
-from compress.eval.metrics import LATENCY_METRICS, Evaluation
+from compress.eval.metrics import Evaluation
 from compress.progress import Reporter
+from compress.schema.devices import DeviceProfile
+from compress.schema.metrics import LATENCY_METRICS
 from compress.schema.recipe import BASELINE_THRESHOLDS
 
 
@@ -29,7 +31,7 @@ class Timed:
     target: Target
 
 
-def this_machine_is(profile: dev.DeviceProfile, cuda_name: str | None) -> bool:
+def this_machine_is(profile: DeviceProfile, cuda_name: str | None) -> bool:
     """Whether measurements here stand for ``profile``: its ``identify`` strings name this
     machine's GPU (for GPU profiles) or CPU model (others)."""
     here = (cuda_name if profile.kind == "gpu" else dev.cpu_model()) or ""
@@ -100,7 +102,7 @@ def measure_all(
 
 
 def device_evaluations(
-    profiles: dict[str, dev.DeviceProfile],
+    profiles: dict[str, DeviceProfile],
     wanted: dict[str, tuple[int, int]],
     timed: list[Timed],
     measured: list[Evaluation],

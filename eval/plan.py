@@ -29,22 +29,14 @@ from compress.estimates import (
     largest_unit_bytes,
 )
 from compress.estimates import forward_s as _forward_s
-from compress.eval.devices import LOCAL, DeviceProfile, estimate_latency, fit_check, get_profile, kv_bytes_per_token
+from compress.eval.devices import LOCAL, estimate_latency, fit_check, get_profile, kv_bytes_per_token
 from compress.eval.metrics import CHUNK_ELEMENTS, HEAD_SLICE_BYTES
-from compress.eval.plan_sizes import (
-    DTYPE_BYTES,
-    GB,
-    ModelShape,
-    Record,
-    artifacts,
-    check_group_sizes,
-    compute_dtype,
-    final_shape,
-    model_shape,
-    quantized_layers,
-)
+from compress.eval.plan_sizes import artifacts, check_group_sizes, compute_dtype, final_shape, model_shape, quantized_layers
 from compress.plugins import EXPORT_FORMATS, stage_kind, stage_streams
-from compress.recipe import LoadedRecipe, Recipe
+from compress.recipe import LoadedRecipe
+from compress.schema.devices import DeviceProfile
+from compress.schema.recipe import Recipe
+from compress.sizes import DTYPE_BYTES, GB, ModelShape, Record
 
 # --------------------------------------------------------------------------- stages: memory and time
 

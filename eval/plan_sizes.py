@@ -12,8 +12,8 @@ from compress.errors import CompressError, ModelLoadError
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME
 from compress.inputs import check_json
 from compress.plugins import EXPORT_FORMATS, stage_kind
-from compress.recipe import ModelSpec, Recipe
-from compress.sizes import DTYPE_BYTES, GB, ModelShape, Record, packed_bytes, shape_of  # noqa: F401 - re-exported (they lived here)
+from compress.schema.recipe import ModelSpec, Recipe
+from compress.sizes import DTYPE_BYTES, ModelShape, Record, packed_bytes, shape_of
 
 # --------------------------------------------------------------------------- the model's shape
 

@@ -18,12 +18,12 @@ from compress.errors import FormatError
 from compress.eval.metrics import Evaluation
 from compress.experts import expert_view
 from compress.export.parity import VerifyInputs
-from compress.export.specs import EXPORTS_DIR
 from compress.hf_model import checksums
 from compress.plugins import EXPORT_FORMATS
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
+from compress.schema.exports import EXPORTS_DIR
 
 
 def check_exports(specs: list[Any], model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool = True) -> None:

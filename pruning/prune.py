@@ -30,7 +30,7 @@ from compress.pruning.arch import PrunableModel
 from compress.pruning.importance import Importance, collect, top_indices
 from compress.pruning.obs import obs_cut
 from compress.pruning.slicing import drop_layers, kv_groups_config, prune_hidden, slice_block_kv_groups, slice_block_mlp
-from compress.schema.prune import LayerTarget, PruneConfig, PruneData, Share, SizeTarget, Target  # noqa: F401 - re-exported
+from compress.schema.prune import PruneConfig, SizeTarget
 
 
 def _round_down(n: float, multiple: int) -> int:

@@ -36,7 +36,7 @@ def _estimate(step: PlanStep) -> Estimate:
 
 def pruned_shape(shape: Any, prune: Any) -> Any:
     """The shape a prune stage leaves (sizes resolved exactly as the stage does); ``shape`` is a
-    ``compress.eval.plan_sizes.ModelShape``, rebuilt on the meta device with the new sizes."""
+    ``compress.sizes.ModelShape``, rebuilt on the meta device with the new sizes."""
     from compress.pruning.arch import PrunableModel
     from compress.pruning.prune import resolve_sizes
 

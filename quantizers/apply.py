@@ -18,8 +18,9 @@ from compress import streaming
 from compress.calibration import relative_error
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.core import QuantizedWeight, QuantScheme, WeightQuantConfig, sqnr_db
+from compress.quantizers.core import QuantizedWeight, sqnr_db
 from compress.quantizers.targets import select_linears
+from compress.schema.quantize import QuantScheme, WeightQuantConfig
 
 
 def select_or_fail(

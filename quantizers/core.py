@@ -1,5 +1,5 @@
 """Quantization core: the QuantizedWeight record and pure grouping math (the scheme, QuantScheme, is
-torch-free in compress.schema.quantize and re-exported here).
+torch-free in compress.schema.quantize).
 
 Every weight quantizer (RTN here; GPTQ and AWQ later) produces `QuantizedWeight` records in
 one convention, and every exporter packs those records into its own format without
@@ -34,14 +34,11 @@ from pathlib import Path
 import torch
 
 from compress.fsutil import scratch_dir
-from compress.schema.quantize import QuantScheme, ScaleDType, WeightQuantConfig
+from compress.schema.quantize import QuantScheme
 
 __all__ = [
-    "QuantScheme",
     "QuantizedWeight",
-    "ScaleDType",
     "SuperBlocks",
-    "WeightQuantConfig",
     "compute_qparams",
     "group_rows",
     "pack_record",

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from compress.quantizers.core import QuantizedWeight, QuantScheme, SuperBlocks, compute_qparams, scale_torch_dtype
+from compress.quantizers.core import QuantizedWeight, SuperBlocks, compute_qparams, scale_torch_dtype
+from compress.schema.quantize import QuantScheme
 
 
 def unit_width(scheme: QuantScheme, in_features: int) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.schema.kv_cache import LLAMA_CPP_CACHE_TYPES, VLLM_CACHE_DTYPES, KVCacheConfig, KVEvalConfig  # noqa: F401 - re-exported
+from compress.schema.kv_cache import KVCacheConfig
 
 # --------------------------------------------------------------------------- geometry and planning
 

@@ -44,12 +44,12 @@ from compress.experts import expert_view
 from compress.export.checkpoint import compressed_tensors as ct_format
 from compress.export.checkpoint.hf_checkpoint import QUANTIZATION_CONFIG
 from compress.quantizers.apply import install_record, summarize
-from compress.quantizers.core import QuantizedWeight, QuantScheme, one_cpu_thread, scale_torch_dtype
+from compress.quantizers.core import QuantizedWeight, one_cpu_thread, scale_torch_dtype
 from compress.quantizers.sequential import peak_memory_mb, select_block_linears
+from compress.schema.quantize import QuantScheme
 
 if TYPE_CHECKING:
-    from compress.quantizers.awq import AWQConfig
-    from compress.schema.quantize import GPTQConfig
+    from compress.schema.quantize import AWQConfig, GPTQConfig
 
 EXTRA = "llmcompressor"
 NAME = "llmcompressor"

@@ -48,10 +48,10 @@ from torch import nn
 from compress import streaming
 from compress.errors import CompressError
 from compress.quantizers.arch import architecture_of, decoder_blocks, output_head, submodule
-from compress.quantizers.core import QuantScheme
 from compress.quantizers.moe import expert_linears
 from compress.quantizers.sequential import BlockInputs, capture_block_inputs, move_outside_blocks
 from compress.schema.gguf_types import GGUF_GRIDS, llama_cpp_spelling
+from compress.schema.quantize import QuantScheme
 
 ALIGNMENT = 32  # GGUF pads every tensor's data to this many bytes (gguf-py's default)
 

@@ -33,7 +33,7 @@ from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize
 from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks, output_head, submodule
 from compress.quantizers.moe import calibration_rows, coverage_summary, expert_linears, experts_as_linears
-from compress.schema.quantize import CalibratedConfig, MoECalibration, WeightQuantConfig  # noqa: F401 - CalibratedConfig re-exported
+from compress.schema.quantize import MoECalibration, WeightQuantConfig
 
 
 class StopForward(Exception):

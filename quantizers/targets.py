@@ -6,7 +6,7 @@ from torch import nn
 
 from compress.schema.quantize import matches
 
-__all__ = ["matches", "select_linears"]
+__all__ = ["select_linears"]
 
 
 def select_linears(

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compress.quantizers.awq import search_clip  # noqa: E402
-from compress.quantizers.core import QuantScheme  # noqa: E402
+from compress.schema.quantize import QuantScheme  # noqa: E402
 
 
 def main() -> None:

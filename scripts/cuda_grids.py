@@ -26,10 +26,10 @@ import torch  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from compress.export.gguf import file as G  # noqa: E402
-from compress.quantizers.core import QuantScheme  # noqa: E402
 from compress.quantizers.gguf_grid import grid_quantize  # noqa: E402
 from compress.quantizers.gptq import gptq_quantize  # noqa: E402
 from compress.schema.gguf_types import GGUF_GRID_TYPES  # noqa: E402
+from compress.schema.quantize import QuantScheme  # noqa: E402
 
 
 def timed(fn, device: str):

@@ -31,7 +31,7 @@ from compress.eval.bench_quant import load_bench_inputs, quantize_copy  # noqa: 
 from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
-from compress.recipe import DataSpec  # noqa: E402
+from compress.schema.recipe import DataSpec  # noqa: E402
 
 EMBEDDING = "q8_0"
 MODEL = "reference:smollm2-135m"

@@ -20,7 +20,7 @@ import time
 import torch
 
 from compress.quantizers import gptq
-from compress.quantizers.core import QuantScheme
+from compress.schema.quantize import GPTQConfig, QuantScheme
 
 SHAPES = {
     "SmolLM2 q_proj": (576, 576),
@@ -44,7 +44,7 @@ def reference_stage(repeats: int) -> None:
     from compress.data import DataPlan
     from compress.models import load_model
     from compress.progress import Reporter
-    from compress.recipe import DataSpec, ModelSpec
+    from compress.schema.recipe import DataSpec, ModelSpec
 
     root, quiet = Path(__file__).resolve().parents[1], Reporter(quiet=True)
     lm = load_model(ModelSpec(source="reference:smollm2-135m"), root, quiet)
@@ -58,7 +58,7 @@ def reference_stage(repeats: int) -> None:
             model = copy.deepcopy(lm.model)
             ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=quiet, calibration=lambda: cal)
             start = time.perf_counter()
-            gptq.GPTQStage(gptq.GPTQConfig(bits=4, group_size=64), "s").apply(model, ctx)
+            gptq.GPTQStage(GPTQConfig(bits=4, group_size=64), "s").apply(model, ctx)
             times.setdefault(variant, []).append(time.perf_counter() - start)
             codes[variant] = [m.weight.detach().clone() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     gptq.SUB_BLOCK = sub

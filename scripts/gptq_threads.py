@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from compress.quantizers.core import QuantScheme, one_cpu_thread
+from compress.quantizers.core import one_cpu_thread
 from compress.quantizers.gptq import accumulate_hessian, gptq_quantize
+from compress.schema.quantize import QuantScheme
 
 SHAPES = {"q_proj": (1536, 1536), "up_proj": (8960, 1536), "down_proj": (1536, 8960)}
 

@@ -27,8 +27,8 @@ from safetensors import safe_open  # noqa: E402
 from compress.eval.bench_memory import model_directory  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers import gguf_grid  # noqa: E402
-from compress.quantizers.core import QuantScheme  # noqa: E402
 from compress.schema.gguf_types import GGUF_GRID_TYPES  # noqa: E402
+from compress.schema.quantize import QuantScheme  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SETTINGS = {  # name: (CLIP, REFIT_ROUNDS, SUB_STEPS)

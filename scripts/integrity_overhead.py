@@ -18,7 +18,7 @@ import torch
 from compress import integrity, streaming
 from compress.models import load_model
 from compress.progress import Reporter
-from compress.recipe import ModelSpec
+from compress.schema.recipe import ModelSpec
 
 
 def _skip(*args: object) -> None:

@@ -27,9 +27,10 @@ from compress.calibration import layer_kind  # noqa: E402
 from compress.context import RunContext  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
-from compress.quantizers.awq import AWQConfig, AWQStage  # noqa: E402
-from compress.quantizers.gptq import GPTQConfig, GPTQStage  # noqa: E402
-from compress.recipe import ModelSpec  # noqa: E402
+from compress.quantizers.awq import AWQStage  # noqa: E402
+from compress.quantizers.gptq import GPTQStage  # noqa: E402
+from compress.schema.quantize import AWQConfig, GPTQConfig  # noqa: E402
+from compress.schema.recipe import ModelSpec  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 
 SCHEMES = {

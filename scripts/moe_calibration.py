@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 from compress.context import RunContext  # noqa: E402
 from compress.eval.metrics import compare, torch_forward  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
-from compress.quantizers.awq import AWQConfig, AWQStage  # noqa: E402
-from compress.quantizers.gptq import GPTQConfig, GPTQStage  # noqa: E402
+from compress.quantizers.awq import AWQStage  # noqa: E402
+from compress.quantizers.gptq import GPTQStage  # noqa: E402
+from compress.schema.quantize import AWQConfig, GPTQConfig  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 

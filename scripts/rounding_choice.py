@@ -31,10 +31,10 @@ from compress.eval.bench_quant import load_bench_inputs  # noqa: E402
 from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
-from compress.quantizers.core import QuantScheme  # noqa: E402
 from compress.quantizers.gguf_grid import grid_quantize  # noqa: E402
 from compress.quantizers.gptq import accumulate_hessian, gptq_quantize  # noqa: E402
-from compress.recipe import DataSpec  # noqa: E402
+from compress.schema.quantize import QuantScheme  # noqa: E402
+from compress.schema.recipe import DataSpec  # noqa: E402
 
 TEXT = "reference:shakespeare"
 GGUF_NAMES = {

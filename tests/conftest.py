@@ -105,7 +105,7 @@ def smollm2():
     from compress.models import load_model
     from compress.paths import usable_cpus
     from compress.progress import Reporter
-    from compress.recipe import ModelSpec
+    from compress.schema.recipe import ModelSpec
 
     torch.set_num_threads(usable_cpus())
     lm = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
@@ -119,7 +119,7 @@ def reference_chunks(tokenizer, cal: tuple[int, int], ev: tuple[int, int]):
     """(calibration, evaluation) token chunks of the reference Shakespeare text, (samples, seq_len) each."""
     from compress.data import DataPlan
     from compress.progress import Reporter
-    from compress.recipe import DataSpec
+    from compress.schema.recipe import DataSpec
 
     data = DataSpec(
         calibration={"source": "reference:shakespeare", "samples": cal[0], "seq_len": cal[1]},

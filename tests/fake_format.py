@@ -49,7 +49,8 @@ def write_npz(path: Path, records: dict[str, Any], compressed: bool) -> None:
 def read_npz(path: Path) -> dict[str, Any]:
     import torch
 
-    from compress.quantizers.core import QuantizedWeight, QuantScheme
+    from compress.quantizers.core import QuantizedWeight
+    from compress.schema.quantize import QuantScheme
 
     records = {}
     with np.load(path) as data:

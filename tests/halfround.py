@@ -12,8 +12,8 @@ from pydantic import Field
 from compress.estimates import Estimate, PlanStep
 from compress.plugin_types import MethodSpec
 from compress.quantizers.apply import quantize_each_layer
-from compress.quantizers.core import QuantizedWeight, QuantScheme, compute_qparams, group_rows, pack_record
-from compress.schema.quantize import WeightQuantConfig
+from compress.quantizers.core import QuantizedWeight, compute_qparams, group_rows, pack_record
+from compress.schema.quantize import QuantScheme, WeightQuantConfig
 
 
 class HalfRoundConfig(WeightQuantConfig):

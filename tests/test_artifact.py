@@ -14,27 +14,19 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from compress.artifact import (
-    CHECKPOINT_FILE,
-    LEGACY_WEIGHTS_FILE,
-    LEGACY_WEIGHTS_FORMAT,
-    RECORDS_FILE,
-    WEIGHTS_FORMAT,
-    checksums,
-    float_tensors,
-    load_artifact,
-    write_config_and_tokenizer,
-)
+from compress.artifact import CHECKPOINT_FILE, LEGACY_WEIGHTS_FILE, LEGACY_WEIGHTS_FORMAT, RECORDS_FILE, WEIGHTS_FORMAT, load_artifact
 from compress.context import RunContext
 from compress.errors import ArtifactError, FormatError
 from compress.export.checkpoint.compressed_tensors import merge_groups, split_groups, stored_scheme
 from compress.export.checkpoint.hf_checkpoint import records_identical
+from compress.hf_model import checksums, float_tensors, write_config_and_tokenizer
 from compress.marker import ARTIFACT, MARKER, write_marker
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
-from compress.quantizers.core import QuantizedWeight, QuantScheme
-from compress.quantizers.rtn import RTNConfig, RTNStage
+from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.rtn import RTNStage
 from compress.recipe import load_recipe
+from compress.schema.quantize import QuantScheme, RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 # fp32 on both sides with bit-identical weights (asserted below): only kernel-order noise could differ

@@ -22,7 +22,7 @@ from compress.export.gguf import file as G
 from compress.export.gguf.source import convert
 from compress.models import load_model
 from compress.progress import Reporter
-from compress.recipe import ModelSpec
+from compress.schema.recipe import ModelSpec
 from tests.helpers import run_cli
 from tests.tiny import tiny_llama
 

@@ -11,7 +11,7 @@ import torch
 
 from compress.eval.bench_quant import Setting, run_quant_bench
 from compress.progress import Reporter
-from compress.recipe import DataSpec
+from compress.schema.recipe import DataSpec
 from tests.helpers import run_cli
 
 

@@ -16,11 +16,12 @@ from compress.experts import expert_view
 from compress.progress import Reporter
 from compress.quantizers import gptq as gptq_module
 from compress.quantizers.arch import ARCHITECTURES, architecture_of, decoder_blocks
-from compress.quantizers.awq import AWQConfig, AWQStage, fold_scales, search_clip, search_scales
-from compress.quantizers.core import QuantScheme, compute_qparams, group_rows, quantize_codes
-from compress.quantizers.gptq import GPTQConfig, GPTQStage, accumulate_hessian, gptq_quantize, mirror_upper
+from compress.quantizers.awq import AWQStage, fold_scales, search_clip, search_scales
+from compress.quantizers.core import compute_qparams, group_rows, quantize_codes
+from compress.quantizers.gptq import GPTQStage, accumulate_hessian, gptq_quantize, mirror_upper
 from compress.quantizers.moe import unfused
-from compress.quantizers.rtn import RTNConfig, RTNStage, rtn_quantize
+from compress.quantizers.rtn import RTNStage, rtn_quantize
+from compress.schema.quantize import AWQConfig, GPTQConfig, QuantScheme, RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_model
 

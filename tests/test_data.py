@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from compress.data import DataPlan, bos_prefix, load_source, role_blocks, split_blocks
 from compress.errors import AssetError, DataError
-from compress.recipe import DataSpec
+from compress.schema.recipe import DataSpec
 from tests.helpers import make_text
 
 

@@ -11,7 +11,6 @@ import pytest
 from compress.errors import CompressError
 from compress.eval.devices import (
     LOCAL,
-    DeviceProfile,
     estimate_latency,
     fit_check,
     get_profile,
@@ -20,6 +19,7 @@ from compress.eval.devices import (
     local_profile,
     measure_bandwidth,
 )
+from compress.schema.devices import DeviceProfile
 from tests.conftest import ROOT
 from tests.helpers import recipe_text, run_cli, write_recipe
 
@@ -207,8 +207,8 @@ def test_plan_follows_a_prune_stage(tmp_path: Path, tiny_model_dir: Path, text_d
     from transformers import LlamaConfig
 
     from compress.eval.plan import plan_recipe
-    from compress.eval.plan_sizes import shape_of
     from compress.recipe import load_recipe
+    from compress.sizes import shape_of
 
     text = recipe_text(tiny_model_dir, text_dir).replace("stages:\n", "stages:\n  - prune: {mlp: 0.5, multiple_of: 16}\n")
     p = plan_recipe(load_recipe(write_recipe(tmp_path, text)), {"test": profile()}, ["test"])

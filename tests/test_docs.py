@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from compress.recipe import Recipe
+from compress.schema.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -94,7 +94,7 @@ def test_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
 def test_recipe_reference_tasks_example_validates() -> None:
     import yaml
 
-    from compress.recipe import GateSpec, TaskSpec
+    from compress.schema.recipe import GateSpec, TaskSpec
 
     block = next(yaml.safe_load(b) for b in _yaml_blocks(RECIPES) if b.startswith("tasks:"))
     tasks = [TaskSpec.model_validate(t) for t in block["tasks"]]
@@ -106,7 +106,7 @@ def test_recipe_reference_tasks_example_validates() -> None:
 def test_recipe_reference_calibrated_method_examples_validate() -> None:
     import yaml
 
-    from compress.recipe import StageSpec
+    from compress.schema.recipe import StageSpec
 
     blocks = _yaml_blocks(RECIPES)
     stages = yaml.safe_load(blocks[1])["stages"]
@@ -118,7 +118,7 @@ def test_recipe_reference_calibrated_method_examples_validate() -> None:
 def test_recipe_reference_prune_and_distill_example_validates() -> None:
     import yaml
 
-    from compress.recipe import StageSpec
+    from compress.schema.recipe import StageSpec
 
     block = next(b for b in _yaml_blocks(RECIPES) if "- prune:" in b)
     assert [StageSpec.model_validate(s).kind for s in yaml.safe_load(block)["stages"]] == ["prune", "distill"]

@@ -30,8 +30,10 @@ from compress.paths import usable_cpus
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
-from compress.quantizers.rtn import RTNConfig, RTNStage
-from compress.recipe import ModelSpec, load_recipe
+from compress.quantizers.rtn import RTNStage
+from compress.recipe import load_recipe
+from compress.schema.quantize import RTNConfig
+from compress.schema.recipe import ModelSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama
 

@@ -19,15 +19,15 @@ from compress.context import RunContext
 from compress.errors import FormatError
 from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.specs import GGUFExport
 from compress.paths import usable_cpus
 from compress.progress import Reporter
-from compress.quantizers.core import QuantScheme, refuse_gguf_grids
+from compress.quantizers.core import refuse_gguf_grids
 from compress.quantizers.gguf_grid import grid_quantize
 from compress.quantizers.gptq import gptq_quantize
 from compress.quantizers.rtn import RTNStage
+from compress.schema.exports import GGUFExport
 from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS
-from compress.schema.quantize import AWQConfig, GPTQConfig, RTNConfig
+from compress.schema.quantize import AWQConfig, GPTQConfig, QuantScheme, RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama, tiny_model
 
@@ -313,7 +313,7 @@ def test_the_range_search_rounds_no_row_worse_than_the_plain_range(monkeypatch: 
     """Each row's parameters come from the best of its shrunk ranges (gguf_grid.CLIP): per row, the
     rounding error is at most the plain min/max range's, and smaller overall on heavy-tailed weights."""
     from compress.quantizers import gguf_grid
-    from compress.quantizers.core import QuantScheme
+    from compress.schema.quantize import QuantScheme
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 512, generator=gen) ** 3  # heavy tails: a few weights set the plain range

@@ -12,7 +12,7 @@ import torch
 
 from compress.eval.gates import evaluate_gates
 from compress.eval.metrics import Evaluation, Scores, bootstrap_intervals, compare
-from compress.recipe import GateSpec
+from compress.schema.recipe import GateSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 

@@ -19,7 +19,7 @@ FOLDERS = {"compress": "compress", "quantizers": "compress.quantizers", "pruning
 SCHEMA, CORE, METHODS, EVAL, APP = range(5)
 LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
 # Modules whose layer is not their folder's: the errors every layer raises sit with the schema; the
-# record types (QuantScheme, QuantizedWeight) are core types that live beside the quantizers; the
+# record type (QuantizedWeight) is a core type that lives beside the quantizers; the
 # metric math and the Evaluation record are core, since every export's verifier and the repair loop
 # score on them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
 # the recipe loader validates against those tables, so both sit with the methods and exports, as does
@@ -154,3 +154,63 @@ def test_every_package_folder_is_installed() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {name for name, path in modules().items() if path.name == "__init__.py"}
     assert found == listed, f"missing from pyproject: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
+
+
+def _defined_at_top(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The names a module defines itself (def, class, assignment; under if/try too) and those it imports."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                imported.update(alias.asname or alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])):
+                    visit(block)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return defined, imported
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
+    """No module re-exports another's names under a second path: a `from compress.X import name` (source,
+    tests, scripts, docs) names the module that defines ``name`` (or a submodule of X), no `import *`
+    of a compress module, and an ``__all__`` lists only names its module defines."""
+    known = modules()
+    defined = {name: _defined_at_top(ast.parse(path.read_text(), filename=str(path)))[0] for name, path in known.items()}
+    files = [p for folder in (*FOLDERS, "tests", "scripts", "docs") for p in sorted((ROOT / folder).rglob("*.py"))]
+    problems = []
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in known):
+                continue
+            for alias in node.names:
+                if alias.name == "*":
+                    problems.append(f"{where}:{node.lineno}: from {node.module} import *")
+                elif alias.name not in defined[node.module] and f"{node.module}.{alias.name}" not in known:
+                    problems.append(f"{where}:{node.lineno}: {alias.name} is not defined in {node.module} (import it from where it is)")
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                own = _defined_at_top(tree)[0]
+                problems.extend(
+                    f"{where}:{node.lineno}: __all__ lists {item.value}, which the module does not define"
+                    for item in ast.walk(node.value)
+                    if isinstance(item, ast.Constant) and isinstance(item.value, str) and item.value not in own
+                )
+    assert not problems, "re-exports (docs/architecture.md, Layers):\n" + "\n".join(problems)
+
+
+def test_the_reexport_check_sees_one() -> None:
+    """The check above can fail: a name a module only imports is not one it defines."""
+    tree = ast.parse("from compress.schema.quantize import QuantScheme\nfrom x import *\nLIMIT = 3\ndef f(): pass\n")
+    assert _defined_at_top(tree) == ({"LIMIT", "f"}, {"QuantScheme", "*"})

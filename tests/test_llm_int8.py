@@ -16,7 +16,6 @@ from compress.context import RunContext
 from compress.export.gguf.file import pack_q8_0, q8_0_exact, record_problem
 from compress.progress import Reporter
 from compress.quantizers.llm_int8 import (
-    LLMInt8Config,
     LLMInt8Linear,
     LLMInt8Stage,
     decomposed_matmul,
@@ -27,7 +26,8 @@ from compress.quantizers.llm_int8 import (
     resolve_kernel,
     signed_codes,
 )
-from compress.recipe import StageSpec
+from compress.schema.quantize import LLMInt8Config
+from compress.schema.recipe import StageSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 QUIET = Reporter(quiet=True)

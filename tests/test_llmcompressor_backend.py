@@ -22,10 +22,12 @@ from compress.export.checkpoint.hf_checkpoint import records_identical
 from compress.export.checkpoint.readers import read_records
 from compress.progress import Reporter
 from compress.quantizers import llmcompressor_backend as backend
-from compress.quantizers.awq import AWQConfig, AWQStage
+from compress.quantizers.awq import AWQStage
 from compress.quantizers.core import QuantizedWeight
-from compress.quantizers.gptq import GPTQConfig, GPTQStage
-from compress.quantizers.rtn import RTNConfig, RTNStage
+from compress.quantizers.gptq import GPTQStage
+from compress.quantizers.rtn import RTNStage
+from compress.quantizers.sequential import select_block_linears
+from compress.schema.quantize import AWQConfig, GPTQConfig, RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_calibrated import ctx_for, tokens
 from tests.tiny import tiny_model
@@ -92,7 +94,7 @@ def test_import_equals_llmcompressors_saved_checkpoint(tmp_path: Path, symmetric
     model = tiny_model("llama")
     cfg = GPTQConfig(bits=4, group_size=32, symmetric=symmetric, backend="llmcompressor")
     scheme = cfg.scheme()
-    selected, _ = backend.select_block_linears(model, cfg, "s", "gptq")
+    selected, _ = select_block_linears(model, cfg, "s", "gptq")
     groups = {"group_0": {"targets": ["Linear"], "weights": backend._weight_args(scheme)}}
     ctx = ctx_for(tokens())
     work = backend.run_oneshot(model, ctx.calibration(), ctx, backend.METHODS["gptq"].modifiers(cfg, groups, ["lm_head"]), 8)

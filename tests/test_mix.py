@@ -202,7 +202,7 @@ def test_the_pass_on_a_streamed_model_gives_the_estimates_of_the_model_in_memory
     from compress.models import load_model
     from compress.progress import Reporter
     from compress.quantizers.mix import measure
-    from compress.recipe import ModelSpec
+    from compress.schema.recipe import ModelSpec
 
     quiet = Reporter(quiet=True)
     streamed = load_model(ModelSpec(source=str(wide_model_dir)), Path("."), quiet).model

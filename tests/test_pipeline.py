@@ -12,13 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compress.artifact import checksums, load_artifact
+from compress.artifact import load_artifact
 from compress.context import RunContext
 from compress.fsutil import sha256_file
+from compress.hf_model import checksums
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
-from compress.quantizers.rtn import RTNConfig, RTNStage
+from compress.quantizers.rtn import RTNStage
 from compress.recipe import load_recipe
+from compress.schema.quantize import RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 # Measured (W4 g64 on the tiny model): KL 0.00039, perplexity +0.15% over the baseline's.

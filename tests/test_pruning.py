@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from compress.errors import CompressError
 from compress.pruning.arch import PrunableModel
 from compress.pruning.importance import collect, cosine_distance, head_norms, top_indices
-from compress.pruning.prune import PruneConfig, SizeTarget, resolve_sizes
+from compress.pruning.prune import resolve_sizes
 from compress.pruning.slicing import drop_layers, prune_hidden, prune_kv_groups, prune_mlp
+from compress.schema.prune import PruneConfig, SizeTarget
 from tests.tiny import prunable_model
 
 VOCAB = 128  # prunable_model's vocabulary
@@ -148,7 +149,7 @@ def test_importance_on_a_streamed_model_equals_the_materialized_model_and_holds_
     from compress import streaming
     from compress.models import load_model
     from compress.progress import Reporter
-    from compress.recipe import ModelSpec
+    from compress.schema.recipe import ModelSpec
 
     streamed = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), Reporter(quiet=True)).model
     loaded = streaming.materialize(copy.deepcopy(streamed))
@@ -188,7 +189,7 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
     from compress.models import load_model
     from compress.progress import Reporter
     from compress.pruning.prune import PruneStage
-    from compress.recipe import ModelSpec
+    from compress.schema.recipe import ModelSpec
 
     # Block 1 made an identity (its attention and MLP outputs zero): the block cut goes first, so a
     # kept block after it moves to a new place whatever the trained model's other scores are.

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.quantizers.core import QuantizedWeight, QuantScheme, sqnr_db
+from compress.quantizers.core import QuantizedWeight, sqnr_db
 from compress.quantizers.rtn import rtn_quantize
-from compress.quantizers.targets import matches, select_linears
+from compress.quantizers.targets import select_linears
+from compress.schema.quantize import QuantScheme, matches
 
 SCHEMES = [QuantScheme(bits=b, group_size=g, symmetric=s) for b in (2, 3, 4, 8) for g in (32, 64, 128, None) for s in (True, False)]
 

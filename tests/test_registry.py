@@ -242,7 +242,7 @@ def test_four_processes_publishing_at_once_all_land_as_distinct_complete_version
     assert sorted(int(v.version) for v in versions) == [1, 2, 3, 4]
     by_content = {v.tags["compress.content_sha256"]: str(v.version) for v in versions}
     assert len(by_content) == 4
-    from compress.registry import check_artifact
+    from compress.verify import check_artifact
 
     for n in names:
         target = tmp_path / n
@@ -334,7 +334,7 @@ def test_recipe_publish_block_uses_the_embedded_registry_and_skips_failed_runs(
 
 
 def test_a_search_publishes_its_chosen_candidate(tiny_model_dir: Path, text_dir: Path, tmp_path: Path) -> None:
-    from compress.registry import check_artifact
+    from compress.verify import check_artifact
 
     block = "search:\n  variants:\n    stages.0.quantize.bits: [8, 4]\npublish:\n  name: searched\n  store: registry\n"
     recipe = write_recipe(tmp_path, recipe_text(tiny_model_dir, text_dir, gates=PASSING) + block, "search.yaml")

@@ -263,7 +263,7 @@ def test_shipped_schema_file_is_report_schema(tmp_path: Path) -> None:
 
 
 def test_threshold_kinds_match_the_recipe() -> None:
-    from compress.recipe import THRESHOLD_KEYS
+    from compress.schema.recipe import THRESHOLD_KEYS
 
     assert reports.THRESHOLD_KINDS == list(THRESHOLD_KEYS)
 

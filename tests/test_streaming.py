@@ -18,9 +18,10 @@ from compress.eval.baseline import CachedBaseline, RememberedRows, head_read_fro
 from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
 from compress.progress import Reporter
-from compress.quantizers.core import QuantScheme, RecordStore
+from compress.quantizers.core import RecordStore
 from compress.quantizers.rtn import rtn_quantize
-from compress.recipe import ModelSpec
+from compress.schema.quantize import QuantScheme
+from compress.schema.recipe import ModelSpec
 
 CPU = torch.device("cpu")
 QUIET = Reporter(quiet=True)

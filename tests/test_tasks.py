@@ -17,7 +17,7 @@ from compress.eval.gates import evaluate_gates
 from compress.eval.metrics import Evaluation, torch_forward
 from compress.eval.tasks import Scorer, interval, load_task
 from compress.paths import usable_cpus
-from compress.recipe import GateSpec, Recipe, TaskSpec
+from compress.schema.recipe import GateSpec, Recipe, TaskSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 

@@ -8,5 +8,5 @@
 
 Nothing here imports torch, transformers or any compress module outside this package and
 compress.errors (tests/test_schema.py checks), so `import compress` and `compress validate`
-stay cheap. Implementation modules re-export the configs they run.
+stay cheap. Every module imports these models from here, the one place each is defined.
 """

@@ -1,7 +1,7 @@
 """Device profiles: what a deployment target holds, how fast it reads and computes, what runs on it.
 
 Torch-free; loading profile files, measuring this machine and the roofline estimates live in
-compress/eval/devices.py, which re-exports these names.
+compress/eval/devices.py, which imports these names from here.
 
 The runtime and format names a profile may list are not fixed here: they are the names the export
 formats in compress.plugins.EXPORT_FORMATS run under (``ExportFormat.device_names``: each format

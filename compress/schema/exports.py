@@ -1,8 +1,7 @@
 """The recipe's ``exports:`` items: one config class per format, discriminated by ``format``.
 
 Torch-free, so the recipe schema can import it cheaply. What each format *does* lives in its
-package (export/<format>/) and its spec in compress.plugins.EXPORT_FORMATS; compress.export.specs
-re-exports everything here.
+package (export/<format>/) and its spec in compress.plugins.EXPORT_FORMATS.
 
 The built-in formats form the discriminated union ``ExportSpec`` (and so the JSON Schema). A
 format registered only in the table is known to validation through the validation context: the

@@ -1,7 +1,7 @@
 """The recipe's ``quantize:`` stage: the weight scheme and one config model per method.
 
 Torch-free: the math, the records and the stages live in compress/quantizers/ (one module per
-method), which re-export these models. ``QUANTIZE_CONFIGS`` maps a built-in method name to its
+method), which import these models from here. ``QUANTIZE_CONFIGS`` maps a built-in method name to its
 config; the plugin table (name -> MethodSpec: config, stage, plan estimate, ...) is
 ``compress.plugins.QUANT_METHODS``, which recipe validation reads (see StageSpec in recipe.py).
 """

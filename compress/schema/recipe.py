@@ -28,7 +28,7 @@ from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.distill import DistillConfig
 from compress.schema.exports import ExportSpec
-from compress.schema.kv_cache import KV_CACHE_ARTIFACT, KVCacheConfig  # noqa: F401 - KV_CACHE_ARTIFACT re-exported
+from compress.schema.kv_cache import KVCacheConfig
 from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
 from compress.schema.prune import PruneConfig
 from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig, WeightQuantConfig

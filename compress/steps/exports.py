@@ -9,11 +9,11 @@ from typing import Any
 
 from compress import streaming
 from compress.eval.baseline import head_read_from_disk
-from compress.eval.latency import tree_size
 from compress.eval.metrics import Evaluation
 from compress.export.parity import VerifyInputs
 from compress.export.registry import check_exports, write_exports
-from compress.export.specs import EXPORTS_DIR
+from compress.fsutil import tree_size
+from compress.schema.exports import EXPORTS_DIR
 from compress.steps.load import Run, Source
 from compress.steps.stages import Staged, not_carried
 

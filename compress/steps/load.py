@@ -27,7 +27,8 @@ from compress.models import LoadedModel, load_model
 from compress.paths import usable_cpus
 from compress.plugins import STAGE_KINDS, stage_kind
 from compress.progress import Reporter
-from compress.recipe import LoadedRecipe, ModelSpec, Recipe
+from compress.recipe import LoadedRecipe
+from compress.schema.recipe import ModelSpec, Recipe
 
 
 @dataclass

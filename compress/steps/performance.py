@@ -14,10 +14,10 @@ from compress.eval.devices import load_profiles
 from compress.eval.latency import LatencySettings, Target
 from compress.eval.metrics import Evaluation
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
-from compress.export.specs import EXPORTS_DIR
 from compress.plugins import EXPORT_FORMATS
 from compress.progress import Reporter
-from compress.recipe import Recipe
+from compress.schema.exports import EXPORTS_DIR
+from compress.schema.recipe import Recipe
 from compress.steps.exports import Exported
 from compress.steps.load import Run, Source, baseline_directory
 from compress.steps.stages import Staged

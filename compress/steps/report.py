@@ -9,7 +9,7 @@ from compress.eval.gates import GateResult, evaluate_gates
 from compress.eval.identity import with_build
 from compress.eval.metrics import Evaluation
 from compress.export.registry import gate_evaluations, report_entries
-from compress.recipe import Recipe
+from compress.schema.recipe import Recipe
 from compress.schema.report import REPORT_VERSION
 from compress.steps.evaluate import InMemory
 from compress.steps.exports import Exported

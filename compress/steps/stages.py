@@ -18,8 +18,8 @@ from compress.export.parity import SAME_WEIGHTS_CHUNKS
 from compress.fsutil import remove_if_only_marked
 from compress.plugins import quant_method, stage_kind, stage_streams
 from compress.quantizers.core import RecordStore
-from compress.recipe import Recipe
-from compress.steps.load import Run, Source, load_teacher, work_dir_for  # noqa: F401 - work_dir_for re-exported
+from compress.schema.recipe import Recipe
+from compress.steps.load import Run, Source, load_teacher, work_dir_for
 
 
 @dataclass

@@ -11,9 +11,9 @@ from compress import streaming
 from compress.eval.metrics import Evaluation, torch_forward
 from compress.eval.tasks import TASK_CONTEXT, TaskData, interval, make_lm, run_task
 from compress.export.format import package_versions
-from compress.export.registry import EXPORT_FORMATS
-from compress.export.specs import EXPORTS_DIR
-from compress.recipe import TaskSpec
+from compress.plugins import EXPORT_FORMATS
+from compress.schema.exports import EXPORTS_DIR
+from compress.schema.recipe import TaskSpec
 from compress.steps.exports import Exported
 from compress.steps.load import Run, Source, work_dir_for
 from compress.steps.stages import Staged

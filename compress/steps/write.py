@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from compress.artifact import WEIGHTS_FORMAT, checksums, stored_as, write_model
+from compress.artifact import WEIGHTS_FORMAT, stored_as, write_model
 from compress.documents import json_safe, library_versions, write_document
 from compress.eval.memory import memory_section
 from compress.eval.plan import run_estimate
 from compress.eval.reports import write_reports
 from compress.experts import expert_view
+from compress.hf_model import checksums
 from compress.marker import ARTIFACT, write_marker
 from compress.schema.manifest import MANIFEST_VERSION, Manifest
 from compress.schema.report import Report

@@ -23,7 +23,8 @@ import torch
 from compress.errors import FormatError
 from compress.export.checkpoint.hf_checkpoint import ImportedRecords, build_record, layers_with, scale_dtype_name
 from compress.export.packing import unpack_int32
-from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.core import QuantizedWeight
+from compress.schema.quantize import QuantScheme
 
 METHOD = "awq"
 GEMM = "gemm"

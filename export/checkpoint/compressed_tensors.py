@@ -44,8 +44,9 @@ from compress.export.checkpoint.hf_checkpoint import (
     write_checkpoint,
 )
 from compress.export.packing import pack_int32, unpack_int32
-from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
+from compress.schema.quantize import QuantScheme
 
 METHOD = "compressed-tensors"
 PACK_FORMAT = "pack-quantized"

@@ -18,7 +18,8 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.hf_model import assemble_model, float_tensors, write_config_and_tokenizer
-from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.core import QuantizedWeight
+from compress.schema.quantize import QuantScheme
 
 CONFIG_FILE = "config.json"
 QUANTIZATION_CONFIG = "quantization_config"

@@ -18,6 +18,7 @@ from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, tables_forward
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
+from compress.export.gguf.names import GGUF_FILE
 from compress.export.parity import (
     SAME_WEIGHTS_CHUNKS,
     VerifyInputs,
@@ -26,10 +27,10 @@ from compress.export.parity import (
     special_ids,
     tokenization_mismatches,
 )
-from compress.export.specs import GGUFExport
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
+from compress.schema.exports import GGUFExport
 from compress.schema.gguf_types import GGUF_GRIDS
 from compress.streaming import compute_device
 
@@ -81,7 +82,7 @@ def export(
     directory.mkdir(parents=True, exist_ok=True)
     kv_hint = kv_cache_hint(kv)
     metadata = {f"kv_cache.{k}": v for k, v in kv_hint.items()} if kv_hint else None
-    path = directory / gguf_writer.GGUF_FILE
+    path = directory / GGUF_FILE
     source_gguf = inputs.source if gguf_writer.is_gguf_file(inputs.source) else None  # its tokenizer is the truth
     with reporter.status(f"{label} writing GGUF ({spec.type}, quantizer {spec.quantizer})"):
         if spec.quantizer == "records":

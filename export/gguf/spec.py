@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
-from compress.export.gguf.names import GGUF_FILE, GGUF_MAGIC  # noqa: F401 - re-exported
+from compress.export.gguf.names import GGUF_FILE
 from compress.schema.exports import GGUFExport
 from compress.schema.gguf_types import llama_cpp_spelling
 

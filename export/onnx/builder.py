@@ -21,7 +21,7 @@ import numpy as np
 
 from compress.errors import FormatError
 from compress.export.onnx import matmulnbits as mnb
-from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE  # noqa: F401 - the builder's file names
+from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE
 from compress.quantizers.core import QuantizedWeight
 
 DATA_FILE = "model.onnx.data"

@@ -23,13 +23,15 @@ from compress.eval.metrics import Evaluation, compare, tables_forward
 from compress.export.checkpoint import autogptq
 from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
+from compress.export.onnx import matmulnbits as mnb
 from compress.export.onnx import tables as tb
+from compress.export.onnx.names import ONNX_FILE
 from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, special_ids, tokenization_mismatches
-from compress.export.specs import ONNXExport
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry
+from compress.schema.exports import ONNXExport
 from compress.streaming import compute_device
 
 BUILDER_LOG = "builder.log"
@@ -77,7 +79,7 @@ def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight
         bits = {r.scheme.bits for r in records.values()}
         if bits != {INT_BITS[precision]}:
             raise FormatError(f"precision {precision} holds {INT_BITS[precision]}-bit records; these have {sorted(bits)} bits")
-        ob.mnb.common_block_size(records)
+        mnb.common_block_size(records)
         tb.check(records, spec.float_tables(precision))
     if spec.verify and not has_eval:
         raise FormatError(
@@ -114,7 +116,7 @@ def builder_options(
             head_quantized = ob.HEAD_LAYER in records
             options["nodes_to_exclude"] = [n for n in ob.FLOAT_NODES if not (head_quantized and n == ob.HEAD_NODE)]
             options["shared_embeddings"] = False  # a shared table is ours to write and prove (tables.py)
-            options.update(block_size=ob.mnb.common_block_size(records), is_symmetric=all(r.scheme.symmetric for r in records.values()))
+            options.update(block_size=mnb.common_block_size(records), is_symmetric=all(r.scheme.symmetric for r in records.values()))
     return options
 
 
@@ -240,7 +242,7 @@ def _write(
     precision, quantizer = resolve(spec, records)
     tables, file_records = tb.Tables(), records
     if quantizer == "records":
-        tables = tb.plan(model, records, spec.float_tables(precision), INT_BITS[precision], ob.mnb.common_block_size(records))
+        tables = tb.plan(model, records, spec.float_tables(precision), INT_BITS[precision], mnb.common_block_size(records))
         if tables.head_rounded_here:  # handed over and proven like the others
             file_records = {**records, tb.HEAD: tables.head}
     facts, graph = build(directory, spec, model, tokenizer, file_records, kv_options)
@@ -263,7 +265,7 @@ def _write(
                 raise FormatError(f"{label}: after the graph edits the ONNX file does not hold the records: {'; '.join(problems[:3])}")
         ob.set_accuracy_level(graph, spec.accuracy_level)
         ob.save(graph, directory)
-    files = [directory / ob.ONNX_FILE, directory / ob.DATA_FILE]
+    files = [directory / ONNX_FILE, directory / ob.DATA_FILE]
     entry: dict[str, Any] = {
         "name": spec.name,
         "format": "onnx",
@@ -375,7 +377,7 @@ def verify(
     assert inputs.chunks is not None
     chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
     details: dict[str, Any] = {
-        "file": ob.ONNX_FILE,
+        "file": ONNX_FILE,
         "chunks": int(chunks.shape[0]),
         "seq_len": int(chunks.shape[1]),
         "min_context": inputs.min_context,
@@ -412,7 +414,7 @@ def verify(
             None if tables.head is None else tables.head.dequantize(),
         )
     sub = chunks[:SAME_WEIGHTS_CHUNKS]
-    session = rt.OrtDecoder(directory / ob.ONNX_FILE, inputs.threads, spec.device)
+    session = rt.OrtDecoder(directory / ONNX_FILE, inputs.threads, spec.device)
     candidates = {"shipped": session.forward}
     level0 = directory / LEVEL0_FILE if quantized and spec.accuracy_level != 0 else None
     try:

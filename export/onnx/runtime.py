@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compress.export.onnx.builder import GENAI_CONFIG
+from compress.export.onnx.names import GENAI_CONFIG
 
 _NUMPY = {
     "tensor(float)": np.float32,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
-from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE  # noqa: F401 - re-exported
+from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE
 from compress.schema.exports import ONNXExport
 
 

@@ -28,8 +28,9 @@ from torch import nn
 from compress.errors import FormatError
 from compress.export.onnx import builder as ob
 from compress.export.onnx import matmulnbits as mnb
-from compress.quantizers.core import QuantizedWeight, QuantScheme
+from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import rtn_quantize
+from compress.schema.quantize import QuantScheme
 
 HEAD = ob.HEAD_LAYER
 EMBEDDINGS = "embeddings"

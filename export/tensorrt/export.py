@@ -18,12 +18,12 @@ from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare
 from compress.export.onnx import builder as onnx_builder
 from compress.export.parity import VerifyInputs
-from compress.export.specs import TensorRTExport
 from compress.export.tensorrt import engine as tensorrt
 from compress.export.tensorrt import qdq as onnx_qdq
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme
+from compress.schema.exports import TensorRTExport
 
 
 def check(spec: TensorRTExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
