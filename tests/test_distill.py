@@ -620,7 +620,7 @@ FSDP = ("--use_fsdp", "--fsdp_version", "2")
 
 
 @pytest.mark.runtime
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(0.9)
 def test_fsdp_in_two_cpu_processes_trains_as_one_process_and_resumes_after_a_kill(trained_tiny_dir, text_dir, tmp_path):
     """accelerate's --use_fsdp: the student sharded over 2 gloo processes (FSDP2, a unit per block), killed
     after a checkpoint and started again; the same weights and the same loss curve as one process with
@@ -680,7 +680,7 @@ def run_prune_weights(model: Path, texts: Path, tmp_path: Path) -> dict[str, tor
 
 @pytest.mark.runtime
 @pytest.mark.real_model
-@pytest.mark.minutes(6)
+@pytest.mark.minutes(4.3)
 def test_smollm2_prune_distill_recipe_exports_a_gguf_that_runs_in_llama_cpp(tmp_path):
     """recipes/prune-distill.yaml on reduced data and a short repair (refit, then 10 steps of 2 x 256 tokens at lr 1e-4):
     pruned, repaired (KL to the teacher falls on held-apart text), GPTQ W4 g32 asym, exported exactly to

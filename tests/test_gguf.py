@@ -638,7 +638,7 @@ def ours_against_llama_cpp(
 
 @pytest.mark.real_model
 @needs_llama_cpp
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(1.0)
 def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path, smollm2, shakespeare_chunks) -> None:
     """The issue's check, on reduced data (16 x 256 calibration, 8 x 256 held-out evaluation tokens):
     GPTQ W4 g32 symmetric packed exactly into Q4_0 has lower KL against our F16 GGUF, measured in
@@ -691,7 +691,7 @@ def token_chunks(tokenizer, text: str, seq_len: int, count: int) -> torch.Tensor
 
 @pytest.mark.real_model
 @needs_llama_cpp
-@pytest.mark.minutes(5)
+@pytest.mark.minutes(2.1)
 def test_smollm2_recipe_exports_a_verified_gguf(tmp_path: Path) -> None:
     """recipes/gguf.yaml on reduced data (16 x 256 calibration, 4 x 512 evaluation tokens): GPTQ W4
     g32 sym -> exact Q4_0 and llama.cpp's Q4_K_M, both verified in llama.cpp (tokenizer parity;

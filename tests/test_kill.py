@@ -82,7 +82,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, text_d
     return {"root": root, "recipe": recipe, "rng": random.Random(25)}
 
 
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(0.9)
 def test_kill_during_run(setup: dict) -> None:
     root, recipe, rng = setup["root"], setup["recipe"], setup["rng"]
     full = _timed("run", recipe, "-o", root / "reference", cwd=root)
@@ -98,7 +98,7 @@ def test_kill_during_run(setup: dict) -> None:
     assert "absent" in seen  # early kills left nothing
 
 
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(0.8)
 def test_kill_during_gate(setup: dict) -> None:
     root, rng = setup["root"], setup["rng"]
     artifact = root / "reference"
@@ -117,7 +117,7 @@ def test_kill_during_gate(setup: dict) -> None:
 
 
 @pytest.mark.runtime
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(0.7)
 def test_kill_during_publish(setup: dict) -> None:
     pytest.importorskip("mlflow")
     root, rng = setup["root"], setup["rng"]

@@ -346,7 +346,7 @@ def test_recipe_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: 
 
 
 @pytest.mark.real_model
-@pytest.mark.minutes(3)
+@pytest.mark.minutes(0.4)
 def test_outlier_decomposition_beats_w8a8_on_the_reference_model(smollm2, shakespeare_chunks) -> None:
     """SmolLM2-135M, 16 x 256 calibration tokens, KL on 4 x 256 held-out tokens (half the shared
     evaluation chunks: scoring dominates the run time): LLM.int8 with threshold 6 is closer to the

@@ -146,7 +146,7 @@ def test_recipe_end_to_end_with_a_compressed_tensors_export(tmp_path: Path, tiny
 
 @pytest.mark.runtime
 @pytest.mark.real_model
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(0.8)
 def test_our_gptq_leaves_the_layer_error_llmcompressors_does_on_the_reference_model(smollm2, shakespeare_chunks) -> None:
     """Both implementations of GPTQ with act order (both defaults; llmcompressor's actorder static: the same
     algorithm), W4 g64 sym, on block 0 of the reference model (its 7 Linears; the rest stays float),

@@ -202,7 +202,7 @@ def test_cut_blocks_refuses_more_blocks_than_the_model_has(tmp_path: Path, tiny_
 
 @pytest.mark.runtime  # several processes
 @pytest.mark.slow  # four fresh `compress run` processes: about 30 s on 2 cores
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(0.4)
 def test_bench_memory_end_to_end(tmp_path: Path, four_blocks: Path, text_dir: Path) -> None:
     """RTN and GPTQ on the 4-block tiny model and its 2-block copy: four fresh `compress run`
     processes; results.json has a row per run with the report's peaks and the manifest's per-block

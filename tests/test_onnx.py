@@ -338,7 +338,7 @@ def test_kv_cache_stage_with_static_scales_is_carried_into_onnx(
 
 
 @pytest.mark.real_model
-@pytest.mark.minutes(8)
+@pytest.mark.minutes(5.4)
 def test_smollm2_recipe_exports_a_verified_int4_onnx_and_a_checked_tensorrt_graph(tmp_path: Path) -> None:
     """recipes/onnx.yaml on reduced data (16 x 256 calibration, 4 x 512 evaluation tokens): GPTQ W4 g128 sym
     -> int4 ONNX whose MatMulNBits hold exactly the records (SmolLM2's partial last groups: written by us

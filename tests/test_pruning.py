@@ -485,7 +485,7 @@ def run_recipe_quiet(recipe: Path, out: Path):
 
 
 @pytest.mark.real_model
-@pytest.mark.minutes(3)
+@pytest.mark.minutes(1.1)
 def test_smollm2_activation_importance_beats_random_neurons_and_the_pruned_model_round_trips(smollm2, shakespeare_chunks, tmp_path):
     """25% of SmolLM2's MLP neurons removed by activation importance damages it much less than the
     same count chosen at random (the score carries information), structured OBS on the same kind of

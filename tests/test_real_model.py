@@ -121,7 +121,7 @@ def test_the_quickstarts_metrics_do_not_drift(quickstart_artifact: Path) -> None
     assert compared.returncode == 0, compared.stdout + compared.stderr
 
 
-@pytest.mark.minutes(3)
+@pytest.mark.minutes(1.3)
 def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_models_first_blocks(smollm2, shakespeare_chunks) -> None:
     """W3 g128 symmetric (the harder symmetry for AWQ), each method's default settings otherwise, on the
     first three decoder blocks of the reference model (the rest stays float), calibrated on 16 x 256

@@ -428,7 +428,7 @@ def test_credentials_come_from_the_environment(artifacts, tmp_path: Path, monkey
 
 @pytest.mark.real_model
 @pytest.mark.xdist_group("quickstart")
-@pytest.mark.minutes(4)
+@pytest.mark.minutes(1.3)
 def test_quickstart_artifact_publishes_to_the_embedded_registry_and_pulls_back(tmp_path: Path, quickstart_artifact: Path) -> None:
     """The README's two commands on the real quickstart artifact (SmolLM2, shorter evaluation)."""
     env = {**os.environ, "COMPRESS_REGISTRY": str(tmp_path / "registry")}

@@ -246,7 +246,7 @@ def test_run_scores_a_task_on_every_runtime_and_gates_on_it(tmp_path: Path, onnx
 @pytest.mark.real_model
 @pytest.mark.runtime
 @pytest.mark.slow
-@pytest.mark.minutes(2)
+@pytest.mark.minutes(0.7)
 def test_mmlu_on_the_reference_model_in_torch_and_in_llama_cpp(smollm2, tmp_path: Path) -> None:
     """reference:mmlu is read whole (14,042 questions, 57 subjects); 40 of them scored on the reference
     model in torch (float32 weights dequantized from its GGUF) and in llama.cpp (the GGUF itself):
