@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from compress.calibration import CalibrationChecker
+    from compress.export.format import ExportFormat
     from compress.progress import Reporter
     from compress.quantizers.core import QuantizedWeight
     from compress.quantizers.kv_cache import KVCacheScheme
@@ -38,6 +39,16 @@ class StageRecord:
             "summary": self.summary,
             "layers": self.layers,
         }
+
+
+@dataclass(frozen=True)
+class SizeBudget:
+    """An export's size ``target`` for quantize stages with ``gguf_target: true`` to choose each
+    layer's grid under (quantizers/mix.py): the export's recipe config (its ``target`` and
+    ``float_type``) and its format, which says what a file of it holds (``ExportFormat.file_layout``)."""
+
+    export: Any
+    format: ExportFormat
 
 
 @dataclass
@@ -73,9 +84,9 @@ class RunContext:
     """What a calibrated quantizer saw of each Linear's input, by module name: the sum over the
     calibration tokens of each input column's square (float32 [in]) and the number of tokens; the
     GGUF export writes it as llama.cpp's importance matrix (export/gguf/imatrix.py)."""
-    gguf_budget: Any = None
-    """The GGUF export with a size ``target`` (its ``target`` and ``float_type``), for a quantize stage
-    with ``gguf_target: true`` to choose each layer's type under (quantizers/mix.py)."""
+    size_budget: SizeBudget | None = None
+    """The export with a size ``target`` and its format, for a quantize stage with ``gguf_target: true``
+    to choose each layer's grid under (quantizers/mix.py)."""
     files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Tensors a stage leaves in the artifact: relative safetensors path -> tensors (e.g. importance scores)."""
     work_dir: Path | None = None

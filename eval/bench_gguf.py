@@ -30,8 +30,8 @@ from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.tools import llama_imatrix, llama_quantize
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
+from compress.quantizers.grids import GRIDS, normalize_type
 from compress.schema.exports import GGUF_LLAMA_CPP_TYPES, GGUFExport
-from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
 from compress.schema.recipe import DataSpec
 
 LLAMA_CPP = "llama.cpp"
@@ -76,8 +76,8 @@ class Candidate:
             if not head_type:
                 return dataclasses.replace(found, head=True)
             name = str(normalize_type(head_type.removeprefix(":")))
-            if not head_type.startswith(":") or name not in GGUF_GRIDS:
-                raise ValueError(f"candidate '{text}': +head:TYPE takes a GGUF type with a grid ({', '.join(GGUF_GRIDS)}), e.g. +head:q8_0")
+            if not head_type.startswith(":") or name not in GRIDS:
+                raise ValueError(f"candidate '{text}': +head:TYPE takes a GGUF type with a grid ({', '.join(GRIDS)}), e.g. +head:q8_0")
             return dataclasses.replace(found, head=True, head_type=name)
         source, sep, rest = body.partition(":")
         rest = str(normalize_type(rest))
@@ -91,12 +91,12 @@ class Candidate:
                 raise ValueError(f"candidate '{text}': llama.cpp type must be one of {', '.join(GGUF_LLAMA_CPP_TYPES)}")
             return cls(source, None, rest)
         if source == LLAMA_CPP_PURE:
-            if rest not in GGUF_GRIDS:
-                raise ValueError(f"candidate '{text}': llama.cpp-pure type must be one of {', '.join(GGUF_GRIDS)}")
+            if rest not in GRIDS:
+                raise ValueError(f"candidate '{text}': llama.cpp-pure type must be one of {', '.join(GRIDS)}")
             return cls(source, None, rest)
         if source not in QUANT_METHODS:
             raise ValueError(f"candidate '{text}': unknown method '{source}'; known: {', '.join(QUANT_METHODS)}")
-        if rest in GGUF_GRIDS:
+        if rest in GRIDS:
             return cls(source, None, rest, gguf_type=rest)
         if rest.startswith("mix@"):
             budget = rest[4:]
@@ -260,7 +260,7 @@ def run_gguf_bench(
                 mine = result["rows"][-1]
                 theirs = files / f"same-mix.{path.name}"
                 found = gguf_writer.stored_types(path)
-                types = {n: k for n, k in found.items() if k in GGUF_GRIDS and n not in (EMBEDDING, OUTPUT)}
+                types = {n: k for n, k in found.items() if k in GRIDS and n not in (EMBEDDING, OUTPUT)}
                 main = Counter(types.values()).most_common(1)[0][0]
                 name = f"llama.cpp at the type mix of {cand.name}"
                 reporter.info(f"[bold]{name}[/]")

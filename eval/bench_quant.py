@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from compress import streaming
-from compress.context import RunContext
+from compress.context import RunContext, SizeBudget
 from compress.data import DataPlan
 from compress.eval.memory import PeakRSS
 from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
-from compress.plugins import method_streams, quant_method
+from compress.plugins import export_format, method_streams, quant_method
 from compress.progress import Reporter
 from compress.schema.quantize import HEAD
 from compress.schema.recipe import DataSpec, ModelSpec
@@ -96,7 +96,7 @@ def quantize_copy(
         config = type(config).model_validate({**config.model_dump(exclude_unset=True), "ignore": []})  # validated: AWQ refuses the head
     model = working_copy(lm.model, config)
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
-    ctx.gguf_budget = budget
+    ctx.size_budget = None if budget is None else SizeBudget(budget, export_format(budget.format))
     ctx.sensitivity = sensitivity
     started = time.perf_counter()
     spec.build(config, "bench").apply(model, ctx)

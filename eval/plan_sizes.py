@@ -126,12 +126,12 @@ def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
 def _budget_scheme(recipe: Recipe) -> Any:
     """For the plan, the layers of a stage with ``gguf_target`` on one type: the candidate whose bits
     per weight are nearest the target's (q4_k for a size in MiB); the run chooses a type per layer."""
-    from compress.schema.gguf_types import GGUF_GRIDS
+    from compress.quantizers.grids import GRIDS
     from compress.schema.quantize import QuantScheme
 
     target = recipe.gguf_budget().target
-    want = target.bits_per_weight or GGUF_GRIDS["q4_k"].bits_per_weight
-    return QuantScheme(gguf_type=min(target.types, key=lambda t: abs(GGUF_GRIDS[t].bits_per_weight - want)))
+    want = target.bits_per_weight or GRIDS["q4_k"].bits_per_weight
+    return QuantScheme(gguf_type=min(target.types, key=lambda t: abs(GRIDS[t].bits_per_weight - want)))
 
 
 def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: dict[str, Record]) -> list[dict[str, Any]]:

@@ -65,6 +65,21 @@ class Runner:
 
 
 @dataclass(frozen=True)
+class FileLayout:
+    """What a format's file of one model holds besides the quantized Linears, for a size budget
+    (quantizers/mix.py asks it through ``ExportFormat.file_layout``, never the writer itself)."""
+
+    tensor_bytes: Callable[[str, tuple[int, ...]], int]
+    """Bytes of one tensor of a grid (or float type) and shape as the file stores it, padding included."""
+    fixed_bytes: int
+    """Bytes of the tensors no quantize stage touches (embeddings, norms, a float head, biases)."""
+    params: int
+    """Parameters of every tensor in the file."""
+    metadata_bytes: Callable[[], int]
+    """Bytes of the file before its tensor data (header, metadata, tensor table), measured when called."""
+
+
+@dataclass(frozen=True)
 class ExportFormat:
     """One export format: its recipe key, config class and runtime, and the operations on it.
 
@@ -188,6 +203,11 @@ class ExportFormat:
         without loading the weights; ``digest``: the file's SHA-256 when known (a cached conversion);
         ``source``: the recipe's ``model.source``, for messages."""
         raise NotImplementedError(f"export format {self.name} is not a model source")
+
+    def file_layout(self, spec: Any, model: Any, tokenizer: Any, quantized: set[str]) -> FileLayout:
+        """What the export ``spec``'s file of ``model`` holds besides the Linears named in ``quantized``
+        (whose grids a size budget chooses), and what each grid's tensor takes in it."""
+        raise NotImplementedError(f"export format {self.name} has no size budget")
 
     # ------------------------------------------------------------------ plan
 

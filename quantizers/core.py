@@ -15,12 +15,12 @@ re-quantizing. The convention:
   with them, so formats that store fp16 scales carry the record exactly;
 * a row whose width is not a multiple of ``group_size`` ends in a shorter, partial group.
 
-Records on a llama.cpp block type's own grid (``scheme.gguf_type``, quantizers/gguf_grid.py) add
-what that type stores: ``offset``, a float minimum per group (``w = (code - zero_point) * scale +
-offset``; Q4_1 / Q5_1's fp16 ``m``, a K-quant's ``-dmin * m``), and for K-quants ``super_blocks``:
-the fp16 super-block scales ``d``, ``dmin`` and the integer sub-block scales and mins, of which
-``scale`` and ``offset`` are the float32 products. Formats other than GGUF refuse such records
-(``QuantizedWeight.plain``).
+Records on a block-type grid (``scheme.gguf_type``, quantizers/grids.py; rounded by
+quantizers/grid_search.py) add what that grid's encoding stores: ``offset``, a float minimum per
+group (``w = (code - zero_point) * scale + offset``; q4_1 / q5_1's fp16 ``m``, a K-quant's
+``-dmin * m``), and for K-quant grids ``super_blocks``: the fp16 super-block scales ``d``, ``dmin``
+and the integer sub-block scales and mins, of which ``scale`` and ``offset`` are the float32
+products. Formats that do not pack such grids refuse such records (``QuantizedWeight.plain``).
 """
 
 from __future__ import annotations
@@ -86,13 +86,13 @@ class QuantizedWeight:
     scale: torch.Tensor
     zero_point: torch.Tensor
     scheme: QuantScheme
-    offset: torch.Tensor | None = None  # [out, n_groups] float32: the float minimum (GGUF grids only)
+    offset: torch.Tensor | None = None  # [out, n_groups] float32: the float minimum (float-minimum grids only)
     super_blocks: SuperBlocks | None = None  # K-quant grids only
 
     @property
     def plain(self) -> bool:
         """The record is ``(code - zero_point) * scale`` per group with nothing else stored (every
-        format can hold it); False for float minimums and K-quant scales (GGUF only)."""
+        format can hold it); False for float minimums and K-quant scales (only formats that pack those grids)."""
         return self.offset is None and self.super_blocks is None
 
     def __post_init__(self) -> None:
@@ -125,7 +125,7 @@ class QuantizedWeight:
         self._validate_grid()
 
     def _validate_grid(self) -> None:
-        grid = self.scheme.gguf_grid
+        grid = self.scheme.block_grid
         if grid is None or not grid.float_min:
             if self.offset is not None:
                 raise ValueError(f"only float-minimum GGUF grids carry an offset, not {self.scheme.describe()}")
@@ -182,8 +182,8 @@ class QuantizedWeight:
     def bits_per_weight(self) -> float:
         """Storage cost per weight, including scales (and zero points when asymmetric)."""
         out_f, in_f = self.shape
-        if self.scheme.gguf_grid is not None:
-            return self.scheme.gguf_grid.bits_per_weight
+        if self.scheme.block_grid is not None:
+            return self.scheme.block_grid.bits_per_weight
         scale_bits = torch.finfo(scale_torch_dtype(self.scheme)).bits
         overhead = scale_bits + (0 if self.scheme.symmetric else self.scheme.bits)
         return self.scheme.bits + overhead * self.scheme.n_groups(in_f) / in_f

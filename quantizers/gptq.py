@@ -6,7 +6,7 @@ Groups stay contiguous in the original column order, also with act-order: group 
 zero points are computed up front from the original weights ("static groups"), then columns
 are visited in order of decreasing Hessian diagonal. The records therefore map onto Q4_0/Q4_1
 blocks and MatMulNBits without any reordering. On a llama.cpp type's grid (``scheme.gguf_type``,
-gguf_grid.py) the unit of parameters is the type's block (a K-quant's super-block of 256), fixed to
+grid_search.py) the unit of parameters is the type's block (a K-quant's super-block of 256), fixed to
 its stored values (fp16 minimum, quantized sub-block scales) before the loop rounds its columns.
 """
 
@@ -25,7 +25,7 @@ from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
 from compress.quantizers.core import QuantizedWeight, one_cpu_thread
-from compress.quantizers.gguf_grid import GridParams, nonzero_divisor
+from compress.quantizers.grid_search import GridParams, nonzero_divisor
 from compress.quantizers.mix import layer_schemes
 from compress.quantizers.sequential import BlockJob, run_layerwise, select_block_linears
 from compress.schema.quantize import GPTQConfig, QuantScheme

@@ -14,7 +14,7 @@ multiply-adds as the forward pass). It combines what llama.cpp's importance matr
 inputs' squares, x²) with what it leaves out: how much the model's predictions depend on each output
 channel of each layer (g²), so that a matrix of a late block and one of an early block are weighed on
 the same scale (nats). ΔW is the round-to-nearest error of each candidate type's own grid with the
-quantizers' own parameter search (quantizers/gguf_grid.py: range tries, least-squares refit), on every
+quantizers' own parameter search (quantizers/grid_search.py: range tries, least-squares refit), on every
 k-th row (``SENSITIVITY_ROWS``) scaled to the whole weight; GPTQ's error feedback, which runs
 afterwards, does better than rounding on every type alike.
 
@@ -37,10 +37,9 @@ import dataclasses
 import hashlib
 import heapq
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,21 +47,16 @@ from torch import nn
 from compress import streaming
 from compress.errors import CompressError
 from compress.quantizers.arch import architecture_of, decoder_blocks, output_head, submodule
+from compress.quantizers.grids import GRIDS, llama_cpp_spelling
 from compress.quantizers.moe import expert_linears
 from compress.quantizers.sequential import BlockInputs, capture_block_inputs, move_outside_blocks
-from compress.schema.gguf_types import GGUF_GRIDS, llama_cpp_spelling
 from compress.schema.quantize import QuantScheme
 
-ALIGNMENT = 32  # GGUF pads every tensor's data to this many bytes (gguf-py's default)
+if TYPE_CHECKING:
+    from compress.context import SizeBudget
 
-
-def tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
-    """Bytes of one tensor of ``shape`` stored as ``type_name`` in a GGUF file, with its padding."""
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
-    n = math.prod(shape)
-    return -(-(n // block * size) // ALIGNMENT) * ALIGNMENT
+TensorBytes = Callable[[str, tuple[int, ...]], int]
+"""Bytes of one tensor of a grid and shape as the export's file stores it (its ``FileLayout.tensor_bytes``)."""
 
 
 def candidate_types(in_features: int, types: list[str]) -> list[str]:
@@ -70,7 +64,7 @@ def candidate_types(in_features: int, types: list[str]) -> list[str]:
     one, or llama.cpp's fallback where a K-quant does not divide the row; duplicates dropped."""
     found = []
     for name in types:
-        grid = GGUF_GRIDS[name].for_width(in_features)
+        grid = GRIDS[name].for_width(in_features)
         if in_features % grid.block_weights == 0 and grid.name not in found:
             found.append(grid.name)
     return found
@@ -169,7 +163,7 @@ def _row_stride(out_features: int) -> int:
 
 def _rtn_error(weight: torch.Tensor, type_name: str) -> torch.Tensor:
     """The squared error of rounding ``weight`` to the type's grid with the quantizers' own search."""
-    from compress.quantizers.gguf_grid import grid_quantize
+    from compress.quantizers.grid_search import grid_quantize
 
     w = weight.detach().float()
     return (w - grid_quantize(w, QuantScheme(gguf_type=type_name)).dequantize().float()).square_()
@@ -251,9 +245,11 @@ def measure(
     seed: int,
     reporter: Any,
     label: str,
+    tensor_bytes: TensorBytes,
 ) -> list[LayerChoice]:
-    """Every selected Linear's options (its candidate types, their bytes and estimated ΔKL in nats
-    per token) on the calibration ``tokens``, block by block."""
+    """Every selected Linear's options (its candidate types, their bytes in the export's file as
+    ``tensor_bytes`` counts them, and estimated ΔKL in nats per token) on the calibration ``tokens``,
+    block by block."""
     arch = architecture_of(model)
     blocks = decoder_blocks(model, arch)
     head = output_head(model)
@@ -307,18 +303,6 @@ def measure(
 # --------------------------------------------------------------------------- the budget
 
 
-def fixed_bytes(model: nn.Module, quantized: set[str], float_type: str | None) -> tuple[int, int]:
-    """Bytes the GGUF export gives the tensors no quantize stage touches (embeddings, norms, a float
-    head, as export/gguf/file.py plans them) and the parameter count of every tensor in the file."""
-    from compress.export.gguf.file import plan_tensors
-
-    plan = plan_tensors(model, {}, "q8_0", float_type, None)
-    weights = {f"{name}.weight" for name in quantized}  # a quantized Linear's bias stays F32 in the file
-    fixed = sum(tensor_bytes(t.type_name, t.shape) for t in plan.tensors if t.hf_name not in weights)
-    params = sum(math.prod(t.shape) for t in plan.tensors)
-    return fixed, params
-
-
 def budget_bytes(target: Any, params: int, metadata: int) -> int:
     """The tensor bytes a target allows: bits per weight over every parameter of the file, or the
     file size less its metadata."""
@@ -327,46 +311,44 @@ def budget_bytes(target: Any, params: int, metadata: int) -> int:
     return int(target.size_mib * 2**20) - metadata
 
 
-def metadata_bytes(model: nn.Module, tokenizer: Any) -> int:
-    """Bytes of a GGUF file before its tensor data (header, metadata, tensor table), measured by
-    writing the file with no tensors; the table's entries are added at their size."""
-    import tempfile
-    from pathlib import Path
-
-    from compress.export.gguf.file import write_metadata_only
-
-    with tempfile.TemporaryDirectory() as tmp:
-        return write_metadata_only(Path(tmp) / "meta.gguf", model, tokenizer)
-
-
 def sensitivities(
-    model: nn.Module, selected: dict[str, nn.Linear], types: list[str], tokens: torch.Tensor, batch_size: int, ctx: Any, label: str
+    model: nn.Module,
+    selected: dict[str, nn.Linear],
+    types: list[str],
+    tokens: torch.Tensor,
+    batch_size: int,
+    ctx: Any,
+    label: str,
+    tensor_bytes: TensorBytes,
 ) -> list[LayerChoice]:
     """``measure``'s options of each layer, or a copy of those ``ctx.sensitivity`` holds for the same
-    types, layers, tokens and seed (its keeper vouches that the model is the same)."""
+    types, layers, tokens and seed (its keeper vouches that the model and the export format are the same)."""
     cache = ctx.sensitivity
     if cache is None:
-        return measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
+        return measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label, tensor_bytes)
     key = hashlib.sha256(
         json.dumps([list(types), sorted(selected), ctx.seed, batch_size]).encode() + tokens.to(torch.int64).cpu().numpy().tobytes()
     ).hexdigest()
     if key not in cache:
-        cache[key] = measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label)
+        cache[key] = measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label, tensor_bytes)
     return [dataclasses.replace(layer, options=list(layer.options), chosen=0) for layer in cache[key]]
 
 
 def choose(
-    model: nn.Module, selected: dict[str, nn.Linear], export: Any, ctx: Any, tokens: torch.Tensor, batch_size: int, label: str
+    model: nn.Module, selected: dict[str, nn.Linear], budget: SizeBudget, ctx: Any, tokens: torch.Tensor, batch_size: int, label: str
 ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Each selected Linear's GGUF type under the GGUF ``export``'s target (on the calibration
-    ``tokens``; ``ctx`` a RunContext), and the facts for the stage's summary."""
-    target = export.target
-    fixed, params = fixed_bytes(model, set(selected), export.float_type)
-    metadata = metadata_bytes(model, ctx.tokenizer) if target.size_mib is not None else 0
-    budget = budget_bytes(target, params, metadata)
-    layers = sensitivities(model, selected, target.types, tokens, batch_size, ctx, label)
+    """Each selected Linear's GGUF type under the ``budget``'s export target (on the calibration
+    ``tokens``; ``ctx`` a RunContext), and the facts for the stage's summary. What the export's file
+    holds besides these Linears, and what each option of them takes in it, its format says
+    (``ExportFormat.file_layout``)."""
+    target = budget.export.target
+    layout = budget.format.file_layout(budget.export, model, ctx.tokenizer, set(selected))
+    fixed, params = layout.fixed_bytes, layout.params
+    metadata = layout.metadata_bytes() if target.size_mib is not None else 0
+    allowed = budget_bytes(target, params, metadata)
+    layers = sensitivities(model, selected, target.types, tokens, batch_size, ctx, label, layout.tensor_bytes)
     try:
-        used = allocate(layers, budget - fixed)
+        used = allocate(layers, allowed - fixed)
     except CompressError as exc:
         least = fixed + sum(min(o[1] for o in layer.options) for layer in layers)
         raise CompressError(
@@ -383,7 +365,7 @@ def choose(
         "squared x input squared, per token)",
         "sensitivity_tokens": int(tokens.numel()),
         "tensor_bytes": fixed + used,
-        "budget_bytes": budget,
+        "budget_bytes": allowed,
         "bits_per_weight": round(8 * (fixed + used) / params, 4),
         "estimated_kl": _sig(sum(layer.estimate for layer in layers)),
         "type_counts": counts,
@@ -412,9 +394,9 @@ def layer_schemes(
     if not cfg.gguf_target:
         scheme = cfg.scheme()
         return (lambda _name: scheme), None
-    export = ctx.gguf_budget
-    tokens = ctx.calibration()[: export.target.samples]
+    budget = ctx.size_budget
+    tokens = ctx.calibration()[: budget.export.target.samples]
     batch = getattr(cfg, "batch_size", 8)
-    types, facts = choose(model, selected, export, ctx, tokens, batch, label)
+    types, facts = choose(model, selected, budget, ctx, tokens, batch, label)
     schemes = {t: QuantScheme(gguf_type=t) for t in set(types.values())}
-    return (lambda name: schemes[types[name]]), {"export": export.name, **facts}
+    return (lambda name: schemes[types[name]]), {"export": budget.export.name, **facts}

@@ -6,14 +6,14 @@ import torch
 
 from compress.quantizers.apply import quantize_each_layer
 from compress.quantizers.core import QuantizedWeight, compute_qparams, group_rows, pack_record, quantize_codes
-from compress.quantizers.gguf_grid import grid_quantize
+from compress.quantizers.grid_search import grid_quantize
 from compress.quantizers.mix import layer_schemes
 from compress.schema.quantize import QuantScheme, RTNConfig
 
 
 def rtn_quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     """Quantize ``weight`` [out, in] to the nearest grid point of each group's min/max grid (on a
-    llama.cpp type's own grid when ``scheme.gguf_type`` is set: gguf_grid.py)."""
+    llama.cpp type's own grid when ``scheme.gguf_type`` is set: grid_search.py)."""
     if scheme.gguf_type is not None:
         return grid_quantize(weight, scheme)
     groups = group_rows(weight, scheme)

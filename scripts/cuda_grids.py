@@ -1,4 +1,4 @@
-"""The parameter search on llama.cpp's grids (quantizers/gguf_grid.py: ranges and least-squares refit)
+"""The parameter search on llama.cpp's grids (quantizers/grid_search.py: ranges and least-squares refit)
 and GPTQ on those grids, run on a CUDA device against the same work on the CPU: for each type, the
 share of codes that agree, the rounding error on each device, and whether the CUDA records pack into
 GGUF blocks that gguf-py's dequantizer reads back bit for bit. CI has no GPU; run it where one is lent:
@@ -26,9 +26,9 @@ import torch  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from compress.export.gguf import file as G  # noqa: E402
-from compress.quantizers.gguf_grid import grid_quantize  # noqa: E402
 from compress.quantizers.gptq import gptq_quantize  # noqa: E402
-from compress.schema.gguf_types import GGUF_GRID_TYPES  # noqa: E402
+from compress.quantizers.grid_search import grid_quantize  # noqa: E402
+from compress.quantizers.grids import GRID_NAMES  # noqa: E402
 from compress.schema.quantize import QuantScheme  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     h = 2 * x.T @ x / x.shape[0]
     failed = False
     print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": [args.rows, args.cols]}))
-    for type_name in GGUF_GRID_TYPES:
+    for type_name in GRID_NAMES:
         scheme = QuantScheme(gguf_type=type_name)
         for method in ("rtn", "gptq"):
             found = {}

@@ -1,4 +1,4 @@
-"""How much each step of the parameter search on a llama.cpp type's grid (quantizers/gguf_grid.py)
+"""How much each step of the parameter search on a llama.cpp type's grid (quantizers/grid_search.py)
 lowers the rounding error of a real model's weights, and what it costs: for each type, round-to-nearest
 of the Linear weights of a few blocks with the plain min/max range, with the earlier search over eight
 shrunk ranges, with today's ranges (``CLIP``) each refit by least squares (``REFIT_ROUNDS``), and with
@@ -26,16 +26,16 @@ from safetensors import safe_open  # noqa: E402
 
 from compress.eval.bench_memory import model_directory  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
-from compress.quantizers import gguf_grid  # noqa: E402
-from compress.schema.gguf_types import GGUF_GRID_TYPES  # noqa: E402
+from compress.quantizers import grid_search  # noqa: E402
+from compress.quantizers.grids import GRID_NAMES  # noqa: E402
 from compress.schema.quantize import QuantScheme  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SETTINGS = {  # name: (CLIP, REFIT_ROUNDS, SUB_STEPS)
     "plain range": ((1.0,), 0, ()),
     "8 shrunk ranges": ((1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79), 0, ()),  # the search before the refit (6b22e11)
-    "ranges + refit": (gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS, ()),  # before the K-quant sub-block search
-    "+ sub-block steps": (gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS, gguf_grid.SUB_STEPS),  # today's
+    "ranges + refit": (grid_search.CLIP, grid_search.REFIT_ROUNDS, ()),  # before the K-quant sub-block search
+    "+ sub-block steps": (grid_search.CLIP, grid_search.REFIT_ROUNDS, grid_search.SUB_STEPS),  # today's
 }
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="reference:smollm2-135m")
     ap.add_argument("--blocks", default="0,7,15,29")
-    ap.add_argument("--types", default=",".join(GGUF_GRID_TYPES))
+    ap.add_argument("--types", default=",".join(GRID_NAMES))
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -65,10 +65,10 @@ def main() -> None:
         scheme = QuantScheme(gguf_type=type_name)
         cells, base = [], None
         for clip, rounds, steps in SETTINGS.values():
-            gguf_grid.CLIP, gguf_grid.REFIT_ROUNDS, gguf_grid.SUB_STEPS = clip, rounds, steps
+            grid_search.CLIP, grid_search.REFIT_ROUNDS, grid_search.SUB_STEPS = clip, rounds, steps
             start, err = time.perf_counter(), 0.0
             for w in weights.values():
-                err += float((gguf_grid.grid_quantize(w, scheme).dequantize().float() - w).square().sum())
+                err += float((grid_search.grid_quantize(w, scheme).dequantize().float() - w).square().sum())
             seconds = time.perf_counter() - start
             base = err if base is None else base
             cells.append(f"{err / base if base else err:8.4f}{' x' if base else '  '} {seconds:7.1f} s")

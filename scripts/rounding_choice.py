@@ -1,5 +1,5 @@
 """Per layer, which rounding of a llama.cpp type's grid leaves the smallest layer-output error on
-calibration text: our round-to-nearest with the grid search (quantizers/gguf_grid.py), our GPTQ on
+calibration text: our round-to-nearest with the grid search (quantizers/grid_search.py), our GPTQ on
 the same grid, or llama.cpp's own quantizer (``llama-quantize --pure`` of our F16 GGUF, read back with
 gguf-py). The error is GPTQ's objective, ½ tr(ΔW H ΔWᵀ) with H = 2/n Σ x xᵀ of the layer's inputs in
 the unquantized model, relative to ½ tr(W H Wᵀ).
@@ -31,8 +31,8 @@ from compress.eval.bench_quant import load_bench_inputs  # noqa: E402
 from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
-from compress.quantizers.gguf_grid import grid_quantize  # noqa: E402
 from compress.quantizers.gptq import accumulate_hessian, gptq_quantize  # noqa: E402
+from compress.quantizers.grid_search import grid_quantize  # noqa: E402
 from compress.schema.quantize import QuantScheme  # noqa: E402
 from compress.schema.recipe import DataSpec  # noqa: E402
 

@@ -162,7 +162,7 @@ def test_numpy_column_loop_is_torchs_bit_for_bit_and_sub_blocks_keep_the_sums(ty
         record, width = records[True, 16], scheme.group_width(512)
         # With act_order the units are fixed from the original weights, before any error reaches
         # them; a llama.cpp grid stores an all-zero unit as zero scales (a plain scheme, a tiny one).
-        if act_order and scheme.gguf_grid is not None:
+        if act_order and scheme.block_grid is not None:
             assert (record.scale[:3, : 256 // width] == 0).all()
             assert torch.equal(record.dequantize()[:3, :256], torch.zeros(3, 256))
             zero_points = record.zero_point[:3].repeat_interleave(width, dim=1)

@@ -22,11 +22,11 @@ from compress.export.gguf import runtime as gguf_runtime
 from compress.paths import usable_cpus
 from compress.progress import Reporter
 from compress.quantizers.core import refuse_gguf_grids
-from compress.quantizers.gguf_grid import grid_quantize
 from compress.quantizers.gptq import gptq_quantize
+from compress.quantizers.grid_search import grid_quantize
+from compress.quantizers.grids import GRID_NAMES, GRIDS
 from compress.quantizers.rtn import RTNStage
 from compress.schema.exports import GGUFExport
-from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS
 from compress.schema.quantize import AWQConfig, GPTQConfig, QuantScheme, RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama, tiny_model
@@ -53,7 +53,7 @@ def weight_and_hessian(rows: int = 8, cols: int = 512) -> tuple[torch.Tensor, to
     return w, 2 * x.T @ x / x.shape[0]
 
 
-@pytest.mark.parametrize("type_name", GGUF_GRID_TYPES)
+@pytest.mark.parametrize("type_name", GRID_NAMES)
 @pytest.mark.parametrize("method", ["rtn", "gptq", "gptq_in_order"])
 def test_records_on_each_grid_pack_into_blocks_that_gguf_reads_back_bit_exactly(type_name: str, method: str) -> None:
     w, h = weight_and_hessian()
@@ -64,12 +64,20 @@ def test_records_on_each_grid_pack_into_blocks_that_gguf_reads_back_bit_exactly(
         record = gptq_quantize(w, h, scheme, act_order=method == "gptq")[0]
     assert record.scheme.gguf_type == type_name
     blocks = G.PACKERS[type_name](record)
-    grid = GGUF_GRIDS[type_name]
+    grid = GRIDS[type_name]
     assert blocks.shape == (8, 512 // grid.block_weights * grid.block_bytes)
     got = quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name.upper()]).reshape(record.shape)
     want = record.dequantize().numpy()
     assert np.array_equal(got, want), f"{int((got != want).sum())} values differ"
     assert torch.equal(record.dequantize(), type(record).from_tensors(record.tensors("r"), "r", record.scheme).dequantize())
+
+
+@pytest.mark.parametrize("type_name", GRID_NAMES)
+def test_each_grids_encoding_takes_the_bytes_of_its_ggml_type(type_name: str) -> None:
+    """A grid's block size and parameter encoding (quantizers/grids.py) give the block bytes of the
+    ggml type the GGUF export maps it to, as gguf-py lists them."""
+    grid = GRIDS[type_name]
+    assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]] == (grid.block_weights, grid.block_bytes)
 
 
 @pytest.mark.parametrize("type_name", ["q4_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
@@ -97,7 +105,7 @@ def test_q4_1_grid_keeps_the_float_minimum_that_integer_zero_points_cannot() -> 
     assert own.offset is not None and torch.equal(own.offset, own.offset.half().float())
 
 
-@pytest.mark.parametrize("type_name", GGUF_GRID_TYPES)
+@pytest.mark.parametrize("type_name", GRID_NAMES)
 def test_gguf_file_of_grid_records_reads_back_bit_exactly(tmp_path: Path, tokenizer, type_name: str) -> None:
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
     records = rtn_records(model, type_name)
@@ -310,54 +318,54 @@ def test_float_tensors_convert_a_piece_of_rows_at_a_time_to_the_same_bytes(monke
 
 @pytest.mark.parametrize("type_name", ["q4_0", "q4_1", "q3_k", "q4_k", "q6_k"])
 def test_the_range_search_rounds_no_row_worse_than_the_plain_range(monkeypatch: pytest.MonkeyPatch, type_name: str) -> None:
-    """Each row's parameters come from the best of its shrunk ranges (gguf_grid.CLIP): per row, the
+    """Each row's parameters come from the best of its shrunk ranges (grid_search.CLIP): per row, the
     rounding error is at most the plain min/max range's, and smaller overall on heavy-tailed weights."""
-    from compress.quantizers import gguf_grid
+    from compress.quantizers import grid_search
     from compress.schema.quantize import QuantScheme
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 512, generator=gen) ** 3  # heavy tails: a few weights set the plain range
     scheme = QuantScheme(gguf_type=type_name)
-    monkeypatch.setattr(gguf_grid, "REFIT_ROUNDS", 0)  # the range search alone (the refit's own test is below)
-    monkeypatch.setattr(gguf_grid, "SUB_STEPS", ())  # and no sub-block search (its own test is below)
+    monkeypatch.setattr(grid_search, "REFIT_ROUNDS", 0)  # the range search alone (the refit's own test is below)
+    monkeypatch.setattr(grid_search, "SUB_STEPS", ())  # and no sub-block search (its own test is below)
 
     def row_errors() -> torch.Tensor:
-        return (gguf_grid.grid_quantize(w, scheme).dequantize().float() - w).square().sum(dim=1)
+        return (grid_search.grid_quantize(w, scheme).dequantize().float() - w).square().sum(dim=1)
 
     searched = row_errors()
-    monkeypatch.setattr(gguf_grid, "CLIP", (1.0,))
+    monkeypatch.setattr(grid_search, "CLIP", (1.0,))
     plain = row_errors()
     assert bool((searched <= plain * (1 + 1e-6)).all())
     if type_name != "q6_k":  # 6 bits: fine enough that no shrunk range pays for its clipped outliers here
         assert float(searched.sum()) < float(plain.sum())
 
 
-@pytest.mark.parametrize("type_name", GGUF_GRID_TYPES)
+@pytest.mark.parametrize("type_name", GRID_NAMES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_least_squares_refit_rounds_no_row_worse_and_the_whole_weight_better(
     monkeypatch: pytest.MonkeyPatch, type_name: str, weighted: bool
 ) -> None:
     """After the range search, each unit's stored scales (and minimums) are refit to their codes by
-    (weighted) least squares (gguf_grid.REFIT_ROUNDS): per row the error is at most the search's alone,
+    (weighted) least squares (grid_search.REFIT_ROUNDS): per row the error is at most the search's alone,
     and smaller over the whole weight on every type; the refit records stay exact (the test above)."""
-    from compress.quantizers import gguf_grid
+    from compress.quantizers import grid_search
 
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(64, 512, generator=gen) * 0.02 + 0.003 * torch.randn(64, 1, generator=gen)  # rows off centre: minimums matter
     w[::7, 5] = 0.2  # a few outliers
     importance = torch.rand(512, generator=gen) * 4 + 0.1 if weighted else None
     scheme = QuantScheme(gguf_type=type_name)
-    monkeypatch.setattr(gguf_grid, "SUB_STEPS", ())  # the ranges' refit alone (the sub-block search's test is above)
+    monkeypatch.setattr(grid_search, "SUB_STEPS", ())  # the ranges' refit alone (the sub-block search's test is above)
 
     def row_errors() -> torch.Tensor:
-        params = gguf_grid.GridParams(64, 512, scheme, w.device)
+        params = grid_search.GridParams(64, 512, scheme, w.device)
         params.fix_all(w, importance)
         _, values = params.round(w, torch.arange(512) // scheme.group_width(512))
         err = (values - w).square()
         return (err if importance is None else err * importance).sum(dim=1)
 
     refit = row_errors()
-    monkeypatch.setattr(gguf_grid, "REFIT_ROUNDS", 0)
+    monkeypatch.setattr(grid_search, "REFIT_ROUNDS", 0)
     searched = row_errors()
     assert bool((refit <= searched).all())
     assert float(refit.sum()) < 0.995 * float(searched.sum())
@@ -367,18 +375,18 @@ def test_the_least_squares_refit_rounds_no_row_worse_and_the_whole_weight_better
 def test_the_sub_block_search_finds_a_source_k_quant_grid_again(monkeypatch: pytest.MonkeyPatch, type_name: str) -> None:
     """Weights dequantized from a K-quant file made as llama.cpp makes them (the largest sub-block scale
     on scale_levels, or on -(scale_levels + 1) where scales are signed; every sub-block using its lowest
-    and highest code) round back to themselves: the sub-block step search (gguf_grid.SUB_STEPS) finds
+    and highest code) round back to themselves: the sub-block step search (grid_search.SUB_STEPS) finds
     each sub-block's codes (or, signed, their mirror image), hence its scale and ``d``. Without it, the range search and the refit do
     not where sub-blocks of one super-block span different numbers of codes
     (the real case: Qwen2.5-Coder-1.5B, distributed as Q4_K_M; scripts/rounding_choice.py). Stored
     in bfloat16 (as that model's checkpoint is), the weights are rounded as closely as the source grid
     holds them."""
-    from compress.quantizers import gguf_grid
+    from compress.quantizers import grid_search
 
     gen = torch.Generator().manual_seed(3)
     scheme = QuantScheme(gguf_type=type_name)
     rows, in_f = 32, 512
-    src = gguf_grid.GridParams(rows, in_f, scheme, torch.device("cpu"))
+    src = grid_search.GridParams(rows, in_f, scheme, torch.device("cpu"))
     grid, qmax, levels = src.grid, scheme.qmax, src.grid.scale_levels
     subs = in_f // grid.group
     codes = torch.randint(0, qmax + 1, (rows, subs, grid.group), generator=gen).float()
@@ -406,22 +414,22 @@ def test_the_sub_block_search_finds_a_source_k_quant_grid_again(monkeypatch: pyt
     w = src.record(source_codes).dequantize().float()
 
     def again(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        record = gguf_grid.grid_quantize(weight, scheme)
+        record = grid_search.grid_quantize(weight, scheme)
         return record.codes.float(), record.dequantize().float()
 
     assert float((again(w)[1] - w).abs().max()) <= 1e-6 * float(w.abs().max())
     stored = w.bfloat16().float()  # off the grid by bfloat16's rounding: rounded as close as the source grid is
     assert float((again(stored)[1] - stored).square().sum()) <= 1.15 * float((w - stored).square().sum())
-    monkeypatch.setattr(gguf_grid, "SUB_STEPS", ())
+    monkeypatch.setattr(grid_search, "SUB_STEPS", ())
     assert float((again(w)[1] - w).square().sum()) > 1e-6 * float(w.square().sum())
     assert float((again(stored)[1] - stored).square().sum()) > 2 * float((w - stored).square().sum())
 
 
-@pytest.mark.parametrize("type_name", GGUF_GRID_TYPES)
+@pytest.mark.parametrize("type_name", GRID_NAMES)
 def test_all_units_searched_at_once_give_the_parameters_of_the_search_unit_by_unit(type_name: str) -> None:
     """GridParams.fix_all searches every unit of every row as one problem; GPTQ's column loop calls
     fix unit by unit. Both give the same parameters, bit for bit, weighted or not."""
-    from compress.quantizers.gguf_grid import GridParams
+    from compress.quantizers.grid_search import GridParams
 
     w, h = weight_and_hessian(rows=16)
     scheme = QuantScheme(gguf_type=type_name)

@@ -18,8 +18,9 @@ FOLDERS = {"compress": "compress", "quantizers": "compress.quantizers", "pruning
 
 SCHEMA, CORE, METHODS, EVAL, APP = range(5)
 LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
-# Modules whose layer is not their folder's: the errors every layer raises sit with the schema; the
-# record type (QuantizedWeight) is a core type that lives beside the quantizers; the
+# Modules whose layer is not their folder's: the errors every layer raises sit with the schema, and so
+# does the torch-free table of block-type grids (the quantizers' own, which the recipe schema validates
+# `gguf_type` against); the record type (QuantizedWeight) is a core type that lives beside the quantizers; the
 # metric math and the Evaluation record are core, since every export's verifier and the repair loop
 # score on them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
 # the recipe loader validates against those tables, so both sit with the methods and exports, as does
@@ -28,6 +29,7 @@ LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
 # gate, the registry, search and the benchmarks drive whole runs and sit on top with the CLI.
 OVERRIDES = {
     "compress.errors": SCHEMA,
+    "compress.quantizers.grids": SCHEMA,
     "compress.plugins": METHODS,
     "compress.recipe": METHODS,
     "compress.artifact": METHODS,
@@ -144,6 +146,38 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
         < layer_of("compress.eval.latency")
     )
     assert layer_of("compress.eval.latency") < layer_of("compress.cli")
+
+
+# The one quantizer module that reads an export's layout: the llm-compressor backend runs an outside
+# library whose result is a compressed-tensors model, and reads it back with that format's own reader
+# (export/checkpoint/compressed_tensors.py), as the checkpoint import does. Any other is refused.
+READS_AN_EXPORT = {"compress.quantizers.llmcompressor_backend": {"compress.export.checkpoint.compressed_tensors", "compress.export.checkpoint.hf_checkpoint"}}  # fmt: skip
+
+
+def quantizer_imports_of_exports(known: dict[str, Path]) -> list[str]:
+    """Imports of an export module (compress.export.*) by a quantizer module (compress.quantizers.*):
+    the quantizers know grids, the exports map them to their files; what a method needs of a file (a
+    size budget's bytes) it asks the format's spec, handed to it by the caller."""
+    return [
+        f"{name} imports {target} at line {line}"
+        for name, path in known.items()
+        if name.startswith("compress.quantizers.")
+        for target, line in sorted(imports_of(name, path, known))
+        if (target == "compress.export" or target.startswith("compress.export.")) and target not in READS_AN_EXPORT.get(name, ())
+    ]
+
+
+def test_no_quantizer_imports_an_export() -> None:
+    found = quantizer_imports_of_exports(modules())
+    assert not found, "quantizers importing exports (ask the format's spec through the caller instead):\n" + "\n".join(found)
+
+
+def test_the_checker_sees_a_quantizer_importing_an_export(tmp_path: Path) -> None:
+    """The check above can fail: a made-up quantizer module that imports an export module inside a function is found."""
+    (tmp_path / "q.py").write_text("def f():\n    from compress.export.gguf.layout import plan_tensors\n")
+    (tmp_path / "layout.py").write_text("def plan_tensors():\n    pass\n")
+    known = {"compress.quantizers.q": tmp_path / "q.py", "compress.export.gguf.layout": tmp_path / "layout.py"}
+    assert quantizer_imports_of_exports(known) == ["compress.quantizers.q imports compress.export.gguf.layout at line 2"]
 
 
 def test_every_package_folder_is_installed() -> None:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from compress.errors import CompressError
-from compress.quantizers.mix import LayerChoice, _hull, allocate, candidate_types, tensor_bytes
+from compress.export.gguf.file import tensor_bytes
+from compress.quantizers.mix import LayerChoice, _hull, allocate, candidate_types
 from tests.conftest import texts_of
 from tests.helpers import recipe_text, run_cli, run_gguf_bench, write_recipe
 
@@ -36,12 +37,15 @@ def test_tensor_bytes_are_ggmls_block_sizes_padded_to_the_alignment() -> None:
 def test_the_fixed_part_counts_the_biases_of_the_quantized_layers() -> None:
     """Qwen2's q/k/v biases stay F32 beside their quantized weights: they count against the budget
     (missing them put a 1.5B file 0.001 bits/weight over its target)."""
-    from compress.quantizers.mix import fixed_bytes
+    from compress.export.gguf.spec import GGUF
+    from compress.schema.exports import GGUFExport
     from tests.tiny import prunable_model
 
     model = prunable_model("qwen2", layers=2)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    fixed, params = fixed_bytes(model, linears, "q8_0")
+    export = GGUFExport(format="gguf", float_type="q8_0", target={"bits_per_weight": 4.0})
+    layout = GGUF.file_layout(export, model, None, linears)
+    fixed, params = layout.fixed_bytes, layout.params
     state = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: token_embd serves both
     assert params == sum(t.numel() for t in state.values())
     biases = [n for n in state if n.endswith("_proj.bias")]
@@ -148,7 +152,7 @@ def test_the_estimate_ranks_layers_as_the_measured_kl_does(wide_model_dir: Path,
     ids = tok("\n".join(texts_of(text_dir)), return_tensors="pt").input_ids[0]
     tokens = ids[: 8 * 64].reshape(8, 64)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    choices = measure(model, linears, ["q2_k"], tokens, 4, torch.device("cpu"), 0, Reporter(quiet=True), "test")
+    choices = measure(model, linears, ["q2_k"], tokens, 4, torch.device("cpu"), 0, Reporter(quiet=True), "test", tensor_bytes)
     estimated = {c.name: c.options[0][2] for c in choices}
     with torch.no_grad():
         base = torch.log_softmax(model(tokens).logits.float(), -1)
@@ -213,7 +217,7 @@ def test_the_pass_on_a_streamed_model_gives_the_estimates_of_the_model_in_memory
 
     def estimates(model: torch.nn.Module) -> dict[str, list[float]]:
         linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-        choices = measure(model, linears, ["q2_k", "q4_k"], tokens, 2, torch.device("cpu"), 0, quiet, "test")
+        choices = measure(model, linears, ["q2_k", "q4_k"], tokens, 2, torch.device("cpu"), 0, quiet, "test", tensor_bytes)
         return {c.name: [o[2] for o in c.options] for c in choices}
 
     a, b = estimates(streamed), estimates(loaded)
@@ -240,7 +244,9 @@ def test_the_pass_on_every_kth_row_keeps_the_whole_weights_estimates_and_order(
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
 
     def estimates() -> dict[str, dict[str, float]]:
-        choices = mix.measure(model, linears, ["q2_k", "q4_k", "q8_0"], tokens, 2, torch.device("cpu"), 0, Reporter(quiet=True), "test")
+        choices = mix.measure(
+            model, linears, ["q2_k", "q4_k", "q8_0"], tokens, 2, torch.device("cpu"), 0, Reporter(quiet=True), "test", tensor_bytes
+        )
         return {c.name: {o[0]: o[2] for o in c.options} for c in choices}
 
     monkeypatch.setattr(mix, "SENSITIVITY_ROWS", 1 << 30)  # every row
@@ -273,12 +279,12 @@ def test_a_kept_sensitivity_is_measured_once_and_handed_out_as_copies(monkeypatc
         seed=0, device=torch.device("cpu"), tokenizer=None, reporter=Reporter(quiet=True), calibration=lambda: tokens, sensitivity=kept
     )
     selected = {"a": None, "b": None}
-    first = mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens, 8, ctx, "t")
+    first = mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens, 8, ctx, "t", tensor_bytes)
     mix.allocate(first, 40)
-    second = mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens, 8, ctx, "t")
+    second = mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens, 8, ctx, "t", tensor_bytes)
     assert len(calls) == 1 and [c.chosen for c in second] == [0, 0] and [c.chosen for c in first] == [1, 1]
     assert [c.options for c in second] == [c.options for c in first]
-    mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens[:1], 8, ctx, "t")  # other text: measured again
+    mix.sensitivities(None, selected, ["q4_k", "q6_k"], tokens[:1], 8, ctx, "t", tensor_bytes)  # other text: measured again
     mix.sensitivities(
         None,
         selected,
@@ -287,6 +293,7 @@ def test_a_kept_sensitivity_is_measured_once_and_handed_out_as_copies(monkeypatc
         8,
         RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=Reporter(quiet=True), calibration=lambda: tokens),
         "t",
+        tensor_bytes,
     )
     assert len(calls) == 3  # and without a kept dict, every time
 

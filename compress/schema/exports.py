@@ -29,8 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from compress.quantizers.grids import GRID_NAMES, normalize_type
 from compress.schema.base import Strict
-from compress.schema.gguf_types import GGUF_GRID_TYPES, normalize_type
 
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
@@ -80,7 +80,7 @@ class GPTQExport(_Export):
 
 
 GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
-GGUF_EXACT_TYPES = GGUF_GRID_TYPES  # blocks our records map into exactly (K-quants: records on their grid)
+GGUF_EXACT_TYPES = GRID_NAMES  # blocks our records map into exactly (K-quants: records on their grid)
 GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)
 # Types llama.cpp's quantizer also makes that were exported by it before our quantizers had their grids: without
 # `quantizer:` they stay llama.cpp's unless the records lie on the type's grid (GGUFExport.records_by_default).
@@ -111,7 +111,7 @@ GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
 
 MIX_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0")
 """The types a budget chooses from by default: the K-quant ladder and Q8_0 (each row width maps to
-the type or its fallback, compress/schema/gguf_types.py)."""
+the type or its fallback, quantizers/grids.py)."""
 
 
 class GGUFTarget(Strict):
@@ -147,9 +147,9 @@ class GGUFTarget(Strict):
     def _one_budget(self) -> GGUFTarget:
         if (self.bits_per_weight is None) == (self.size_mib is None):
             raise ValueError("give exactly one of bits_per_weight and size_mib")
-        unknown = [t for t in self.types if t not in GGUF_GRID_TYPES]
+        unknown = [t for t in self.types if t not in GRID_NAMES]
         if unknown:
-            raise ValueError(f"types: {', '.join(unknown)} is not a block type our quantizers make; expected {', '.join(GGUF_GRID_TYPES)}")
+            raise ValueError(f"types: {', '.join(unknown)} is not a block type our quantizers make; expected {', '.join(GRID_NAMES)}")
         return self
 
     def describe(self) -> str:

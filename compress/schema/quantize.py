@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from compress.quantizers.grids import GRID_NAMES, GRIDS, Grid, llama_cpp_spelling, normalize_type
 from compress.schema.base import StageConfig, Strict
-from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS, GGUFGrid, llama_cpp_spelling, normalize_type
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 
@@ -39,7 +39,7 @@ class QuantScheme(Strict):
     gguf_type: str | None = Field(
         default=None,
         description="Quantize on llama.cpp's own grid of this GGUF block type ("
-        + ", ".join(GGUF_GRID_TYPES)
+        + ", ".join(GRID_NAMES)
         + "; llama.cpp's spellings such as Q4_K accepted): its block or sub-block groups, fp16 minimum (q4_1, q5_1) "
         "and, for K-quants, the quantized sub-block scales under fp16 super-block scales, exactly as the GGUF export "
         "stores them. Fixes bits, group_size, symmetric and scale_dtype (leave them out). Rows whose width is not a "
@@ -57,9 +57,9 @@ class QuantScheme(Strict):
         if not isinstance(data, dict) or data.get("gguf_type") is None:
             return data
         name = normalize_type(data["gguf_type"])
-        if name not in GGUF_GRIDS:
-            raise ValueError(f"gguf_type '{data['gguf_type']}': expected one of {', '.join(GGUF_GRID_TYPES)} (any case)")
-        grid = GGUF_GRIDS[name]
+        if name not in GRIDS:
+            raise ValueError(f"gguf_type '{data['gguf_type']}': expected one of {', '.join(GRID_NAMES)} (any case)")
+        grid = GRIDS[name]
         fixed = {"bits": grid.bits, "group_size": grid.group, "symmetric": grid.symmetric, "scale_dtype": grid.scale_dtype}
         for key, value in fixed.items():
             if key in data and data[key] != value:
@@ -90,20 +90,20 @@ class QuantScheme(Strict):
         return math.ceil(in_features / self.group_width(in_features))
 
     @property
-    def gguf_grid(self) -> GGUFGrid | None:
-        """The llama.cpp block type whose grid the codes lie on, or None (our plain integer grid)."""
-        return None if self.gguf_type is None else GGUF_GRIDS[self.gguf_type]
+    def block_grid(self) -> Grid | None:
+        """The block-type grid (quantizers/grids.py) the codes lie on, or None (our plain integer grid)."""
+        return None if self.gguf_type is None else GRIDS[self.gguf_type]
 
     def for_width(self, in_features: int) -> QuantScheme:
         """The scheme a row of ``in_features`` weights is quantized with: this one, or, on a GGUF grid
         whose blocks do not divide the row, llama.cpp's fallback type's."""
-        grid = self.gguf_grid
+        grid = self.block_grid
         if grid is None or grid.for_width(in_features) is grid:
             return self
         return QuantScheme(gguf_type=grid.for_width(in_features).name)
 
     def describe(self) -> str:
-        if self.gguf_grid is not None:
+        if self.block_grid is not None:
             return f"{llama_cpp_spelling(self.gguf_type)} grid"
         group = "per-channel" if self.group_size is None else f"g{self.group_size}"
         return f"W{self.bits} {group} {'sym' if self.symmetric else 'asym'}"

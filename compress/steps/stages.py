@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from compress import streaming
-from compress.context import RunContext, Stage, StageRecord
+from compress.context import RunContext, SizeBudget, Stage, StageRecord
 from compress.distill.train import end_processes
 from compress.eval.baseline import RememberedRows
 from compress.export.parity import SAME_WEIGHTS_CHUNKS
 from compress.fsutil import remove_if_only_marked
-from compress.plugins import quant_method, stage_kind, stage_streams
+from compress.plugins import export_format, quant_method, stage_kind, stage_streams
 from compress.quantizers.core import RecordStore
 from compress.schema.recipe import Recipe
 from compress.steps.load import Run, Source, load_teacher, work_dir_for
@@ -51,6 +51,12 @@ def build_stages(recipe: Recipe) -> list[Stage]:
     return [stage_kind(spec.kind, f"stages[{i}]").build(spec.config, f"stages[{i}]") for i, spec in enumerate(recipe.stages)]
 
 
+def size_budget(recipe: Recipe) -> SizeBudget | None:
+    """The export with a size ``target`` and its format, for stages with ``gguf_target: true``; None without one."""
+    export = recipe.gguf_budget()
+    return None if export is None else SizeBudget(export, export_format(export.format))
+
+
 def apply(run: Run, source: Source) -> Staged | None:
     """Run the stages. Under ``accelerate launch`` every process runs them up to the last training
     stage (which trains in all of them); a process other than the main one then returns None."""
@@ -73,7 +79,7 @@ def apply(run: Run, source: Source) -> Staged | None:
         work_dir=work_dir_for(run.out_dir),
         load_teacher=lambda name: load_teacher(run, name),
         source_sha256=source.lm.facts.get("sha256"),
-        gguf_budget=recipe.gguf_budget(),
+        size_budget=size_budget(recipe),
         run_id=hashlib.sha256(f"{recipe.sha256()}|{source.lm.facts.get('sha256')}".encode()).hexdigest(),
     )
     if store is not None:  # a streamed model's records wait on disk too, not in memory

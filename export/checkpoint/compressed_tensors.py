@@ -338,7 +338,7 @@ def stored_scheme(scheme: QuantScheme, shape: tuple[int, int]) -> QuantScheme | 
     """The scheme a record of ``scheme`` and ``shape`` is stored with in pack-quantized exactly
     (itself, or its groups split into equal pieces), or None when pack-quantized cannot hold it
     (nor a GGUF grid's float minimum or K-quant scales: those records stay in the records file)."""
-    grid = scheme.gguf_grid
+    grid = scheme.block_grid
     if scheme.bits not in SUPPORTED_BITS or (grid is not None and (grid.float_min or grid.k_quant)):
         return None
     if grid is not None:  # Q4_0 / Q8_0: plain symmetric records, stored as such (the manifest keeps the grid's name)

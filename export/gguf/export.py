@@ -29,9 +29,9 @@ from compress.export.parity import (
 )
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.grids import GRIDS
 from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.exports import GGUFExport
-from compress.schema.gguf_types import GGUF_GRIDS
 from compress.streaming import compute_device
 
 GENERATION_PROMPT = "The quick brown fox"
@@ -42,7 +42,7 @@ def with_records_quantizer(spec: GGUFExport, records: dict[str, QuantizedWeight]
     makes (q2_k, q5_0, q5_1, q6_k) and every record lies on that type's grid (or its fallback's)."""
     if spec.quantizer != "llama.cpp" or not spec.records_by_default or not records:
         return spec
-    grid = GGUF_GRIDS[spec.type]
+    grid = GRIDS[spec.type]
     if all(r.scheme.gguf_type == grid.for_width(r.shape[1]).name for r in records.values()):
         return spec.model_copy(update={"quantizer": "records"})
     return spec

@@ -1,5 +1,5 @@
 """GGUF export for llama.cpp: the records packed into Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, and
-records quantized on a K-quant's own grid (``gguf_type``, quantizers/gguf_grid.py) into Q2_K … Q6_K
+records quantized on a K-quant's own grid (``gguf_type``, quantizers/grid_search.py) into Q2_K … Q6_K
 super-blocks, without re-quantizing; float tensors as F32 / F16 / BF16, and the tokenizer and
 hyperparameters llama.cpp needs. llama.cpp's own quantizer (its mixes, Q4_K_M …) makes files from
 our F16 file in ``runtime.py``; the verification in llama.cpp is in ``export.py``.
@@ -15,7 +15,7 @@ Block layouts (ggml, 32 weights a block, little-endian):
 * Q8_0 — fp16 ``d``, 32 int8; ``w = i · d``. A record with ``|q - z| ≤ 127`` everywhere (any
   record of at most 7 bits, or 8-bit symmetric) is exactly ``d = s``, ``i = q - z``.
 * Q5_0 / Q5_1 — as Q4_0 / Q4_1 with the fifth bit of the 32 codes in 4 bytes ``qh``.
-* K-quants (256 weights, compress/schema/gguf_types.py) hold only records on their own grid, which
+* K-quants (256 weights, quantizers/grids.py) hold only records on their own grid, which
   carry the stored fp16 ``d`` / ``dmin`` and integer sub-block scales (``record.super_blocks``);
   the packers below only lay those values and the codes out in llama.cpp's byte order. A row whose
   width is not a multiple of 256 gets llama.cpp's fallback type (the quantizer already used its grid).
@@ -42,11 +42,12 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
+from compress.export.format import FileLayout
 from compress.export.parity import turn_end_id
 from compress.quantizers.arch import ARCHITECTURES as QUANT_ARCHITECTURES
 from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.grids import GRIDS, SUPER_BLOCK
 from compress.schema.exports import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
-from compress.schema.gguf_types import GGUF_GRIDS, QK_K
 from compress.streaming import tensors
 
 BLOCK = 32
@@ -219,19 +220,19 @@ def pack_q5_1(record: QuantizedWeight) -> np.ndarray:
     return out.reshape(codes.shape[0], -1)
 
 
-# ---- K-quants: super-blocks of QK_K weights; arrays below are [rows, super-blocks, ...]
+# ---- K-quants: super-blocks of SUPER_BLOCK weights; arrays below are [rows, super-blocks, ...]
 
 
 def _k_params(record: QuantizedWeight, type_name: str) -> tuple[np.ndarray, ...]:
     """codes [rows, n, 256] uint8, d and dmin [rows, n] fp16 bytes' values, sub-block scales and mins [rows, n, subs] int."""
-    grid = GGUF_GRIDS[type_name]
+    grid = GRIDS[type_name]
     if record.scheme.gguf_type != type_name or record.super_blocks is None:
         raise FormatError(f"{type_name.upper()} blocks hold records on the {type_name.upper()} grid, not {record.scheme.describe()}")
     rows, in_f = record.shape
-    n = in_f // QK_K
+    n = in_f // SUPER_BLOCK
     sb = record.super_blocks
-    codes = record.codes.cpu().numpy().reshape(rows, n, QK_K)
-    subs = QK_K // grid.group
+    codes = record.codes.cpu().numpy().reshape(rows, n, SUPER_BLOCK)
+    subs = SUPER_BLOCK // grid.group
     scales = sb.scales.cpu().numpy().astype(np.int16).reshape(rows, n, subs)
     mins = sb.mins.cpu().numpy().astype(np.int16).reshape(rows, n, subs)
     return codes, sb.d.cpu().numpy(), sb.dmin.cpu().numpy(), scales, mins
@@ -338,7 +339,7 @@ def record_problem(record: QuantizedWeight, type_name: str) -> str | None:
     """Why ``record`` cannot become ``type_name`` blocks exactly, or None when it can."""
     s, (_, in_f) = record.scheme, record.shape
     width = s.group_width(in_f)
-    grid = GGUF_GRIDS[type_name]
+    grid = GRIDS[type_name]
     if grid.k_quant or not record.plain:  # only records on this very grid
         if s.gguf_type != type_name:
             return f"{s.describe()} records are not on the {type_name.upper()} grid (quantize with gguf_type: {type_name})"
@@ -399,7 +400,7 @@ def _float_piece(weight: torch.Tensor, type_name: str) -> np.ndarray:
 class TensorPlan:
     hf_name: str
     gguf_name: str
-    type_name: str  # f32 | f16 | bf16 | a block type of GGUF_GRIDS
+    type_name: str  # f32 | f16 | bf16 | a block type of GRIDS
     source: str  # "record" (exact), "requantized" (fallback from a record), "float"
     permute_heads: int | None = None  # Q/K row permutation with this many heads
     shape: tuple[int, ...] = ()  # the tensor's shape (rows, columns) as the state dict holds it
@@ -480,7 +481,7 @@ def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
         return "f16"
     grids = {r.scheme.gguf_type for r in records.values()}
     for name in grids - {None}:  # records on a type's grid (and its fallbacks'): that type
-        if grids <= set(GGUF_GRIDS[name].family):
+        if grids <= set(GRIDS[name].family):
             return name
     if None not in grids:  # every record on a grid of its own choosing (a size budget's mix): each its own type
         return MIX
@@ -552,8 +553,8 @@ def plan_tensors(
             record = records[module]
             own = record.scheme.gguf_type if type_name == MIX else own_head_type(module, record)
             tensor_type = type_name if own is None or type_name in GGUF_FLOAT_TYPES else own
-            if tensor_type == type_name and type_name in GGUF_GRIDS and GGUF_GRIDS[type_name].for_width(record.shape[1]).name != type_name:
-                grid = GGUF_GRIDS[type_name]
+            if tensor_type == type_name and type_name in GRIDS and GRIDS[type_name].for_width(record.shape[1]).name != type_name:
+                grid = GRIDS[type_name]
                 tensor_type = grid.for_width(record.shape[1]).name
                 plan.type_fallbacks[module] = (
                     f"rows of {record.shape[1]} are not a multiple of {grid.block_weights}: {tensor_type.upper()}, "
@@ -978,6 +979,34 @@ def write_metadata_only(path: Path, model: nn.Module, tokenizer: Any, pre_tokeni
     writer, _ = _write_header(path, model, tokenizer, plan, "q8_0", pre_tokenizer, None, None)
     writer.close()
     return path.stat().st_size
+
+
+ALIGNMENT = 32  # GGUF pads every tensor's data to this many bytes (gguf-py's default)
+
+
+def tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
+    """Bytes of one tensor of ``shape`` stored as ``type_name`` in a GGUF file, with its padding."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[_ggml_type(type_name)]
+    n = math.prod(shape)
+    return -(-(n // block * size) // ALIGNMENT) * ALIGNMENT
+
+
+def file_layout(spec: Any, model: nn.Module, tokenizer: Any, quantized: set[str]) -> FileLayout:
+    """What a GGUF file of ``model`` holds besides the Linears in ``quantized`` (a size budget's
+    choice): the tensors no quantize stage touches (embeddings, norms, a float head, in the types
+    ``plan_tensors`` gives them), every tensor's parameters and the bytes before the tensor data."""
+    plan = plan_tensors(model, {}, "q8_0", spec.float_type, None)
+    weights = {f"{name}.weight" for name in quantized}  # a quantized Linear's bias stays F32 in the file
+    fixed = sum(tensor_bytes(t.type_name, t.shape) for t in plan.tensors if t.hf_name not in weights)
+    params = sum(math.prod(t.shape) for t in plan.tensors)
+
+    def metadata_bytes() -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            return write_metadata_only(Path(tmp) / "meta.gguf", model, tokenizer)
+
+    return FileLayout(tensor_bytes, fixed, params, metadata_bytes)
 
 
 def tensor_totals(path: Path) -> tuple[int, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from compress.export.format import PlannedSize
-from compress.schema.gguf_types import GGUF_GRIDS
+from compress.quantizers.grids import GRIDS
 from compress.sizes import ModelShape, Record, packed_bytes, uniform_bytes
 
 # llama.cpp's bits per weight: exact block sizes, and its published averages for the K-quant mixes.
@@ -50,7 +50,7 @@ def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
         )
     kind = _gguf_type(spec.type, records)
     float_type = spec.float_type or ("q8_0" if kind.startswith("q") else kind)
-    bits = GGUF_GRIDS[kind].bits_per_weight if kind in GGUF_GRIDS else GGUF_BITS[kind]  # one block type, not a mix
+    bits = GRIDS[kind].bits_per_weight if kind in GRIDS else GGUF_BITS[kind]  # one block type, not a mix
     size = packed_bytes(shape, records, GGUF_BITS[float_type], code_bits=bits, scale_bits=0, zero_bits=0)
     return (
         size,

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.export.format import ExportFormat, FileLayout, PlannedSize, Runner
 from compress.export.gguf.names import GGUF_FILE
+from compress.quantizers.grids import llama_cpp_spelling
 from compress.schema.exports import GGUFExport
-from compress.schema.gguf_types import llama_cpp_spelling
 
 SUFFIX = ".gguf"
 
@@ -91,6 +91,11 @@ class GGUFFormat(ExportFormat):
         if spec.quantizer == "llama.cpp":  # our F16 file is what llama.cpp's quantizer reads
             return size_bytes + logits + 2 * shape.params, basis + ", and the F16 file its quantizer reads"
         return size_bytes + logits, basis
+
+    def file_layout(self, spec: Any, model: Any, tokenizer: Any, quantized: set[str]) -> FileLayout:
+        from compress.export.gguf.file import file_layout
+
+        return file_layout(spec, model, tokenizer, quantized)
 
     def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.export.gguf.plan import planned_size

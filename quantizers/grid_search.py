@@ -34,7 +34,7 @@ from compress.schema.quantize import QuantScheme
 
 def unit_width(scheme: QuantScheme, in_features: int) -> int:
     """Columns whose parameters are fixed together (a K-quant super-block, else a group)."""
-    grid = scheme.gguf_grid
+    grid = scheme.block_grid
     return grid.block_weights if grid is not None and grid.k_quant else scheme.group_width(in_features)
 
 
@@ -143,7 +143,7 @@ class GridParams:
 
     def __init__(self, out_f: int, in_f: int, scheme: QuantScheme, device: torch.device, search: bool = True) -> None:
         self.scheme, self.in_f, self.search = scheme, in_f, search
-        self.grid = scheme.gguf_grid
+        self.grid = scheme.block_grid
         self.unit = unit_width(scheme, in_f)
         self.per_unit = self.unit // scheme.group_width(in_f) if self.grid is not None and self.grid.k_quant else 1
         n = scheme.n_groups(in_f)
