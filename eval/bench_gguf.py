@@ -25,9 +25,11 @@ from compress.documents import library_versions
 from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
 from compress.eval.reports import equal_bytes_pairs, pairs_table
-from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
+from compress.export.gguf.check import check_gguf_records, stored_type_counts, stored_types, tensor_totals
+from compress.export.gguf.inputs import is_gguf_file
 from compress.export.gguf.tools import llama_imatrix, llama_quantize
+from compress.export.gguf.writer import write_gguf
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
 from compress.quantizers.grids import GRIDS, normalize_type
@@ -161,11 +163,9 @@ def run_gguf_bench(
     files = out_dir / "files"
     files.mkdir(parents=True, exist_ok=True)
     f16 = files / "f16.gguf"
-    tokenizer_from = (
-        lm.source_path if gguf_writer.is_gguf_file(lm.source_path) else None
-    )  # a GGUF source's own tokenizer, as the export does
+    tokenizer_from = lm.source_path if is_gguf_file(lm.source_path) else None  # a GGUF source's own tokenizer, as the export does
     with reporter.status("writing the F16 reference GGUF"):
-        gguf_writer.write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
+        write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
     reference = gguf_runtime.LlamaCppModel(f16, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
     prompt = evaluation.tokens[0, :64].tolist()
     result: dict[str, Any] = {
@@ -228,17 +228,17 @@ def run_gguf_bench(
                 )
                 if budget is not None:  # the seconds of a later budget leave out the measurement it reused
                     row["sensitivity_reused"] = len(sensitivity) == measured  # no new measurement was kept
-                facts = gguf_writer.write_gguf(
+                facts = write_gguf(
                     path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type, tokenizer_from=tokenizer_from
                 )
-                problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
+                problems = check_gguf_records(path, facts["plan"], records)
                 if problems:
                     raise RuntimeError(f"{cand.name}: GGUF read-back differs from the records: {problems[:3]}")
                 exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
                 del model
             metrics, speed = score(path, cand.name)
             result["reference"]["metrics"] = metrics["baseline"]
-            tensor_bytes, params = gguf_writer.tensor_totals(path)
+            tensor_bytes, params = tensor_totals(path)
             if budget is not None and 8 * tensor_bytes / params > budget.target.bits_per_weight:
                 raise RuntimeError(
                     f"{cand.name}: {8 * tensor_bytes / params:.4f} bits/weight, over its budget of {budget.target.bits_per_weight:.4f}"
@@ -259,7 +259,7 @@ def run_gguf_bench(
             if budget is not None and same_mix:  # llama.cpp's quantizer on our choice of types: the speed reference
                 mine = result["rows"][-1]
                 theirs = files / f"same-mix.{path.name}"
-                found = gguf_writer.stored_types(path)
+                found = stored_types(path)
                 types = {n: k for n, k in found.items() if k in GRIDS and n not in (EMBEDDING, OUTPUT)}
                 main = Counter(types.values()).most_common(1)[0][0]
                 name = f"llama.cpp at the type mix of {cand.name}"
@@ -271,7 +271,7 @@ def run_gguf_bench(
                 other, other_speed = score(theirs, name)
                 same = {"name": name, "source": LLAMA_CPP_SAME_MIX, "setting": None, "type": "mix", "quantize_seconds": None}
                 result["rows"].append({**same, "records_exact": 0, **file_facts(theirs, other[name], other_speed)})
-                result["rows"][-1]["same_tensor_types"] = gguf_writer.stored_types(theirs) == found
+                result["rows"][-1]["same_tensor_types"] = stored_types(theirs) == found
                 if not result["rows"][-1]["same_tensor_types"]:
                     reporter.warn(f"{name}: llama.cpp did not write every tensor in our type (same_tensor_types: false)")
                 mine["decode_vs_same_mix"] = round(speed / other_speed, 3)
@@ -313,10 +313,10 @@ def gguf_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def file_facts(path: Path, metrics: dict[str, Any], speed: float) -> dict[str, Any]:
     """A benchmark row's facts of its file: size, bits per weight, tensor types, metrics, decode speed."""
-    tensor_bytes, params = gguf_writer.tensor_totals(path)
+    tensor_bytes, params = tensor_totals(path)
     return {
         "bits_per_weight": round(8 * tensor_bytes / params, 4),
-        "tensor_types": gguf_writer.stored_type_counts(path),
+        "tensor_types": stored_type_counts(path),
         "size_bytes": path.stat().st_size,
         "decode_tokens_per_s": round(speed, 1),
         "metrics": metrics,
@@ -333,7 +333,7 @@ def budget_bits(budget: str, f16: Path, files: Path, threads: int, embedding_typ
     like = files / f"budget.{budget}.gguf"
     gguf_runtime.quantize(f16, like, budget, threads, token_embedding_type=embedding_type)
     try:
-        tensor_bytes, params = gguf_writer.tensor_totals(like)
+        tensor_bytes, params = tensor_totals(like)
     finally:
         like.unlink()
     return 8 * tensor_bytes / params

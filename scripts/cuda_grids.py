@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from compress.export.gguf import file as G  # noqa: E402
+from compress.export.gguf.blocks import PACKERS  # noqa: E402
 from compress.quantizers.gptq import gptq_quantize  # noqa: E402
 from compress.quantizers.grid_search import grid_quantize  # noqa: E402
 from compress.quantizers.grids import GRID_NAMES  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> None:
                 found[device] = (record, seconds, float(err.trace() if method == "gptq" else err.sum()))
             cuda_record = found["cuda"][0]
             cpu_record = type(cuda_record).from_tensors({k: v.cpu() for k, v in cuda_record.tensors("r").items()}, "r", cuda_record.scheme)
-            blocks = G.PACKERS[type_name](cpu_record)
+            blocks = PACKERS[type_name](cpu_record)
             got = quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name.upper()]).reshape(cpu_record.shape)
             exact = bool(np.array_equal(got, cpu_record.dequantize().numpy()))
             failed |= not exact

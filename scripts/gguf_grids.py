@@ -28,8 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 from compress.eval.bench_gguf import Candidate  # noqa: E402
 from compress.eval.bench_quant import load_bench_inputs, quantize_copy  # noqa: E402
-from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
+from compress.export.gguf.check import check_gguf_records, stored_type_counts  # noqa: E402
+from compress.export.gguf.inputs import is_gguf_file  # noqa: E402
+from compress.export.gguf.layout import resolve_type  # noqa: E402
+from compress.export.gguf.writer import write_gguf  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.schema.recipe import DataSpec  # noqa: E402
 
@@ -57,10 +60,10 @@ def make(args: argparse.Namespace, reporter: Reporter) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cand = Candidate.parse(args.candidate)
     lm, calibration, _, _ = load_bench_inputs(args.model, data_spec(args.cal, "1x64"), args.threads, reporter)
-    tokenizer_from = lm.source_path if gguf_writer.is_gguf_file(lm.source_path) else None
+    tokenizer_from = lm.source_path if is_gguf_file(lm.source_path) else None
     f16 = out / "f16.gguf"
     if not f16.is_file():
-        gguf_writer.write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
+        write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
     path = out / file_name(cand)
     facts: dict = {"candidate": cand.name, "cal": args.cal}
     started = time.perf_counter()
@@ -68,9 +71,9 @@ def make(args: argparse.Namespace, reporter: Reporter) -> None:
         gguf_runtime.quantize(f16, path, cand.type_name, args.threads, token_embedding_type=EMBEDDING, pure=cand.source == "llama.cpp-pure")
     else:
         model, records, _ = quantize_copy(lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type)
-        type_name = gguf_writer.resolve_type("auto", records)
-        written = gguf_writer.write_gguf(path, model, lm.tokenizer, records, type_name, float_type=EMBEDDING, tokenizer_from=tokenizer_from)
-        problems = gguf_writer.check_gguf_records(path, written["plan"], records)
+        type_name = resolve_type("auto", records)
+        written = write_gguf(path, model, lm.tokenizer, records, type_name, float_type=EMBEDDING, tokenizer_from=tokenizer_from)
+        problems = check_gguf_records(path, written["plan"], records)
         if problems:
             raise SystemExit(f"{cand.name}: the file does not read back as the records: {problems[:3]}")
         facts["records_exact"] = sum(1 for t in written["plan"].tensors if t.source == "record")
@@ -102,7 +105,7 @@ def score(args: argparse.Namespace, reporter: Reporter) -> None:
             **json.loads((out / (name + ".json")).read_text()),
             "file": name,
             "size_bytes": path.stat().st_size,
-            "tensor_types": gguf_writer.stored_type_counts(path),
+            "tensor_types": stored_type_counts(path),
             "eval": args.eval,
             "metrics": metrics[name],
             "reference": metrics["baseline"],

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compress import assets  # noqa: E402
-from compress.export.gguf.file import stored_types  # noqa: E402
+from compress.export.gguf.check import stored_types  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 
 

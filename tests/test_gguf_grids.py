@@ -17,8 +17,11 @@ from transformers import AutoTokenizer
 
 from compress.context import RunContext
 from compress.errors import FormatError
-from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
+from compress.export.gguf.blocks import PACKERS, ggml_type
+from compress.export.gguf.check import check_gguf_records
+from compress.export.gguf.layout import permute_rows, resolve_type
+from compress.export.gguf.writer import write_gguf
 from compress.paths import usable_cpus
 from compress.progress import Reporter
 from compress.quantizers.core import refuse_gguf_grids
@@ -63,7 +66,7 @@ def test_records_on_each_grid_pack_into_blocks_that_gguf_reads_back_bit_exactly(
     else:
         record = gptq_quantize(w, h, scheme, act_order=method == "gptq")[0]
     assert record.scheme.gguf_type == type_name
-    blocks = G.PACKERS[type_name](record)
+    blocks = PACKERS[type_name](record)
     grid = GRIDS[type_name]
     assert blocks.shape == (8, 512 // grid.block_weights * grid.block_bytes)
     got = quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name.upper()]).reshape(record.shape)
@@ -77,7 +80,7 @@ def test_each_grids_encoding_takes_the_bytes_of_its_ggml_type(type_name: str) ->
     """A grid's block size and parameter encoding (quantizers/grids.py) give the block bytes of the
     ggml type the GGUF export maps it to, as gguf-py lists them."""
     grid = GRIDS[type_name]
-    assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]] == (grid.block_weights, grid.block_bytes)
+    assert gguf.GGML_QUANT_SIZES[ggml_type(type_name)] == (grid.block_weights, grid.block_bytes)
 
 
 @pytest.mark.parametrize("type_name", ["q4_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
@@ -110,9 +113,9 @@ def test_gguf_file_of_grid_records_reads_back_bit_exactly(tmp_path: Path, tokeni
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
     records = rtn_records(model, type_name)
     path = tmp_path / "m.gguf"
-    assert G.resolve_type("auto", records) == type_name
-    facts = G.write_gguf(path, model, tokenizer, records, type_name, float_type="f32")
-    assert G.check_gguf_records(path, facts["plan"], records) == []
+    assert resolve_type("auto", records) == type_name
+    facts = write_gguf(path, model, tokenizer, records, type_name, float_type="f32")
+    assert check_gguf_records(path, facts["plan"], records) == []
     assert facts["tensor_types"] == {f"{type_name} (record)": 14, "f32 (float)": 6}
     assert facts["type_fallbacks"] == {}
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
@@ -126,7 +129,7 @@ def test_gguf_file_of_grid_records_reads_back_bit_exactly(tmp_path: Path, tokeni
         got = torch.from_numpy(quants.dequantize(np.asarray(data.data), data.tensor_type).reshape(record.shape).copy())
         kind = module.rsplit(".", 1)[1]
         if kind in heads:  # llama.cpp's rotary row order; undo it to compare with the record
-            got = got[torch.argsort(G.permute_rows(torch.arange(record.shape[0]), heads[kind]))]
+            got = got[torch.argsort(permute_rows(torch.arange(record.shape[0]), heads[kind]))]
         assert torch.equal(got, record.dequantize()), module
 
 
@@ -138,8 +141,8 @@ def test_rows_k_quant_blocks_do_not_divide_get_llama_cpps_fallback_type(tmp_path
     assert {r.scheme.gguf_type for n, r in records.items() if n.endswith("down_proj")} == {type_name}
     assert {r.scheme.gguf_type for n, r in records.items() if not n.endswith("down_proj")} == {fallback}
     path = tmp_path / "m.gguf"
-    facts = G.write_gguf(path, model, tokenizer, records, G.resolve_type("auto", records), float_type="f32")
-    assert G.check_gguf_records(path, facts["plan"], records) == []
+    facts = write_gguf(path, model, tokenizer, records, resolve_type("auto", records), float_type="f32")
+    assert check_gguf_records(path, facts["plan"], records) == []
     assert facts["tensor_types"][f"{type_name} (record)"] == 2 and facts["tensor_types"][f"{fallback} (record)"] == 12
     assert len(facts["type_fallbacks"]) == 12 and all(fallback.upper() in why for why in facts["type_fallbacks"].values())
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
@@ -150,7 +153,7 @@ def test_k_quant_export_refuses_records_on_another_grid(tmp_path: Path, tokenize
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
     records = rtn_records(model, "q4_1")
     with pytest.raises(FormatError, match="not on the Q4_K grid"):
-        G.write_gguf(tmp_path / "m.gguf", model, tokenizer, records, "q4_k")
+        write_gguf(tmp_path / "m.gguf", model, tokenizer, records, "q4_k")
 
 
 def test_other_formats_refuse_records_only_gguf_can_hold() -> None:
@@ -181,7 +184,7 @@ def test_llama_cpp_runs_our_grid_records_like_our_model(tmp_path: Path, tiny_mod
                 p.mul_(8)
     records = rtn_records(model, type_name)  # installs the dequantized records in the model
     path = tmp_path / "m.gguf"
-    G.write_gguf(path, model, tok, records, type_name)
+    write_gguf(path, model, tok, records, type_name)
     runtime = gguf_runtime.LlamaCppModel(path, n_ctx=64, threads=usable_cpus())
     try:
         ids = torch.randint(0, len(tok), (2, 48), generator=torch.Generator().manual_seed(0))
@@ -244,7 +247,7 @@ def test_llama_cpp_pure_quantizer_makes_one_k_quant_type_and_the_bench_names_bot
 
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
     f16 = tmp_path / "f16.gguf"
-    G.write_gguf(f16, model, tokenizer, {}, "f16")
+    write_gguf(f16, model, tokenizer, {}, "f16")
     out = tmp_path / "q4k.gguf"
     gguf_runtime.quantize(f16, out, "q4_k", threads=usable_cpus(), token_embedding_type="q8_0", pure=True)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors if t.name.startswith("blk.") and "norm" not in t.name}
@@ -303,13 +306,13 @@ def test_pipeline_gptq_on_the_q4_k_grid_exports_an_exact_gguf_with_its_fallbacks
 
 @pytest.mark.parametrize("type_name", ["f32", "f16", "bf16", "q8_0"])
 def test_float_tensors_convert_a_piece_of_rows_at_a_time_to_the_same_bytes(monkeypatch: pytest.MonkeyPatch, type_name: str) -> None:
-    from compress.export.gguf import file as gguf_file
+    from compress.export.gguf import blocks as gguf_blocks
 
     w = torch.randn(100, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    monkeypatch.setattr(gguf_file, "FLOAT_ROWS", 1000)
-    whole = gguf_file.float_bytes(w, type_name)
-    monkeypatch.setattr(gguf_file, "FLOAT_ROWS", 16)  # 7 pieces, the last one short
-    pieces = gguf_file.float_bytes(w, type_name)
+    monkeypatch.setattr(gguf_blocks, "FLOAT_ROWS", 1000)
+    whole = gguf_blocks.float_bytes(w, type_name)
+    monkeypatch.setattr(gguf_blocks, "FLOAT_ROWS", 16)  # 7 pieces, the last one short
+    pieces = gguf_blocks.float_bytes(w, type_name)
     assert pieces.shape == whole.shape and pieces.dtype == whole.dtype
     assert np.array_equal(pieces.view(np.uint8), whole.view(np.uint8))
     if type_name == "q8_0":

@@ -406,7 +406,7 @@ def _copy_gguf(source: Path, target: Path, keep, values: dict | None = None) -> 
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compress.export.gguf.file import write_gguf
+    from compress.export.gguf.writer import write_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf(path, AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir), {}, "f32")

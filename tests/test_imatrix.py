@@ -115,8 +115,8 @@ def test_llama_cpps_own_quantizer_loads_our_importance_matrix(tmp_path: Path, ti
 
     from transformers import AutoTokenizer
 
-    from compress.export.gguf import file as G
     from compress.export.gguf.tools import llama_tool
+    from compress.export.gguf.writer import write_gguf
 
     quantize = llama_tool("llama-quantize")
     if quantize is None:
@@ -124,7 +124,7 @@ def test_llama_cpps_own_quantizer_loads_our_importance_matrix(tmp_path: Path, ti
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512).eval()
     f16 = tmp_path / "f16.gguf"
-    G.write_gguf(f16, model, tokenizer, {}, "f16")
+    write_gguf(f16, model, tokenizer, {}, "f16")
     tokens = torch.randint(0, len(tokenizer), (4, 64), generator=torch.Generator().manual_seed(0))
     ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: tokens)
     GPTQStage(GPTQConfig(bits=4, group_size=32), "stages[0]").apply(model, ctx)

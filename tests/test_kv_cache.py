@@ -354,8 +354,8 @@ def test_llama_cpp_measures_the_cache_types_the_gguf_names(tmp_path: Path, text_
     logits more than q8_0, both more than nothing; a head size llama.cpp cannot block is reported."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compress.export.gguf import file as G
     from compress.export.gguf.export import verify_kv_cache
+    from compress.export.gguf.writer import write_gguf
     from compress.export.parity import VerifyInputs
     from compress.progress import Reporter
     from tests.tiny import tiny_llama_dir
@@ -366,7 +366,7 @@ def test_llama_cpp_measures_the_cache_types_the_gguf_names(tmp_path: Path, text_
         d = tiny_llama_dir(tmp_path / f"h{hidden}", texts, hidden=hidden)
         tok = AutoTokenizer.from_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d).eval()
-        G.write_gguf(d / "m.gguf", model, tok, {}, "f16")
+        write_gguf(d / "m.gguf", model, tok, {}, "f16")
         chunks = torch.randint(0, len(tok), (2, 96), generator=torch.Generator().manual_seed(0))
         inputs = VerifyInputs(torch_forward(model, torch.device("cpu")), model, torch_forward(model, torch.device("cpu")), chunks, 8, 2)
         for cache_type in ("q8_0", "q4_0"):

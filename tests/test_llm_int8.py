@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from compress.context import RunContext
-from compress.export.gguf.file import pack_q8_0, q8_0_exact, record_problem
+from compress.export.gguf.blocks import pack_q8_0, q8_0_exact, record_problem
 from compress.progress import Reporter
 from compress.quantizers.llm_int8 import (
     LLMInt8Linear,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compress.errors import CompressError
-from compress.export.gguf.file import tensor_bytes
+from compress.export.gguf.layout import tensor_bytes
 from compress.quantizers.mix import LayerChoice, _hull, allocate, candidate_types
 from tests.conftest import texts_of
 from tests.helpers import recipe_text, run_cli, run_gguf_bench, write_recipe

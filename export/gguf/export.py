@@ -16,9 +16,13 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, tables_forward
-from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
-from compress.export.gguf.names import GGUF_FILE
+from compress.export.gguf.check import check_gguf_records, stored_type_counts, stored_types, tensor_totals
+from compress.export.gguf.inputs import is_gguf_file
+from compress.export.gguf.layout import HEAD_RECORD, architecture_of, plan_tensors, resolve_type
+from compress.export.gguf.metadata import tokenizer_metadata
+from compress.export.gguf.spec import GGUF_FILE
+from compress.export.gguf.writer import write_gguf
 from compress.export.parity import (
     SAME_WEIGHTS_CHUNKS,
     VerifyInputs,
@@ -51,11 +55,9 @@ def with_records_quantizer(spec: GGUFExport, records: dict[str, QuantizedWeight]
 def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation) on an export that cannot be made."""
     spec = with_records_quantizer(spec, records)
-    gguf_writer.architecture_of(model)
+    architecture_of(model)
     if spec.quantizer == "records":
-        gguf_writer.plan_tensors(
-            model, records, gguf_writer.resolve_type(spec.type, records), spec.float_type, spec.fallback, not spec.keep_float
-        )
+        plan_tensors(model, records, resolve_type(spec.type, records), spec.float_type, spec.fallback, not spec.keep_float)
     if spec.verify:
         gguf_runtime.llama_cpp()
         if not has_eval:
@@ -83,11 +85,11 @@ def export(
     kv_hint = kv_cache_hint(kv)
     metadata = {f"kv_cache.{k}": v for k, v in kv_hint.items()} if kv_hint else None
     path = directory / GGUF_FILE
-    source_gguf = inputs.source if gguf_writer.is_gguf_file(inputs.source) else None  # its tokenizer is the truth
+    source_gguf = inputs.source if is_gguf_file(inputs.source) else None  # its tokenizer is the truth
     with reporter.status(f"{label} writing GGUF ({spec.type}, quantizer {spec.quantizer})"):
         if spec.quantizer == "records":
-            type_name = gguf_writer.resolve_type(spec.type, records)
-            facts = gguf_writer.write_gguf(
+            type_name = resolve_type(spec.type, records)
+            facts = write_gguf(
                 path,
                 model,
                 tokenizer,
@@ -100,7 +102,7 @@ def export(
                 source_gguf,
                 share_head=not spec.keep_float,
             )
-            problems = gguf_writer.check_gguf_records(path, facts["plan"], records)
+            problems = check_gguf_records(path, facts["plan"], records)
             if problems:
                 raise FormatError(f"{label}: reading the GGUF back does not give the records: {'; '.join(problems[:5])}")
             exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
@@ -109,10 +111,10 @@ def export(
             type_name, shared = spec.type, None
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 f16 = Path(tmp) / "f16.gguf"
-                facts = gguf_writer.write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata, source_gguf)
+                facts = write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata, source_gguf)
                 gguf_runtime.quantize(f16, path, spec.type, inputs.threads, token_embedding_type=spec.float_type)
             exact = 0
-            facts["tensor_types"] = gguf_writer.stored_type_counts(path)  # what llama.cpp chose, not our F16 input
+            facts["tensor_types"] = stored_type_counts(path)  # what llama.cpp chose, not our F16 input
     facts.pop("plan")
     entry: dict[str, Any] = {
         "name": spec.name,
@@ -125,7 +127,7 @@ def export(
         "fallbacks": facts["fallbacks"],
         "type_fallbacks": facts["type_fallbacks"],
         "tensor_types": facts["tensor_types"],
-        "tensor_type_of": gguf_writer.stored_types(path),  # every tensor, as llama.cpp will read it
+        "tensor_type_of": stored_types(path),  # every tensor, as llama.cpp will read it
         "tokenizer": facts["tokenizer"],
         "architecture": facts["architecture"],
         "size_bytes": path.stat().st_size,
@@ -143,7 +145,7 @@ def export(
     evaluations: list[Evaluation] = []
     if spec.verify:
         # a shared table: the file's embeddings are the head's record, the in-memory model's are float
-        embedding = records[gguf_writer.HEAD_RECORD].dequantize() if shared is not None else None
+        embedding = records[HEAD_RECORD].dequantize() if shared is not None else None
         evaluation = verify(
             path,
             spec,
@@ -168,7 +170,7 @@ def check_target(path: Path, spec: GGUFExport, label: str) -> dict[str, Any]:
     bytes x 8 / parameters, as llama.cpp reports them) and file size; over the budget is an error."""
     target = spec.target
     assert target is not None
-    tensor_bytes, params = gguf_writer.tensor_totals(path)
+    tensor_bytes, params = tensor_totals(path)
     size = path.stat().st_size
     reached = {
         "requested": target.model_dump(mode="json", exclude={"types", "samples"}),
@@ -247,7 +249,7 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: list[str], source_gguf: P
                 mismatches = compare_tokenizers(ours.tokenize, truth.tokenize, texts, ("export", "source"), truth.token_text)
             finally:
                 truth.close()
-            want, got = gguf_writer.tokenizer_metadata(source_gguf), gguf_writer.tokenizer_metadata(path)
+            want, got = tokenizer_metadata(source_gguf), tokenizer_metadata(path)
             differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
             if differ:
                 raise FormatError(

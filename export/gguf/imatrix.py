@@ -40,7 +40,7 @@ def write_imatrix(
     ``not_written``; when that is all of them, no file is written."""
     import gguf
 
-    from compress.export.gguf.file import architecture_of, tensor_names
+    from compress.export.gguf.layout import architecture_of, tensor_names
 
     names = tensor_names(model)
     entries: dict[str, tuple[np.ndarray, int]] = {}
@@ -109,8 +109,8 @@ def read_imatrix(path: Path) -> tuple[dict[str, tuple[np.ndarray, float]], dict[
         field = reader.fields.get(key)
         return None if field is None else field.contents()
 
-    if value("general.type") != gguf.GGUFType.IMATRIX:
-        raise FormatError(f"{path}: general.type is {value('general.type')!r}, not an importance matrix")
+    if value(gguf.Keys.General.TYPE) != gguf.GGUFType.IMATRIX:
+        raise FormatError(f"{path}: general.type is {value(gguf.Keys.General.TYPE)!r}, not an importance matrix")
     tensors = {t.name: np.array(t.data) for t in reader.tensors}
     out: dict[str, tuple[np.ndarray, float]] = {}
     for key, data in tensors.items():

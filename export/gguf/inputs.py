@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import ModelLoadError
-from compress.export.gguf.names import GGUF_MAGIC
 
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
 EMBEDDING = "token_embd.weight"
 OUTPUT = "output.weight"
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -32,6 +32,14 @@ class TableEntry:
     block_elements: int  # elements per block of its type (1 for float types)
 
 
+def is_gguf_file(path: Path | None) -> bool:
+    """Whether ``path`` is a GGUF file (by its magic bytes)."""
+    if path is None or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
 def check_gguf(path: Path) -> None:
     """The GGUF header, metadata and tensor table, read by the gguf package (memory-mapped), and
     checked against the architecture (``check_tensor_table``)."""
@@ -42,12 +50,12 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf import GGML_QUANT_SIZES, GGUFReader, Keys
 
     try:
         reader = GGUFReader(path)
         metadata = {key: _scalar(field) for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.")}
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+        vocab = len(reader.fields[Keys.Tokenizer.LIST].data) if Keys.Tokenizer.LIST in reader.fields else None
         table = [
             TableEntry(t.name, tuple(int(d) for d in t.shape), t.tensor_type.name, GGML_QUANT_SIZES[t.tensor_type][0])
             for t in reader.tensors
@@ -76,7 +84,9 @@ def check_tensor_table(path: Path, metadata: Mapping[str, Any], vocab: int | Non
     numbered 0 … ``{arch}.block_count`` - 1, each holding what the others hold (``UNIFORM_BLOCKS``);
     no zero-sized dimension; rows a whole number of their type's blocks; the embedding (and output
     head) as wide as ``{arch}.embedding_length`` and as long as the vocabulary."""
-    arch = metadata.get("general.architecture")
+    from gguf import Keys
+
+    arch = metadata.get(Keys.General.ARCHITECTURE)
     if not table:
         raise ModelLoadError(f"{path}: holds no tensors (its header says 0): a model without weights cannot be run; {_FIX}")
     names = {t.name: t for t in table}
@@ -94,7 +104,7 @@ def check_tensor_table(path: Path, metadata: Mapping[str, Any], vocab: int | Non
         found = _BLOCK.match(name)
         if found:
             blocks.setdefault(int(found.group(1)), set()).add(found.group(2))
-    count = metadata.get(f"{arch}.block_count")
+    count = metadata.get(Keys.LLM.BLOCK_COUNT.format(arch=arch))
     if isinstance(count, int):
         absent = sorted(set(range(count)) - set(blocks))
         beyond = sorted(set(blocks) - set(range(count)))
@@ -107,7 +117,7 @@ def check_tensor_table(path: Path, metadata: Mapping[str, Any], vocab: int | Non
             lacking = sorted(every - blocks[number])
             if lacking:
                 raise ModelLoadError(f"{path}: tensor blk.{number}.{lacking[0]} is missing (the other blocks hold it); {_FIX}")
-    width = metadata.get(f"{arch}.embedding_length")
+    width = metadata.get(Keys.LLM.EMBEDDING_LENGTH.format(arch=arch))
     for name in (EMBEDDING, OUTPUT):
         t = names.get(name)
         if t is None or len(t.ne) != 2:

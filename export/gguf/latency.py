@@ -44,15 +44,21 @@ def gguf_bytes(path: Path) -> tuple[int, int]:
     reader = gguf.GGUFReader(str(path))
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     weights = sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = bytes(reader.fields[gguf.Keys.General.ARCHITECTURE].parts[-1]).decode()
+
+    keys = gguf.Keys
+
+    def name(key: str) -> str:
+        return key.format(arch=arch)  # gguf-py's key templates ({arch}.…) for this file's architecture
 
     def field_int(key: str) -> int:
-        f = reader.fields[f"{arch}.{key}"]
+        f = reader.fields[name(key)]
         return int(f.parts[f.data[0]][0])
 
-    heads, layers, width = field_int("attention.head_count"), field_int("block_count"), field_int("embedding_length")
-    kv_heads = field_int("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in reader.fields else heads
-    head_dim = field_int("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else width // heads
+    heads = field_int(keys.Attention.HEAD_COUNT)
+    layers, width = field_int(keys.LLM.BLOCK_COUNT), field_int(keys.LLM.EMBEDDING_LENGTH)
+    kv_heads = field_int(keys.Attention.HEAD_COUNT_KV) if name(keys.Attention.HEAD_COUNT_KV) in reader.fields else heads
+    head_dim = field_int(keys.Attention.KEY_LENGTH) if name(keys.Attention.KEY_LENGTH) in reader.fields else width // heads
     return weights, 2 * layers * kv_heads * head_dim * 2
 
 

@@ -63,7 +63,7 @@ def _gguf_type(spec_type: str, records: dict[str, Record]) -> str:
     """The export's block type as the GGUF writer resolves it; an ``auto`` the writer would refuse
     (mixed schemes: the run asks for a type) is planned as f16."""
     from compress.errors import FormatError
-    from compress.export.gguf.file import resolve_type
+    from compress.export.gguf.layout import resolve_type
 
     try:
         return resolve_type(spec_type, records)  # type: ignore[arg-type]  # only .scheme is read

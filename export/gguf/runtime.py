@@ -96,7 +96,7 @@ def quantize(
     ``type_name`` is then the file's type, as a single type."""
     import gguf
 
-    from compress.export.gguf.file import FILE_TYPES
+    from compress.export.gguf.metadata import FILE_TYPES
 
     lib = llama_cpp()
     single = pure or tensor_types is not None

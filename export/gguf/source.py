@@ -153,19 +153,19 @@ def repair_tokenizer(tokenizer: Any, path: Path) -> dict[str, Any]:
     gives every byte-level BPE file GPT-2's pre-tokenizer and reads BOS/EOS from its own defaults
     (SmolLM2's Q4_1 file says pre-tokenizer ``smollm``, single digits, and EOS 2 ``<|im_end|>``; the
     rebuild split digits GPT-2's way and ended text at 1 ``<|im_start|>``). The pre-tokenizer is set from
-    ``tokenizer.ggml.pre`` (the names export/gguf/file.py knows), BOS/EOS from the file's ids. Returns
+    ``tokenizer.ggml.pre`` (the names export/gguf/metadata.py knows), BOS/EOS from the file's ids. Returns
     what changed and what could not be (an unknown pre-tokenizer name is left as transformers made it)."""
     import gguf
 
-    from compress.export.gguf.file import PRE_TOKENIZERS, pre_tokenizer_name, pre_tokenizer_of
+    from compress.export.gguf.metadata import PRE_TOKENIZERS, pre_tokenizer_name, pre_tokenizer_of
 
     fields = gguf.GGUFReader(path).fields
 
     def value(key: str) -> Any:
         return fields[key].contents() if key in fields else None
 
-    facts: dict[str, Any] = {"model": value("tokenizer.ggml.model"), "changed": [], "special_ids": {}}
-    pre = value("tokenizer.ggml.pre")
+    facts: dict[str, Any] = {"model": value(gguf.Keys.Tokenizer.MODEL), "changed": [], "special_ids": {}}
+    pre = value(gguf.Keys.Tokenizer.PRE)
     if facts["model"] == "gpt2" and pre is not None:
         backend = tokenizer.backend_tokenizer
         before = json.loads(backend.to_str()).get("pre_tokenizer")
@@ -176,8 +176,8 @@ def repair_tokenizer(tokenizer: Any, path: Path) -> dict[str, Any]:
             backend.pre_tokenizer = pre_tokenizer_of(known[pre])
             facts["changed"].append(f"pre-tokenizer set to the file's '{pre}'")
     n_vocab = len(tokenizer)
-    for key in ("bos", "eos"):
-        token_id = value(f"tokenizer.ggml.{key}_token_id")
+    for key, field in (("bos", gguf.Keys.Tokenizer.BOS_ID), ("eos", gguf.Keys.Tokenizer.EOS_ID)):
+        token_id = value(field)
         if token_id is None or not 0 <= int(token_id) < n_vocab:
             continue
         facts["special_ids"][f"{key}_token_id"] = int(token_id)

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, FileLayout, PlannedSize, Runner
-from compress.export.gguf.names import GGUF_FILE
 from compress.quantizers.grids import llama_cpp_spelling
 from compress.schema.exports import GGUFExport
 
 SUFFIX = ".gguf"
+GGUF_FILE = "model.gguf"  # the export's file in its folder
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class GGUFFormat(ExportFormat):
         return size_bytes + logits, basis
 
     def file_layout(self, spec: Any, model: Any, tokenizer: Any, quantized: set[str]) -> FileLayout:
-        from compress.export.gguf.file import file_layout
+        from compress.export.gguf.writer import file_layout
 
         return file_layout(spec, model, tokenizer, quantized)
 
