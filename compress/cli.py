@@ -516,7 +516,7 @@ def bench_quant(
     ),
 ) -> None:
     """Compare RTN, GPTQ and AWQ (and their implementations): KL divergence, top-1 agreement, perplexity, time and memory."""
-    from compress.eval.bench_quant import Setting, backend_choices, markdown_table, run_quant_bench
+    from compress.eval.bench.quant import Setting, backend_choices, markdown_table, run_quant_bench
     from compress.progress import Reporter
 
     try:
@@ -609,7 +609,7 @@ def bench_gguf(
     """Our exact GGUFs (GPTQ/AWQ/RTN records, one type or a mix under a size budget) against llama.cpp's own quantizations, measured in llama.cpp."""
     from typing import get_args
 
-    from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
+    from compress.eval.bench.gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
     from compress.schema.recipe import ModelSpec
 
@@ -656,7 +656,7 @@ def bench_onnx(
     ),
 ) -> None:
     """Our exact GPTQ/AWQ int4 ONNX against onnxruntime-genai's own int4 at the same block size, measured in ONNX Runtime."""
-    from compress.eval.bench_onnx import Candidate, markdown_table, run_onnx_bench
+    from compress.eval.bench.onnx import Candidate, markdown_table, run_onnx_bench
     from compress.progress import Reporter
 
     parsed = _candidates(Candidate.parse, candidates)
@@ -712,7 +712,7 @@ def bench_prune(
     import yaml
     from pydantic import ValidationError
 
-    from compress.eval.bench_prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
+    from compress.eval.bench.prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
     from compress.progress import Reporter
     from compress.schema.distill import DistillConfig
     from compress.schema.prune import PruneConfig
@@ -770,7 +770,7 @@ def bench_kv(
     """KV-cache schemes against the full-precision cache: bytes, KL at long context, decode speed, memory plan."""
     from pydantic import ValidationError
 
-    from compress.eval.bench_kv import markdown_table, parse_scheme, run_kv_bench
+    from compress.eval.bench.kv import markdown_table, parse_scheme, run_kv_bench
     from compress.progress import Reporter
 
     parts = schemes.split(";") if ";" in schemes else schemes.split(",")
@@ -809,7 +809,7 @@ def bench_memory(
 ) -> None:
     """Peak RSS per phase, peak RSS / checkpoint size and seconds per block of `compress run` (a fresh
     process each) on the model and on a copy cut to --cut-blocks blocks: does memory grow with depth?"""
-    from compress.eval.bench_memory import markdown_table, run_memory_bench
+    from compress.eval.bench.memory import markdown_table, run_memory_bench
     from compress.plugins import QUANT_METHODS
     from compress.progress import Reporter
 
@@ -843,7 +843,7 @@ def bench_latency(
     threads: int = typer.Option(_THREADS, help="Threads per runtime."),
 ) -> None:
     """Time each runtime of ARTIFACT in several independent rounds: medians, p90, and the spread between rounds."""
-    from compress.eval.bench_latency import markdown_table, run_latency_bench
+    from compress.eval.bench.latency import markdown_table, run_latency_bench
     from compress.eval.latency import LatencySettings
     from compress.progress import Reporter
 

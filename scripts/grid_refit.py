@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from compress.eval.bench_memory import model_directory  # noqa: E402
+from compress.eval.bench.memory import model_directory  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers import gguf_grid  # noqa: E402
 from compress.schema.gguf_types import GGUF_GRID_TYPES  # noqa: E402
