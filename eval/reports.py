@@ -294,7 +294,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
             ],
         )
     lines += _build_lines(evaluations)
-    lines += _search_lines(report.get("search"))
+    lines += search_lines(report.get("search"))
     lines += _export_lines(report.get("exports"))
     lines += _run_memory_lines(report.get("memory"))
     if estimated:
@@ -340,7 +340,7 @@ def _build_lines(evaluations: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-def _search_lines(search: dict[str, Any] | None) -> list[str]:
+def search_lines(search: dict[str, Any] | None) -> list[str]:
     if not search or not search.get("candidates"):
         return []
     chosen = search.get("chosen")

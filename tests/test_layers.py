@@ -41,6 +41,8 @@ OVERRIDES = {
     "compress.model_card": APP,
     "compress.models": APP,
     "compress.cli": APP,
+    "compress.cli_bench": APP,
+    "compress.console": APP,
     "compress.__main__": APP,
 }
 FOLDER_LAYERS = {"compress.schema": SCHEMA, "compress.quantizers": METHODS, "compress.pruning": METHODS,
