@@ -324,7 +324,7 @@ def plan(
     """Estimate RECIPE before running it: peak memory and time per step, artifact sizes, and whether each
     artifact fits each device. Reads the model's config only; every number is an estimate."""
     from compress.eval.devices import LOCAL, load_profiles, local_profile
-    from compress.eval.plan import plan_recipe, tables, write_plan
+    from compress.eval.plan.planner import plan_recipe, tables, write_plan
     from compress.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])

@@ -18,7 +18,7 @@ import torch
 from compress.artifact import WEIGHTS_FORMAT, stored_as, write_model
 from compress.documents import json_safe, library_versions, write_document
 from compress.eval.memory import memory_section
-from compress.eval.plan import run_estimate
+from compress.eval.plan.planner import run_estimate
 from compress.eval.reports import write_reports
 from compress.experts import expert_view
 from compress.hf_model import checksums
