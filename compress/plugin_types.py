@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from compress.context import Stage
-    from compress.estimates import Estimate, PlanStep
+    from compress.eval.plan.estimates import Estimate, PlanStep
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.estimates import DISTILL_TOKENS_PER_S, REF_PARAMS, Estimate, PlanStep, training_bytes
+from compress.eval.plan.estimates import DISTILL_TOKENS_PER_S, REF_PARAMS, Estimate, PlanStep, training_bytes
 from compress.plugin_types import StageKindSpec
 from compress.schema.distill import DistillConfig
 

@@ -194,10 +194,10 @@ class PhaseMemory:
 
 def memory_section(meter: PhaseMemory, wall_s: float, predict: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """report.json's ``memory``: the measured peaks (``meter.result()``), the run's wall time so far,
-    and what `compress plan` predicted for the same recipe (``predict``: compress.eval.plan.run_estimate
+    and what `compress plan` predicted for the same recipe (``predict``: compress.eval.plan.planner.run_estimate
     of the recipe), with measured / predicted per phase and in total. A prediction that cannot be
     computed (a source whose config the plan cannot read) is reported with its reason instead."""
-    from compress.sizes import GB
+    from compress.eval.plan.shapes import GB
 
     out = meter.result()
     out["wall_s"] = round(wall_s, 3)

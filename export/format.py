@@ -212,7 +212,7 @@ class ExportFormat:
     # ------------------------------------------------------------------ plan
 
     def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
-        """The export's size from the config alone (eval/plan_sizes.py: ``shape`` a ModelShape on the
+        """The export's size from the config alone (eval/plan/artifacts.py: ``shape`` a ModelShape on the
         meta device, ``records`` the planned quantized layers)."""
         raise NotImplementedError(f"export format {self.name} has no size estimate")
 

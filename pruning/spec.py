@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.estimates import Estimate, PlanStep, activation_bytes, forward_s
+from compress.eval.plan.estimates import Estimate, PlanStep, activation_bytes, forward_s
 from compress.plugin_types import StageKindSpec
 from compress.schema.prune import PruneConfig
 
@@ -36,7 +36,7 @@ def _estimate(step: PlanStep) -> Estimate:
 
 def pruned_shape(shape: Any, prune: Any) -> Any:
     """The shape a prune stage leaves (sizes resolved exactly as the stage does); ``shape`` is a
-    ``compress.sizes.ModelShape``, rebuilt on the meta device with the new sizes."""
+    ``compress.eval.plan.shapes.ModelShape``, rebuilt on the meta device with the new sizes."""
     from compress.pruning.arch import PrunableModel
     from compress.pruning.prune import resolve_sizes
 

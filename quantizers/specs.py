@@ -3,7 +3,7 @@ awq.py, llm_int8.py) and the two stage kinds this package runs (``quantize:`` an
 
 Torch-free (the stage classes are imported when a run builds its stages), so the tables in
 compress.plugins can be read by `compress validate` and `compress plan` without torch. Each
-method's plan formula sits next to its spec; the shared numbers are in compress.estimates.
+method's plan formula sits next to its spec; the shared numbers are in compress.eval.plan.estimates.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from compress.estimates import (
+from compress.eval.plan.estimates import (
     CPU_FORWARD_FLOPS,
     REF_PARAMS,
     RTN_WEIGHTS_PER_S,

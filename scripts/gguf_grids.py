@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from compress.eval.bench_gguf import Candidate  # noqa: E402
-from compress.eval.bench_quant import load_bench_inputs, quantize_copy  # noqa: E402
+from compress.eval.bench.gguf import Candidate  # noqa: E402
+from compress.eval.bench.quant import load_bench_inputs, quantize_copy  # noqa: E402
 from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
 from compress.export.gguf.check import check_gguf_records, stored_type_counts  # noqa: E402
 from compress.export.gguf.inputs import is_gguf_file  # noqa: E402

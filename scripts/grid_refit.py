@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from compress.eval.bench_memory import model_directory  # noqa: E402
+from compress.eval.bench.memory import model_directory  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers import grid_search  # noqa: E402
 from compress.quantizers.grids import GRID_NAMES  # noqa: E402

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gguf_grids import EMBEDDING, MODEL, TEXT, data_spec, shape  # noqa: E402
 
 from compress.context import RunContext  # noqa: E402
-from compress.eval.bench_gguf import llama_cpp_imatrix  # noqa: E402
-from compress.eval.bench_quant import Setting, load_bench_inputs  # noqa: E402
+from compress.eval.bench.gguf import llama_cpp_imatrix  # noqa: E402
+from compress.eval.bench.quant import Setting, load_bench_inputs  # noqa: E402
 from compress.export.gguf.imatrix import write_imatrix  # noqa: E402
 from compress.export.gguf.inputs import is_gguf_file  # noqa: E402
 from compress.export.gguf.tools import llama_quantize  # noqa: E402

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from compress import streaming  # noqa: E402
-from compress.eval.bench_quant import load_bench_inputs  # noqa: E402
+from compress.eval.bench.quant import load_bench_inputs  # noqa: E402
 from compress.export.gguf import runtime as gguf_runtime  # noqa: E402
 from compress.export.gguf.inputs import is_gguf_file  # noqa: E402
 from compress.export.gguf.writer import write_gguf  # noqa: E402

@@ -101,7 +101,7 @@ class NPZFormat(ExportFormat):
         return f"npz file of {entry['layers']} layers' records"
 
     def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
-        from compress.sizes import packed_bytes
+        from compress.eval.plan.shapes import packed_bytes
 
         return packed_bytes(shape, records, dtype_bits), 2.0, "codes + float32 scales per group"
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from compress.estimates import Estimate, PlanStep
+from compress.eval.plan.estimates import Estimate, PlanStep
 from compress.plugin_types import MethodSpec
 from compress.quantizers.apply import quantize_each_layer
 from compress.quantizers.core import QuantizedWeight, compute_qparams, group_rows, pack_record

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.eval.bench_quant import Setting, run_quant_bench
+from compress.eval.bench.quant import Setting, run_quant_bench
 from compress.progress import Reporter
 from compress.schema.recipe import DataSpec
 from tests.helpers import run_cli

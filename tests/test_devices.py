@@ -1,4 +1,4 @@
-"""Device profiles, roofline estimates, the fit check, and `compress plan` (eval/devices.py, eval/plan.py)."""
+"""Device profiles, roofline estimates, the fit check, and `compress plan` (eval/devices.py, eval/plan/)."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def test_measure_bandwidth_and_local_profile() -> None:
 
 
 def test_plan_of_a_tiny_model_sizes_follow_the_bits(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
-    from compress.eval.plan import plan_recipe
+    from compress.eval.plan.planner import plan_recipe
     from compress.recipe import load_recipe
 
     devices = {"test": profile(runtimes=["torch", "llama.cpp"], formats=["hf", "gguf"])}
@@ -206,9 +206,9 @@ def test_plan_of_a_tiny_model_sizes_follow_the_bits(tmp_path: Path, tiny_model_d
 def test_plan_follows_a_prune_stage(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     from transformers import LlamaConfig
 
-    from compress.eval.plan import plan_recipe
+    from compress.eval.plan.planner import plan_recipe
+    from compress.eval.plan.shapes import shape_of
     from compress.recipe import load_recipe
-    from compress.sizes import shape_of
 
     text = recipe_text(tiny_model_dir, text_dir).replace("stages:\n", "stages:\n  - prune: {mlp: 0.5, multiple_of: 16}\n")
     p = plan_recipe(load_recipe(write_recipe(tmp_path, text)), {"test": profile()}, ["test"])
@@ -248,7 +248,7 @@ def test_cli_plan_bad_input_exits_2(tmp_path: Path, tiny_model_dir: Path, text_d
 
 
 def test_plan_uses_the_recipe_targets_and_devices(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
-    from compress.eval.plan import plan_recipe
+    from compress.eval.plan.planner import plan_recipe
     from compress.recipe import load_recipe
 
     own = profile(name="my-board", runtimes=["llama.cpp"], formats=["gguf"]).model_dump()

@@ -243,7 +243,7 @@ def test_q6_k_without_a_quantizer_packs_records_on_its_grid_else_asks_llama_cpp(
 @pytest.mark.skipif(not gguf_runtime.available(), reason="llama-cpp-python is not installed")
 def test_llama_cpp_pure_quantizer_makes_one_k_quant_type_and_the_bench_names_both_sides(tmp_path: Path, tokenizer) -> None:
     """`compress bench gguf` compares GPTQ on a type's grid with llama.cpp's own quantizer at that one type (--pure)."""
-    from compress.eval.bench_gguf import Candidate
+    from compress.eval.bench.gguf import Candidate
 
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
     f16 = tmp_path / "f16.gguf"

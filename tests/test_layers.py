@@ -22,7 +22,9 @@ LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
 # does the torch-free table of block-type grids (the quantizers' own, which the recipe schema validates
 # `gguf_type` against); the record type (QuantizedWeight) is a core type that lives beside the quantizers; the
 # metric math and the Evaluation record are core, since every export's verifier and the repair loop
-# score on them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
+# score on them; `compress plan`'s model shapes, packed byte counts, throughputs and formulas
+# (eval/plan/shapes.py, estimates.py) are core too, since every method's and format's spec answers the plan
+# with them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
 # the recipe loader validates against those tables, so both sit with the methods and exports, as does
 # the artifact (its model/ is written and read by the compressed-tensors format's own code); loading
 # a model source (which reads quantized checkpoints through the export formats), the run's steps, the
@@ -36,6 +38,8 @@ OVERRIDES = {
     "compress.documents": METHODS,
     "compress.quantizers.core": CORE,
     "compress.eval.metrics": CORE,
+    "compress.eval.plan.shapes": CORE,
+    "compress.eval.plan.estimates": CORE,
     "compress.pipeline": APP,
     "compress.gate": APP,
     "compress.registry": APP,
@@ -43,6 +47,8 @@ OVERRIDES = {
     "compress.model_card": APP,
     "compress.models": APP,
     "compress.cli": APP,
+    "compress.cli_bench": APP,
+    "compress.console": APP,
     "compress.__main__": APP,
 }
 FOLDER_LAYERS = {"compress.schema": SCHEMA, "compress.quantizers": METHODS, "compress.pruning": METHODS,

@@ -164,7 +164,7 @@ def test_cut_copy_loads_with_its_blocks_and_the_same_weights(tmp_path: Path, fou
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compress.eval.bench_memory import checkpoint_bytes, cut_blocks
+    from compress.eval.bench.memory import checkpoint_bytes, cut_blocks
 
     target = tmp_path / "cut"
     facts = cut_blocks(four_blocks, target, 2)
@@ -190,7 +190,7 @@ def test_cut_copy_loads_with_its_blocks_and_the_same_weights(tmp_path: Path, fou
 
 def test_cut_blocks_refuses_more_blocks_than_the_model_has(tmp_path: Path, tiny_model_dir: Path) -> None:
     from compress.errors import CompressError
-    from compress.eval.bench_memory import cut_blocks
+    from compress.eval.bench.memory import cut_blocks
 
     with pytest.raises(CompressError, match="has 2 blocks; give 1 to 2"):
         cut_blocks(tiny_model_dir, tmp_path / "cut", 3)

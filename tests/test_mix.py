@@ -299,7 +299,7 @@ def test_a_kept_sensitivity_is_measured_once_and_handed_out_as_copies(monkeypatc
 
 
 def test_bench_candidates_name_a_budget_by_bits_or_by_a_llama_cpp_file() -> None:
-    from compress.eval.bench_gguf import Candidate
+    from compress.eval.bench.gguf import Candidate
 
     bits, like, theirs = Candidate.parse("gptq:mix@3.9"), Candidate.parse("rtn:mix@Q4_K_M"), Candidate.parse("llama.cpp-imatrix:q4_k_m")
     assert (bits.budget, bits.type_name, like.budget) == ("3.9", "mix", "q4_k_m") and not bits.llama_cpp

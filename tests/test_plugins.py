@@ -26,9 +26,9 @@ OTHER_MEANINGS = {
     ("quantizers/specs.py", "gptq"),  # the GPTQ method's spec (QUANT_METHODS)
     ("quantizers/llmcompressor_backend.py", "gptq"),  # llm-compressor's modifier for the GPTQ method
     ("compress/search.py", "gptq"),  # the search's method cost order
-    ("eval/plan.py", "gptq"),  # the GPTQ method's time estimate
-    ("compress/cli.py", "gguf"),  # CLI text: the `compress bench gguf` command's name
-    ("compress/cli.py", "onnx"),  # CLI text: the `compress bench onnx` command's name
+    ("eval/plan/planner.py", "gptq"),  # the GPTQ method's time estimate
+    ("compress/cli_bench.py", "gguf"),  # CLI text: the `compress bench gguf` command's name
+    ("compress/cli_bench.py", "onnx"),  # CLI text: the `compress bench onnx` command's name
 }
 
 

@@ -130,7 +130,7 @@ def check_shapes_early(loaded: LoadedRecipe) -> None:
     recipe = loaded.recipe
     if not any(stage_kind(st.kind).quantizes_weights and getattr(st.config, "group_size", None) for st in recipe.stages):
         return
-    from compress.eval.plan_sizes import check_group_sizes, final_shape, model_shape
+    from compress.eval.plan.artifacts import check_group_sizes, final_shape, model_shape
 
     try:
         shape = final_shape(recipe, model_shape(recipe.model, loaded.base_dir))

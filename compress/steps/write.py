@@ -18,7 +18,7 @@ import torch
 from compress.artifact import WEIGHTS_FORMAT, stored_as, write_model
 from compress.documents import json_safe, library_versions, write_document
 from compress.eval.memory import memory_section
-from compress.eval.plan import run_estimate
+from compress.eval.plan.planner import run_estimate
 from compress.eval.reports import write_reports
 from compress.experts import expert_view
 from compress.hf_model import checksums
@@ -86,7 +86,7 @@ def build_manifest(run: Run, source: Source, staged: Staged) -> dict[str, Any]:
 def write_model_files(root: Path, run: Run, source: Source, staged: Staged) -> None:
     """model/ (the records packed as compressed-tensors, each read back and proven identical, so the
     exports pack what model/ holds), the recipe text as given, and the files the stages asked to keep."""
-    with run.reporter.status(f"writing artifact {run.out_dir}"):
+    with run.reporter.status(f"writing the compressed model to {run.out_dir}"):
         write_model(root, staged.model, source.lm.tokenizer, staged.ctx.quantized)  # read back and proven identical
         (root / "recipe.yaml").write_text(run.loaded.text)
         write_stage_files(root, staged.ctx.files)
@@ -114,7 +114,7 @@ def write_documents(root: Path, run: Run, manifest: dict[str, Any], report: dict
     if "kv_cache" in report:
         manifest["kv_cache"] = report["kv_cache"]
     manifest["exports"] = exported.entries
-    with run.reporter.status(f"writing artifact {run.out_dir}"):
+    with run.reporter.status(f"writing the report and manifest to {run.out_dir}"):
         report["memory"] = memory_section(run.memory, time.perf_counter() - run.started, lambda: run_estimate(run.loaded))
         write_document(root / "report.json", report, Report)
         write_reports(root, json_safe(report), suite=recipe.name or run.loaded.path.stem, step_summary=step_summary)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from compress.eval.plan.shapes import ModelShape, Record, packed_bytes, uniform_bytes
 from compress.export.format import PlannedSize
 from compress.quantizers.grids import GRIDS
-from compress.sizes import ModelShape, Record, packed_bytes, uniform_bytes
 
 # llama.cpp's bits per weight: exact block sizes, and its published averages for the K-quant mixes.
 GGUF_BITS = {

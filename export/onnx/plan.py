@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from compress.eval.plan.shapes import ModelShape, Record, linear_weights, only_bits, packed_bytes
 from compress.export.format import PlannedSize
-from compress.sizes import ModelShape, Record, builder_bytes, only_bits, packed_bytes
 
 
 def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:
@@ -50,3 +50,23 @@ def with_tables(shape: ModelShape, records: dict[str, Record], floats: tuple[str
     if embeddings_quantized and not (tied and head_quantized):  # beside a tied float head, the float table stays
         out["model.embed_tokens"] = Record(vocab, hidden, scheme, tied)
     return out
+
+
+def builder_bytes(
+    shape: ModelShape, bits: int, block: int, symmetric: bool, float_bits: int, floats: tuple[str, ...] = ("lm_head", "embeddings")
+) -> int:
+    """Bytes of onnxruntime-genai's own int file: every decoder Linear in blocks, the head and the token
+    embeddings too unless ``floats`` names them (one table for a tied model when both are quantized)."""
+    linear = linear_weights(shape, with_lm_head=False)
+    emb = shape.model.get_input_embeddings().weight.numel()
+    tied = bool(getattr(shape.text, "tie_word_embeddings", False))
+    head, embeddings = "lm_head" not in floats, "embeddings" not in floats
+    extra = 0  # a quantized copy beside the tied float table
+    if tied and head and embeddings:
+        linear += emb
+    elif tied:
+        extra = emb if head or embeddings else 0
+    else:
+        linear += (emb if head else 0) + (emb if embeddings else 0)
+    per_weight = bits + (float_bits + (0 if symmetric else bits)) / block
+    return int(((linear + extra) * per_weight + (shape.params - linear) * float_bits) / 8)

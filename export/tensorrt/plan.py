@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from compress.eval.plan.shapes import ModelShape, Record, only_bits, packed_bytes
 from compress.export.format import PlannedSize
-from compress.sizes import ModelShape, Record, only_bits, packed_bytes
 
 
 def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:

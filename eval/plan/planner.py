@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError
-from compress.estimates import (
+from compress.eval.devices import LOCAL, estimate_latency, fit_check, get_profile, kv_bytes_per_token
+from compress.eval.metrics import CHUNK_ELEMENTS, HEAD_SLICE_BYTES
+from compress.eval.plan.artifacts import artifacts, check_group_sizes, compute_dtype, final_shape, model_shape, quantized_layers
+from compress.eval.plan.estimates import (
     CPU_FORWARD_FLOPS,
     DISTILL_TOKENS_PER_S,
     EXPORT_BUILD_S,
@@ -28,15 +31,12 @@ from compress.estimates import (
     eval_bytes,
     largest_unit_bytes,
 )
-from compress.estimates import forward_s as _forward_s
-from compress.eval.devices import LOCAL, estimate_latency, fit_check, get_profile, kv_bytes_per_token
-from compress.eval.metrics import CHUNK_ELEMENTS, HEAD_SLICE_BYTES
-from compress.eval.plan_sizes import artifacts, check_group_sizes, compute_dtype, final_shape, model_shape, quantized_layers
+from compress.eval.plan.estimates import forward_s as _forward_s
+from compress.eval.plan.shapes import DTYPE_BYTES, GB, ModelShape, Record
 from compress.plugins import EXPORT_FORMATS, stage_kind, stage_streams
 from compress.recipe import LoadedRecipe
 from compress.schema.devices import DeviceProfile
 from compress.schema.recipe import Recipe
-from compress.sizes import DTYPE_BYTES, GB, ModelShape, Record
 
 # --------------------------------------------------------------------------- stages: memory and time
 

@@ -1,7 +1,7 @@
 """What `compress plan` estimates a stage from: the reference machine's throughputs, the shared
 formulas (a forward pass, its activations, training activations), and the typed inputs and
 output of one stage's estimate. Torch-free, so that method and stage-kind specs (compress.plugins)
-can hold their own formulas; eval/plan.py adds the rows for loading, evaluation and exports.
+can hold their own formulas; eval/plan/planner.py adds the rows for loading, evaluation and exports.
 
 Every number is an estimate: throughputs measured on this project's reference machine (2 CPU
 cores, torch 2.13 CPU, 2 threads, SmolLM2-135M), scaled by parameters and tokens.
@@ -34,12 +34,12 @@ class Estimate:
 
 @dataclass(frozen=True)
 class PlanStep:
-    """What one stage's estimate may read (built by eval/plan.py for each stage in turn)."""
+    """What one stage's estimate may read (built by eval/plan/planner.py for each stage in turn)."""
 
     config: Any
     """The stage's validated config (``stage.config`` of the recipe)."""
     shape: Any
-    """The model as this stage sees it (``compress.sizes.ModelShape``: ``params``,
+    """The model as this stage sees it (``compress.eval.plan.shapes.ModelShape``: ``params``,
     ``text`` config, ``config``, the meta-device ``model``, ``frozen_params()``)."""
     held_bytes: float
     """What is in memory before the stage adds its own: the libraries and, for a stage that streams,

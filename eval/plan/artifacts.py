@@ -1,5 +1,5 @@
 """The model's shape and the expected sizes of a recipe's artifacts, for `compress plan`
-(eval/plan.py): from the model's config only (config.json, or GGUF metadata), with the model built
+(eval/plan/planner.py): from the model's config only (config.json, or GGUF metadata), with the model built
 on torch's ``meta`` device (shapes, no weights). Sizes are estimates: exact block sizes for the
 formats we pack, llama.cpp's published averages for its K-quant mixes."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError, ModelLoadError
+from compress.eval.plan.shapes import DTYPE_BYTES, ModelShape, Record, packed_bytes, shape_of
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME
 from compress.inputs import check_json
 from compress.plugins import EXPORT_FORMATS, stage_kind
 from compress.schema.recipe import ModelSpec, Recipe
-from compress.sizes import DTYPE_BYTES, ModelShape, Record, packed_bytes, shape_of
 
 # --------------------------------------------------------------------------- the model's shape
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from compress import streaming
-from compress.eval.bench_quant import load_bench_inputs, write_results
+from compress.eval.bench.quant import load_bench_inputs, write_results
 from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token, kv_geometry, memory_plan

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from compress.documents import library_versions
-from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
+from compress.eval.bench.pairs import equal_bytes_pairs, pairs_table
+from compress.eval.bench.quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
-from compress.eval.reports import equal_bytes_pairs, pairs_table
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.check import check_gguf_records, stored_type_counts, stored_types, tensor_totals
 from compress.export.gguf.inputs import is_gguf_file
@@ -430,7 +430,7 @@ def candidate_rows(rows: list[dict[str, Any]], kl_label: str) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":  # python -m compress.eval.bench_gguf RESULTS.json PLOT.png: the plot of a saved run
+if __name__ == "__main__":  # python -m compress.eval.bench.gguf RESULTS.json PLOT.png: the plot of a saved run
     import json
     import sys
 

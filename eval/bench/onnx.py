@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from compress.documents import library_versions
-from compress.eval.bench_gguf import candidate_rows, plot_kl_vs_size
-from compress.eval.bench_quant import Setting, load_bench_inputs, quantize_copy, write_results
+from compress.eval.bench.gguf import candidate_rows, plot_kl_vs_size
+from compress.eval.bench.pairs import equal_bytes_pairs, pairs_table
+from compress.eval.bench.quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
-from compress.eval.reports import equal_bytes_pairs, pairs_table
 from compress.export.onnx import export as onnx_export
 from compress.export.onnx import runtime as rt
 from compress.export.onnx.names import ONNX_FILE

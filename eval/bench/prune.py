@@ -26,7 +26,7 @@ from compress import streaming
 from compress.context import RunContext
 from compress.data import DataPlan
 from compress.distill.distill import DistillStage
-from compress.eval.bench_quant import load_bench_inputs, write_results
+from compress.eval.bench.quant import load_bench_inputs, write_results
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
 from compress.pruning.prune import PruneStage, parameters

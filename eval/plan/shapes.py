@@ -1,5 +1,5 @@
 """A model's shape without its weights, and the byte counts of files holding quantized records:
-what `compress plan` (eval/plan_sizes.py) and each export format's size estimate (export/<format>/plan.py)
+what `compress plan` (eval/plan/artifacts.py) and each export format's size estimate (export/<format>/plan.py)
 compute sizes from. Shapes come from the model's config only, with the model built on torch's ``meta``
 device (shapes, no weights); torch and transformers are imported when a shape is built."""
 
@@ -112,23 +112,3 @@ def linear_weights(shape: ModelShape, with_lm_head: bool) -> int:
 def uniform_bytes(shape: ModelShape, linear_bits: float, other_bits: float) -> int:
     linear = linear_weights(shape, with_lm_head=True)
     return int((linear * linear_bits + (shape.params - linear) * other_bits) / 8)
-
-
-def builder_bytes(
-    shape: ModelShape, bits: int, block: int, symmetric: bool, float_bits: int, floats: tuple[str, ...] = ("lm_head", "embeddings")
-) -> int:
-    """Bytes of onnxruntime-genai's own int file: every decoder Linear in blocks, the head and the token
-    embeddings too unless ``floats`` names them (one table for a tied model when both are quantized)."""
-    linear = linear_weights(shape, with_lm_head=False)
-    emb = shape.model.get_input_embeddings().weight.numel()
-    tied = bool(getattr(shape.text, "tie_word_embeddings", False))
-    head, embeddings = "lm_head" not in floats, "embeddings" not in floats
-    extra = 0  # a quantized copy beside the tied float table
-    if tied and head and embeddings:
-        linear += emb
-    elif tied:
-        extra = emb if head or embeddings else 0
-    else:
-        linear += (emb if head else 0) + (emb if embeddings else 0)
-    per_weight = bits + (float_bits + (0 if symmetric else bits)) / block
-    return int(((linear + extra) * per_weight + (shape.params - linear) * float_bits) / 8)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.documents import library_versions
-from compress.eval.bench_quant import write_results
+from compress.eval.bench.quant import write_results
 from compress.eval.latency import LatencySettings
 from compress.eval.performance import Timed, cuda_device_name, measure_all
 from compress.gate import inspect
