@@ -78,9 +78,8 @@ def search_scales(
 
 
 # Rows of the weight searched at once: a chunk of about 2^19 weights (2 MB in float32 per temporary).
-# Rows are independent, so the chunking changes only the speed: at 64 rows a step the loop's
-# per-step overhead was half the search's time on 2 cores (a 1536 x 576 weight: 99 ms at 64 rows, 50 ms
-# at this default; `python scripts/awq_clip_rows.py`), and AWQ runs the search once per scale candidate.
+# Rows are independent, so the chunking changes only the speed: fewer, larger steps cut the loop's
+# per-step overhead, which AWQ pays once per scale candidate (`python scripts/awq_clip_rows.py` times it).
 CLIP_CHUNK_WEIGHTS = 1 << 19
 
 
