@@ -36,7 +36,7 @@ OVERRIDES = {
     "compress.eval.metrics": CORE,
     "compress.pipeline": APP,
     "compress.gate": APP,
-    "compress.registry": APP,
+    "compress.mlflow_registry": APP,
     "compress.search": APP,
     "compress.model_card": APP,
     "compress.models": APP,
