@@ -370,7 +370,7 @@ def gate(
     from compress.documents import json_safe, write_document
     from compress.eval.reports import write_reports
     from compress.fsutil import atomic_directory
-    from compress.gate import check_report_directory, run_gate, write_listing
+    from compress.gate_artifact import check_report_directory, run_gate, write_listing
     from compress.marker import GATE_REPORT
     from compress.progress import Reporter
     from compress.schema.report import Report

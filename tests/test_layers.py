@@ -35,7 +35,7 @@ OVERRIDES = {
     "compress.quantizers.core": CORE,
     "compress.eval.metrics": CORE,
     "compress.pipeline": APP,
-    "compress.gate": APP,
+    "compress.gate_artifact": APP,
     "compress.mlflow_registry": APP,
     "compress.search": APP,
     "compress.model_card": APP,
