@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from compress.calibration import CalibrationChecker
+    from compress.calibration_checks import CalibrationChecker
     from compress.progress import Reporter
     from compress.quantizers.core import QuantizedWeight
     from compress.quantizers.kv_cache import KVCacheScheme
