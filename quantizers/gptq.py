@@ -189,7 +189,7 @@ def gptq_quantize(
     ``sub_block``: the columns whose rounding errors reach each other eagerly inside a block of
     ``block_size``, as in the two-level blocking of GPTQ's lazy batch updates. ``numpy_columns``: on
     CPU, run the column loop on NumPy views of the torch tensors (False: torch's own ops, which CUDA
-    always uses). Both change speed, not the sums; scripts/gptq_columns.py times them."""
+    always uses). Both change speed, not the sums; scripts/experiments/gptq_columns.py times them."""
     box = hessian if isinstance(hessian, list) else [hessian.to(torch.float32).clone()]
     if isinstance(hessian, list) and box[0].dtype != torch.float32:
         box[0] = box[0].to(torch.float32)
@@ -244,7 +244,7 @@ def _gptq(
     # The factorization above and each block's update below are large products that use every
     # thread; the column loop is thousands of tiny ops, which run on one CPU thread, in NumPy on CPU
     # (views of the same memory, the same float32 operations: bit for bit torch's result at a fraction
-    # of its cost per call; scripts/gptq_columns.py).
+    # of its cost per call; scripts/experiments/gptq_columns.py).
     cpu = wt.device.type == "cpu"
     columns = one_cpu_thread if cpu else nullcontext
     ops = _NUMPY_OPS if cpu and numpy_columns else _TORCH_OPS

@@ -180,7 +180,7 @@ PIECE_TOKENS = 128
 """Tokens llama.cpp decodes in one call when scoring (its batch and micro-batch). Its logits
 buffers grow with the outputs of one call (tokens x vocab x 4 bytes, both its output buffer and
 the graph's result: 78 MB each at 128 tokens and a 152k vocabulary), so a smaller piece keeps the
-peak down at the same logits and about the same time a row (scripts/llama_pieces.py measures it)."""
+peak down at the same logits and about the same time a row (scripts/experiments/llama_pieces.py measures it)."""
 
 
 class LlamaCppModel:

@@ -5,8 +5,8 @@ time, whether NumPy and torch give the same record bit for bit at the same sub-b
 of codes equal to the one-level loop's (the sums are the same, their float rounding not). SmolLM2's and
 Qwen2.5-1.5B's layer shapes, Hessians from random activations; medians of repeats.
 
-    OMP_NUM_THREADS=2 python scripts/gptq_columns.py --repeats 3
-    OMP_NUM_THREADS=2 python scripts/gptq_columns.py --reference   # the whole stage on SmolLM2-135M
+    OMP_NUM_THREADS=2 python scripts/experiments/gptq_columns.py --repeats 3
+    OMP_NUM_THREADS=2 python scripts/experiments/gptq_columns.py --reference   # the whole stage on SmolLM2-135M
 
 Run with nothing else busy: one other process on 2 cores slows torch many-fold.
 """
@@ -48,7 +48,7 @@ def reference_stage(repeats: int) -> None:
     from compress.progress import Reporter
     from compress.schema.recipe import DataSpec, ModelSpec
 
-    root, quiet = Path(__file__).resolve().parents[1], Reporter(quiet=True)
+    root, quiet = Path(__file__).resolve().parents[2], Reporter(quiet=True)
     lm = load_model(ModelSpec(source="reference:smollm2-135m"), root, quiet)
     lm.model = streaming.materialize(lm.model)
     data = DataSpec(calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256})
