@@ -92,8 +92,8 @@ def run(
 def _publish_run(loaded: Any, directory: Path, quiet: bool) -> None:
     """The recipe's `publish:` block, after a run: a refusal (a gate failed) is printed, and the
     run's exit code (1) already says it; a registry error exits 2."""
+    from compress.mlflow_registry import PublishRefused, publish, resolve_location
     from compress.progress import Reporter
-    from compress.registry import PublishRefused, publish, resolve_location
 
     spec = loaded.recipe.publish
     if spec is None:
@@ -124,9 +124,9 @@ def publish(
 
     Exit code 0 when published (or already there), 1 when refused because a gate failed, 2 on an error.
     """
+    from compress.mlflow_registry import publish as publish_artifact
+    from compress.mlflow_registry import resolve_location
     from compress.progress import Reporter
-    from compress.registry import publish as publish_artifact
-    from compress.registry import resolve_location
 
     published = publish_artifact(artifact, name, alias or [], force, resolve_location(uri, store), Reporter(err, quiet=quiet))
     print_published(published)
@@ -144,9 +144,9 @@ def pull(
 ) -> None:
     """Download a published version and verify every file's SHA-256 against its manifest and the
     version's tags; on any difference nothing is written and the exit code is 2."""
+    from compress.mlflow_registry import pull as pull_version
+    from compress.mlflow_registry import resolve_location
     from compress.progress import Reporter
-    from compress.registry import pull as pull_version
-    from compress.registry import resolve_location
 
     location = resolve_location(uri, store)
     pulled = pull_version(ref, output, location, overwrite, Reporter(err, quiet=quiet))
@@ -168,7 +168,7 @@ def registry_list(
 ) -> None:
     """Registered models, their versions, aliases and gate status, and publishes that did not end
     in a version (a publish whose process is gone is marked failed here)."""
-    from compress.registry import list_registry, resolve_location
+    from compress.mlflow_registry import list_registry, resolve_location
 
     listing = list_registry(resolve_location(uri, store), name)
     if as_json:
@@ -267,7 +267,7 @@ def gate(
     from compress.documents import json_safe, write_document
     from compress.eval.reports import write_reports
     from compress.fsutil import atomic_directory
-    from compress.gate import check_report_directory, run_gate, write_listing
+    from compress.gate_artifact import check_report_directory, run_gate, write_listing
     from compress.marker import GATE_REPORT
     from compress.progress import Reporter
     from compress.schema.report import Report
@@ -290,7 +290,7 @@ def schema(
 ) -> None:
     """Print the JSON Schema of a recipe, a manifest.json or a report.json (for editors and CI linters);
     the same files are committed under docs/schemas/."""
-    from compress.schema.documents import DOCUMENTS, render
+    from compress.schema.json_schemas import DOCUMENTS, render
 
     if document not in DOCUMENTS:
         raise CompressError(f"unknown document '{document}'; expected one of: {', '.join(DOCUMENTS)}")

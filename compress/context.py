@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from compress.calibration import CalibrationChecker
+    from compress.calibration_checks import CalibrationChecker
     from compress.export.format import ExportFormat
     from compress.progress import Reporter
     from compress.quantizers.core import QuantizedWeight

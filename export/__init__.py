@@ -12,7 +12,7 @@ compress.plugins.EXPORT_FORMATS:
   AutoAWQ (read), and the directory helpers they share.
 
 Shared: ``format.py`` (the spec base ``ExportFormat`` and the latency ``Runner``),
-``registry.py`` (the pipeline's check / write / report / gate glue), ``parity.py`` (the runtime
+``recipe_exports.py`` (the pipeline's check / write / report / gate glue), ``parity.py`` (the runtime
 verifiers' inputs), ``packing.py`` (int32 bit packing). The recipe's ``exports`` items (no torch)
 are in compress/schema/exports.py.
 """

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from compress import streaming
-from compress.calibration import relative_error
+from compress.calibration_checks import relative_error
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.core import QuantizedWeight, sqnr_db

@@ -78,9 +78,8 @@ def search_scales(
 
 
 # Rows of the weight searched at once: a chunk of about 2^19 weights (2 MB in float32 per temporary).
-# Rows are independent, so the chunking changes only the speed: at 64 rows a step the loop's
-# per-step overhead was half the search's time on 2 cores (a 1536 x 576 weight: 99 ms at 64 rows, 50 ms
-# at this default; `python scripts/awq_clip_rows.py`), and AWQ runs the search once per scale candidate.
+# Rows are independent, so the chunking changes only the speed: fewer, larger steps cut the loop's
+# per-step overhead, which AWQ pays once per scale candidate (`python scripts/experiments/awq_clip_rows.py` times it).
 CLIP_CHUNK_WEIGHTS = 1 << 19
 
 
@@ -94,7 +93,7 @@ def search_clip(
     ``H = Xᵀ X / t`` (the same number, at ``group/t`` of the cost of replaying the tokens).
     ``rows_per_step`` (default: ``CLIP_CHUNK_WEIGHTS`` weights' worth of rows, at least 64) sets only
     the temporaries' memory and the speed: each row is searched on its own (bounds bit-equal at 7, 64,
-    256 and 1024 rows in tests/test_calibrated.py and scripts/awq_clip_rows.py).
+    256 and 1024 rows in tests/test_calibrated.py and scripts/experiments/awq_clip_rows.py).
     """
     x = x.to(device=weight.device, dtype=torch.float32)
     w_groups = group_rows(weight, scheme)  # [out, G, g]

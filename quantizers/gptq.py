@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from compress.calibration import check_token_count
+from compress.calibration_checks import check_token_count
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
@@ -34,14 +34,6 @@ HESSIAN_STRIP = 1024
 """With ``upper_only``, inputs wider than this accumulate H a strip of rows at a time over its upper
 triangle (H is symmetric): 56% of the products for the 8,960-wide down_proj, 78% at 1,536;
 ``mirror_upper`` fills the lower triangle before use."""
-
-SUB_BLOCK = 16
-"""Columns whose rounding errors reach each other eagerly inside GPTQ's block (``block_size``), as in
-the two-level blocking of GPTQ's lazy batch updates (scripts/gptq_columns.py)."""
-
-COLUMNS_IN_NUMPY = True
-"""On CPU, run the column loop on NumPy views of the torch tensors (False: torch's own ops, which the
-CUDA path always uses; scripts/gptq_columns.py times and checks both)."""
 
 
 class _ColumnOps(NamedTuple):
@@ -186,19 +178,34 @@ def gptq_quantize(
     dampening: float = 0.01,
     block_size: int = 128,
     act_order: bool = True,
+    *,
+    sub_block: int = 16,
+    numpy_columns: bool = True,
 ) -> tuple[QuantizedWeight, dict[str, float]]:
     """Quantize ``weight`` [out, in] with GPTQ given its input Hessian [in, in]. A Hessian handed over
     in a one-element list (``[h]``) is taken out of it and overwritten, so no copy of it is kept
-    (the stage's way: a down_proj Hessian is 321 MB); a bare tensor is left as it is."""
+    (the stage's way: a down_proj Hessian is 321 MB); a bare tensor is left as it is.
+
+    ``sub_block``: the columns whose rounding errors reach each other eagerly inside a block of
+    ``block_size``, as in the two-level blocking of GPTQ's lazy batch updates. ``numpy_columns``: on
+    CPU, run the column loop on NumPy views of the torch tensors (False: torch's own ops, which CUDA
+    always uses). Both change speed, not the sums; scripts/experiments/gptq_columns.py times them."""
     box = hessian if isinstance(hessian, list) else [hessian.to(torch.float32).clone()]
     if isinstance(hessian, list) and box[0].dtype != torch.float32:
         box[0] = box[0].to(torch.float32)
     del hessian
-    return _gptq(weight, box, scheme, dampening, block_size, act_order)
+    return _gptq(weight, box, scheme, dampening, block_size, act_order, sub_block, numpy_columns)
 
 
 def _gptq(
-    weight: torch.Tensor, box: list[torch.Tensor], scheme: QuantScheme, dampening: float, block_size: int, act_order: bool
+    weight: torch.Tensor,
+    box: list[torch.Tensor],
+    scheme: QuantScheme,
+    dampening: float,
+    block_size: int,
+    act_order: bool,
+    sub_block: int,
+    numpy_columns: bool,
 ) -> tuple[QuantizedWeight, dict[str, float]]:
     w = weight.detach().to(torch.float32).clone()
     h = box.pop()
@@ -228,7 +235,7 @@ def _gptq(
     hinv, used_damp = _inverse_cholesky(box, dampening)
 
     # Transposed, a weight column is a contiguous row: the column loop's reads and writes stay in
-    # cache lines of their own (on a [1536, 128] block, column by column, they were 4x slower).
+    # cache lines of their own.
     wt = w.t().contiguous()
     del w
     codes_t = torch.empty(in_f, out_f, dtype=torch.float32, device=wt.device)
@@ -237,10 +244,10 @@ def _gptq(
     # The factorization above and each block's update below are large products that use every
     # thread; the column loop is thousands of tiny ops, which run on one CPU thread, in NumPy on CPU
     # (views of the same memory, the same float32 operations: bit for bit torch's result at a fraction
-    # of its cost per call; scripts/gptq_columns.py).
+    # of its cost per call; scripts/experiments/gptq_columns.py).
     cpu = wt.device.type == "cpu"
     columns = one_cpu_thread if cpu else nullcontext
-    ops = _NUMPY_OPS if cpu and COLUMNS_IN_NUMPY else _TORCH_OPS
+    ops = _NUMPY_OPS if cpu and numpy_columns else _TORCH_OPS
     view, qmax = ops.view, float(params.scheme.qmax)
     wt_x, codes_x, hinv_x = view(wt), view(codes_t), view(hinv)
     err_buffer, diff_buffer = (torch.empty(min(block_size, in_f), out_f, device=wt.device) for _ in range(2))
@@ -253,7 +260,7 @@ def _gptq(
         # sub-block's to the block's later columns in one product: the same sums as updating every later
         # column of the block at once, at a fraction of the memory traffic. Without act_order each
         # unit starts a sub-block, so its parameters come from weights that hold every earlier update.
-        starts = sorted({*range(0, i2 - i1, SUB_BLOCK), *(c - i1 for c in range(-(-i1 // unit) * unit, i2, unit) if not act_order)})
+        starts = sorted({*range(0, i2 - i1, sub_block), *(c - i1 for c in range(-(-i1 // unit) * unit, i2, unit) if not act_order)})
         with columns():
             for a, b in zip(starts, [*starts[1:], i2 - i1], strict=True):
                 col = i1 + a
@@ -286,9 +293,11 @@ def _gptq(
 class GPTQStage:
     """The recipe step ``quantize: {method: gptq, ...}``: layer-wise over the decoder blocks."""
 
-    def __init__(self, config: GPTQConfig, label: str) -> None:
+    def __init__(self, config: GPTQConfig, label: str, *, sub_block: int = 16, numpy_columns: bool = True) -> None:
         self.config = config
         self.label = label
+        self.sub_block = sub_block  # gptq_quantize's column-loop tunables (speed only)
+        self.numpy_columns = numpy_columns
 
     def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
         cfg = self.config
@@ -347,7 +356,16 @@ class GPTQStage:
                 else:  # the last linear sharing a Hessian takes it, the others a copy
                     box = [hessians[owner].clone() if left[owner] else hessians.pop(owner)]
                 full = job.prefix + name
-                record, info = gptq_quantize(module.weight, box, scheme_of(full), cfg.dampening, cfg.block_size, cfg.act_order)
+                record, info = gptq_quantize(
+                    module.weight,
+                    box,
+                    scheme_of(full),
+                    cfg.dampening,
+                    cfg.block_size,
+                    cfg.act_order,
+                    sub_block=self.sub_block,
+                    numpy_columns=self.numpy_columns,
+                )
                 job.layer_info[full] = {
                     **install_record(model, full, module, record, ctx, self.label),
                     **{k: round(v, 6) for k, v in info.items()},

@@ -59,7 +59,7 @@ CLIP = (1.0, 0.93, 0.86, 1.0333, 1.0667)
 refit by least squares: a shrunk range rounds a few outliers coarsely for a finer step everywhere else;
 a slightly widened one leaves the top code unused, which puts a coarser source grid's step within the
 refit's reach (a Q4_1 grid in a Q5_1 block has 1/30 of the block's range as its step, not 1/31).
-scripts/grid_refit.py measured this set against eight shrunk ranges with and without the refit."""
+scripts/experiments/grid_refit.py measured this set against eight shrunk ranges with and without the refit."""
 
 
 SUB_STEPS = (-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from compress import streaming
-from compress.calibration import check_finite, check_layer_errors
+from compress.calibration_checks import check_finite, check_layer_errors
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize

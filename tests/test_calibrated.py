@@ -131,7 +131,7 @@ def test_act_order_keeps_groups_static_and_contiguous() -> None:
 
 
 @pytest.mark.parametrize("type_name", ["W3 g24 asym", "q4_1", "q4_k", "q6_k"])
-def test_numpy_column_loop_is_torchs_bit_for_bit_and_sub_blocks_keep_the_sums(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_numpy_column_loop_is_torchs_bit_for_bit_and_sub_blocks_keep_the_sums(type_name: str) -> None:
     """On CPU the column loop runs on NumPy views; CUDA runs the same loop in torch. Both must give
     the same record bit for bit. Sub-blocks (errors sent eagerly within 16 columns, then to the
     rest of the block in one product) are the same sums as the one-level loop (a sub-block as wide
@@ -147,9 +147,7 @@ def test_numpy_column_loop_is_torchs_bit_for_bit_and_sub_blocks_keep_the_sums(ty
     for act_order in (False, True):
         records = {}
         for numpy, sub in ((True, 16), (False, 16), (True, 5), (False, 5), (True, 128)):
-            monkeypatch.setattr(gptq_module, "COLUMNS_IN_NUMPY", numpy)
-            monkeypatch.setattr(gptq_module, "SUB_BLOCK", sub)
-            records[numpy, sub], _ = gptq_quantize(w, h, scheme, act_order=act_order)
+            records[numpy, sub], _ = gptq_quantize(w, h, scheme, act_order=act_order, sub_block=sub, numpy_columns=numpy)
         for sub in (16, 5):
             a, b = records[True, sub], records[False, sub]
             assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("codes", "scale", "zero_point")), (sub, act_order)

@@ -1,4 +1,4 @@
-"""Calibration sanity checks (compress/calibration.py): on the text, on what it drives through the
+"""Calibration sanity checks (compress/calibration_checks.py): on the text, on what it drives through the
 model, their severities (error / warn / off) and what the manifest records."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.calibration import (
+from compress.calibration_checks import (
     CalibrationChecker,
     check_text,
     dominant_tokens,

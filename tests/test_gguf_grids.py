@@ -381,7 +381,7 @@ def test_the_sub_block_search_finds_a_source_k_quant_grid_again(monkeypatch: pyt
     and highest code) round back to themselves: the sub-block step search (grid_search.SUB_STEPS) finds
     each sub-block's codes (or, signed, their mirror image), hence its scale and ``d``. Without it, the range search and the refit do
     not where sub-blocks of one super-block span different numbers of codes
-    (the real case: Qwen2.5-Coder-1.5B, distributed as Q4_K_M; scripts/rounding_choice.py). Stored
+    (the real case: Qwen2.5-Coder-1.5B, distributed as Q4_K_M; scripts/experiments/rounding_choice.py). Stored
     in bfloat16 (as that model's checkpoint is), the weights are rounded as closely as the source grid
     holds them."""
     from compress.quantizers import grid_search

@@ -12,8 +12,8 @@ import torch
 from compress.artifact import load_artifact
 from compress.context import RunContext
 from compress.errors import CompressError
-from compress.eval.coverage import expert_coverage
 from compress.eval.gates import evaluate_gates
+from compress.eval.moe_coverage import expert_coverage
 from compress.experts import PROJECTIONS, expert_view
 from compress.progress import Reporter
 from compress.quantizers.awq import AWQStage

@@ -138,7 +138,7 @@ def test_device_profiles_refuse_names_no_format_runs_as(tmp_path: Path, tiny_mod
     error naming the profile, the key and the known names (in a recipe and in a profile file alike)."""
     from compress.errors import CompressError
     from compress.eval.devices import load_profiles
-    from compress.gate import load_gates_file
+    from compress.gate_artifact import load_gates_file
 
     text = recipe_text(tiny_model_dir, text_dir) + f"devices: {json.dumps([_device('numpy-board', ['numpy'], ['hf'])])}\n"
     result = run_cli(["validate", write_recipe(tmp_path, text)])

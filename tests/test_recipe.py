@@ -161,7 +161,7 @@ def test_a_float_key_still_takes_an_integer_and_exponents_are_numbers(tmp_path: 
 
 def test_gates_file_version_is_1_and_not_a_boolean(tmp_path: Path) -> None:
     from compress.errors import CompressError
-    from compress.gate import load_gates_file
+    from compress.gate_artifact import load_gates_file
 
     for version, expected in (("true", "true is a boolean"), ("2", "Input should be 1")):
         path = tmp_path / f"gates-{version}.yaml"

@@ -255,7 +255,7 @@ def test_four_processes_publishing_at_once_all_land_as_distinct_complete_version
 KILL_MIDWAY = textwrap.dedent("""
     import os, signal, sys
     from mlflow import MlflowClient
-    from compress.registry import publish, resolve_location
+    from compress.mlflow_registry import publish, resolve_location
 
     real = MlflowClient.log_artifact
     calls = []
@@ -384,7 +384,7 @@ def test_bad_references_and_unknown_versions_say_what_exists(artifacts, tmp_path
 
 def test_location_order_uri_then_store_then_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from compress.errors import CompressError
-    from compress.registry import resolve_location
+    from compress.mlflow_registry import resolve_location
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
     monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
@@ -531,7 +531,7 @@ def test_an_embedded_registry_killed_while_mlflow_creates_it_is_created_again(ar
     publish that dies while MLflow migrates it leaves no registry database, and the next one works."""
     import mlflow.store.db.utils as mlflow_db
 
-    from compress.registry import DATABASE
+    from compress.mlflow_registry import DATABASE
 
     store = tmp_path / "registry"
     real_upgrade = mlflow_db._upgrade_db

@@ -81,7 +81,7 @@ Severity = Literal["error", "warn", "off"]
 
 class CalibrationChecks(Strict):
     """Sanity checks on the calibration text and on what it drives through the model
-    (compress/calibration.py). Each check is ``error`` (the run stops, exit 2), ``warn`` (a warning;
+    (compress/calibration_checks.py). Each check is ``error`` (the run stops, exit 2), ``warn`` (a warning;
     the run goes on) or ``off``; every result goes into manifest.json under ``calibration.checks``."""
 
     tokens: Severity = Field(

@@ -1,7 +1,7 @@
 """report.json: evaluations, gate results and exports of one `compress run`, `compress gate` or search.
 
 These models describe exactly what the writers put in report.json (compress/steps/report.py,
-compress/gate.py, compress/search.py); each validates its report against `Report` before writing
+compress/gate_artifact.py, compress/search.py); each validates its report against `Report` before writing
 it, and docs/schemas/report.schema.json is generated from them (`compress schema report`).
 Numbers that are not finite are written as the strings "nan", "inf" and "-inf".
 Open-ended parts (metrics, details, host facts, device fits, the KV cache section) take any keys.

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from compress.data import Chunks
-from compress.eval.coverage import expert_coverage
 from compress.eval.kv_eval import evaluate_kv
 from compress.eval.metrics import Evaluation, Forward, Scores, compare
+from compress.eval.moe_coverage import expert_coverage
 from compress.progress import Reporter
 from compress.schema.kv_cache import KV_CACHE_ARTIFACT
 from compress.schema.recipe import Recipe

@@ -1,5 +1,5 @@
 """Step 5: each of the recipe's exports written from the records read back from model/, and verified
-on its own runtime (compress/export/registry.py asks each format's spec)."""
+on its own runtime (compress/export/recipe_exports.py asks each format's spec)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from compress import streaming
 from compress.eval.baseline import head_read_from_disk
 from compress.eval.metrics import Evaluation
 from compress.export.parity import VerifyInputs
-from compress.export.registry import check_exports, write_exports
+from compress.export.recipe_exports import check_exports, write_exports
 from compress.fsutil import tree_size
 from compress.schema.exports import EXPORTS_DIR
 from compress.steps.load import Run, Source

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compress.calibration import CalibrationChecker, check_text
+from compress.calibration_checks import CalibrationChecker, check_text
 from compress.data import Chunks, DataPlan
 from compress.distill.train import process_rank
 from compress.errors import CompressError
@@ -82,7 +82,7 @@ class Source:
     """The baseline's side of every comparison: its final hidden states, computed once per row (eval/baseline.py)."""
     calibration: Chunks | None = None
     checks: CalibrationChecker | None = None
-    """The recipe's calibration sanity checks (compress/calibration.py): the text's when it is
+    """The recipe's calibration sanity checks (compress/calibration_checks.py): the text's when it is
     tokenized, the model's by the calibrated quantizers; None without a data.calibration section."""
     tasks: list[Any] = field(default_factory=list)
     """The recipe's task question sets, read and checked before any stage runs (compress/eval/tasks.py's TaskData)."""

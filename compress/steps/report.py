@@ -8,7 +8,7 @@ from compress.data import Chunks
 from compress.eval.gates import GateResult, evaluate_gates
 from compress.eval.identity import with_build
 from compress.eval.metrics import Evaluation
-from compress.export.registry import gate_evaluations, report_entries
+from compress.export.recipe_exports import gate_evaluations, report_entries
 from compress.schema.recipe import Recipe
 from compress.schema.report import REPORT_VERSION
 from compress.steps.evaluate import InMemory

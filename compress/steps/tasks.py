@@ -31,7 +31,7 @@ def measure(root: Path, run: Run, source: Source, staged: Staged, exported: Expo
     """One ``task`` evaluation per task and artifact. Each artifact is opened once on its runtime and
     answers all the tasks that score it; an export its runtime cannot run here is reported as such.
     A checkpoint export (compressed-tensors, gptq) holds the compressed model's records: its gates
-    read the compressed model's task numbers (export/registry.py's gate_evaluations)."""
+    read the compressed model's task numbers (export/recipe_exports.py's gate_evaluations)."""
     recipe = run.recipe
     if not recipe.tasks:
         return []

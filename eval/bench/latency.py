@@ -13,7 +13,7 @@ from compress.documents import library_versions
 from compress.eval.bench.quant import write_results
 from compress.eval.latency import LatencySettings
 from compress.eval.performance import Timed, cuda_device_name, measure_all
-from compress.gate import inspect
+from compress.gate_artifact import inspect
 from compress.progress import Reporter
 
 COMPARED = ("ttft_ms", "tpot_ms", "decode_tokens_per_s", "batch_decode_tokens_per_s")

@@ -55,7 +55,7 @@ def export(
     return {
         "name": spec.name,
         "format": spec.format,
-        "path": None,  # set by the registry
+        "path": None,  # set by recipe_exports.write_exports
         "layers": len(records),
         "verified": True,
         "check": EXACTNESS_CHECK,

@@ -1,4 +1,4 @@
-"""The quantized Hugging Face checkpoint formats we read and write, in one explicit registry, and
+"""The quantized Hugging Face checkpoint formats we read and write, in one explicit table, and
 the model loader's glue (detect + import checkpoints).
 
 Importers dequantize a checkpoint's records into a float model and hand the records on, so the

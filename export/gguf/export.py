@@ -119,7 +119,7 @@ def export(
     entry: dict[str, Any] = {
         "name": spec.name,
         "format": "gguf",
-        "path": None,  # set by the registry
+        "path": None,  # set by recipe_exports.write_exports
         "type": type_name,
         "quantizer": spec.quantizer,
         "layers": len(records),

@@ -179,10 +179,8 @@ class LlamaCppVocab:
 PIECE_TOKENS = 128
 """Tokens llama.cpp decodes in one call when scoring (its batch and micro-batch). Its logits
 buffers grow with the outputs of one call (tokens x vocab x 4 bytes, both its output buffer and
-the graph's result): 128 tokens at a 152k vocabulary are 78 MB each, where a whole 512-token row
-was 311 MB each, beside llama-cpp-python's own copy of every row's logits (no longer made).
-Measured on Qwen2.5-Coder-1.5B cut to 4 blocks, 512-token rows (scripts/llama_pieces.py): peak RSS
-864 MiB at 128 tokens a call, 1,230 MiB at 512, the same logits, 1.74 vs 1.71 s a row."""
+the graph's result: 78 MB each at 128 tokens and a 152k vocabulary), so a smaller piece keeps the
+peak down at the same logits and about the same time a row (scripts/experiments/llama_pieces.py measures it)."""
 
 
 class LlamaCppModel:

@@ -269,7 +269,7 @@ def _write(
     entry: dict[str, Any] = {
         "name": spec.name,
         "format": "onnx",
-        "path": None,  # set by the registry
+        "path": None,  # set by recipe_exports.write_exports
         **facts,
         "accuracy_level": spec.accuracy_level if facts["precision"] in INT_BITS else None,
         "layers": len(records),

@@ -91,7 +91,7 @@ def export(
     entry: dict[str, Any] = {
         "name": spec.name,
         "format": "tensorrt",
-        "path": None,  # set by the registry
+        "path": None,  # set by recipe_exports.write_exports
         "onnx": facts,
         "layers": len(records),
         "onnx_check": check_result,

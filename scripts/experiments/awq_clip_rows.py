@@ -1,6 +1,6 @@
 """How the rows AWQ's clipping search takes at once change its speed, and that they change nothing else.
 
-    python scripts/awq_clip_rows.py
+    python scripts/experiments/awq_clip_rows.py
 
 For SmolLM2-135M's three weight shapes (gate/up 1536 x 576, down 576 x 1536, attention 576 x 576),
 random weights and 512 random tokens, W3 g128 symmetric (the real-model AWQ test's scheme): the best of
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compress.quantizers.awq import search_clip  # noqa: E402
 from compress.schema.quantize import QuantScheme  # noqa: E402

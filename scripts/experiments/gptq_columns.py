@@ -1,11 +1,12 @@
 """GPTQ's column loop on CPU: as it was (torch's own ops, every column's error sent at once to the
-rest of its 128-column block) against NumPy views with sub-blocks of ``SUB_BLOCK`` columns. Per layer:
+rest of its 128-column block) against NumPy views with sub-blocks of 16 columns (``gptq_quantize``'s
+``numpy_columns`` and ``sub_block``). Per layer:
 time, whether NumPy and torch give the same record bit for bit at the same sub-blocks, and the share
 of codes equal to the one-level loop's (the sums are the same, their float rounding not). SmolLM2's and
 Qwen2.5-1.5B's layer shapes, Hessians from random activations; medians of repeats.
 
-    OMP_NUM_THREADS=2 python scripts/gptq_columns.py --repeats 3
-    OMP_NUM_THREADS=2 python scripts/gptq_columns.py --reference   # the whole stage on SmolLM2-135M
+    OMP_NUM_THREADS=2 python scripts/experiments/gptq_columns.py --repeats 3
+    OMP_NUM_THREADS=2 python scripts/experiments/gptq_columns.py --reference   # the whole stage on SmolLM2-135M
 
 Run with nothing else busy: one other process on 2 cores slows torch many-fold.
 """
@@ -28,6 +29,7 @@ SHAPES = {
     "SmolLM2 down_proj": (576, 1536),
     "Qwen2.5-1.5B q_proj": (1536, 1536),
 }
+SUB_BLOCK = 16  # gptq_quantize's default
 SCHEMES = {
     "W4 g64 sym": QuantScheme(bits=4, group_size=64, symmetric=True),
     "Q4_K": QuantScheme(gguf_type="q4_k"),
@@ -46,22 +48,20 @@ def reference_stage(repeats: int) -> None:
     from compress.progress import Reporter
     from compress.schema.recipe import DataSpec, ModelSpec
 
-    root, quiet = Path(__file__).resolve().parents[1], Reporter(quiet=True)
+    root, quiet = Path(__file__).resolve().parents[2], Reporter(quiet=True)
     lm = load_model(ModelSpec(source="reference:smollm2-135m"), root, quiet)
     lm.model = streaming.materialize(lm.model)
     data = DataSpec(calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256})
     cal = DataPlan.load(data, root, quiet).chunks("calibration", lm.tokenizer).tokens
-    sub, times, codes = gptq.SUB_BLOCK, {}, {}
+    times, codes = {}, {}
     for _ in range(repeats):
-        for variant, (numpy, size) in {"before": (False, 128), "now": (True, sub)}.items():
-            gptq.COLUMNS_IN_NUMPY, gptq.SUB_BLOCK = numpy, size
+        for variant, (numpy, size) in {"before": (False, 128), "now": (True, SUB_BLOCK)}.items():
             model = copy.deepcopy(lm.model)
             ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=lm.tokenizer, reporter=quiet, calibration=lambda: cal)
             start = time.perf_counter()
-            gptq.GPTQStage(GPTQConfig(bits=4, group_size=64), "s").apply(model, ctx)
+            gptq.GPTQStage(GPTQConfig(bits=4, group_size=64), "s", sub_block=size, numpy_columns=numpy).apply(model, ctx)
             times.setdefault(variant, []).append(time.perf_counter() - start)
             codes[variant] = [m.weight.detach().clone() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    gptq.SUB_BLOCK = sub
     same = sum(int((a == b).sum()) for a, b in zip(codes["before"], codes["now"], strict=True))
     total = sum(a.numel() for a in codes["now"])
     before, now = statistics.median(times["before"]), statistics.median(times["now"])
@@ -82,8 +82,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, {args.tokens} tokens, act_order, medians of {args.repeats}")
     print("| layer | [out, in] | grid | before, s | now, s | before / now | NumPy = torch | codes as before |")
     print("|---|---|---|---|---|---|---|---|")
-    sub = gptq.SUB_BLOCK
-    variants = {"before": (False, 128), "now": (True, sub), "torch": (False, sub)}
+    variants = {"before": (False, 128), "now": (True, SUB_BLOCK), "torch": (False, SUB_BLOCK)}
     for name, (out_f, in_f) in SHAPES.items():
         w = torch.randn(out_f, in_f) * 0.02
         h = torch.zeros(in_f, in_f)
@@ -93,17 +92,14 @@ def main() -> None:
             records = {}
             for _ in range(args.repeats):
                 for variant, (numpy, size) in variants.items():
-                    gptq.COLUMNS_IN_NUMPY, gptq.SUB_BLOCK = numpy, size
                     start = time.perf_counter()
-                    records[variant], _ = gptq.gptq_quantize(w, h, scheme)
+                    records[variant], _ = gptq.gptq_quantize(w, h, scheme, sub_block=size, numpy_columns=numpy)
                     times[variant].append(time.perf_counter() - start)
             fields = ("codes", "scale", "zero_point")
             same = all(torch.equal(getattr(records["now"], f), getattr(records["torch"], f)) for f in fields)
             kept = (records["now"].codes == records["before"].codes).double().mean().item()
             before, now = statistics.median(times["before"]), statistics.median(times["now"])
             print(f"| {name} | [{out_f}, {in_f}] | {grid} | {before:.2f} | {now:.2f} | {before / now:.2f} | {same} | {kept:.5f} |")
-    gptq.SUB_BLOCK = sub
-    gptq.COLUMNS_IN_NUMPY = True
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ the same grid, or llama.cpp's own quantizer (``llama-quantize --pure`` of our F1
 gguf-py). The error is GPTQ's objective, ½ tr(ΔW H ΔWᵀ) with H = 2/n Σ x xᵀ of the layer's inputs in
 the unquantized model, relative to ½ tr(W H Wᵀ).
 
-    python scripts/rounding_choice.py -o DIR [--model reference:qwen2.5-coder-1.5b] [--blocks 0,9,18,27]
+    python scripts/experiments/rounding_choice.py -o DIR [--model reference:qwen2.5-coder-1.5b] [--blocks 0,9,18,27]
         [--types q4_k,q6_k] [--cal 8x512] [--threads 2]
 
 Writes DIR/f16.gguf and DIR/llama.TYPE.gguf once (reused on a later run), prints a table per type and
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402

@@ -1,7 +1,7 @@
 """Time and accuracy of GPTQ / AWQ on a random Qwen3-MoE, experts calibrated on their routed tokens
 or on every token (docs/quantization.md, "Mixture of experts").
 
-    python scripts/moe_calibration.py [--experts 32] [--top-k 4] [--hidden 256] [--layers 4]
+    python scripts/experiments/moe_calibration.py [--experts 32] [--top-k 4] [--hidden 256] [--layers 4]
         [--cal 32x128] [--eval 16x128] [--threads 2] [-o moe-calibration.json]
 
 No Qwen3-MoE checkpoint is in the reference assets, so the model is random (seed 0, the tests' tiny
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from compress.context import RunContext  # noqa: E402

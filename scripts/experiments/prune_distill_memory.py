@@ -5,7 +5,7 @@ time, and read from disk while training), and pruning alone. Each variant is one
 minutes on 2 CPU cores; the table comes from each run's report.json (``memory``: peak RSS per
 phase) and manifest.json (the distill stage's summary).
 
-    python scripts/prune_distill_memory.py OUT_DIR [--steps 20] [--top-k 64] [--only live,stored,prune]
+    python scripts/experiments/prune_distill_memory.py OUT_DIR [--steps 20] [--top-k 64] [--only live,stored,prune]
 
 Numbers and the command that measured them: docs/pruning.md ("Memory").
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "recipes" / "prune-distill-float.yaml"
 
 

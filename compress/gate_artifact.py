@@ -27,12 +27,12 @@ from pydantic import Field, field_validator, model_validator
 
 from compress.data import DataPlan
 from compress.errors import EXIT_GATE_FAILED, EXIT_OK, CompressError
-from compress.eval.coverage import expert_coverage
 from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.gates import GateResult, evaluate_gates
 from compress.eval.identity import with_build
 from compress.eval.latency import LatencySettings, Target, load_torch_model
 from compress.eval.metrics import Evaluation, compare, torch_forward
+from compress.eval.moe_coverage import expert_coverage
 from compress.eval.performance import Timed, baseline_timed, device_evaluations, measure_all, wanted_devices
 from compress.export.format import TORCH_RUNTIME
 from compress.fsutil import check_target, sha256_file, tree_size

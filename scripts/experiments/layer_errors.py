@@ -1,9 +1,9 @@
 """How far apart the relative quantization errors of layers of one kind are on real models: what the
-calibration check ``layer_error`` (compress/calibration.py) compares, and the data behind its default
+calibration check ``layer_error`` (compress/calibration_checks.py) compares, and the data behind its default
 limit of 10x the kind's median.
 
-    python scripts/layer_errors.py                                   # SmolLM2, GPTQ W4 g128 / W3 g128 / W4 g32 asym
-    python scripts/layer_errors.py --model reference:qwen2.5-coder-1.5b --cal 16x512 --schemes w4g128
+    python scripts/experiments/layer_errors.py                                   # SmolLM2, GPTQ W4 g128 / W3 g128 / W4 g32 asym
+    python scripts/experiments/layer_errors.py --model reference:qwen2.5-coder-1.5b --cal 16x512 --schemes w4g128
 
 For each scheme: GPTQ and AWQ on the model with the calibration chunks, then per kind of layer (its
 name without the block index) the median relative error (weighted by the calibration's Σx² per
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from compress.calibration import layer_kind  # noqa: E402
+from compress.calibration_checks import layer_kind  # noqa: E402
 from compress.context import RunContext  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402

@@ -1,6 +1,6 @@
 """What the load-time finiteness check costs on the reference model (SmolLM2-135M).
 
-    python scripts/integrity_overhead.py
+    python scripts/experiments/integrity_overhead.py
 
 Opens `reference:smollm2-135m` (run `compress assets fetch` first) as a run does, then reads every
 tensor once from the safetensors copy, as a run's first pass does block by block, with the check

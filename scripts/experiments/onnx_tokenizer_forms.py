@@ -2,7 +2,7 @@
 pre-tokenizer, against the source's Hugging Face tokenizer, on the parity corpus (200 KB of mixed
 text, export/parity.py) plus a few non-ASCII numerals.
 
-    python scripts/onnx_tokenizer_forms.py OUT/exports/int4 --source OUT/model
+    python scripts/experiments/onnx_tokenizer_forms.py OUT/exports/int4 --source OUT/model
 
 For each form (``as-written``: the export's file; ``digits+bytelevel``: SmolLM's Digits then
 ByteLevel with its regex; ``two-splits``: what export/onnx/builder.py normalize_tokenizer writes for

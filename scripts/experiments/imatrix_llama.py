@@ -2,16 +2,16 @@
 model (SmolLM2-135M), with llama.cpp's tools built from the sources the installed llama-cpp-python
 vendors (``python scripts/build_llama_tools.py``):
 
-    python scripts/imatrix_llama.py ours -o DIR [--cal 32x512]      # GPTQ's pass -> DIR/imatrix.ours.gguf
-    python scripts/imatrix_llama.py theirs -o DIR [--cal 32x512]    # llama-imatrix -> DIR/imatrix.llama.cpp.gguf
-    python scripts/imatrix_llama.py quantize -o DIR --type q3_k_m   # llama-quantize without / with each imatrix
-    python scripts/gguf_grids.py score -o DIR --eval 16x512 --files FILES
+    python scripts/experiments/imatrix_llama.py ours -o DIR [--cal 32x512]      # GPTQ's pass -> DIR/imatrix.ours.gguf
+    python scripts/experiments/imatrix_llama.py theirs -o DIR [--cal 32x512]    # llama-imatrix -> DIR/imatrix.llama.cpp.gguf
+    python scripts/experiments/imatrix_llama.py quantize -o DIR --type q3_k_m   # llama-quantize without / with each imatrix
+    python scripts/experiments/gguf_grids.py score -o DIR --eval 16x512 --files FILES
 
 ``ours`` runs GPTQ (W4 g32 symmetric unless --setting) on the calibration chunks and writes the
 importance matrix it accumulated (export/gguf/imatrix.py), as a ``compress run`` does beside its GGUF.
 ``theirs`` writes the same calibration chunks as text and runs ``llama-imatrix`` on DIR/f16.gguf over
 them (it tokenizes the text again, in chunks of the same length). ``quantize`` runs ``llama-quantize``
-on DIR/f16.gguf (made by either step, as `scripts/gguf_grids.py make` makes it) with the token
+on DIR/f16.gguf (made by either step, as `scripts/experiments/gguf_grids.py make` makes it) with the token
 embedding in Q8_0: once without an importance matrix and once with each one found in DIR; each file
 gets the .json facts that ``gguf_grids.py score`` reads. Scored there against the F16 file in
 llama.cpp on held-out text.
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gguf_grids, beside this script
 
 from gguf_grids import EMBEDDING, MODEL, TEXT, data_spec, shape  # noqa: E402
 

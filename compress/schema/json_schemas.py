@@ -3,7 +3,7 @@
 `compress schema [recipe|manifest|report]` prints one; docs/schemas/<name>.schema.json holds each
 (a test fails when a committed file differs from the generated schema). To regenerate them:
 
-    python -m compress.schema.documents docs/schemas
+    python -m compress.schema.json_schemas docs/schemas
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ VERSIONS: dict[str, int] = {"recipe": SCHEMA_VERSION, "manifest": MANIFEST_VERSI
 SCHEMA_DIR = Path("docs") / "schemas"
 """Where the generated schemas are committed, relative to the repository root."""
 
-REGENERATE = "python -m compress.schema.documents docs/schemas"
+REGENERATE = "python -m compress.schema.json_schemas docs/schemas"
 
 
 def file_name(name: str) -> str:

@@ -1,7 +1,7 @@
 """How much calibration text, and how many blocks, the real-model "GPTQ and AWQ beat RTN at W3" test needs.
 
-    python scripts/calibration_margin.py 32x512 64x512 128x512
-    python scripts/calibration_margin.py 8x256 --blocks 10 --eval 8x256
+    python scripts/experiments/calibration_margin.py 32x512 64x512 128x512
+    python scripts/experiments/calibration_margin.py 8x256 --blocks 10 --eval 8x256
 
 For each calibration size: W3 g128 symmetric RTN, GPTQ and AWQ on the reference model (SmolLM2-135M)
 (every decoder block, or the first ``--blocks N``), KL against the float model on held-out tokens
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from compress.context import RunContext  # noqa: E402

@@ -3,7 +3,7 @@ and GPTQ on those grids, run on a CUDA device against the same work on the CPU: 
 share of codes that agree, the rounding error on each device, and whether the CUDA records pack into
 GGUF blocks that gguf-py's dequantizer reads back bit for bit. CI has no GPU; run it where one is lent:
 
-    python scripts/cuda_grids.py [--rows 512] [--cols 2048]
+    python scripts/experiments/cuda_grids.py [--rows 512] [--cols 2048]
 
 Prints one JSON line per type and method and exits 1 if a CUDA record does not read back exactly.
 """
@@ -17,7 +17,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import gguf  # noqa: E402

@@ -3,7 +3,7 @@ process loads the file, decodes ROWS rows of SEQ tokens a piece at a time readin
 logits (as the verifier does), and reports resident memory after loading and at its peak, and the
 median seconds a row.
 
-    python scripts/llama_pieces.py OUT/exports/q4_0/model.gguf --pieces 32 64 128 512 --threads 2
+    python scripts/experiments/llama_pieces.py OUT/exports/q4_0/model.gguf --pieces 32 64 128 512 --threads 2
 
 Informs ``PIECE_TOKENS`` in export/gguf/runtime.py (issue 27: llama.cpp's logits buffers at a
 152k vocabulary).

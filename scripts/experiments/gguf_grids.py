@@ -2,9 +2,9 @@
 model (SmolLM2-135M; another with --model), all scored in llama.cpp against our F16 GGUF. Two steps, so that each process
 stays short on a small shared machine (``compress bench gguf`` does both in one run):
 
-    python scripts/gguf_grids.py make -o DIR --candidate gptq:q4_k [--cal 32x512] [--threads 2]
-    python scripts/gguf_grids.py make -o DIR --candidate llama.cpp-pure:q4_k
-    python scripts/gguf_grids.py score -o DIR [--eval 16x512] [--threads 2]
+    python scripts/experiments/gguf_grids.py make -o DIR --candidate gptq:q4_k [--cal 32x512] [--threads 2]
+    python scripts/experiments/gguf_grids.py make -o DIR --candidate llama.cpp-pure:q4_k
+    python scripts/experiments/gguf_grids.py score -o DIR [--eval 16x512] [--threads 2]
 
 ``make`` writes ``DIR/f16.gguf`` (once) and one candidate file: ours (GPTQ/RTN records on the type's
 grid, packed exactly and read back bit for bit with gguf-py) or llama.cpp's (``llama.cpp:TYPE``, its
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from compress.eval.bench.gguf import Candidate  # noqa: E402

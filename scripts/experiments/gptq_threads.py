@@ -2,7 +2,7 @@
 one thread for the column loop only, the factorization and the block updates on every thread.
 Layers of Qwen2.5-Coder-1.5B's shapes, Hessians from random activations; medians of repeats.
 
-    OMP_NUM_THREADS=2 python scripts/gptq_threads.py --repeats 3
+    OMP_NUM_THREADS=2 python scripts/experiments/gptq_threads.py --repeats 3
 
 Run with nothing else busy: one other process on 2 cores slows torch many-fold.
 """

@@ -1,6 +1,6 @@
 """What quantizing the output head buys in an int4 ONNX export of the reference model (SmolLM2-135M).
 
-    python scripts/head_size.py [--cal 16x512] [--eval 16x512] [--threads 2] [-o head-size.json]
+    python scripts/experiments/head_size.py [--cal 16x512] [--eval 16x512] [--threads 2] [-o head-size.json]
 
 One GPTQ W4 g32 asym run with ``ignore: []`` quantizes the decoder and then the head (calibrated on
 the final norm's output). Three exports are built from it, each proven to hold its records exactly:
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from compress.context import RunContext  # noqa: E402

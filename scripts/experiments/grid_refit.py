@@ -4,7 +4,7 @@ of the Linear weights of a few blocks with the plain min/max range, with the ear
 shrunk ranges, with today's ranges (``CLIP``) each refit by least squares (``REFIT_ROUNDS``), and with
 the K-quants' sub-block step search added (``SUB_STEPS``; no change for the legacy types).
 
-    python scripts/grid_refit.py [--model reference:smollm2-135m] [--blocks 0,7,15,29] [--types q4_0,q5_1,q4_k]
+    python scripts/experiments/grid_refit.py [--model reference:smollm2-135m] [--blocks 0,7,15,29] [--types q4_0,q5_1,q4_k]
 
 Prints, per type, the squared error summed over the weights of the chosen blocks, relative to the
 plain range's (the absolute sum where the plain range is exact: the source's own grid), and the seconds each took (torch threads as set by ``--threads``). Unweighted: RTN's
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
