@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class MethodSpec:
+class QuantMethod:
     """One weight-quantization method: the value of ``quantize: {method: ...}`` in a recipe."""
 
     name: str
@@ -51,7 +51,7 @@ class MethodSpec:
 
 
 @dataclass(frozen=True)
-class StageKindSpec:
+class StageKind:
     """One stage kind: the single key of a recipe's ``stages:`` item (``quantize:``, ``prune:``, ...)."""
 
     name: str

@@ -25,7 +25,7 @@ from compress.export.format import HF_FORMAT, TORCH_RUNTIME, ExportFormat
 from compress.export.gguf.spec import GGUF
 from compress.export.onnx.spec import ONNX
 from compress.export.tensorrt.spec import TENSORRT
-from compress.plugin_types import MethodSpec, StageKindSpec
+from compress.plugin_types import QuantMethod, StageKind
 from compress.pruning.spec import PRUNE
 from compress.quantizers.specs import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, quantize_kind
 
@@ -43,21 +43,21 @@ __all__ = [
 
 # --------------------------------------------------------------------------- quantization methods and stage kinds
 
-QUANT_METHODS: dict[str, MethodSpec] = {
+QUANT_METHODS: dict[str, QuantMethod] = {
     "rtn": RTN,  # quantizers/rtn.py
     "gptq": GPTQ,  # quantizers/gptq.py
     "awq": AWQ,  # quantizers/awq.py
     "llm_int8": LLM_INT8,  # quantizers/llm_int8.py
 }
-"""``quantize: {method: <name>}`` -> its MethodSpec (config model, stage, plan estimate, search cost)."""
+"""``quantize: {method: <name>}`` -> its QuantMethod (config model, stage, plan estimate, search cost)."""
 
-STAGE_KINDS: dict[str, StageKindSpec] = {
+STAGE_KINDS: dict[str, StageKind] = {
     "prune": PRUNE,  # pruning/prune.py
     "distill": DISTILL,  # distill/distill.py
     "quantize": quantize_kind(lambda name, label="": quant_method(name, label)),  # quantizers/: the method chosen in QUANT_METHODS
     "kv_cache": KV_CACHE,  # quantizers/kv_cache.py
 }
-"""A ``stages:`` item's key -> its StageKindSpec (stage, plan estimate and shape, console summary)."""
+"""A ``stages:`` item's key -> its StageKind (stage, plan estimate and shape, console summary)."""
 
 # --------------------------------------------------------------------------- export formats
 
@@ -75,7 +75,7 @@ def _where(label: str) -> str:
     return f"{label}: " if label else ""
 
 
-def quant_method(name: str, label: str = "") -> MethodSpec:
+def quant_method(name: str, label: str = "") -> QuantMethod:
     """The spec of quantization method ``name``; an unregistered name is a CompressError naming the known ones."""
     spec = QUANT_METHODS.get(name)
     if spec is None:
@@ -86,7 +86,7 @@ def quant_method(name: str, label: str = "") -> MethodSpec:
     return spec
 
 
-def stage_kind(name: str, label: str = "") -> StageKindSpec:
+def stage_kind(name: str, label: str = "") -> StageKind:
     """The spec of stage kind ``name``; an unregistered name is a CompressError naming the known ones."""
     spec = STAGE_KINDS.get(name)
     if spec is None:

@@ -30,7 +30,7 @@ from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.tools import llama_imatrix, llama_quantize
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.schema.exports import GGUF_LLAMA_CPP_TYPES, GGUFExport
+from compress.schema.exports import GGUF_LLAMA_CPP_TYPES, GGUFExportConfig
 from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
 from compress.schema.recipe import DataSpec
 
@@ -221,7 +221,7 @@ def run_gguf_bench(
                 if cand.budget is not None:
                     bits = budget_bits(cand.budget, f16, files, threads, embedding_type)
                     row["budget_bits_per_weight"] = round(bits, 4)
-                    budget = GGUFExport(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
+                    budget = GGUFExportConfig(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
                 measured = len(sensitivity)
                 model, records, seconds = quantize_copy(
                     lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity, cand.head, cand.head_type

@@ -71,7 +71,7 @@ def quantize_copy(
     head_type: str | None = None,
 ) -> tuple[Any, dict[str, Any], float]:
     """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` (or on llama.cpp's ``gguf_type``
-    grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExport with a
+    grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExportConfig with a
     target) on the calibration chunks: (model, records, seconds). ``sensitivity``: a dict kept across
     calls on the same model, in which a budget's per-layer measurement is made once (RunContext.sensitivity).
     ``head``: the output head quantized too (``ignore: []``); with ``head_type``, by a second stage of

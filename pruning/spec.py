@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from compress.estimates import Estimate, PlanStep, activation_bytes, forward_s
-from compress.plugin_types import StageKindSpec
+from compress.plugin_types import StageKind
 from compress.schema.prune import PruneConfig
 
 
@@ -69,7 +69,7 @@ def _summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
-PRUNE = StageKindSpec(
+PRUNE = StageKind(
     name="prune",
     config=PruneConfig,
     build=_build,

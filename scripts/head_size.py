@@ -36,7 +36,7 @@ from compress.export.onnx.names import ONNX_FILE  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.exports import ONNXExport  # noqa: E402
+from compress.schema.exports import ONNXExportConfig  # noqa: E402
 from compress.schema.quantize import GPTQConfig  # noqa: E402
 from compress.schema.recipe import ModelSpec  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
@@ -87,7 +87,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="head-size-") as tmp:
         for i, (name, (candidate, records, keep_float)) in enumerate(candidates.items()):
             directory = Path(tmp) / str(i)
-            spec = ONNXExport(name=f"onnx{i}", precision="int4", quantizer="records", accuracy_level=4, verify=False, keep_float=keep_float)
+            spec = ONNXExportConfig(
+                name=f"onnx{i}", precision="int4", quantizer="records", accuracy_level=4, verify=False, keep_float=keep_float
+            )
             entry = onnx_export.write(directory, spec, candidate, source.tokenizer, records)
             session = rt.OrtDecoder(directory / ONNX_FILE, args.threads)
             metrics = compare(baseline, {name: session.forward}, ev, MIN_CONTEXT)

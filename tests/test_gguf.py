@@ -24,7 +24,7 @@ from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.names import GGUF_FILE
 from compress.export.parity import compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.paths import usable_cpus
-from compress.schema.exports import GGUFExport
+from compress.schema.exports import GGUFExportConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_formats import quantize, token_ids
 from tests.tiny import perturb_norms, scale_weights, tiny_llama, tiny_model
@@ -364,14 +364,14 @@ def test_records_that_cannot_map_exactly_fail_or_fall_back(tmp_path: Path, token
 
 
 def test_gguf_export_specs() -> None:
-    assert GGUFExport(type="q4_k_m").quantizer == "llama.cpp"
-    assert GGUFExport().quantizer == "records" and GGUFExport(type="q4_0", quantizer="llama.cpp").type == "q4_0"
+    assert GGUFExportConfig(type="q4_k_m").quantizer == "llama.cpp"
+    assert GGUFExportConfig().quantizer == "records" and GGUFExportConfig(type="q4_0", quantizer="llama.cpp").type == "q4_0"
     with pytest.raises(ValueError, match="with quantizer records: expected one of auto, f32"):
-        GGUFExport(type="iq4_xs", quantizer="records")
+        GGUFExportConfig(type="iq4_xs", quantizer="records")
     with pytest.raises(ValueError, match="Q4_K_M is llama.cpp's per-tensor mix"):
-        GGUFExport(type="q4_k_m", quantizer="records")
+        GGUFExportConfig(type="q4_k_m", quantizer="records")
     with pytest.raises(ValueError, match="fallback applies to quantizer records"):
-        GGUFExport(type="q6_k", fallback="f16")
+        GGUFExportConfig(type="q6_k", fallback="f16")
 
 
 def run_tiny_recipe(tmp_path: Path, model_dir: Path, text_dir: Path, exports: str, gates: str, symmetric: bool):

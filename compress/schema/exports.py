@@ -3,7 +3,7 @@
 Torch-free, so the recipe schema can import it cheaply. What each format *does* lives in its
 package (export/<format>/) and its spec in compress.plugins.EXPORT_FORMATS.
 
-The built-in formats form the discriminated union ``ExportSpec`` (and so the JSON Schema). A
+The built-in formats form the discriminated union ``ExportConfig`` (and so the JSON Schema). A
 format registered only in the table is known to validation through the validation context: the
 recipe loader (compress/recipe.py) passes ``{EXPORT_CONFIGS: {name: config class}}`` from the
 table, and an ``exports`` item whose ``format`` is not built in is validated by that config class.
@@ -37,7 +37,7 @@ GPTQ = "gptq"
 GGUF = "gguf"
 ONNX = "onnx"
 TENSORRT = "tensorrt"
-BUILTIN_FORMATS = (COMPRESSED_TENSORS, GPTQ, GGUF, ONNX, TENSORRT)  # the ExportSpec union; the table (compress.plugins) may add more
+BUILTIN_FORMATS = (COMPRESSED_TENSORS, GPTQ, GGUF, ONNX, TENSORRT)  # the ExportConfig union; the table (compress.plugins) may add more
 FORMATS_DOC = " | ".join(BUILTIN_FORMATS)
 EXPORTS_DIR = "exports"
 RESERVED_NAMES = ("baseline", "compressed")  # the in-memory artifacts gates already know
@@ -45,7 +45,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 EXPORT_CONFIGS = "export_configs"  # validation-context key: {format name: config class} of every format in the table
 
 
-class _Export(Strict):
+class BaseExportConfig(Strict):
     own_runtime: ClassVar[bool] = False
     """Runs on a runtime of its own (verified and timed there; ``latency.artifacts`` may name it);
     False: a checkpoint holding the compressed records, gated on the ``compressed`` evaluation."""
@@ -57,7 +57,7 @@ class _Export(Strict):
     )
 
     @model_validator(mode="after")
-    def _default_name(self) -> _Export:
+    def _default_name(self) -> BaseExportConfig:
         if self.name is None:
             self.name = self.format
         if not NAME_PATTERN.fullmatch(self.name):  # fullmatch: "$" alone would let a trailing newline through
@@ -67,13 +67,13 @@ class _Export(Strict):
         return self
 
 
-class CompressedTensorsExport(_Export):
+class CompressedTensorsExportConfig(BaseExportConfig):
     """compressed-tensors pack-quantized HF directory (transformers with compressed-tensors, vLLM)."""
 
     format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMATS_DOC)
 
 
-class GPTQExport(_Export):
+class GPTQExportConfig(BaseExportConfig):
     """AutoGPTQ v1 HF directory (GPTQModel, AutoGPTQ, transformers with optimum/gptqmodel, vLLM)."""
 
     format: Literal["gptq"] = Field("gptq", description=FORMATS_DOC)
@@ -83,7 +83,7 @@ GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
 GGUF_EXACT_TYPES = GGUF_GRID_TYPES  # blocks our records map into exactly (K-quants: records on their grid)
 GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)
 # Types llama.cpp's quantizer also makes that were exported by it before our quantizers had their grids: without
-# `quantizer:` they stay llama.cpp's unless the records lie on the type's grid (GGUFExport.records_by_default).
+# `quantizer:` they stay llama.cpp's unless the records lie on the type's grid (GGUFExportConfig.records_by_default).
 GGUF_LLAMA_CPP_ONLY_BY_DEFAULT = ("q5_0", "q5_1", "q2_k", "q6_k")
 # llama.cpp's file types made by its quantizer, by our lower-case names (gguf.LlamaFileType members).
 GGUF_LLAMA_CPP_TYPES = (
@@ -156,7 +156,7 @@ class GGUFTarget(Strict):
         return f"{self.bits_per_weight:g} bits/weight" if self.bits_per_weight is not None else f"{self.size_mib:g} MiB"
 
 
-class GGUFExport(_Export):
+class GGUFExportConfig(BaseExportConfig):
     """A GGUF file for llama.cpp (exports/<name>/model.gguf), verified in llama.cpp."""
 
     own_runtime: ClassVar[bool] = True
@@ -229,7 +229,7 @@ class GGUFExport(_Export):
         return self._quantizer_defaulted and self.type in GGUF_RECORD_TYPES
 
     @model_validator(mode="after")
-    def _check_type(self) -> GGUFExport:
+    def _check_type(self) -> GGUFExportConfig:
         if self.quantizer is None:
             self._quantizer_defaulted = True
             ours = self.type == "auto" or (self.type in GGUF_RECORD_TYPES and self.type not in GGUF_LLAMA_CPP_ONLY_BY_DEFAULT)
@@ -259,7 +259,7 @@ ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 ONNX_DEVICE_PRECISIONS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp32", "fp16", "int8", "int4")}
 
 
-class ONNXExport(_Export):
+class ONNXExportConfig(BaseExportConfig):
     """An ONNX model for ONNX Runtime / ONNX Runtime GenAI (exports/<name>/model.onnx + genai_config.json),
     made by onnxruntime-genai's model builder and verified in ONNX Runtime."""
 
@@ -311,7 +311,7 @@ class ONNXExport(_Export):
     )
 
     @model_validator(mode="after")
-    def _check_precision(self) -> ONNXExport:
+    def _check_precision(self) -> ONNXExportConfig:
         if self.precision != "auto" and self.precision not in ONNX_DEVICE_PRECISIONS[self.device]:
             raise ValueError(
                 f"onnx precision {self.precision} on {self.device}: the builder makes "
@@ -388,7 +388,7 @@ class TensorRTConfig(Strict):
         return {BATCH: self.batch, SEQUENCE: self.sequence, PAST: self.past, TOTAL: self.past + self.sequence}
 
 
-class TensorRTExport(_Export):
+class TensorRTExportConfig(BaseExportConfig):
     """A TensorRT-ready ONNX (standard ops, weights as explicit Q/DQ, explicit past/present KV tensors),
     checked on ONNX Runtime CPU, and a TensorRT engine built from it where TensorRT and a GPU exist."""
 
@@ -424,7 +424,7 @@ class TensorRTExport(_Export):
     )
 
 
-def _registered(info: ValidationInfo) -> dict[str, type[_Export]]:
+def _registered(info: ValidationInfo) -> dict[str, type[BaseExportConfig]]:
     """The formats the table registers beyond the built-in ones (from the validation context)."""
     configs = (info.context or {}).get(EXPORT_CONFIGS) or {}
     return {name: cls for name, cls in configs.items() if name not in BUILTIN_FORMATS}
@@ -449,8 +449,8 @@ def _table_format(value: Any, handler: ValidatorFunctionWrapHandler, info: Valid
     return handler(value)
 
 
-ExportSpec = Annotated[
-    CompressedTensorsExport | GPTQExport | GGUFExport | ONNXExport | TensorRTExport,
+ExportConfig = Annotated[
+    CompressedTensorsExportConfig | GPTQExportConfig | GGUFExportConfig | ONNXExportConfig | TensorRTExportConfig,
     Field(discriminator="format"),
     BeforeValidator(_known_format),
     WrapValidator(_table_format),

@@ -2,7 +2,7 @@
 
 Torch-free: the math, the records and the stages live in compress/quantizers/ (one module per
 method), which import these models from here. ``QUANTIZE_CONFIGS`` maps a built-in method name to its
-config; the plugin table (name -> MethodSpec: config, stage, plan estimate, ...) is
+config; the plugin table (name -> QuantMethod: config, stage, plan estimate, ...) is
 ``compress.plugins.QUANT_METHODS``, which recipe validation reads (see StageSpec in recipe.py).
 """
 

@@ -27,7 +27,7 @@ from pydantic import (
 from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.distill import DistillConfig
-from compress.schema.exports import ExportSpec
+from compress.schema.exports import ExportConfig
 from compress.schema.kv_cache import KVCacheConfig
 from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
 from compress.schema.prune import PruneConfig
@@ -434,7 +434,7 @@ class Recipe(Strict):
     data: DataSpec = Field(default_factory=DataSpec)
     compute: ComputeSpec = Field(default_factory=ComputeSpec)
     stages: list[StageSpec] = Field(default_factory=list, description="Applied in order.")
-    exports: list[ExportSpec] = Field(
+    exports: list[ExportConfig] = Field(
         default_factory=list,
         description="Checkpoints of the quantized weights, packed exactly (compressed-tensors, gptq); "
         "each is written to exports/<name>/ in the artifact and verified by reloading it.",

@@ -8,7 +8,7 @@ from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
 from compress.export.gguf.names import GGUF_FILE
-from compress.schema.exports import GGUFExport
+from compress.schema.exports import GGUFExportConfig
 from compress.schema.gguf_types import llama_cpp_spelling
 
 SUFFIX = ".gguf"
@@ -101,7 +101,7 @@ class GGUFFormat(ExportFormat):
 GGUF = GGUFFormat(
     name="gguf",
     writer="compress.export.gguf.export",
-    config=GGUFExport,
+    config=GGUFExportConfig,
     runtime="llama.cpp",
     intended_runtimes="llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
     description="GGUF file with the records packed into exact blocks (or llama.cpp's own quantizer), verified and timed in llama.cpp",
