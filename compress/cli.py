@@ -393,7 +393,7 @@ def schema(
 ) -> None:
     """Print the JSON Schema of a recipe, a manifest.json or a report.json (for editors and CI linters);
     the same files are committed under docs/schemas/."""
-    from compress.schema.documents import DOCUMENTS, render
+    from compress.json_schemas import DOCUMENTS, render
 
     if document not in DOCUMENTS:
         raise CompressError(f"unknown document '{document}'; expected one of: {', '.join(DOCUMENTS)}")
@@ -712,10 +712,10 @@ def bench_prune(
     import yaml
     from pydantic import ValidationError
 
+    from compress.distill.config import DistillConfig
     from compress.eval.bench_prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
     from compress.progress import Reporter
-    from compress.schema.distill import DistillConfig
-    from compress.schema.prune import PruneConfig
+    from compress.pruning.config import PruneConfig
     from compress.steps.load import resolve_device
 
     def parse(kind: Any, text: str, base: dict[str, Any]) -> Any:

@@ -55,9 +55,11 @@ class StageKind:
     """One stage kind: the single key of a recipe's ``stages:`` item (``quantize:``, ``prune:``, ...)."""
 
     name: str
-    """The recipe key (the table key; also the field of ``compress.schema.recipe.StageSpec``)."""
-    config: Any
-    """Its config model (for quantize: the discriminated union chosen by ``method``)."""
+    """The recipe key (the table key; also the stage item's key: compress.recipe.stage_model)."""
+    config: type
+    """Its config model (torch-free, in the kind's package); for ``quantize`` (``quantizes_weights``) the
+    base ``WeightQuantConfig``: the recipe's ``quantize:`` is one of the QUANT_METHODS' configs, chosen
+    by ``method`` (compress.recipe.recipe_model builds that union from the table)."""
     build: Callable[[Any, str], Stage]
     """``build(config, label)``: the Stage that runs it (imports torch and the implementation lazily)."""
     estimate: Callable[[PlanStep], Estimate]

@@ -121,11 +121,6 @@ def export_format(name: str) -> ExportFormat:
     return spec
 
 
-def quant_configs() -> dict[str, type]:
-    """Method name -> config model, as recipe validation reads it (the ``quant_methods`` validation context)."""
-    return {name: spec.config for name, spec in QUANT_METHODS.items()}
-
-
 def source_format(path: Path) -> ExportFormat | None:
     """The export format whose file this model source is (a GGUF file), else None."""
     return next((fmt for fmt in EXPORT_FORMATS.values() if fmt.input_kind is not None and fmt.recognizes(path)), None)

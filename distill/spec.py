@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from compress.distill.config import DistillConfig
 from compress.estimates import DISTILL_TOKENS_PER_S, REF_PARAMS, Estimate, PlanStep, training_bytes
 from compress.plugin_types import StageKind
-from compress.schema.distill import DistillConfig
 
 
 def _build(config: Any, label: str) -> Any:

@@ -27,10 +27,10 @@ from compress.eval.metrics import compare
 from compress.eval.reports import equal_bytes_pairs, pairs_table
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
+from compress.export.gguf.config import GGUF_LLAMA_CPP_TYPES, GGUFExportConfig
 from compress.export.gguf.tools import llama_imatrix, llama_quantize
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.schema.exports import GGUF_LLAMA_CPP_TYPES, GGUFExportConfig
 from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
 from compress.schema.recipe import DataSpec
 

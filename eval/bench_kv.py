@@ -23,7 +23,7 @@ from compress.eval.bench_quant import load_bench_inputs, write_results
 from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token, kv_geometry, memory_plan
-from compress.schema.kv_cache import KVCacheConfig
+from compress.quantizers.kv_cache_config import KVCacheConfig
 from compress.schema.recipe import DataSpec
 
 # Named schemes for the benchmark (any other is given as a recipe-style override, see parse_scheme).

@@ -29,10 +29,10 @@ from compress.eval.metrics import compare
 from compress.eval.reports import equal_bytes_pairs, pairs_table
 from compress.export.onnx import export as onnx_export
 from compress.export.onnx import runtime as rt
+from compress.export.onnx.config import ONNXExportConfig
 from compress.export.onnx.names import ONNX_FILE
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.schema.exports import ONNXExportConfig
 from compress.schema.recipe import DataSpec
 
 BUILDER = "builder"

@@ -25,13 +25,13 @@ import torch
 from compress import streaming
 from compress.context import RunContext
 from compress.data import DataPlan
+from compress.distill.config import DistillConfig
 from compress.distill.distill import DistillStage
 from compress.eval.bench_quant import load_bench_inputs, write_results
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
+from compress.pruning.config import PruneConfig
 from compress.pruning.prune import PruneStage, parameters
-from compress.schema.distill import DistillConfig
-from compress.schema.prune import PruneConfig
 from compress.schema.recipe import DataSpec, EvaluationSpec
 
 DEFAULT_SETTINGS = ("{mlp: 0.25}", "{layers: {drop: 4}}")

@@ -137,7 +137,7 @@ def backend_choices() -> tuple[str, ...]:
     """The values of the calibrated methods' ``backend`` option (read from the recipe schema)."""
     from typing import get_args
 
-    from compress.schema.quantize import GPTQConfig
+    from compress.quantizers.configs import GPTQConfig
 
     return get_args(GPTQConfig.model_fields["backend"].annotation)
 

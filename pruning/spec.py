@@ -7,7 +7,7 @@ from typing import Any
 
 from compress.estimates import Estimate, PlanStep, activation_bytes, forward_s
 from compress.plugin_types import StageKind
-from compress.schema.prune import PruneConfig
+from compress.pruning.config import PruneConfig
 
 
 def _build(config: Any, label: str) -> Any:

@@ -25,9 +25,9 @@ from compress.estimates import (
     largest_unit_bytes,
 )
 from compress.plugin_types import QuantMethod, StageKind
-from compress.schema.exports import GGUFTarget
-from compress.schema.kv_cache import KVCacheConfig
-from compress.schema.quantize import AWQConfig, GPTQConfig, LLMInt8Config, QuantizeConfig, RTNConfig
+from compress.quantizers.configs import AWQConfig, GPTQConfig, LLMInt8Config, RTNConfig
+from compress.quantizers.kv_cache_config import KVCacheConfig
+from compress.schema.quantize import SENSITIVITY_SAMPLES, WeightQuantConfig
 
 # --------------------------------------------------------------------------- shared plan formulas
 
@@ -237,9 +237,6 @@ def _quantize_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
-SENSITIVITY_SAMPLES = GGUFTarget.model_fields["samples"].default  # the plan does not see the export's own `samples`
-
-
 def _with_sensitivity(step: PlanStep, layers: dict[str, Any], est: Estimate) -> Estimate:
     """A stage with ``gguf_target`` first runs the sensitivity pass (quantizers/mix.py): a forward and a
     backward over the sensitivity chunks (about 3 forwards), keeping every block's input for them, and
@@ -273,7 +270,7 @@ def quantize_kind(method: Callable[..., QuantMethod]) -> StageKind:
 
     return StageKind(
         name="quantize",
-        config=QuantizeConfig,
+        config=WeightQuantConfig,  # each method's own subclass, from QUANT_METHODS (compress.recipe builds the union)
         build=build,
         estimate=estimate,
         summary=_quantize_summary,

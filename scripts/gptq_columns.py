@@ -20,7 +20,8 @@ import time
 import torch
 
 from compress.quantizers import gptq
-from compress.schema.quantize import GPTQConfig, QuantScheme
+from compress.quantizers.configs import GPTQConfig
+from compress.schema.quantize import QuantScheme
 
 SHAPES = {
     "SmolLM2 q_proj": (576, 576),

@@ -32,12 +32,12 @@ from compress.context import RunContext  # noqa: E402
 from compress.eval.metrics import compare, torch_forward  # noqa: E402
 from compress.export.onnx import export as onnx_export  # noqa: E402
 from compress.export.onnx import runtime as rt  # noqa: E402
+from compress.export.onnx.config import ONNXExportConfig  # noqa: E402
 from compress.export.onnx.names import ONNX_FILE  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
+from compress.quantizers.configs import GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.exports import ONNXExportConfig  # noqa: E402
-from compress.schema.quantize import GPTQConfig  # noqa: E402
 from compress.schema.recipe import ModelSpec  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 

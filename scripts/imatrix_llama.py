@@ -41,8 +41,8 @@ from compress.export.gguf import file as gguf_writer  # noqa: E402
 from compress.export.gguf.imatrix import write_imatrix  # noqa: E402
 from compress.export.gguf.tools import llama_quantize  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
+from compress.quantizers.configs import GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.quantize import GPTQConfig  # noqa: E402
 
 OURS, THEIRS = "imatrix.ours.gguf", "imatrix.llama.cpp.gguf"
 

@@ -28,8 +28,8 @@ from compress.context import RunContext  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.awq import AWQStage  # noqa: E402
+from compress.quantizers.configs import AWQConfig, GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.quantize import AWQConfig, GPTQConfig  # noqa: E402
 from compress.schema.recipe import ModelSpec  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 

@@ -29,10 +29,10 @@ from compress.models import load_model
 from compress.paths import usable_cpus
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
+from compress.quantizers.configs import RTNConfig
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import RTNStage
 from compress.recipe import load_recipe
-from compress.schema.quantize import RTNConfig
 from compress.schema.recipe import ModelSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama

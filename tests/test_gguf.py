@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from compress.errors import FormatError
 from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
+from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.names import GGUF_FILE
 from compress.export.parity import compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.paths import usable_cpus
-from compress.schema.exports import GGUFExportConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_formats import quantize, token_ids
 from tests.tiny import perturb_norms, scale_weights, tiny_llama, tiny_model
@@ -643,8 +643,8 @@ def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path,
     """The issue's check, on reduced data (16 x 256 calibration, 8 x 256 held-out evaluation tokens):
     GPTQ W4 g32 symmetric packed exactly into Q4_0 has lower KL against our F16 GGUF, measured in
     llama.cpp, than llama.cpp's own Q4_0 of that F16 file, and the files are the same size."""
+    from compress.quantizers.configs import GPTQConfig
     from compress.quantizers.gptq import GPTQStage
-    from compress.schema.quantize import GPTQConfig
 
     cal, ev = shakespeare_chunks
     kl, text = ours_against_llama_cpp(
@@ -666,8 +666,8 @@ def test_asymmetric_records_as_q4_1_beat_llama_cpp_q4_1_on_a_model_off_its_grid(
     against our F16 GGUF, in llama.cpp, than llama.cpp's own Q4_1 of that F16 file, at the same size.
     README "GGUF export" has the same comparison on a pruned and repaired SmolLM2."""
     from compress.quantizers.awq import AWQStage
+    from compress.quantizers.configs import AWQConfig, GPTQConfig
     from compress.quantizers.gptq import GPTQStage
-    from compress.schema.quantize import AWQConfig, GPTQConfig
 
     model = AutoModelForCausalLM.from_pretrained(trained_tiny_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(trained_tiny_dir)

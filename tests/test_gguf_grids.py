@@ -19,15 +19,16 @@ from compress.context import RunContext
 from compress.errors import FormatError
 from compress.export.gguf import file as G
 from compress.export.gguf import runtime as gguf_runtime
+from compress.export.gguf.config import GGUFExportConfig
 from compress.paths import usable_cpus
 from compress.progress import Reporter
+from compress.quantizers.configs import AWQConfig, GPTQConfig, RTNConfig
 from compress.quantizers.core import refuse_gguf_grids
 from compress.quantizers.gguf_grid import grid_quantize
 from compress.quantizers.gptq import gptq_quantize
 from compress.quantizers.rtn import RTNStage
-from compress.schema.exports import GGUFExportConfig
 from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS
-from compress.schema.quantize import AWQConfig, GPTQConfig, QuantScheme, RTNConfig
+from compress.schema.quantize import QuantScheme
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama, tiny_model
 

@@ -22,7 +22,8 @@ LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
 # record type (QuantizedWeight) is a core type that lives beside the quantizers; the
 # metric math and the Evaluation record are core, since every export's verifier and the repair loop
 # score on them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
-# the recipe loader validates against those tables, so both sit with the methods and exports, as does
+# the recipe loader validates against those tables (and the documents' JSON Schemas, the recipe's among
+# them, are generated from its model), so these sit with the methods and exports, as does
 # the artifact (its model/ is written and read by the compressed-tensors format's own code); loading
 # a model source (which reads quantized checkpoints through the export formats), the run's steps, the
 # gate, the registry, search and the benchmarks drive whole runs and sit on top with the CLI.
@@ -30,6 +31,7 @@ OVERRIDES = {
     "compress.errors": SCHEMA,
     "compress.plugins": METHODS,
     "compress.recipe": METHODS,
+    "compress.json_schemas": METHODS,
     "compress.artifact": METHODS,
     "compress.documents": METHODS,
     "compress.quantizers.core": CORE,

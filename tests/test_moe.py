@@ -17,9 +17,9 @@ from compress.eval.gates import evaluate_gates
 from compress.experts import PROJECTIONS, expert_view
 from compress.progress import Reporter
 from compress.quantizers.awq import AWQStage
+from compress.quantizers.configs import AWQConfig, GPTQConfig
 from compress.quantizers.gptq import GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.moe import unfused
-from compress.schema.quantize import AWQConfig, GPTQConfig
 from compress.schema.recipe import GateSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_model

@@ -15,9 +15,9 @@ from compress.errors import FormatError
 from compress.export.onnx import builder as ob
 from compress.export.onnx import matmulnbits as mnb
 from compress.export.onnx import tables as tb
+from compress.export.onnx.config import ONNXExportConfig
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import rtn_quantize
-from compress.schema.exports import ONNXExportConfig
 from compress.schema.quantize import QuantScheme
 from tests.helpers import recipe_text, run_cli, write_recipe
 
@@ -298,7 +298,7 @@ def test_records_of_other_bits_are_refused_before_any_work(tmp_path: Path, onnx_
 def test_kv_cache_static_scales_become_the_builders_per_channel_scale_file(tmp_path: Path) -> None:
     from compress.export.onnx.export import kv_cache_options
     from compress.quantizers.kv_cache import KVCacheScheme
-    from compress.schema.kv_cache import KVCacheConfig
+    from compress.quantizers.kv_cache_config import KVCacheConfig
     from tests.tiny import tiny_config
 
     config = tiny_config(hidden=96, heads=4, kv_heads=2, layers=2)

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 from compress.errors import CompressError
 from compress.pruning.arch import PrunableModel
+from compress.pruning.config import PruneConfig, SizeTarget
 from compress.pruning.importance import collect, cosine_distance, head_norms, top_indices
 from compress.pruning.prune import resolve_sizes
 from compress.pruning.slicing import drop_layers, prune_hidden, prune_kv_groups, prune_mlp
-from compress.schema.prune import PruneConfig, SizeTarget
 from tests.tiny import prunable_model
 
 VOCAB = 128  # prunable_model's vocabulary
@@ -238,10 +238,10 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
 
 def test_a_prune_stage_streams_unless_it_cuts_embedding_channels():
     from compress.plugins import stage_streams
-    from compress.schema.recipe import StageSpec
+    from compress.recipe import stage_model
 
-    assert stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "heads": 0.5, "layers": {"drop": 2}}}))
-    assert not stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "hidden": 0.25}}))
+    assert stage_streams(stage_model().model_validate({"prune": {"mlp": 0.25, "heads": 0.5, "layers": {"drop": 2}}}))
+    assert not stage_streams(stage_model().model_validate({"prune": {"mlp": 0.25, "hidden": 0.25}}))
 
 
 def test_score_math():

@@ -22,8 +22,8 @@ from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
 from compress.paths import CONVERTED_MARKER
 from compress.progress import Reporter
+from compress.quantizers.configs import RTNConfig
 from compress.quantizers.rtn import RTNStage
-from compress.schema.quantize import RTNConfig
 from compress.schema.recipe import DataSpec, ModelSpec
 
 pytestmark = pytest.mark.real_model
@@ -132,8 +132,8 @@ def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_models_first_blocks(smollm
     tokens: `compress bench quant` (docs/benchmarks.md, "GPTQ and AWQ against RTN": at W3 g128 sym GPTQ
     -64.8%, AWQ -37.8% of RTN's KL)."""
     from compress.quantizers.awq import AWQStage
+    from compress.quantizers.configs import AWQConfig, GPTQConfig
     from compress.quantizers.gptq import GPTQStage
-    from compress.schema.quantize import AWQConfig, GPTQConfig
 
     cal, ev = shakespeare_chunks
     ev = ev[:4]
@@ -191,8 +191,8 @@ def test_the_prune_stage_cuts_qwen_1_5b_block_by_block_to_a_smaller_dense_model(
     the dense model of the new shape, still on disk block by block, and still close to the original on
     held-out text (no repair)."""
     from compress import streaming
+    from compress.pruning.config import PruneConfig
     from compress.pruning.prune import PruneStage, parameters
-    from compress.schema.prune import PruneConfig
     from tests.conftest import reference_chunks
 
     if assets.locate(assets.QWEN_CODER) is None:

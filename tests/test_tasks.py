@@ -17,7 +17,8 @@ from compress.eval.gates import evaluate_gates
 from compress.eval.metrics import Evaluation, torch_forward
 from compress.eval.tasks import Scorer, interval, load_task
 from compress.paths import usable_cpus
-from compress.schema.recipe import GateSpec, Recipe, TaskSpec
+from compress.recipe import recipe_model
+from compress.schema.recipe import GateSpec, TaskSpec
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 
@@ -100,7 +101,7 @@ def test_recipe_checks_tasks_and_their_gates(tiny_model_dir: Path, text_dir: Pat
 
     def check(gates: list[dict[str, Any]], tasks: list[dict[str, Any]] | None = None) -> str:
         try:
-            Recipe.model_validate({**base, "gates": gates, **({"tasks": tasks} if tasks is not None else {})})
+            recipe_model().model_validate({**base, "gates": gates, **({"tasks": tasks} if tasks is not None else {})})
         except ValueError as exc:
             return str(exc)
         return ""

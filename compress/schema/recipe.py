@@ -15,23 +15,15 @@ from typing import Any, Literal
 from pydantic import (
     BaseModel,
     Field,
-    SerializationInfo,
-    SerializerFunctionWrapHandler,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    field_serializer,
     field_validator,
     model_validator,
 )
 
 from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
-from compress.schema.distill import DistillConfig
-from compress.schema.exports import ExportConfig
-from compress.schema.kv_cache import KVCacheConfig
+from compress.schema.exports import BaseExportConfig
 from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
-from compress.schema.prune import PruneConfig
-from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig, WeightQuantConfig
+from compress.schema.quantize import WeightQuantConfig
 
 SCHEMA_VERSION = 1
 """The recipe `version` this release reads (the one place it is defined)."""
@@ -42,9 +34,6 @@ BASELINE_THRESHOLDS = ("max_increase", "max_decrease", "max_increase_pct", "max_
 # (or, for --set overrides, against the current directory).
 PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
 TASK_SOURCE_FIELD = re.compile(r"tasks\.\d+\.source")  # each task's question file, a path field too
-QUANT_METHODS_CONTEXT = "quant_methods"
-"""Validation-context key: method name -> config model of every registered quantization method
-(compress.recipe passes compress.plugins' table; without it, the built-in methods are known)."""
 
 
 def alias_problem(alias: str) -> str | None:
@@ -139,35 +128,10 @@ class DataSpec(Strict):
     )
 
 
+# The keys of a stage (one optional field per stage kind, holding that kind's config model) come from the
+# stage-kind table: compress.recipe.recipe_model subclasses StageSpec with them. This base has none.
 class StageSpec(Strict):
     """One stage: a mapping with exactly one key naming the stage kind."""
-
-    prune: PruneConfig | None = None
-    distill: DistillConfig | None = None
-    quantize: QuantizeConfig | None = None
-    kv_cache: KVCacheConfig | None = None
-
-    @field_validator("quantize", mode="wrap")
-    @classmethod
-    def _registered_method(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
-        """``method`` picks the config model from the registered methods (the validation context),
-        so a method registered only in compress.plugins validates too; the built-in configs go
-        through the discriminated union as before (the JSON Schema lists those)."""
-        methods = (info.context or {}).get(QUANT_METHODS_CONTEXT)
-        if methods is None or not isinstance(value, dict) or not isinstance(value.get("method"), str):
-            return handler(value)
-        config = methods.get(value["method"])
-        if config is None:
-            raise ValueError(f"unknown quantization method '{value['method']}'; known: {', '.join(methods)}")
-        if QUANTIZE_CONFIGS.get(value["method"]) is config:
-            return handler(value)
-        return config.model_validate(value, context=info.context)
-
-    @field_serializer("quantize", mode="wrap")
-    def _dump_method(self, value: Any, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
-        if value is None or QUANTIZE_CONFIGS.get(getattr(value, "method", None)) is type(value):
-            return handler(value)
-        return value.model_dump(mode="json" if info.mode_is_json() else "python")  # a method registered in compress.plugins
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StageSpec:
@@ -425,6 +389,9 @@ class ComputeSpec(Strict):
     )
 
 
+# The ``stages`` and ``exports`` items are the plugin tables' config models: recipes are validated against
+# compress.recipe.recipe_model(), this class with those two fields made from compress.plugins (the schema
+# package never imports the tables).
 class Recipe(Strict):
     version: Literal[SCHEMA_VERSION] = Field(description="Recipe schema version; this release reads version 1.")
     _version_is_a_number = field_validator("version", mode="before")(not_a_bool)
@@ -434,7 +401,7 @@ class Recipe(Strict):
     data: DataSpec = Field(default_factory=DataSpec)
     compute: ComputeSpec = Field(default_factory=ComputeSpec)
     stages: list[StageSpec] = Field(default_factory=list, description="Applied in order.")
-    exports: list[ExportConfig] = Field(
+    exports: list[BaseExportConfig] = Field(
         default_factory=list,
         description="Checkpoints of the quantized weights, packed exactly (compressed-tensors, gptq); "
         "each is written to exports/<name>/ in the artifact and verified by reloading it.",

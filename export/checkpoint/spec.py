@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compress.export.checkpoint.config import CompressedTensorsExportConfig, GPTQExportConfig
 from compress.export.format import ExportFormat, PlannedSize
-from compress.schema.exports import CompressedTensorsExportConfig, GPTQExportConfig
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, tables_forward
 from compress.export.gguf import file as gguf_writer
 from compress.export.gguf import runtime as gguf_runtime
+from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.names import GGUF_FILE
 from compress.export.parity import (
     SAME_WEIGHTS_CHUNKS,
@@ -30,7 +31,6 @@ from compress.export.parity import (
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
-from compress.schema.exports import GGUFExportConfig
 from compress.schema.gguf_types import GGUF_GRIDS
 from compress.streaming import compute_device
 

@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
+from compress.export.gguf.config import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.export.parity import turn_end_id
 from compress.quantizers.arch import ARCHITECTURES as QUANT_ARCHITECTURES
 from compress.quantizers.core import QuantizedWeight
-from compress.schema.exports import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.schema.gguf_types import GGUF_GRIDS, QK_K
 from compress.streaming import tensors
 

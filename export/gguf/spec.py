@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.names import GGUF_FILE
-from compress.schema.exports import GGUFExportConfig
 from compress.schema.gguf_types import llama_cpp_spelling
 
 SUFFIX = ".gguf"

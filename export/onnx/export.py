@@ -25,13 +25,13 @@ from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
 from compress.export.onnx import matmulnbits as mnb
 from compress.export.onnx import tables as tb
+from compress.export.onnx.config import ONNXExportConfig
 from compress.export.onnx.names import ONNX_FILE
 from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, special_ids, tokenization_mismatches
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry
-from compress.schema.exports import ONNXExportConfig
 from compress.streaming import compute_device
 
 BUILDER_LOG = "builder.log"

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.export.onnx.config import ONNXExportConfig
 from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE
-from compress.schema.exports import ONNXExportConfig
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from compress.errors import FormatError
+from compress.export.tensorrt.config import TensorRTConfig
 from compress.export.tensorrt.qdq import MODEL_FILE
 from compress.fsutil import sha256_file
-from compress.schema.exports import TensorRTConfig
 
 ENGINE_FILE = "engine.plan"
 ENGINE_INFO_FILE = "engine.json"

@@ -20,10 +20,10 @@ from compress.export.onnx import builder as onnx_builder
 from compress.export.parity import VerifyInputs
 from compress.export.tensorrt import engine as tensorrt
 from compress.export.tensorrt import qdq as onnx_qdq
+from compress.export.tensorrt.config import TensorRTExportConfig
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme
-from compress.schema.exports import TensorRTExportConfig
 
 
 def check(spec: TensorRTExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
-from compress.schema.exports import TensorRTExportConfig
+from compress.export.tensorrt.config import TensorRTExportConfig
 
 
 @dataclass(frozen=True)
