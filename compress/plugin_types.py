@@ -25,7 +25,7 @@ class QuantMethod:
     name: str
     """The recipe's ``method`` value (the table key)."""
     config: type
-    """Its config model: a ``compress.schema.quantize.WeightQuantConfig`` subclass with
+    """Its config model (torch-free, beside the method's code): a ``compress.schema.quantize.WeightQuantConfig`` subclass with
     ``method: Literal[name]``, validated at construction (fields documented with ``Field``)."""
     load_stage: Callable[[], type]
     """Imports and returns the Stage class, ``cls(config, label)`` with ``apply(model, ctx) ->

@@ -4,9 +4,10 @@ per-kind question (validate, plan, run, export, verify, time, size, model-card t
 Three tables live here: quantization methods (``QUANT_METHODS``), stage kinds
 (``STAGE_KINDS``) and export formats (``EXPORT_FORMATS``). Code asks the spec; it never
 switches on the name. A name missing from its table is an error that says which names are
-known (in a recipe, a validation error naming the recipe key). Adding a method, stage kind or
-format is one module (its code and its spec) and one entry here; nothing is discovered by
-walking packages.
+known (in a recipe, a validation error naming the recipe key: the recipe model's stage keys,
+``quantize:`` union and ``exports`` union are made from these tables, compress.recipe.recipe_model).
+Adding a method, stage kind or format is one module or package (its config, code and spec) and one
+entry here; nothing is discovered by walking packages (tests/test_plugin_entries.py).
 
 Torch-free: specs name their implementations through loaders that import them when a run
 needs them (`compress validate` and `import compress` stay light; tests/test_schema.py checks).

@@ -1,6 +1,6 @@
 """TensorRT engines from the Q/DQ ONNX (``export/tensorrt/qdq.py``): build, describe, run.
 
-* ``TensorRTConfig`` (in ``compress/schema/exports.py``) — the optimization profile (min/opt/max of batch, sequence and
+* ``TensorRTConfig`` (in ``export/tensorrt/config.py``) — the optimization profile (min/opt/max of batch, sequence and
   past length), workspace limit and timing cache; validated at construction.
 * ``profile_shapes`` — pure: the (min, opt, max) shape of every network input from its axis
   names (``batch``, ``sequence``, ``past_sequence``, ``total_sequence`` = past + sequence).
