@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,9 @@ from compress.schema.report import REPORT_VERSION, Report
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
-DOCUMENTS: dict[str, type[BaseModel]] = {"recipe": recipe_model(), "manifest": Manifest, "report": Report}
-"""Document name -> the model it is validated against (the recipe's is made from the plugin tables, so this
-module sits with them, above the schema package: tests/test_layers.py)."""
+DOCUMENTS: dict[str, Callable[[], type[BaseModel]]] = {"recipe": recipe_model, "manifest": lambda: Manifest, "report": lambda: Report}
+"""Document name -> the model it is validated against, as it is at the call (the recipe's is made from the
+plugin tables, so this module sits with them, above the schema package: tests/test_layers.py)."""
 
 VERSIONS: dict[str, int] = {"recipe": SCHEMA_VERSION, "manifest": MANIFEST_VERSION, "report": REPORT_VERSION}
 """Document name -> the version this release writes (recipe: the `version` it reads)."""
@@ -52,7 +53,7 @@ def json_schema(name: str) -> dict[str, Any]:
     """The JSON Schema of document ``name`` (recipe, manifest or report)."""
     if name not in DOCUMENTS:
         raise KeyError(f"unknown document '{name}'; known: {', '.join(DOCUMENTS)}")
-    schema = DOCUMENTS[name].model_json_schema()
+    schema = DOCUMENTS[name]().model_json_schema()
     if name == "recipe":  # as `compress schema` has always printed it
         return schema
     return {"$schema": JSON_SCHEMA_DIALECT, **_drop_defaults(schema)}
