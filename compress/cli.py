@@ -482,9 +482,9 @@ def _claim_bench(output: Path, overwrite: bool) -> None:
 
 
 def _bench_data(calibration: str, cal_samples: int, cal_seq_len: int, evaluation: str, eval_samples: int, eval_seq_len: int) -> Any:
-    from compress.schema.recipe import DataSpec
+    from compress.schema.recipe import DataConfig
 
-    return DataSpec(
+    return DataConfig(
         calibration={"source": calibration, "samples": cal_samples, "seq_len": cal_seq_len},
         evaluation={"source": evaluation, "samples": eval_samples, "seq_len": eval_seq_len},
     )
@@ -611,9 +611,9 @@ def bench_gguf(
 
     from compress.eval.bench_gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
-    dtypes = get_args(ModelSpec.model_fields["dtype"].annotation)  # the recipe's model.dtype values, kept in one place
+    dtypes = get_args(ModelConfig.model_fields["dtype"].annotation)  # the recipe's model.dtype values, kept in one place
     if dtype not in dtypes:
         raise CompressError(f"--dtype: expected one of {', '.join(dtypes)}; got {dtype!r}")
     parsed = _candidates(Candidate.parse, candidates)

@@ -1,6 +1,6 @@
 """Recipes: parsed from YAML, overridden with --set, validated strictly; errors name the key path and line.
 
-The models (Recipe, GateSpec, ...) live in the torch-free compress.schema.recipe; the stage and
+The models (Recipe, GateConfig, ...) live in the torch-free compress.schema.recipe; the stage and
 export items are the plugin tables' config models, put together here (``recipe_model``).
 """
 
@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from compress.errors import RecipeError
 from compress.plugins import EXPORT_FORMATS, QUANT_METHODS, STAGE_KINDS, device_names
 from compress.schema.devices import DEVICE_FORMATS, DEVICE_RUNTIMES
-from compress.schema.recipe import PATH_FIELDS, TASK_SOURCE_FIELD, Recipe, StageSpec
+from compress.schema.recipe import PATH_FIELDS, TASK_SOURCE_FIELD, Recipe, StageConfig
 from compress.schema.yamlio import format_path, load_yaml, read_text
 
 # --------------------------------------------------------------------------- loading
@@ -111,7 +111,7 @@ def recipe_model() -> type[Recipe]:
     return _models(*_tables())[1]
 
 
-def stage_model() -> type[StageSpec]:
+def stage_model() -> type[StageConfig]:
     """The model of one ``stages:`` item, from STAGE_KINDS and QUANT_METHODS (see ``recipe_model``)."""
     return _models(*_tables())[0]
 
@@ -124,12 +124,12 @@ def _tables() -> tuple[tuple, tuple, tuple]:
 
 
 @functools.lru_cache(maxsize=16)
-def _models(methods: tuple, kinds: tuple, formats: tuple) -> tuple[type[StageSpec], type[Recipe]]:
+def _models(methods: tuple, kinds: tuple, formats: tuple) -> tuple[type[StageConfig], type[Recipe]]:
     quantize = _tagged_union(dict(methods), "method", _known_method)
     stage = create_model(
-        "StageSpec",
-        __base__=StageSpec,
-        __doc__=StageSpec.__doc__,
+        "StageConfig",
+        __base__=StageConfig,
+        __doc__=StageConfig.__doc__,
         **{name: ((quantize if weights else config) | None, None) for name, config, weights in kinds},
     )
     export = _tagged_union(dict(formats), "format", _known_format)

@@ -32,7 +32,7 @@ from compress.export.gguf.tools import llama_imatrix, llama_quantize
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
 from compress.schema.gguf_types import GGUF_GRIDS, normalize_type
-from compress.schema.recipe import DataSpec
+from compress.schema.recipe import DataConfig
 
 LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_PURE = "llama.cpp-pure"
@@ -143,7 +143,7 @@ def decode_speed(runtime: gguf_runtime.LlamaCppModel, prompt: list[int], tokens:
 
 def run_gguf_bench(
     model_source: str,
-    data: DataSpec,
+    data: DataConfig,
     candidates: list[Candidate],
     out_dir: Path,
     threads: int,

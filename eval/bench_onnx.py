@@ -33,7 +33,7 @@ from compress.export.onnx.config import ONNXExportConfig
 from compress.export.onnx.names import ONNX_FILE
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.schema.recipe import DataSpec
+from compress.schema.recipe import DataConfig
 
 BUILDER = "builder"
 
@@ -88,7 +88,7 @@ def decode_speed(directory: Path, prompt: list[int], tokens: int, repeats: int, 
 
 def run_onnx_bench(
     model_source: str,
-    data: DataSpec,
+    data: DataConfig,
     candidates: list[Candidate],
     out_dir: Path,
     threads: int,

@@ -38,7 +38,7 @@ from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.configs import GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.recipe import ModelSpec  # noqa: E402
+from compress.schema.recipe import ModelConfig  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 
 MIN_CONTEXT = 32
@@ -62,7 +62,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quiet = Reporter(quiet=True)
     cpu = torch.device("cpu")
-    source = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, quiet)
+    source = load_model(ModelConfig(source="reference:smollm2-135m"), ROOT, quiet)
     cal, ev = reference_chunks(source.tokenizer, args.cal, args.eval)
     baseline = torch_forward(source.model, cpu)
 

@@ -94,12 +94,12 @@ def test_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
 def test_recipe_reference_tasks_example_validates() -> None:
     import yaml
 
-    from compress.schema.recipe import GateSpec, TaskSpec
+    from compress.schema.recipe import GateConfig, TaskConfig
 
     block = next(yaml.safe_load(b) for b in _yaml_blocks(RECIPES) if b.startswith("tasks:"))
-    tasks = [TaskSpec.model_validate(t) for t in block["tasks"]]
+    tasks = [TaskConfig.model_validate(t) for t in block["tasks"]]
     assert [t.source for t in tasks] == ["reference:mmlu", "quiz.csv"] and tasks[1].choices_field == ["a", "b", "c", "d"]
-    gates = [GateSpec.model_validate(g) for g in block["gates"]]
+    gates = [GateConfig.model_validate(g) for g in block["gates"]]
     assert [(g.task, g.threshold_kind) for g in gates] == [("mmlu", "max_decrease"), (None, "max_increase")]
 
 

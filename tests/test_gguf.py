@@ -530,7 +530,7 @@ def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damag
     from compress.models import load_model
     from compress.paths import CONVERTED_MARKER
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
     from tests.tiny import family_tokenizer
 
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
@@ -539,7 +539,7 @@ def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damag
     source.parent.mkdir()
     G.write_gguf(source, tiny_model("qwen2", vocab=len(hf), hidden=64, intermediate=64), hf, {}, "f16")
     plain = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = load_model(ModelSpec(source=str(source)), tmp_path, Reporter(quiet=True))
+    loaded = load_model(ModelConfig(source=str(source)), tmp_path, Reporter(quiet=True))
     repaired = loaded.tokenizer
     assert G.pre_tokenizer_name(json.loads(repaired.backend_tokenizer.to_str())) == "qwen2"
     assert repaired.eos_token == "<|im_end|>" and loaded.facts["tokenizer"]["special_ids"]["eos_token_id"] == hf.eos_token_id
@@ -554,7 +554,7 @@ def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damag
     marker = Path(loaded.facts["converted_cache"]) / CONVERTED_MARKER
     for stale in ('{"gguf": "x"}', "{not json"):
         marker.write_text(stale)
-        again = load_model(ModelSpec(source=str(source)), tmp_path, Reporter(quiet=True))
+        again = load_model(ModelConfig(source=str(source)), tmp_path, Reporter(quiet=True))
         assert json.loads(marker.read_text())["tokenizer_repair"] >= 1 and again.tokenizer.eos_token == "<|im_end|>"
 
 

@@ -202,12 +202,12 @@ def test_the_pass_on_a_streamed_model_gives_the_estimates_of_the_model_in_memory
     from compress.models import load_model
     from compress.progress import Reporter
     from compress.quantizers.mix import measure
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
     quiet = Reporter(quiet=True)
-    streamed = load_model(ModelSpec(source=str(wide_model_dir)), Path("."), quiet).model
+    streamed = load_model(ModelConfig(source=str(wide_model_dir)), Path("."), quiet).model
     assert streaming.is_streamed(streamed)
-    loaded = streaming.materialize(load_model(ModelSpec(source=str(wide_model_dir)), Path("."), quiet).model)
+    loaded = streaming.materialize(load_model(ModelConfig(source=str(wide_model_dir)), Path("."), quiet).model)
     tok = AutoTokenizer.from_pretrained(wide_model_dir)
     tokens = tok("\n".join(texts_of(text_dir)), return_tensors="pt").input_ids[0][: 4 * 64].reshape(4, 64)
 

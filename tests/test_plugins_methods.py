@@ -183,7 +183,7 @@ RTN_STAGE = {"quantize": {"method": "rtn", "bits": 4}}
 )
 def test_stage_kind_rules_come_from_their_configs(data: dict, stages: list, message: str) -> None:
     """Recipe-level rules of each kind (data it needs, order, at most one) are asked of the stage's
-    config (compress.schema.base.StageConfig), with the messages they always had."""
+    config (compress.schema.base.BaseStageConfig), with the messages they always had."""
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError) as info:

@@ -149,9 +149,9 @@ def test_importance_on_a_streamed_model_equals_the_materialized_model_and_holds_
     from compress import streaming
     from compress.models import load_model
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
-    streamed = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), Reporter(quiet=True)).model
+    streamed = load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), Reporter(quiet=True)).model
     loaded = streaming.materialize(copy.deepcopy(streamed))
     batches = [torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     held: list[int] = []
@@ -189,7 +189,7 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
     from compress.models import load_model
     from compress.progress import Reporter
     from compress.pruning.prune import PruneStage
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
     # Block 1 made an identity (its attention and MLP outputs zero): the block cut goes first, so a
     # kept block after it moves to a new place whatever the trained model's other scores are.
@@ -201,7 +201,7 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
             tensor.zero_()
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     quiet = Reporter(quiet=True)
-    streamed = load_model(ModelSpec(source=str(source)), Path("."), quiet).model
+    streamed = load_model(ModelConfig(source=str(source)), Path("."), quiet).model
     loaded = streaming.materialize(copy.deepcopy(streamed))
     calibration = torch.randint(0, 200, (8, 32), generator=torch.Generator().manual_seed(0))
     config = PruneConfig.model_validate(

@@ -24,7 +24,7 @@ from compress.paths import CONVERTED_MARKER
 from compress.progress import Reporter
 from compress.quantizers.configs import RTNConfig
 from compress.quantizers.rtn import RTNStage
-from compress.schema.recipe import DataSpec, ModelSpec
+from compress.schema.recipe import DataConfig, ModelConfig
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_gguf_loads_as_llama_and_conversion_is_cached(smollm2) -> None:
     converted = Path(smollm2.facts["converted_cache"])
     marker = converted / CONVERTED_MARKER
     stamp = marker.stat().st_mtime_ns
-    again = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, QUIET)
+    again = load_model(ModelConfig(source="reference:smollm2-135m"), ROOT, QUIET)
     assert marker.stat().st_mtime_ns == stamp  # loaded from the cached safetensors, not converted again
     ids = smollm2.tokenizer("To be, or not to be, that is the question:", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_gguf_loads_as_llama_and_conversion_is_cached(smollm2) -> None:
 
 
 def test_rtn_kl_orders_w8_w4_w3(smollm2) -> None:
-    data = DataSpec(evaluation={"source": "reference:shakespeare", "samples": 4, "seq_len": 256})
+    data = DataConfig(evaluation={"source": "reference:shakespeare", "samples": 4, "seq_len": 256})
     chunks = DataPlan.load(data, ROOT, QUIET).chunks("evaluation", smollm2.tokenizer)
     candidates = {}
     for bits in (8, 4, 3):
@@ -169,7 +169,7 @@ def test_the_large_reference_model_is_qwen2_5_coder_1_5b_in_bfloat16() -> None:
         pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
     assert assets.verify(asset) == []
     assert asset.meta["joined_file"]["sha256"] == assets.QWEN_SPLIT.sha256
-    loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
+    loaded = load_model(ModelConfig(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
     model, config = loaded.model, loaded.model.config
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (28, 1536, 12, 2)
@@ -197,7 +197,7 @@ def test_the_prune_stage_cuts_qwen_1_5b_block_by_block_to_a_smaller_dense_model(
 
     if assets.locate(assets.QWEN_CODER) is None:
         pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
-    spec = ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16")
+    spec = ModelConfig(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16")
     source, pruned = load_model(spec, ROOT, QUIET), load_model(spec, ROOT, QUIET).model
     cal, ev = reference_chunks(source.tokenizer, (4, 256), (2, 256))
     held: list[int] = []

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from compress.schema.base import StageConfig, Strict
+from compress.schema.base import BaseStageConfig, Strict
 from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS, GGUFGrid, llama_cpp_spelling, normalize_type
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
@@ -127,7 +127,7 @@ def matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
 
 
-class WeightQuantConfig(QuantScheme, StageConfig):
+class WeightQuantConfig(QuantScheme, BaseStageConfig):
     """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
 
     Patterns are matched against module names (``model.layers.0.mlp.down_proj``): a glob that
