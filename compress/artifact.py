@@ -43,10 +43,10 @@ from torch import nn
 
 from compress.errors import ArtifactError, CompressError
 from compress.experts import expert_view
+from compress.export.checkpoint.config import COMPRESSED_TENSORS
 from compress.hf_model import assemble_model, float_tensors, write_config_and_tokenizer
 from compress.inputs import check_json, check_model_directory, check_safetensors
 from compress.quantizers.core import QuantizedWeight
-from compress.schema.exports import COMPRESSED_TENSORS
 from compress.schema.quantize import QuantScheme
 
 MODEL_DIR = "model"

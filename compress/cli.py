@@ -290,7 +290,7 @@ def schema(
 ) -> None:
     """Print the JSON Schema of a recipe, a manifest.json or a report.json (for editors and CI linters);
     the same files are committed under docs/schemas/."""
-    from compress.schema.json_schemas import DOCUMENTS, render
+    from compress.json_schemas import DOCUMENTS, render
 
     if document not in DOCUMENTS:
         raise CompressError(f"unknown document '{document}'; expected one of: {', '.join(DOCUMENTS)}")

@@ -42,9 +42,9 @@ class BenchOptions:
 
     def data(self) -> Any:
         """The calibration and evaluation text as a recipe's `data:` block."""
-        from compress.schema.recipe import DataSpec
+        from compress.schema.recipe import DataConfig
 
-        return DataSpec(
+        return DataConfig(
             calibration={"source": self.calibration, "samples": self.cal_samples, "seq_len": self.cal_seq_len},
             evaluation={"source": self.evaluation, "samples": self.eval_samples, "seq_len": self.eval_seq_len},
         )
@@ -226,9 +226,9 @@ def bench_gguf(
 
     from compress.eval.bench.gguf import Candidate, markdown_table, run_gguf_bench
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
-    dtypes = get_args(ModelSpec.model_fields["dtype"].annotation)  # the recipe's model.dtype values, kept in one place
+    dtypes = get_args(ModelConfig.model_fields["dtype"].annotation)  # the recipe's model.dtype values, kept in one place
     if dtype not in dtypes:
         raise CompressError(f"--dtype: expected one of {', '.join(dtypes)}; got {dtype!r}")
     parsed = _candidates(Candidate.parse, candidates)

@@ -26,7 +26,7 @@ import torch
 from compress import assets
 from compress.errors import DataError
 from compress.progress import Reporter
-from compress.schema.recipe import CalibrationSpec, DataSpec, TextSpec
+from compress.schema.recipe import CalibrationConfig, DataConfig, TextConfig
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSONL_SUFFIXES = (".jsonl",)
@@ -184,7 +184,7 @@ def bos_prefix(tokenizer: Any) -> list[int]:
     return []
 
 
-def make_chunks(tokenizer: Any, blocks: list[str], spec: TextSpec, role: str, source_label: str) -> Chunks:
+def make_chunks(tokenizer: Any, blocks: list[str], spec: TextConfig, role: str, source_label: str) -> Chunks:
     prefix = bos_prefix(tokenizer)
     body = spec.seq_len - len(prefix)
     order = list(range(len(blocks)))
@@ -212,13 +212,13 @@ def make_chunks(tokenizer: Any, blocks: list[str], spec: TextSpec, role: str, so
 class DataPlan:
     """The recipe's text sources, loaded once; chunks are built on request."""
 
-    spec: DataSpec
+    spec: DataConfig
     calibration_source: TextSource | None
     evaluation_source: TextSource | None
     shared: set[str]
 
     @classmethod
-    def load(cls, spec: DataSpec, base_dir: Path, reporter: Reporter | None = None) -> DataPlan:
+    def load(cls, spec: DataConfig, base_dir: Path, reporter: Reporter | None = None) -> DataPlan:
         cal = spec.calibration and load_source(spec.calibration.source, base_dir, spec.calibration.text_field, reporter)
         ev = spec.evaluation and load_source(spec.evaluation.source, base_dir, spec.evaluation.text_field, reporter)
         shared = {d.sha256 for d in cal.documents} & {d.sha256 for d in ev.documents} if cal and ev else set()
@@ -253,7 +253,7 @@ class DataPlan:
         plan = self
         calibration = self.spec.calibration
         if role == "calibration" and source is not None and (calibration is None or source != calibration.source):
-            other = CalibrationSpec(source=source, samples=samples, seq_len=seq_len, seed=seed or 0, text_field=text_field or "text")
+            other = CalibrationConfig(source=source, samples=samples, seq_len=seq_len, seed=seed or 0, text_field=text_field or "text")
             plan = DataPlan.load(self.spec.model_copy(update={"calibration": other}), base_dir or Path("."), reporter)
         reporter = reporter or Reporter(quiet=True)
         with reporter.status(f"tokenizing {samples} x {seq_len} tokens of {role} text"):
@@ -272,7 +272,7 @@ class DataPlan:
     def chunks(self, role: str, tokenizer: Any, samples: int | None = None, seq_len: int | None = None, seed: int | None = None) -> Chunks:
         """Token chunks of ``role``'s text; ``samples``/``seq_len``/``seed`` override the recipe's
         (long-context evaluation, distillation training text)."""
-        spec: TextSpec | None = getattr(self.spec, role)
+        spec: TextConfig | None = getattr(self.spec, role)
         source: TextSource | None = getattr(self, f"{role}_source")
         if spec is None or source is None:
             raise DataError(f"the recipe has no data.{role} section")

@@ -47,7 +47,7 @@ from compress.schema.base import Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.manifest import GATE_LISTING_VERSION, GATE_REPORT, GateReportListing
 from compress.schema.metrics import ACCURACY_METRICS, DEVICE_METRICS, LATENCY_METRICS
-from compress.schema.recipe import DataSpec, GateSpec, LatencySpec, ModelSpec, TargetSpec, TaskSpec, check_task_gates
+from compress.schema.recipe import DataConfig, GateConfig, LatencyConfig, ModelConfig, TargetConfig, TaskConfig, check_task_gates
 from compress.schema.report import REPORT_VERSION
 from compress.schema.yamlio import read_text
 from compress.verify import check_artifact
@@ -60,15 +60,17 @@ class GatesFile(Strict):
 
     version: Literal[1] = Field(1, description="Gates file version; this release reads 1.")
     _version_is_a_number = field_validator("version", mode="before")(not_a_bool)
-    data: DataSpec | None = Field(None, description="Evaluation text (default: the artifact's run's, else 16 x 512 tokens of Shakespeare).")
-    latency: LatencySpec | None = None
+    data: DataConfig | None = Field(
+        None, description="Evaluation text (default: the artifact's run's, else 16 x 512 tokens of Shakespeare)."
+    )
+    latency: LatencyConfig | None = None
     devices: list[DeviceProfile] = Field(default_factory=list)
-    targets: list[TargetSpec] = Field(default_factory=list)
-    tasks: list[TaskSpec] = Field(
+    targets: list[TargetConfig] = Field(default_factory=list)
+    tasks: list[TaskConfig] = Field(
         default_factory=list,
         description="Tasks (as a recipe's `tasks:`; a relative question file is read from the gates file's folder) that task gates name.",
     )
-    gates: list[GateSpec] = Field(min_length=1)
+    gates: list[GateConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _latency_needed(self) -> GatesFile:
@@ -231,7 +233,7 @@ def run_gate(
     if baseline_source is not None and (needs_accuracy or time_baseline or task_gates):
         from compress.models import load_model
 
-        lm = load_model(ModelSpec(source=baseline_source), subject.base_dir, reporter)
+        lm = load_model(ModelConfig(source=baseline_source), subject.base_dir, reporter)
     evaluations: list[Evaluation] = []
     eval_facts = None
     prompts = None
@@ -299,9 +301,9 @@ def _accuracy(
     if spec.data is not None:
         data_spec = spec.data
     elif subject.data is not None and subject.data.get("evaluation"):
-        data_spec = DataSpec.model_validate(subject.data)
+        data_spec = DataConfig.model_validate(subject.data)
     else:
-        data_spec = DataSpec(evaluation=DEFAULT_EVALUATION)
+        data_spec = DataConfig(evaluation=DEFAULT_EVALUATION)
     if data_spec.evaluation is None:
         raise CompressError("the gates file's data has no evaluation text")
     chunks = DataPlan.load(data_spec, subject.base_dir, reporter).chunks("evaluation", lm.tokenizer)
@@ -338,7 +340,7 @@ def _accuracy(
 
 
 def _tasks(
-    subject: Subject, gates: list[GateSpec], lm: Any, spec: GatesFile, base_dir: Path, threads: int, reporter: Reporter
+    subject: Subject, gates: list[GateConfig], lm: Any, spec: GatesFile, base_dir: Path, threads: int, reporter: Reporter
 ) -> list[Evaluation]:
     """The tasks the gates name, on every artifact they gate (a checkpoint export on the compressed
     model, whose records it holds) and on the baseline when a gate compares with it, each artifact

@@ -20,7 +20,7 @@ from compress.inputs import check_model_directory
 from compress.paths import HUB_ID
 from compress.plugins import source_format
 from compress.progress import Reporter
-from compress.schema.recipe import ModelSpec
+from compress.schema.recipe import ModelConfig
 
 # No network for model files, ever: set before transformers / huggingface_hub are imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,7 +52,7 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None) -> LoadedModel:
+def load_model(spec: ModelConfig, base_dir: Path, reporter: Reporter | None = None) -> LoadedModel:
     reporter = reporter or Reporter()
     _quiet_transformers()
     source = spec.source
@@ -87,7 +87,7 @@ def load_model(spec: ModelSpec, base_dir: Path, reporter: Reporter | None = None
     )
 
 
-def _from_hub_cache(repo_id: str, spec: ModelSpec, reporter: Reporter) -> LoadedModel:
+def _from_hub_cache(repo_id: str, spec: ModelConfig, reporter: Reporter) -> LoadedModel:
     from huggingface_hub import constants, snapshot_download
 
     cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read now, not at import
@@ -101,7 +101,7 @@ def _from_hub_cache(repo_id: str, spec: ModelSpec, reporter: Reporter) -> Loaded
     return from_hf_dir(local, spec, reporter, kind="huggingface-cache", source=repo_id)
 
 
-def from_hf_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str) -> LoadedModel:
+def from_hf_dir(path: Path, spec: ModelConfig, reporter: Reporter, kind: str, source: str) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").is_file():
@@ -190,7 +190,7 @@ def stream_units(model: Any) -> list[str]:
     return found
 
 
-def open_streamed(path: Path, config: Any, spec: ModelSpec, weights: list[Path]) -> tuple[Any, str]:
+def open_streamed(path: Path, config: Any, spec: ModelConfig, weights: list[Path]) -> tuple[Any, str]:
     """The model built on the meta device (no weights in memory) and streamed from its safetensors
     files, in ``spec.dtype`` (``auto``: the dtype the checkpoint stores). A checkpoint whose tensor
     names are not the model's (one transformers converts while loading) is loaded whole once and
@@ -252,7 +252,7 @@ def _weights_where(weights: list[Path]) -> str:
     return str(weights[0]) if len(weights) == 1 else f"the {len(weights)} weight files in {weights[0].parent}"
 
 
-def _spilled(path: Path, config: Any, spec: ModelSpec, dtype: Any, weights: list[Path]) -> Any:
+def _spilled(path: Path, config: Any, spec: ModelConfig, dtype: Any, weights: list[Path]) -> Any:
     """Load through transformers (which renames and converts tensors as the model needs), then write
     every unit to an overlay and stream from it."""
     import torch
@@ -272,7 +272,7 @@ def _spilled(path: Path, config: Any, spec: ModelSpec, dtype: Any, weights: list
     return model
 
 
-def _from_quantized_dir(path: Path, spec: ModelSpec, reporter: Reporter, kind: str, source: str, fmt: str) -> LoadedModel:
+def _from_quantized_dir(path: Path, spec: ModelConfig, reporter: Reporter, kind: str, source: str, fmt: str) -> LoadedModel:
     """A quantized checkpoint through our importer: records plus their dequantized float model
     (never re-quantized, never through transformers' quantizer backends)."""
     import torch

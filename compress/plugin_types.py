@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class MethodSpec:
+class QuantMethod:
     """One weight-quantization method: the value of ``quantize: {method: ...}`` in a recipe."""
 
     name: str
     """The recipe's ``method`` value (the table key)."""
     config: type
-    """Its config model: a ``compress.schema.quantize.WeightQuantConfig`` subclass with
+    """Its config model (torch-free, beside the method's code): a ``compress.schema.quantize.WeightQuantConfig`` subclass with
     ``method: Literal[name]``, validated at construction (fields documented with ``Field``)."""
     load_stage: Callable[[], type]
     """Imports and returns the Stage class, ``cls(config, label)`` with ``apply(model, ctx) ->
@@ -51,13 +51,15 @@ class MethodSpec:
 
 
 @dataclass(frozen=True)
-class StageKindSpec:
+class StageKind:
     """One stage kind: the single key of a recipe's ``stages:`` item (``quantize:``, ``prune:``, ...)."""
 
     name: str
-    """The recipe key (the table key; also the field of ``compress.schema.recipe.StageSpec``)."""
-    config: Any
-    """Its config model (for quantize: the discriminated union chosen by ``method``)."""
+    """The recipe key (the table key; also the stage item's key: compress.recipe.stage_model)."""
+    config: type
+    """Its config model (torch-free, in the kind's package); for ``quantize`` (``quantizes_weights``) the
+    base ``WeightQuantConfig``: the recipe's ``quantize:`` is one of the QUANT_METHODS' configs, chosen
+    by ``method`` (compress.recipe.recipe_model builds that union from the table)."""
     build: Callable[[Any, str], Stage]
     """``build(config, label)``: the Stage that runs it (imports torch and the implementation lazily)."""
     estimate: Callable[[PlanStep], Estimate]

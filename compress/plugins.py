@@ -4,9 +4,10 @@ per-kind question (validate, plan, run, export, verify, time, size, model-card t
 Three tables live here: quantization methods (``QUANT_METHODS``), stage kinds
 (``STAGE_KINDS``) and export formats (``EXPORT_FORMATS``). Code asks the spec; it never
 switches on the name. A name missing from its table is an error that says which names are
-known (in a recipe, a validation error naming the recipe key). Adding a method, stage kind or
-format is one module (its code and its spec) and one entry here; nothing is discovered by
-walking packages.
+known (in a recipe, a validation error naming the recipe key: the recipe model's stage keys,
+``quantize:`` union and ``exports`` union are made from these tables, compress.recipe.recipe_model).
+Adding a method, stage kind or format is one module or package (its config, code and spec) and one
+entry here; nothing is discovered by walking packages (tests/test_plugin_entries.py).
 
 Torch-free: specs name their implementations through loaders that import them when a run
 needs them (`compress validate` and `import compress` stay light; tests/test_schema.py checks).
@@ -25,7 +26,7 @@ from compress.export.format import HF_FORMAT, TORCH_RUNTIME, ExportFormat
 from compress.export.gguf.spec import GGUF
 from compress.export.onnx.spec import ONNX
 from compress.export.tensorrt.spec import TENSORRT
-from compress.plugin_types import MethodSpec, StageKindSpec
+from compress.plugin_types import QuantMethod, StageKind
 from compress.pruning.spec import PRUNE
 from compress.quantizers.specs import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, quantize_kind
 
@@ -43,21 +44,21 @@ __all__ = [
 
 # --------------------------------------------------------------------------- quantization methods and stage kinds
 
-QUANT_METHODS: dict[str, MethodSpec] = {
+QUANT_METHODS: dict[str, QuantMethod] = {
     "rtn": RTN,  # quantizers/rtn.py
     "gptq": GPTQ,  # quantizers/gptq.py
     "awq": AWQ,  # quantizers/awq.py
     "llm_int8": LLM_INT8,  # quantizers/llm_int8.py
 }
-"""``quantize: {method: <name>}`` -> its MethodSpec (config model, stage, plan estimate, search cost)."""
+"""``quantize: {method: <name>}`` -> its QuantMethod (config model, stage, plan estimate, search cost)."""
 
-STAGE_KINDS: dict[str, StageKindSpec] = {
+STAGE_KINDS: dict[str, StageKind] = {
     "prune": PRUNE,  # pruning/prune.py
     "distill": DISTILL,  # distill/distill.py
     "quantize": quantize_kind(lambda name, label="": quant_method(name, label)),  # quantizers/: the method chosen in QUANT_METHODS
     "kv_cache": KV_CACHE,  # quantizers/kv_cache.py
 }
-"""A ``stages:`` item's key -> its StageKindSpec (stage, plan estimate and shape, console summary)."""
+"""A ``stages:`` item's key -> its StageKind (stage, plan estimate and shape, console summary)."""
 
 # --------------------------------------------------------------------------- export formats
 
@@ -75,7 +76,7 @@ def _where(label: str) -> str:
     return f"{label}: " if label else ""
 
 
-def quant_method(name: str, label: str = "") -> MethodSpec:
+def quant_method(name: str, label: str = "") -> QuantMethod:
     """The spec of quantization method ``name``; an unregistered name is a CompressError naming the known ones."""
     spec = QUANT_METHODS.get(name)
     if spec is None:
@@ -86,7 +87,7 @@ def quant_method(name: str, label: str = "") -> MethodSpec:
     return spec
 
 
-def stage_kind(name: str, label: str = "") -> StageKindSpec:
+def stage_kind(name: str, label: str = "") -> StageKind:
     """The spec of stage kind ``name``; an unregistered name is a CompressError naming the known ones."""
     spec = STAGE_KINDS.get(name)
     if spec is None:
@@ -119,11 +120,6 @@ def export_format(name: str) -> ExportFormat:
     if spec is None:
         raise CompressError(f"export format '{name}' is not available; available: {', '.join(EXPORT_FORMATS)}")
     return spec
-
-
-def quant_configs() -> dict[str, type]:
-    """Method name -> config model, as recipe validation reads it (the ``quant_methods`` validation context)."""
-    return {name: spec.config for name, spec in QUANT_METHODS.items()}
 
 
 def source_format(path: Path) -> ExportFormat | None:

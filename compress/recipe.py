@@ -1,19 +1,21 @@
 """Recipes: parsed from YAML, overridden with --set, validated strictly; errors name the key path and line.
 
-The models (Recipe, GateSpec, ...) live in the torch-free compress.schema.recipe.
+The models (Recipe, GateConfig, ...) live in the torch-free compress.schema.recipe; the stage and
+export items are the plugin tables' config models, put together here (``recipe_model``).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from compress.errors import RecipeError
+from compress.plugins import EXPORT_FORMATS, QUANT_METHODS, STAGE_KINDS, device_names
 from compress.schema.devices import DEVICE_FORMATS, DEVICE_RUNTIMES
-from compress.schema.exports import EXPORT_CONFIGS
-from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, TASK_SOURCE_FIELD, Recipe
+from compress.schema.recipe import PATH_FIELDS, TASK_SOURCE_FIELD, Recipe, StageConfig
 from compress.schema.yamlio import format_path, load_yaml, read_text
 
 # --------------------------------------------------------------------------- loading
@@ -97,26 +99,86 @@ def apply_override(data: dict[str, Any], item: str, lines: dict[tuple, int]) -> 
     lines[tuple(parts)] = -1  # marks "from --set"
 
 
-def validation_context() -> dict[str, Any]:
-    """What recipe validation needs from the plugin tables: every quantization method's and export
-    format's config class, and the format and runtime names device profiles may list, so that a
-    method or format registered only in compress.plugins is known to the recipe (the schema package
-    never imports the tables). Device profile files and gates files are validated with it too."""
-    from compress.plugins import EXPORT_FORMATS, device_names, quant_configs
+# --------------------------------------------------------------------------- the recipe model, from the plugin tables
 
+
+def recipe_model() -> type[Recipe]:
+    """The model recipes are validated against: compress.schema.recipe.Recipe with its ``stages``
+    items made from STAGE_KINDS (one optional key per kind; ``quantize:`` one of QUANT_METHODS'
+    configs, chosen by ``method``) and its ``exports`` items from EXPORT_FORMATS (chosen by
+    ``format``). Built from the tables as they are at the call (a test may add an entry), once per
+    distinct contents."""
+    return _models(*_tables())[1]
+
+
+def stage_model() -> type[StageConfig]:
+    """The model of one ``stages:`` item, from STAGE_KINDS and QUANT_METHODS (see ``recipe_model``)."""
+    return _models(*_tables())[0]
+
+
+def _tables() -> tuple[tuple, tuple, tuple]:
+    methods = tuple((name, spec.config) for name, spec in QUANT_METHODS.items())
+    kinds = tuple((name, kind.config, kind.quantizes_weights) for name, kind in STAGE_KINDS.items())
+    formats = tuple((name, fmt.config) for name, fmt in EXPORT_FORMATS.items())
+    return methods, kinds, formats
+
+
+@functools.lru_cache(maxsize=16)
+def _models(methods: tuple, kinds: tuple, formats: tuple) -> tuple[type[StageConfig], type[Recipe]]:
+    quantize = _tagged_union(dict(methods), "method", _known_method)
+    stage = create_model(
+        "StageConfig",
+        __base__=StageConfig,
+        __doc__=StageConfig.__doc__,
+        **{name: ((quantize if weights else config) | None, None) for name, config, weights in kinds},
+    )
+    export = _tagged_union(dict(formats), "format", _known_format)
+    fields = Recipe.model_fields
+    recipe = create_model(
+        "Recipe",
+        __base__=Recipe,
+        stages=(list[stage], Field(default_factory=list, description=fields["stages"].description)),
+        exports=(list[export], Field(default_factory=list, description=fields["exports"].description)),
+    )
+    return stage, recipe
+
+
+def _tagged_union(configs: dict[str, type], tag: str, known: Any) -> Any:
+    """One of ``configs`` (name -> config model), chosen by the value of its ``tag`` key; an unknown
+    or missing name is refused by ``known`` with the names listed."""
+    members = tuple(configs.values())
+    check = BeforeValidator(lambda value: known(value, list(configs)))
+    if len(members) == 1:
+        return Annotated[members[0], check]
+    return Annotated[Union[members], Field(discriminator=tag), check]  # noqa: UP007 - a union of a tuple of classes
+
+
+def _known_method(value: Any, available: list[str]) -> Any:
+    if isinstance(value, dict) and isinstance(value.get("method"), str) and value["method"] not in available:
+        raise ValueError(f"unknown quantization method '{value['method']}'; known: {', '.join(available)}")
+    return value
+
+
+def _known_format(value: Any, available: list[str]) -> Any:
+    if isinstance(value, dict) and "format" not in value:
+        raise ValueError(f"an export names its format: format: {' | '.join(available)}")
+    if isinstance(value, dict) and (not isinstance(value["format"], str) or value["format"] not in available):
+        raise ValueError(f"export format '{value['format']}' is not available; available: {', '.join(available)}")
+    return value
+
+
+def validation_context() -> dict[str, Any]:
+    """What validation needs from the plugin tables beyond the recipe model: the format and runtime
+    names device profiles may list (the schema package never imports the tables). Recipes, device
+    profile files and gates files are validated with it."""
     formats, runtimes = device_names()
-    return {
-        QUANT_METHODS_CONTEXT: quant_configs(),
-        EXPORT_CONFIGS: {name: fmt.config for name, fmt in EXPORT_FORMATS.items()},
-        DEVICE_FORMATS: formats,
-        DEVICE_RUNTIMES: runtimes,
-    }
+    return {DEVICE_FORMATS: formats, DEVICE_RUNTIMES: runtimes}
 
 
 def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Recipe:
-    """Validate raw recipe data; ``quantize: {method}`` and ``exports: [{format}]`` are looked up in compress.plugins."""
+    """Validate raw recipe data against the plugin tables' recipe model (``recipe_model``)."""
     try:
-        return Recipe.model_validate(data, context=validation_context())
+        return recipe_model().model_validate(data, context=validation_context())
     except ValidationError as exc:
         raise RecipeError(format_validation_error(exc, lines, filename)) from None
 
@@ -126,7 +188,7 @@ def format_validation_error(
 ) -> str:
     messages = []
     for err in exc.errors():
-        loc, parent = _resolve_loc(tuple(err["loc"]), root or Recipe)
+        loc, parent = _resolve_loc(tuple(err["loc"]), root or recipe_model())
         line = _line_for(loc, lines)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
@@ -194,4 +256,4 @@ def _line_for(loc: tuple, lines: dict[tuple, int]) -> int:
 
 
 def json_schema() -> dict[str, Any]:
-    return Recipe.model_json_schema()
+    return recipe_model().model_json_schema()

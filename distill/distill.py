@@ -35,12 +35,12 @@ from torch import nn
 from compress import streaming
 from compress.context import RunContext, StageRecord
 from compress.distill import checkpoint
+from compress.distill.config import ORIGINAL, DistillConfig
 from compress.distill.losses import CosineSchedule
 from compress.distill.refit import refit_down_proj, refit_targets
 from compress.distill.teacher_store import FOLDER, TeacherLogits
 from compress.distill.train import Processes, Trainer, eval_min_context, sample_order
 from compress.errors import CompressError
-from compress.schema.distill import ORIGINAL, DistillConfig
 
 # --------------------------------------------------------------------------- the stage
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from compress.distill.config import DistillConfig
 from compress.eval.plan.estimates import DISTILL_TOKENS_PER_S, REF_PARAMS, Estimate, PlanStep, training_bytes
-from compress.plugin_types import StageKindSpec
-from compress.schema.distill import DistillConfig
+from compress.plugin_types import StageKind
 
 
 def _build(config: Any, label: str) -> Any:
@@ -47,7 +47,7 @@ def _summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
-DISTILL = StageKindSpec(
+DISTILL = StageKind(
     name="distill",
     config=DistillConfig,
     build=_build,

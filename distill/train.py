@@ -23,8 +23,8 @@ from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
 
 if TYPE_CHECKING:
+    from compress.distill.config import DistillConfig
     from compress.distill.teacher_store import TeacherLogits
-    from compress.schema.distill import DistillConfig
 
 
 def process_rank() -> tuple[int, int]:

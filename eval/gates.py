@@ -9,7 +9,7 @@ from typing import Any
 from compress.eval.devices import LOCAL
 from compress.eval.metrics import Evaluation
 from compress.schema.metrics import METRICS
-from compress.schema.recipe import GateSpec
+from compress.schema.recipe import GateConfig
 
 
 @dataclass
@@ -30,7 +30,7 @@ class GateResult:
         return asdict(self)
 
 
-def evaluate_gates(specs: list[GateSpec], evaluations: list[Evaluation]) -> list[GateResult]:
+def evaluate_gates(specs: list[GateConfig], evaluations: list[Evaluation]) -> list[GateResult]:
     """Check each gate against the evaluation of its artifact, metric and device (relative gates
     compare with the baseline's value of the same metric)."""
     return [_check(spec, evaluations) for spec in specs]
@@ -61,7 +61,7 @@ def _missing(
     )
 
 
-def _check(spec: GateSpec, evaluations: list[Evaluation]) -> GateResult:
+def _check(spec: GateConfig, evaluations: list[Evaluation]) -> GateResult:
     kind, value_t = spec.threshold_kind, spec.threshold_value
     ev = find_evaluation(evaluations, spec.artifact, spec.metric, spec.device, spec.task)
     threshold: dict[str, Any] = {"kind": kind, "value": value_t}

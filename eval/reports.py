@@ -21,8 +21,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from compress.json_schemas import json_schema
 from compress.schema import report as _report
-from compress.schema.json_schemas import json_schema
 
 REPORT_SCHEMA_VERSION = _report.REPORT_VERSION
 SOURCES = list(_report.SOURCES)  # where an evaluation's numbers came from

@@ -215,7 +215,7 @@ def _doc(row: Any, spec: Any, fields: dict[str, Any], subject: str | None, where
 
 
 def load_task(spec: Any, base_dir: Path, reporter: Any = None) -> TaskData:
-    """Read, check and sample one ``TaskSpec``'s questions (a DataError names the file, row and field
+    """Read, check and sample one ``TaskConfig``'s questions (a DataError names the file, row and field
     at fault). ``limit`` questions are drawn with the task's seed; the few-shot pool is the rest."""
     from compress import assets
     from compress.fsutil import sha256_file

@@ -13,6 +13,6 @@ compress.plugins.EXPORT_FORMATS:
 
 Shared: ``format.py`` (the spec base ``ExportFormat`` and the latency ``Runner``),
 ``recipe_exports.py`` (the pipeline's check / write / report / gate glue), ``parity.py`` (the runtime
-verifiers' inputs), ``packing.py`` (int32 bit packing). The recipe's ``exports`` items (no torch)
-are in compress/schema/exports.py.
+verifiers' inputs), ``packing.py`` (int32 bit packing). Each format's recipe config (no torch)
+is its package's ``config.py``, on the base in compress/schema/exports.py.
 """

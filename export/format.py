@@ -90,7 +90,7 @@ class ExportFormat:
     """
 
     name: str  # the recipe's ``format:`` key
-    config: type[BaseModel]  # the recipe's config class for it (compress/schema/exports.py)
+    config: type[BaseModel]  # the recipe's config class for it (export/<name>/config.py: a BaseExportConfig)
     runtime: str  # where it runs: llama.cpp | onnxruntime | tensorrt | transformers (a latency runtime when own_runtime)
     intended_runtimes: str  # model-card text: where people run it
     description: str  # one line for people: what the export is (the generated field reference lists it)

@@ -27,10 +27,10 @@ from compress import streaming
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.pruning.arch import PrunableModel
+from compress.pruning.config import PruneConfig, SizeTarget
 from compress.pruning.importance import Importance, collect, top_indices
 from compress.pruning.obs import obs_cut
 from compress.pruning.slicing import drop_layers, kv_groups_config, prune_hidden, slice_block_kv_groups, slice_block_mlp
-from compress.schema.prune import PruneConfig, SizeTarget
 
 
 def _round_down(n: float, multiple: int) -> int:

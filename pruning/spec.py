@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from compress.eval.plan.estimates import Estimate, PlanStep, activation_bytes, forward_s
-from compress.plugin_types import StageKindSpec
-from compress.schema.prune import PruneConfig
+from compress.plugin_types import StageKind
+from compress.pruning.config import PruneConfig
 
 
 def _build(config: Any, label: str) -> Any:
@@ -69,7 +69,7 @@ def _summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
-PRUNE = StageKindSpec(
+PRUNE = StageKind(
     name="prune",
     config=PruneConfig,
     build=_build,

@@ -26,10 +26,11 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture, AWQMapping
+from compress.quantizers.configs import AWQConfig
 from compress.quantizers.core import compute_qparams, group_rows, quantize_codes
 from compress.quantizers.rtn import rtn_quantize
 from compress.quantizers.sequential import BlockJob, run_layerwise
-from compress.schema.quantize import AWQConfig, QuantScheme
+from compress.schema.quantize import QuantScheme
 
 NO_CLIP = ("q_proj", "k_proj")
 

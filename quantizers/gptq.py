@@ -24,11 +24,12 @@ from compress.calibration_checks import check_token_count
 from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
+from compress.quantizers.configs import GPTQConfig
 from compress.quantizers.core import QuantizedWeight, one_cpu_thread
 from compress.quantizers.grid_search import GridParams, nonzero_divisor
 from compress.quantizers.mix import layer_schemes
 from compress.quantizers.sequential import BlockJob, run_layerwise, select_block_linears
-from compress.schema.quantize import GPTQConfig, QuantScheme
+from compress.schema.quantize import QuantScheme
 
 HESSIAN_STRIP = 1024
 """With ``upper_only``, inputs wider than this accumulate H a strip of rows at a time over its upper

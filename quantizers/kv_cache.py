@@ -27,7 +27,7 @@ import torch
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.schema.kv_cache import KVCacheConfig
+from compress.quantizers.kv_cache_config import KVCacheConfig
 
 # --------------------------------------------------------------------------- geometry and planning
 

@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from compress.errors import CompressError
 from compress.quantizers.core import FP8_MAX
-from compress.schema.kv_cache import KVCacheConfig
+from compress.quantizers.kv_cache_config import KVCacheConfig
 
 SCALE_DTYPE = torch.float16
 

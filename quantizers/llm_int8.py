@@ -43,9 +43,10 @@ from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.progress import Reporter
 from compress.quantizers.apply import install_record, select_or_fail, summarize
+from compress.quantizers.configs import Kernel, LLMInt8Config, ResolvedKernel
 from compress.quantizers.core import QuantizedWeight, round_scale, scale_torch_dtype
 from compress.quantizers.sequential import StopForward, peak_memory_mb
-from compress.schema.quantize import Kernel, LLMInt8Config, QuantScheme, ResolvedKernel
+from compress.schema.quantize import QuantScheme
 
 INT8_MAX = 127  # codes use [-127, 127]: symmetric, so -q is always representable
 INT32_SAFE_K = (2**31 - 1) // (INT8_MAX * INT8_MAX)  # longest dot product an int32 accumulator holds exactly

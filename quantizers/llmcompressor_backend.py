@@ -49,7 +49,7 @@ from compress.quantizers.sequential import peak_memory_mb, select_block_linears
 from compress.schema.quantize import QuantScheme
 
 if TYPE_CHECKING:
-    from compress.schema.quantize import AWQConfig, GPTQConfig
+    from compress.quantizers.configs import AWQConfig, GPTQConfig
 
 EXTRA = "llmcompressor"
 NAME = "llmcompressor"

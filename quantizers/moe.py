@@ -27,7 +27,7 @@ from torch import nn
 
 from compress.errors import CompressError
 from compress.experts import PROJECTIONS, expert_weight, fused_experts, num_experts
-from compress.schema.quantize import ExpertCoverage, MoECalibration
+from compress.quantizers.configs import ExpertCoverage, MoECalibration
 
 
 class StopAtExperts(Exception):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from compress.quantizers.apply import quantize_each_layer
+from compress.quantizers.configs import RTNConfig
 from compress.quantizers.core import QuantizedWeight, compute_qparams, group_rows, pack_record, quantize_codes
 from compress.quantizers.grid_search import grid_quantize
 from compress.quantizers.mix import layer_schemes
-from compress.schema.quantize import QuantScheme, RTNConfig
+from compress.schema.quantize import QuantScheme
 
 
 def rtn_quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:

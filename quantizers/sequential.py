@@ -32,8 +32,9 @@ from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import select_or_fail, summarize
 from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks, output_head, submodule
+from compress.quantizers.configs import MoECalibration
 from compress.quantizers.moe import calibration_rows, coverage_summary, expert_linears, experts_as_linears
-from compress.schema.quantize import MoECalibration, WeightQuantConfig
+from compress.schema.quantize import WeightQuantConfig
 
 
 class StopForward(Exception):

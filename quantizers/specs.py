@@ -1,4 +1,4 @@
-"""The specs of the quantizers: one MethodSpec per weight-quantization method (rtn.py, gptq.py,
+"""The specs of the quantizers: one QuantMethod per weight-quantization method (rtn.py, gptq.py,
 awq.py, llm_int8.py) and the two stage kinds this package runs (``quantize:`` and ``kv_cache:``).
 
 Torch-free (the stage classes are imported when a run builds its stages), so the tables in
@@ -24,10 +24,10 @@ from compress.eval.plan.estimates import (
     forward_s,
     largest_unit_bytes,
 )
-from compress.plugin_types import MethodSpec, StageKindSpec
-from compress.schema.exports import GGUFTarget
-from compress.schema.kv_cache import KVCacheConfig
-from compress.schema.quantize import AWQConfig, GPTQConfig, LLMInt8Config, QuantizeConfig, RTNConfig
+from compress.plugin_types import QuantMethod, StageKind
+from compress.quantizers.configs import AWQConfig, GPTQConfig, LLMInt8Config, RTNConfig
+from compress.quantizers.kv_cache_config import KVCacheConfig
+from compress.schema.quantize import SENSITIVITY_SAMPLES, WeightQuantConfig
 
 # --------------------------------------------------------------------------- shared plan formulas
 
@@ -111,7 +111,7 @@ def _rtn_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     )
 
 
-RTN = MethodSpec(
+RTN = QuantMethod(
     name="rtn",
     config=RTNConfig,
     load_stage=_rtn_stage,
@@ -145,7 +145,7 @@ def _gptq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     return calibrated_estimate(step, layers, seconds, how, hessians, "one block's Hessians")
 
 
-GPTQ = MethodSpec(
+GPTQ = QuantMethod(
     name="gptq",
     config=GPTQConfig,
     load_stage=_gptq_stage,
@@ -180,7 +180,7 @@ def _awq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     return calibrated_estimate(step, layers, seconds, how, samples, "one block's sampled inputs for its searches")
 
 
-AWQ = MethodSpec(
+AWQ = QuantMethod(
     name="awq",
     config=AWQConfig,
     load_stage=_awq_stage,
@@ -207,7 +207,7 @@ def _llm_int8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     return calibrated_estimate(step, layers, seconds, how, 0, "per-column maxima")  # one vector per Linear
 
 
-LLM_INT8 = MethodSpec(
+LLM_INT8 = QuantMethod(
     name="llm_int8",
     config=LLMInt8Config,
     load_stage=_llm_int8_stage,
@@ -237,9 +237,6 @@ def _quantize_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     )
 
 
-SENSITIVITY_SAMPLES = GGUFTarget.model_fields["samples"].default  # the plan does not see the export's own `samples`
-
-
 def _with_sensitivity(step: PlanStep, layers: dict[str, Any], est: Estimate) -> Estimate:
     """A stage with ``gguf_target`` first runs the sensitivity pass (quantizers/mix.py): a forward and a
     backward over the sensitivity chunks (about 3 forwards), keeping every block's input for them, and
@@ -255,7 +252,7 @@ def _with_sensitivity(step: PlanStep, layers: dict[str, Any], est: Estimate) -> 
     return Estimate(max(est.memory_bytes, memory), est.seconds + seconds, basis)
 
 
-def quantize_kind(method: Callable[..., MethodSpec]) -> StageKindSpec:
+def quantize_kind(method: Callable[..., QuantMethod]) -> StageKind:
     """The ``quantize:`` stage kind, which hands each stage to its method's spec. ``method(name, label)``
     is compress.plugins.quant_method (the table sits above this module, so it is handed in)."""
 
@@ -271,15 +268,15 @@ def quantize_kind(method: Callable[..., MethodSpec]) -> StageKindSpec:
         est = method(cfg.method).estimate(step, layers)
         return _with_sensitivity(step, layers, est) if getattr(cfg, "gguf_target", False) else est
 
-    return StageKindSpec(
+    return StageKind(
         name="quantize",
-        config=QuantizeConfig,
+        config=WeightQuantConfig,  # each method's own subclass, from QUANT_METHODS (compress.recipe builds the union)
         build=build,
         estimate=estimate,
         summary=_quantize_summary,
         description="weight quantization of the selected Linear layers",
         quantizes_weights=True,
-        streams=True,  # when its method streams (MethodSpec.streams)
+        streams=True,  # when its method streams (QuantMethod.streams)
     )
 
 
@@ -322,7 +319,7 @@ def _kv_cache_summary(stage: dict[str, Any], report: dict[str, Any]) -> str:
     return f"{stage['label']} kv_cache: {stage['summary']['scheme']}{measured}"
 
 
-KV_CACHE = StageKindSpec(
+KV_CACHE = StageKind(
     name="kv_cache",
     config=KVCacheConfig,
     build=_build_kv_cache,

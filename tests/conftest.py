@@ -105,10 +105,10 @@ def smollm2():
     from compress.models import load_model
     from compress.paths import usable_cpus
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
     torch.set_num_threads(usable_cpus())
-    lm = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
+    lm = load_model(ModelConfig(source="reference:smollm2-135m"), ROOT, Reporter(quiet=True))
     # Read into memory once: the method tests apply stages to copies of it directly, and stages that
     # do not stream expect an in-memory model (a run reads it whole for them: compress/steps/stages.py).
     lm.model = streaming.materialize(lm.model)
@@ -119,9 +119,9 @@ def reference_chunks(tokenizer, cal: tuple[int, int], ev: tuple[int, int]):
     """(calibration, evaluation) token chunks of the reference Shakespeare text, (samples, seq_len) each."""
     from compress.data import DataPlan
     from compress.progress import Reporter
-    from compress.schema.recipe import DataSpec
+    from compress.schema.recipe import DataConfig
 
-    data = DataSpec(
+    data = DataConfig(
         calibration={"source": "reference:shakespeare", "samples": cal[0], "seq_len": cal[1]},
         evaluation={"source": "reference:shakespeare", "samples": ev[0], "seq_len": ev[1]},
     )

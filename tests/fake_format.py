@@ -17,20 +17,20 @@ import numpy as np
 from pydantic import Field
 
 from compress.export.format import ExportFormat, PlannedSize
-from compress.schema.exports import _Export
+from compress.schema.exports import BaseExportConfig
 
 NAME = "npz"
 FILE = "records.npz"
 
 
-class NPZExport(_Export):
+class NPZExportConfig(BaseExportConfig):
     """The records as one NumPy .npz file."""
 
     format: Literal["npz"] = Field("npz", description="npz")
     compressed: bool = Field(False, description="np.savez_compressed rather than np.savez.")
 
 
-class NPZOnNumpyExport(NPZExport):
+class NPZOnNumpyExportConfig(NPZExportConfig):
     """The same file, loaded by numpy as a runtime of its own (device profiles name it: npz on numpy)."""
 
     own_runtime: ClassVar[bool] = True
@@ -107,7 +107,7 @@ class NPZFormat(ExportFormat):
 
 
 DESCRIPTION = "test format: the records as one NumPy .npz file, read back exactly"
-NPZ = NPZFormat(name=NAME, config=NPZExport, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION)
+NPZ = NPZFormat(name=NAME, config=NPZExportConfig, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION)
 NPZ_ON_NUMPY = NPZFormat(
-    name=NAME, config=NPZOnNumpyExport, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION
+    name=NAME, config=NPZOnNumpyExportConfig, runtime="numpy", intended_runtimes="numpy.load (a test format)", description=DESCRIPTION
 )

@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 
 from compress.eval.plan.estimates import Estimate, PlanStep
-from compress.plugin_types import MethodSpec
+from compress.plugin_types import QuantMethod
 from compress.quantizers.apply import quantize_each_layer
 from compress.quantizers.core import QuantizedWeight, compute_qparams, group_rows, pack_record
 from compress.schema.quantize import QuantScheme, WeightQuantConfig
@@ -48,7 +48,7 @@ def _estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     return Estimate(step.held_bytes + weights, weights / 1e8, f"halfround: {weights:,} weights at ~1e8 weights/s")
 
 
-HALFROUND = MethodSpec(
+HALFROUND = QuantMethod(
     name="halfround",
     config=HalfRoundConfig,
     load_stage=lambda: HalfRoundStage,

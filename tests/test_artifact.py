@@ -23,10 +23,11 @@ from compress.hf_model import checksums, float_tensors, write_config_and_tokeniz
 from compress.marker import ARTIFACT, MARKER, write_marker
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
+from compress.quantizers.configs import RTNConfig
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import RTNStage
 from compress.recipe import load_recipe
-from compress.schema.quantize import QuantScheme, RTNConfig
+from compress.schema.quantize import QuantScheme
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 # fp32 on both sides with bit-identical weights (asserted below): only kernel-order noise could differ

@@ -22,7 +22,7 @@ from compress.export.gguf.source import convert
 from compress.export.gguf.writer import write_gguf
 from compress.models import load_model
 from compress.progress import Reporter
-from compress.schema.recipe import ModelSpec
+from compress.schema.recipe import ModelConfig
 from tests.helpers import run_cli
 from tests.tiny import tiny_llama
 
@@ -129,7 +129,7 @@ def test_fetch_writes_a_tied_bfloat16_folder_that_recipes_load(fake_split_asset:
     assert config["tie_word_embeddings"] is True and "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert asset.meta["joined_file"]["sha256"] == hashlib.sha256(fake_split_asset.read_bytes()).hexdigest()
 
-    loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}"), ROOT, QUIET)  # dtype auto: the folder's bfloat16
+    loaded = load_model(ModelConfig(source=f"reference:{assets.QWEN_CODER}"), ROOT, QUIET)  # dtype auto: the folder's bfloat16
     assert loaded.facts["dtype"] == "bfloat16" and loaded.facts["streamed"] == "streamed from the checkpoint"
     model = streaming.materialize(loaded.model)
     assert next(model.parameters()).dtype == torch.bfloat16 and loaded.facts["license"].startswith("Apache-2.0")
@@ -148,7 +148,7 @@ def test_fetch_writes_a_tied_bfloat16_folder_that_recipes_load(fake_split_asset:
     assert '"silu"' in config_text
     (asset.path / "config.json").write_text(config_text.replace('"silu"', '"gelu"'))  # same size: only the digest tells
     with pytest.raises(AssetError, match=f"config.json .* changed since it was fetched.*compress assets fetch --force {assets.QWEN_CODER}"):
-        load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}"), ROOT, QUIET)
+        load_model(ModelConfig(source=f"reference:{assets.QWEN_CODER}"), ROOT, QUIET)
 
 
 def test_a_failed_conversion_leaves_nothing_that_counts_as_fetched(fake_split_asset: Path, cache_dir: Path) -> None:

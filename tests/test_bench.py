@@ -11,7 +11,7 @@ import torch
 
 from compress.eval.bench.quant import Setting, run_quant_bench
 from compress.progress import Reporter
-from compress.schema.recipe import DataSpec
+from compress.schema.recipe import DataConfig
 from tests.helpers import run_cli
 
 
@@ -24,7 +24,7 @@ def test_setting_parse() -> None:
 
 
 def test_bench_scores_every_candidate(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
-    data = DataSpec(
+    data = DataConfig(
         calibration={"source": str(text_dir), "samples": 4, "seq_len": 64},
         evaluation={"source": str(text_dir), "samples": 4, "seq_len": 64, "min_context": 8},
     )

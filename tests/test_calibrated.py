@@ -17,11 +17,12 @@ from compress.progress import Reporter
 from compress.quantizers import gptq as gptq_module
 from compress.quantizers.arch import ARCHITECTURES, architecture_of, decoder_blocks
 from compress.quantizers.awq import AWQStage, fold_scales, search_clip, search_scales
+from compress.quantizers.configs import AWQConfig, GPTQConfig, RTNConfig
 from compress.quantizers.core import compute_qparams, group_rows, quantize_codes
 from compress.quantizers.gptq import GPTQStage, accumulate_hessian, gptq_quantize, mirror_upper
 from compress.quantizers.moe import unfused
 from compress.quantizers.rtn import RTNStage, rtn_quantize
-from compress.schema.quantize import AWQConfig, GPTQConfig, QuantScheme, RTNConfig
+from compress.schema.quantize import QuantScheme
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_model
 

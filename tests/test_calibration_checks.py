@@ -21,9 +21,9 @@ from compress.calibration_checks import (
 from compress.context import RunContext
 from compress.errors import DataError
 from compress.progress import Reporter
+from compress.quantizers.configs import GPTQConfig
 from compress.quantizers.core import sqnr_db
 from compress.quantizers.gptq import GPTQStage
-from compress.schema.quantize import GPTQConfig
 from compress.schema.recipe import CalibrationChecks
 from tests.helpers import run_cli, write_recipe
 from tests.tiny import tiny_model

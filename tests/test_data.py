@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from compress.data import DataPlan, bos_prefix, load_source, role_blocks, split_blocks
 from compress.errors import AssetError, DataError
-from compress.schema.recipe import DataSpec
+from compress.schema.recipe import DataConfig
 from tests.helpers import make_text
 
 
@@ -19,13 +19,13 @@ def tokenizer(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def spec(cal: str | None, ev: str | None, **kw) -> DataSpec:
+def spec(cal: str | None, ev: str | None, **kw) -> DataConfig:
     data = {}
     if cal:
         data["calibration"] = {"source": cal, "samples": kw.get("cal_samples", 8), "seq_len": 64, "seed": kw.get("cal_seed", 0)}
     if ev:
         data["evaluation"] = {"source": ev, "samples": kw.get("ev_samples", 8), "seq_len": 64, "seed": kw.get("ev_seed", 0)}
-    return DataSpec(**data)
+    return DataConfig(**data)
 
 
 def test_chunks_are_deterministic_and_seeded(text_dir: Path, tokenizer) -> None:

@@ -152,8 +152,8 @@ def test_schedule_warms_up_then_decays_to_the_final_ratio():
 def budget_trainer(steps: int, minutes: float, wall: float, eval_s: float, every: int, at: int, planned: int):
     from types import SimpleNamespace
 
+    from compress.distill.config import DistillConfig
     from compress.distill.train import Processes
-    from compress.schema.distill import DistillConfig
 
     config = DistillConfig(steps=steps, max_minutes=minutes, warmup_steps=2, eval={"every": every})
     state = SimpleNamespace(step=at, wall_seconds=wall, eval_seconds=eval_s, planned_steps=planned)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from compress.schema.recipe import Recipe
+from compress.recipe import recipe_model, stage_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -72,7 +72,7 @@ def _field_names(model: type) -> set[str]:
 
 def test_recipe_reference_documents_every_field() -> None:
     keys = {k for block in _yaml_blocks(RECIPES) for k in re.findall(r"^\s*-?\s*([a-z_0-9]+):", block, flags=re.M)}
-    missing = _field_names(Recipe) - keys
+    missing = _field_names(recipe_model()) - keys
     assert not missing, f"docs/recipes.md (the recipe reference) lacks: {sorted(missing)}"
 
 
@@ -94,34 +94,30 @@ def test_recipe_reference_is_a_valid_recipe(tmp_path: Path) -> None:
 def test_recipe_reference_tasks_example_validates() -> None:
     import yaml
 
-    from compress.schema.recipe import GateSpec, TaskSpec
+    from compress.schema.recipe import GateConfig, TaskConfig
 
     block = next(yaml.safe_load(b) for b in _yaml_blocks(RECIPES) if b.startswith("tasks:"))
-    tasks = [TaskSpec.model_validate(t) for t in block["tasks"]]
+    tasks = [TaskConfig.model_validate(t) for t in block["tasks"]]
     assert [t.source for t in tasks] == ["reference:mmlu", "quiz.csv"] and tasks[1].choices_field == ["a", "b", "c", "d"]
-    gates = [GateSpec.model_validate(g) for g in block["gates"]]
+    gates = [GateConfig.model_validate(g) for g in block["gates"]]
     assert [(g.task, g.threshold_kind) for g in gates] == [("mmlu", "max_decrease"), (None, "max_increase")]
 
 
 def test_recipe_reference_calibrated_method_examples_validate() -> None:
     import yaml
 
-    from compress.schema.recipe import StageSpec
-
     blocks = _yaml_blocks(RECIPES)
     stages = yaml.safe_load(blocks[1])["stages"]
-    assert [StageSpec.model_validate(s).config.method for s in stages] == ["gptq", "awq"]
+    assert [stage_model().model_validate(s).config.method for s in stages] == ["gptq", "awq"]
     kv, int8 = (yaml.safe_load(b)["stages"][0] for b in blocks[2:4])
-    assert StageSpec.model_validate(kv).kind == "kv_cache" and StageSpec.model_validate(int8).config.method == "llm_int8"
+    assert stage_model().model_validate(kv).kind == "kv_cache" and stage_model().model_validate(int8).config.method == "llm_int8"
 
 
 def test_recipe_reference_prune_and_distill_example_validates() -> None:
     import yaml
 
-    from compress.schema.recipe import StageSpec
-
     block = next(b for b in _yaml_blocks(RECIPES) if "- prune:" in b)
-    assert [StageSpec.model_validate(s).kind for s in yaml.safe_load(block)["stages"]] == ["prune", "distill"]
+    assert [stage_model().model_validate(s).kind for s in yaml.safe_load(block)["stages"]] == ["prune", "distill"]
 
 
 def _nav_pages(nav: list) -> list[str]:

@@ -29,11 +29,11 @@ from compress.models import load_model
 from compress.paths import usable_cpus
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
+from compress.quantizers.configs import RTNConfig
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import RTNStage
 from compress.recipe import load_recipe
-from compress.schema.quantize import RTNConfig
-from compress.schema.recipe import ModelSpec
+from compress.schema.recipe import ModelConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama
 
@@ -315,7 +315,7 @@ def test_gptq_act_order_and_wrapped_zero_points_fail_clearly(tmp_path: Path, tok
     tensors["model.layers.1.self_attn.o_proj.g_idx"] = g_idx[torch.randperm(g_idx.numel(), generator=torch.Generator().manual_seed(0))]
     _save_hf(tmp_path / "actorder", model, tokenizer, qcfg, tensors)
     with pytest.raises(FormatError, match=r"o_proj: g_idx is not the contiguous.*act-order \(desc_act\).*desc_act=false"):
-        load_model(ModelSpec(source=str(tmp_path / "actorder")), tmp_path, QUIET)
+        load_model(ModelConfig(source=str(tmp_path / "actorder")), tmp_path, QUIET)
 
     tensors["model.layers.1.self_attn.o_proj.g_idx"] = g_idx
     tensors["model.layers.0.mlp.up_proj.qzeros"] = torch.full_like(tensors["model.layers.0.mlp.up_proj.qzeros"], -1)  # all 15s
@@ -351,7 +351,7 @@ def test_awq_gemm_checkpoint_imports_exactly(tmp_path: Path, tokenizer) -> None:
     _save_hf(tmp_path / "awq", model, tokenizer, qcfg, tensors)
 
     assert records_identical(records, read_records(tmp_path / "awq").records) == []
-    loaded = load_model(ModelSpec(source=str(tmp_path / "awq")), tmp_path, QUIET)
+    loaded = load_model(ModelConfig(source=str(tmp_path / "awq")), tmp_path, QUIET)
     assert loaded.facts["quantized_checkpoint"]["format"] == "awq"
     assert records_identical(records, loaded.quantized) == []
     ids = token_ids(len(tokenizer))
@@ -372,7 +372,7 @@ def test_model_source_imports_quantized_checkpoints(tmp_path: Path, tokenizer, f
     records = quantize(model, 4, 32, False)
     writer = compressed_tensors.write if fmt == "compressed-tensors" else autogptq.write
     writer(tmp_path / "ckpt", model, tokenizer, records)
-    loaded = load_model(ModelSpec(source=str(tmp_path / "ckpt")), tmp_path, QUIET)
+    loaded = load_model(ModelConfig(source=str(tmp_path / "ckpt")), tmp_path, QUIET)
     facts = loaded.facts["quantized_checkpoint"]
     assert facts["format"] == fmt and facts["layers"] == 14 and facts["schemes"] == {"W4 g32 asym (float16 scales)": 14}
     assert records_identical(records, loaded.quantized) == []
@@ -489,7 +489,7 @@ def test_smollm2_compressed_tensors_export_loads_in_transformers(tmp_path: Path)
     """SmolLM2-135M (width 576 = 9 x 64): RTN W4 g64 asym -> compressed-tensors -> transformers, same logits."""
     torch.set_num_threads(usable_cpus())
     root = Path(__file__).resolve().parents[1]
-    src = load_model(ModelSpec(source="reference:smollm2-135m"), root, QUIET)
+    src = load_model(ModelConfig(source="reference:smollm2-135m"), root, QUIET)
     model = src.model
     records = quantize(model, 4, 64, False)
     assert len(records) == 30 * 7

@@ -282,7 +282,7 @@ def test_a_damaged_tensor_is_named_at_load(
     from compress.errors import ModelLoadError
     from compress.models import load_model
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
     model = tmp_path_factory.mktemp("fuzz") / "model"
     shutil.copytree(tiny_model_dir, model)
@@ -304,7 +304,7 @@ def test_a_damaged_tensor_is_named_at_load(
             tensors[name].view(-1)[where % tensors[name].numel()] = float(damage)
         save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError) as refused:
-        loaded = load_model(ModelSpec(source=str(model)), model.parent, Reporter(quiet=True))
+        loaded = load_model(ModelConfig(source=str(model)), model.parent, Reporter(quiet=True))
         for _ in streaming.tensors(loaded.model):
             pass
     assert str(weights) in str(refused.value) and name in str(refused.value), str(refused.value)

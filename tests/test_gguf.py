@@ -21,13 +21,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from compress.errors import FormatError
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.check import check_gguf_records
+from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.layout import ARCHITECTURES, GGUFArch, architecture_of, permute_rows, plan_tensors, resolve_type
 from compress.export.gguf.metadata import pre_tokenizer_name
 from compress.export.gguf.spec import GGUF_FILE
 from compress.export.gguf.writer import write_gguf
 from compress.export.parity import compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.paths import usable_cpus
-from compress.schema.exports import GGUFExport
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_formats import quantize, token_ids
 from tests.tiny import perturb_norms, scale_weights, tiny_llama, tiny_model
@@ -367,14 +367,14 @@ def test_records_that_cannot_map_exactly_fail_or_fall_back(tmp_path: Path, token
 
 
 def test_gguf_export_specs() -> None:
-    assert GGUFExport(type="q4_k_m").quantizer == "llama.cpp"
-    assert GGUFExport().quantizer == "records" and GGUFExport(type="q4_0", quantizer="llama.cpp").type == "q4_0"
+    assert GGUFExportConfig(type="q4_k_m").quantizer == "llama.cpp"
+    assert GGUFExportConfig().quantizer == "records" and GGUFExportConfig(type="q4_0", quantizer="llama.cpp").type == "q4_0"
     with pytest.raises(ValueError, match="with quantizer records: expected one of auto, f32"):
-        GGUFExport(type="iq4_xs", quantizer="records")
+        GGUFExportConfig(type="iq4_xs", quantizer="records")
     with pytest.raises(ValueError, match="Q4_K_M is llama.cpp's per-tensor mix"):
-        GGUFExport(type="q4_k_m", quantizer="records")
+        GGUFExportConfig(type="q4_k_m", quantizer="records")
     with pytest.raises(ValueError, match="fallback applies to quantizer records"):
-        GGUFExport(type="q6_k", fallback="f16")
+        GGUFExportConfig(type="q6_k", fallback="f16")
 
 
 def run_tiny_recipe(tmp_path: Path, model_dir: Path, text_dir: Path, exports: str, gates: str, symmetric: bool):
@@ -533,7 +533,7 @@ def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damag
     from compress.models import load_model
     from compress.paths import CONVERTED_MARKER
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
     from tests.tiny import family_tokenizer
 
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
@@ -542,7 +542,7 @@ def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damag
     source.parent.mkdir()
     write_gguf(source, tiny_model("qwen2", vocab=len(hf), hidden=64, intermediate=64), hf, {}, "f16")
     plain = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = load_model(ModelSpec(source=str(source)), tmp_path, Reporter(quiet=True))
+    loaded = load_model(ModelConfig(source=str(source)), tmp_path, Reporter(quiet=True))
     repaired = loaded.tokenizer
     assert pre_tokenizer_name(json.loads(repaired.backend_tokenizer.to_str())) == "qwen2"
     assert repaired.eos_token == "<|im_end|>" and loaded.facts["tokenizer"]["special_ids"]["eos_token_id"] == hf.eos_token_id
@@ -557,7 +557,7 @@ def test_a_gguf_sources_tokenizer_is_repaired_from_its_keys_and_a_stale_or_damag
     marker = Path(loaded.facts["converted_cache"]) / CONVERTED_MARKER
     for stale in ('{"gguf": "x"}', "{not json"):
         marker.write_text(stale)
-        again = load_model(ModelSpec(source=str(source)), tmp_path, Reporter(quiet=True))
+        again = load_model(ModelConfig(source=str(source)), tmp_path, Reporter(quiet=True))
         assert json.loads(marker.read_text())["tokenizer_repair"] >= 1 and again.tokenizer.eos_token == "<|im_end|>"
 
 
@@ -646,8 +646,8 @@ def test_smollm2_gptq_q4_0_beats_llama_cpp_q4_0_at_the_same_size(tmp_path: Path,
     """The issue's check, on reduced data (16 x 256 calibration, 8 x 256 held-out evaluation tokens):
     GPTQ W4 g32 symmetric packed exactly into Q4_0 has lower KL against our F16 GGUF, measured in
     llama.cpp, than llama.cpp's own Q4_0 of that F16 file, and the files are the same size."""
+    from compress.quantizers.configs import GPTQConfig
     from compress.quantizers.gptq import GPTQStage
-    from compress.schema.quantize import GPTQConfig
 
     cal, ev = shakespeare_chunks
     kl, text = ours_against_llama_cpp(
@@ -669,8 +669,8 @@ def test_asymmetric_records_as_q4_1_beat_llama_cpp_q4_1_on_a_model_off_its_grid(
     against our F16 GGUF, in llama.cpp, than llama.cpp's own Q4_1 of that F16 file, at the same size.
     README "GGUF export" has the same comparison on a pruned and repaired SmolLM2."""
     from compress.quantizers.awq import AWQStage
+    from compress.quantizers.configs import AWQConfig, GPTQConfig
     from compress.quantizers.gptq import GPTQStage
-    from compress.schema.quantize import AWQConfig, GPTQConfig
 
     model = AutoModelForCausalLM.from_pretrained(trained_tiny_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(trained_tiny_dir)

@@ -20,17 +20,18 @@ from compress.errors import FormatError
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.blocks import PACKERS, ggml_type
 from compress.export.gguf.check import check_gguf_records
+from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.layout import permute_rows, resolve_type
 from compress.export.gguf.writer import write_gguf
 from compress.paths import usable_cpus
 from compress.progress import Reporter
+from compress.quantizers.configs import AWQConfig, GPTQConfig, RTNConfig
 from compress.quantizers.core import refuse_gguf_grids
 from compress.quantizers.gptq import gptq_quantize
 from compress.quantizers.grid_search import grid_quantize
 from compress.quantizers.grids import GRID_NAMES, GRIDS
 from compress.quantizers.rtn import RTNStage
-from compress.schema.exports import GGUFExport
-from compress.schema.quantize import AWQConfig, GPTQConfig, QuantScheme, RTNConfig
+from compress.schema.quantize import QuantScheme
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama, tiny_model
 
@@ -220,23 +221,23 @@ def test_cli_validate_refuses_a_bad_gguf_type_with_exit_2(tmp_path: Path) -> Non
 
 
 def test_export_type_accepts_llama_cpp_spellings_and_names_what_a_mix_does() -> None:
-    assert (GGUFExport(type="Q4_K_M").type, GGUFExport(type="Q4_K_M").quantizer) == ("q4_k_m", "llama.cpp")
-    assert (GGUFExport(type="F16").type, GGUFExport(type="F16").quantizer) == ("f16", "records")
-    assert (GGUFExport(type="Q4_K").type, GGUFExport(type="Q4_K").quantizer) == ("q4_k", "records")
-    assert GGUFExport(type="q4_0", float_type="Q8_0", fallback="F16").float_type == "q8_0"
+    assert (GGUFExportConfig(type="Q4_K_M").type, GGUFExportConfig(type="Q4_K_M").quantizer) == ("q4_k_m", "llama.cpp")
+    assert (GGUFExportConfig(type="F16").type, GGUFExportConfig(type="F16").quantizer) == ("f16", "records")
+    assert (GGUFExportConfig(type="Q4_K").type, GGUFExportConfig(type="Q4_K").quantizer) == ("q4_k", "records")
+    assert GGUFExportConfig(type="q4_0", float_type="Q8_0", fallback="F16").float_type == "q8_0"
     # A mix is llama.cpp's per-tensor rule: quantizer records cannot write it from one grid, and says what to do instead.
     with pytest.raises(ValidationError, match="Q4_K_M is llama.cpp's per-tensor mix.*use type q4_k"):
-        GGUFExport(type="q4_k_m", quantizer="records")
+        GGUFExportConfig(type="q4_k_m", quantizer="records")
 
 
 def test_q6_k_without_a_quantizer_packs_records_on_its_grid_else_asks_llama_cpp(tokenizer) -> None:
     from compress.export.gguf.export import with_records_quantizer
 
-    spec = GGUFExport(type="Q6_K")
+    spec = GGUFExportConfig(type="Q6_K")
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
     assert with_records_quantizer(spec, rtn_records(model, "q6_k")).quantizer == "records"
     assert with_records_quantizer(spec, rtn_records(tiny_llama(len(tokenizer)), "q4_0")).quantizer == "llama.cpp"
-    assert with_records_quantizer(GGUFExport(type="q6_k", quantizer="llama.cpp"), rtn_records(model, "q6_k")).quantizer == "llama.cpp"
+    assert with_records_quantizer(GGUFExportConfig(type="q6_k", quantizer="llama.cpp"), rtn_records(model, "q6_k")).quantizer == "llama.cpp"
 
 
 @pytest.mark.runtime

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from compress.errors import CompressError
+from compress.quantizers.configs import AWQConfig, GPTQConfig, RTNConfig
 from compress.quantizers.gptq import GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.rtn import RTNStage
 from compress.quantizers.sequential import select_block_linears
-from compress.schema.quantize import AWQConfig, GPTQConfig, RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_calibrated import ctx_for, tokens
 from tests.tiny import tiny_model

@@ -15,8 +15,8 @@ from compress.context import RunContext
 from compress.errors import FormatError
 from compress.export.gguf.imatrix import IMATRIX_FILE, read_imatrix, write_imatrix
 from compress.progress import Reporter
+from compress.quantizers.configs import GPTQConfig
 from compress.quantizers.gptq import GPTQStage, accumulate_hessian, input_square_sums, mirror_upper
-from compress.schema.quantize import GPTQConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_llama
 

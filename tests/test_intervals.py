@@ -12,7 +12,7 @@ import torch
 
 from compress.eval.gates import evaluate_gates
 from compress.eval.metrics import Evaluation, Scores, bootstrap_intervals, compare
-from compress.schema.recipe import GateSpec
+from compress.schema.recipe import GateConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 
@@ -72,9 +72,9 @@ def _evaluation(value: float, lower: float, upper: float) -> Evaluation:
 def test_a_gate_on_the_upper_bound_fails_where_the_value_passes() -> None:
     evaluations = [_evaluation(0.30, 0.25, 0.36)]
     value, upper, lower = (
-        GateSpec(metric="kl_divergence", max=0.33),
-        GateSpec(metric="kl_divergence", max=0.33, on="upper_95"),
-        GateSpec(metric="kl_divergence", max=0.26, on="lower_95"),
+        GateConfig(metric="kl_divergence", max=0.33),
+        GateConfig(metric="kl_divergence", max=0.33, on="upper_95"),
+        GateConfig(metric="kl_divergence", max=0.26, on="lower_95"),
     )
     results = evaluate_gates([value, upper, lower], evaluations)
     assert [r.passed for r in results] == [True, False, True]
@@ -90,7 +90,7 @@ def test_a_bound_on_a_metric_without_an_interval_is_refused(tmp_path: Path, tiny
         ValueError,
         match="on: upper_95 needs an interval, which only perplexity, kl_divergence, top1_agreement, accuracy, accuracy_norm have",
     ):
-        GateSpec(metric="tpot_ms", max=10, on="upper_95")
+        GateConfig(metric="tpot_ms", max=10, on="upper_95")
     text = recipe_text(tiny_model_dir, text_dir, gates="  - metric: kl_divergence\n    on: upper_99\n    max: 1")
     result = run_cli(["validate", write_recipe(tmp_path, text)])
     assert result.exit_code == 2 and "gates[0].on" in result.output and "Traceback" not in result.output

@@ -15,6 +15,7 @@ from compress.eval.kv_eval import cached_forward, evaluate_kv
 from compress.eval.metrics import torch_forward
 from compress.export.gguf import runtime as gguf_runtime
 from compress.quantizers.kv_cache import KVCacheScheme, estimate_bytes_per_token, float_cache_bytes_per_token, memory_plan
+from compress.quantizers.kv_cache_config import KVCacheConfig
 from compress.quantizers.kv_cache_store import (
     QuantizedKVCache,
     cache_bytes,
@@ -24,7 +25,6 @@ from compress.quantizers.kv_cache_store import (
     quantize_block,
     unpack_codes,
 )
-from compress.schema.kv_cache import KVCacheConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import scale_weights, tiny_model
 

@@ -9,12 +9,24 @@ one, never a higher one, and no two modules may import each other, directly or t
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
-# pyproject's [tool.setuptools.package-dir]: one import namespace over sibling folders.
-FOLDERS = {"compress": "compress", "quantizers": "compress.quantizers", "pruning": "compress.pruning",
-           "distill": "compress.distill", "export": "compress.export", "eval": "compress.eval"}  # fmt: skip
+
+
+def _setup_module() -> ModuleType:
+    """setup.py (run by setuptools as __main__; imported here it only defines its names)."""
+    spec = importlib.util.spec_from_file_location("setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SETUP = _setup_module()
+# setup.py's PACKAGE_DIRS: one import namespace over sibling folders (folder -> package).
+FOLDERS = {folder: package for package, folder in SETUP.PACKAGE_DIRS.items()}
 
 SCHEMA, CORE, METHODS, EVAL, APP = range(5)
 LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
@@ -25,7 +37,8 @@ LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
 # score on them; `compress plan`'s model shapes, packed byte counts, throughputs and formulas
 # (eval/plan/shapes.py, estimates.py) are core too, since every method's and format's spec answers the plan
 # with them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
-# the recipe loader validates against those tables, so both sit with the methods and exports, as does
+# the recipe loader validates against those tables (and the documents' JSON Schemas, the recipe's among
+# them, are generated from its model), so these sit with the methods and exports, as does
 # the artifact (its model/ is written and read by the compressed-tensors format's own code); loading
 # a model source (which reads quantized checkpoints through the export formats), the run's steps, the
 # gate, the registry, search and the benchmarks drive whole runs and sit on top with the CLI.
@@ -34,6 +47,7 @@ OVERRIDES = {
     "compress.quantizers.grids": SCHEMA,
     "compress.plugins": METHODS,
     "compress.recipe": METHODS,
+    "compress.json_schemas": METHODS,
     "compress.artifact": METHODS,
     "compress.documents": METHODS,
     "compress.quantizers.core": CORE,
@@ -187,13 +201,11 @@ def test_the_checker_sees_a_quantizer_importing_an_export(tmp_path: Path) -> Non
 
 
 def test_every_package_folder_is_installed() -> None:
-    """pyproject's explicit [tool.setuptools] packages list names every folder with an __init__.py, so a
+    """setup.py's package list names every folder with an __init__.py under the mapped folders, so a
     wheel (not only an editable install) holds every module."""
-    import tomllib
-
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(SETUP.packages())
     found = {name for name, path in modules().items() if path.name == "__init__.py"}
-    assert found == listed, f"missing from pyproject: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
+    assert found == listed, f"missing from setup.py's packages: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
 
 
 def _defined_at_top(tree: ast.Module) -> tuple[set[str], set[str]]:

@@ -15,6 +15,7 @@ from torch import nn
 from compress.context import RunContext
 from compress.export.gguf.blocks import pack_q8_0, q8_0_exact, record_problem
 from compress.progress import Reporter
+from compress.quantizers.configs import LLMInt8Config
 from compress.quantizers.llm_int8 import (
     LLMInt8Linear,
     LLMInt8Stage,
@@ -26,8 +27,7 @@ from compress.quantizers.llm_int8 import (
     resolve_kernel,
     signed_codes,
 )
-from compress.schema.quantize import LLMInt8Config
-from compress.schema.recipe import StageSpec
+from compress.recipe import stage_model
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 QUIET = Reporter(quiet=True)
@@ -236,7 +236,7 @@ def test_config_fixes_the_scheme_and_validates_threshold() -> None:
     assert (cfg.bits, cfg.group_size, cfg.symmetric, cfg.threshold, cfg.needs_calibration) == (8, None, True, 6.0, True)
     plain = LLMInt8Config(threshold=float("inf"))  # the paper's W8A8 baseline: nothing to calibrate
     assert plain.threshold == float("inf") and not plain.needs_calibration
-    stage = StageSpec.model_validate({"quantize": {"method": "llm_int8", "threshold": 4.5, "ignore": []}})
+    stage = stage_model().model_validate({"quantize": {"method": "llm_int8", "threshold": 4.5, "ignore": []}})
     assert isinstance(stage.config, LLMInt8Config)
     for bad, message in [
         ({"bits": 4}, "bits must be 8"),
@@ -247,7 +247,7 @@ def test_config_fixes_the_scheme_and_validates_threshold() -> None:
         ({"threshold": float("nan")}, "greater than 0"),
     ]:
         with pytest.raises(ValidationError, match=message):
-            StageSpec.model_validate({"quantize": {"method": "llm_int8", **bad}})
+            stage_model().model_validate({"quantize": {"method": "llm_int8", **bad}})
 
 
 def test_recipe_needs_calibration_data_unless_threshold_is_inf(tmp_path: Path) -> None:

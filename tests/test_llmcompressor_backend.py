@@ -23,11 +23,11 @@ from compress.export.checkpoint.readers import read_records
 from compress.progress import Reporter
 from compress.quantizers import llmcompressor_backend as backend
 from compress.quantizers.awq import AWQStage
+from compress.quantizers.configs import AWQConfig, GPTQConfig, RTNConfig
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.gptq import GPTQStage
 from compress.quantizers.rtn import RTNStage
 from compress.quantizers.sequential import select_block_linears
-from compress.schema.quantize import AWQConfig, GPTQConfig, RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.test_calibrated import ctx_for, tokens
 from tests.tiny import tiny_model

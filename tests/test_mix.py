@@ -37,13 +37,13 @@ def test_tensor_bytes_are_ggmls_block_sizes_padded_to_the_alignment() -> None:
 def test_the_fixed_part_counts_the_biases_of_the_quantized_layers() -> None:
     """Qwen2's q/k/v biases stay F32 beside their quantized weights: they count against the budget
     (missing them put a 1.5B file 0.001 bits/weight over its target)."""
+    from compress.export.gguf.config import GGUFExportConfig
     from compress.export.gguf.spec import GGUF
-    from compress.schema.exports import GGUFExport
     from tests.tiny import prunable_model
 
     model = prunable_model("qwen2", layers=2)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    export = GGUFExport(format="gguf", float_type="q8_0", target={"bits_per_weight": 4.0})
+    export = GGUFExportConfig(format="gguf", float_type="q8_0", target={"bits_per_weight": 4.0})
     layout = GGUF.file_layout(export, model, None, linears)
     fixed, params = layout.fixed_bytes, layout.params
     state = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: token_embd serves both
@@ -206,12 +206,12 @@ def test_the_pass_on_a_streamed_model_gives_the_estimates_of_the_model_in_memory
     from compress.models import load_model
     from compress.progress import Reporter
     from compress.quantizers.mix import measure
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
     quiet = Reporter(quiet=True)
-    streamed = load_model(ModelSpec(source=str(wide_model_dir)), Path("."), quiet).model
+    streamed = load_model(ModelConfig(source=str(wide_model_dir)), Path("."), quiet).model
     assert streaming.is_streamed(streamed)
-    loaded = streaming.materialize(load_model(ModelSpec(source=str(wide_model_dir)), Path("."), quiet).model)
+    loaded = streaming.materialize(load_model(ModelConfig(source=str(wide_model_dir)), Path("."), quiet).model)
     tok = AutoTokenizer.from_pretrained(wide_model_dir)
     tokens = tok("\n".join(texts_of(text_dir)), return_tensors="pt").input_ids[0][: 4 * 64].reshape(4, 64)
 

@@ -17,10 +17,10 @@ from compress.eval.moe_coverage import expert_coverage
 from compress.experts import PROJECTIONS, expert_view
 from compress.progress import Reporter
 from compress.quantizers.awq import AWQStage
+from compress.quantizers.configs import AWQConfig, GPTQConfig
 from compress.quantizers.gptq import GPTQStage, accumulate_hessian, gptq_quantize
 from compress.quantizers.moe import unfused
-from compress.schema.quantize import AWQConfig, GPTQConfig
-from compress.schema.recipe import GateSpec
+from compress.schema.recipe import GateConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 from tests.tiny import tiny_model
 
@@ -140,9 +140,9 @@ def test_a_gate_reads_the_expert_coverage() -> None:
     assert evaluation.kind == "calibration" and evaluation.metrics["experts_under_min"] >= 1
     assert evaluation.metrics["min_expert_tokens"] == 0
     gates = [
-        GateSpec(metric="experts_under_min", max=0),
-        GateSpec(metric="experts_under_min", max=2 * EXPERTS),
-        GateSpec(metric="min_expert_tokens", min=1),
+        GateConfig(metric="experts_under_min", max=0),
+        GateConfig(metric="experts_under_min", max=2 * EXPERTS),
+        GateConfig(metric="min_expert_tokens", min=1),
     ]
     assert [g.passed for g in evaluate_gates(gates, [evaluation])] == [False, True, False]
     dense = stage("gptq").apply(tiny_model("llama"), ctx_for(calibration()))

@@ -15,9 +15,9 @@ from compress.errors import FormatError
 from compress.export.onnx import builder as ob
 from compress.export.onnx import matmulnbits as mnb
 from compress.export.onnx import tables as tb
+from compress.export.onnx.config import ONNXExportConfig
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.rtn import rtn_quantize
-from compress.schema.exports import ONNXExport
 from compress.schema.quantize import QuantScheme
 from tests.helpers import recipe_text, run_cli, write_recipe
 
@@ -98,13 +98,13 @@ def test_builder_node_names_map_to_layers() -> None:
 
 
 def test_onnx_export_specs() -> None:
-    assert ONNXExport().precision == "auto" and ONNXExport().accuracy_level == 4
+    assert ONNXExportConfig().precision == "auto" and ONNXExportConfig().accuracy_level == 4
     with pytest.raises(ValueError, match="fp16 on cpu"):
-        ONNXExport(precision="fp16")
+        ONNXExportConfig(precision="fp16")
     with pytest.raises(ValueError, match="quantizer builder needs precision int4 or int8"):
-        ONNXExport(quantizer="builder", precision="fp32")
+        ONNXExportConfig(quantizer="builder", precision="fp32")
     with pytest.raises(ValueError, match="block_size applies to quantizer builder"):
-        ONNXExport(block_size=64)
+        ONNXExportConfig(block_size=64)
 
 
 def test_tokenizer_json_is_made_plain_byte_level(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -298,7 +298,7 @@ def test_records_of_other_bits_are_refused_before_any_work(tmp_path: Path, onnx_
 def test_kv_cache_static_scales_become_the_builders_per_channel_scale_file(tmp_path: Path) -> None:
     from compress.export.onnx.export import kv_cache_options
     from compress.quantizers.kv_cache import KVCacheScheme
-    from compress.schema.kv_cache import KVCacheConfig
+    from compress.quantizers.kv_cache_config import KVCacheConfig
     from tests.tiny import tiny_config
 
     config = tiny_config(hidden=96, heads=4, kv_heads=2, layers=2)
@@ -512,11 +512,11 @@ def test_an_untied_sources_embeddings_get_a_table_of_their_own_and_keep_float_ke
 
 def test_keep_float_is_checked(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
     with pytest.raises(ValueError, match="names a table twice"):
-        ONNXExport(name="x", keep_float=["lm_head", "lm_head"])
+        ONNXExportConfig(name="x", keep_float=["lm_head", "lm_head"])
     with pytest.raises(ValueError, match="keep_float"):
-        ONNXExport(name="x", keep_float=["head"])
-    assert ONNXExport(name="x").float_tables("int4") == () and ONNXExport(name="x").float_tables("int8") == ("embeddings",)
-    assert ONNXExport(name="x", keep_float=[]).float_tables("int8") == () and ONNXExport(name="x").float_tables("fp32")
+        ONNXExportConfig(name="x", keep_float=["head"])
+    assert ONNXExportConfig(name="x").float_tables("int4") == () and ONNXExportConfig(name="x").float_tables("int8") == ("embeddings",)
+    assert ONNXExportConfig(name="x", keep_float=[]).float_tables("int8") == () and ONNXExportConfig(name="x").float_tables("fp32")
     # the quantize stage quantized the head and the export is asked to keep it float: refused before any work
     text = recipe_text(onnx_model_dir, text_dir, group_size=32).replace("method: rtn", "method: rtn\n      ignore: []")
     text = text.replace("exports: []\n", "exports:\n  - format: onnx\n    keep_float: [lm_head]\n")

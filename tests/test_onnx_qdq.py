@@ -23,9 +23,9 @@ from pydantic import ValidationError
 from torch import nn
 
 from compress.errors import FormatError
+from compress.export.tensorrt import config as S
 from compress.export.tensorrt import engine as T
 from compress.export.tensorrt import qdq as Q
-from compress.schema import exports as S
 from tests.test_formats import quantize
 from tests.tiny import tiny_llama
 

@@ -18,9 +18,9 @@ from compress.fsutil import sha256_file
 from compress.hf_model import checksums
 from compress.pipeline import run_recipe
 from compress.progress import Reporter
+from compress.quantizers.configs import RTNConfig
 from compress.quantizers.rtn import RTNStage
 from compress.recipe import load_recipe
-from compress.schema.quantize import RTNConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 # Measured (W4 g64 on the tiny model): KL 0.00039, perplexity +0.15% over the baseline's.

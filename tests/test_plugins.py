@@ -14,16 +14,34 @@ from compress.model_card import model_card
 from compress.plugins import EXPORT_FORMATS
 from tests import fake_format
 from tests.helpers import recipe_text, run_cli, write_recipe
+from tests.test_layers import FOLDERS
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("compress", "eval", "quantizers", "pruning", "distill", "export")
-# Where format names may be written: each format's own package, the table, and the torch-free schema.
-ALLOWED = ("export/gguf/", "export/onnx/", "export/tensorrt/", "export/checkpoint/", "compress/plugins.py", "compress/schema/")
+
+
+# Where format names may be written: each format's own package (the folder of its spec's and its config's
+# modules, from the table), the table itself, and the torch-free schema.
+def _folder(module: str) -> str:
+    """The repository folder of ``module``'s package (compress.export.gguf.spec -> export/gguf/)."""
+    package = module.rpartition(".")[0]
+    for folder, name in sorted(FOLDERS.items(), key=lambda item: -len(item[1])):
+        if package == name or package.startswith(name + "."):
+            return folder + package[len(name) :].replace(".", "/") + "/"
+    raise AssertionError(f"{module} is not in a source folder")
+
+
+ALLOWED = (
+    *sorted({_folder(m) for fmt in EXPORT_FORMATS.values() for m in (type(fmt).__module__, fmt.config.__module__)}),
+    "compress/plugins.py",
+    "compress/schema/",
+)
 # Names that mean something else there ("gptq" is also a quantization method), and CLI text: (file, name).
 OTHER_MEANINGS = {
     ("quantizers/__init__.py", "gptq"),  # the quantization method table
     ("quantizers/gptq.py", "gptq"),  # the method's stage label
     ("quantizers/specs.py", "gptq"),  # the GPTQ method's spec (QUANT_METHODS)
+    ("quantizers/configs.py", "gptq"),  # the GPTQ method's config
     ("quantizers/llmcompressor_backend.py", "gptq"),  # llm-compressor's modifier for the GPTQ method
     ("compress/search.py", "gptq"),  # the search's method cost order
     ("eval/plan/planner.py", "gptq"),  # the GPTQ method's time estimate

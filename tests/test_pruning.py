@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 from compress.errors import CompressError
 from compress.pruning.arch import PrunableModel
+from compress.pruning.config import PruneConfig, SizeTarget
 from compress.pruning.importance import collect, cosine_distance, head_norms, top_indices
 from compress.pruning.prune import resolve_sizes
 from compress.pruning.slicing import drop_layers, prune_hidden, prune_kv_groups, prune_mlp
-from compress.schema.prune import PruneConfig, SizeTarget
 from tests.tiny import prunable_model
 
 VOCAB = 128  # prunable_model's vocabulary
@@ -149,9 +149,9 @@ def test_importance_on_a_streamed_model_equals_the_materialized_model_and_holds_
     from compress import streaming
     from compress.models import load_model
     from compress.progress import Reporter
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
-    streamed = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), Reporter(quiet=True)).model
+    streamed = load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), Reporter(quiet=True)).model
     loaded = streaming.materialize(copy.deepcopy(streamed))
     batches = [torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     held: list[int] = []
@@ -189,7 +189,7 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
     from compress.models import load_model
     from compress.progress import Reporter
     from compress.pruning.prune import PruneStage
-    from compress.schema.recipe import ModelSpec
+    from compress.schema.recipe import ModelConfig
 
     # Block 1 made an identity (its attention and MLP outputs zero): the block cut goes first, so a
     # kept block after it moves to a new place whatever the trained model's other scores are.
@@ -201,7 +201,7 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
             tensor.zero_()
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     quiet = Reporter(quiet=True)
-    streamed = load_model(ModelSpec(source=str(source)), Path("."), quiet).model
+    streamed = load_model(ModelConfig(source=str(source)), Path("."), quiet).model
     loaded = streaming.materialize(copy.deepcopy(streamed))
     calibration = torch.randint(0, 200, (8, 32), generator=torch.Generator().manual_seed(0))
     config = PruneConfig.model_validate(
@@ -238,10 +238,10 @@ def test_the_prune_stage_on_a_streamed_model_cuts_block_by_block_to_the_model_it
 
 def test_a_prune_stage_streams_unless_it_cuts_embedding_channels():
     from compress.plugins import stage_streams
-    from compress.schema.recipe import StageSpec
+    from compress.recipe import stage_model
 
-    assert stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "heads": 0.5, "layers": {"drop": 2}}}))
-    assert not stage_streams(StageSpec.model_validate({"prune": {"mlp": 0.25, "hidden": 0.25}}))
+    assert stage_streams(stage_model().model_validate({"prune": {"mlp": 0.25, "heads": 0.5, "layers": {"drop": 2}}}))
+    assert not stage_streams(stage_model().model_validate({"prune": {"mlp": 0.25, "hidden": 0.25}}))
 
 
 def test_score_math():

@@ -22,9 +22,9 @@ from compress.eval.metrics import compare, torch_forward
 from compress.models import load_model
 from compress.paths import CONVERTED_MARKER
 from compress.progress import Reporter
+from compress.quantizers.configs import RTNConfig
 from compress.quantizers.rtn import RTNStage
-from compress.schema.quantize import RTNConfig
-from compress.schema.recipe import DataSpec, ModelSpec
+from compress.schema.recipe import DataConfig, ModelConfig
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_gguf_loads_as_llama_and_conversion_is_cached(smollm2) -> None:
     converted = Path(smollm2.facts["converted_cache"])
     marker = converted / CONVERTED_MARKER
     stamp = marker.stat().st_mtime_ns
-    again = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, QUIET)
+    again = load_model(ModelConfig(source="reference:smollm2-135m"), ROOT, QUIET)
     assert marker.stat().st_mtime_ns == stamp  # loaded from the cached safetensors, not converted again
     ids = smollm2.tokenizer("To be, or not to be, that is the question:", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_gguf_loads_as_llama_and_conversion_is_cached(smollm2) -> None:
 
 
 def test_rtn_kl_orders_w8_w4_w3(smollm2) -> None:
-    data = DataSpec(evaluation={"source": "reference:shakespeare", "samples": 4, "seq_len": 256})
+    data = DataConfig(evaluation={"source": "reference:shakespeare", "samples": 4, "seq_len": 256})
     chunks = DataPlan.load(data, ROOT, QUIET).chunks("evaluation", smollm2.tokenizer)
     candidates = {}
     for bits in (8, 4, 3):
@@ -132,8 +132,8 @@ def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_models_first_blocks(smollm
     tokens: `compress bench quant` (docs/benchmarks.md, "GPTQ and AWQ against RTN": at W3 g128 sym GPTQ
     -64.8%, AWQ -37.8% of RTN's KL)."""
     from compress.quantizers.awq import AWQStage
+    from compress.quantizers.configs import AWQConfig, GPTQConfig
     from compress.quantizers.gptq import GPTQStage
-    from compress.schema.quantize import AWQConfig, GPTQConfig
 
     cal, ev = shakespeare_chunks
     ev = ev[:4]
@@ -169,7 +169,7 @@ def test_the_large_reference_model_is_qwen2_5_coder_1_5b_in_bfloat16() -> None:
         pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
     assert assets.verify(asset) == []
     assert asset.meta["joined_file"]["sha256"] == assets.QWEN_SPLIT.sha256
-    loaded = load_model(ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
+    loaded = load_model(ModelConfig(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16"), ROOT, QUIET)
     model, config = loaded.model, loaded.model.config
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (28, 1536, 12, 2)
@@ -191,13 +191,13 @@ def test_the_prune_stage_cuts_qwen_1_5b_block_by_block_to_a_smaller_dense_model(
     the dense model of the new shape, still on disk block by block, and still close to the original on
     held-out text (no repair)."""
     from compress import streaming
+    from compress.pruning.config import PruneConfig
     from compress.pruning.prune import PruneStage, parameters
-    from compress.schema.prune import PruneConfig
     from tests.conftest import reference_chunks
 
     if assets.locate(assets.QWEN_CODER) is None:
         pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
-    spec = ModelSpec(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16")
+    spec = ModelConfig(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16")
     source, pruned = load_model(spec, ROOT, QUIET), load_model(spec, ROOT, QUIET).model
     cal, ev = reference_chunks(source.tokenizer, (4, 256), (2, 256))
     held: list[int] = []

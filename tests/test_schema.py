@@ -103,7 +103,7 @@ def test_errors_module_imports_nothing_from_compress() -> None:
 
 @pytest.mark.parametrize("name", ["recipe", "manifest", "report"])
 def test_committed_schema_is_generated(name: str) -> None:
-    from compress.schema.json_schemas import REGENERATE, SCHEMA_DIR, file_name, render
+    from compress.json_schemas import REGENERATE, SCHEMA_DIR, file_name, render
 
     committed = ROOT / SCHEMA_DIR / file_name(name)
     assert committed.is_file(), f"{committed} is missing; regenerate with: {REGENERATE}"
@@ -114,7 +114,7 @@ def test_committed_schema_is_generated(name: str) -> None:
 
 def test_legacy_report_schema_path_is_the_generated_schema() -> None:
     """README and users' CI point at docs/report.schema.json: it is the same generated file."""
-    from compress.schema.json_schemas import REGENERATE, render
+    from compress.json_schemas import REGENERATE, render
 
     assert (ROOT / "docs" / "report.schema.json").read_text(encoding="utf-8") == render("report"), (
         f"docs/report.schema.json differs from the generated report schema; regenerate with: {REGENERATE} "
@@ -124,7 +124,7 @@ def test_legacy_report_schema_path_is_the_generated_schema() -> None:
 
 @pytest.mark.parametrize("name", ["recipe", "manifest", "report"])
 def test_schema_command_prints_each_document(name: str) -> None:
-    from compress.schema.json_schemas import render
+    from compress.json_schemas import render
     from tests.helpers import run_cli
 
     result = run_cli(["schema", name])
@@ -133,7 +133,7 @@ def test_schema_command_prints_each_document(name: str) -> None:
 
 
 def test_schema_command_defaults_to_the_recipe_and_refuses_unknown_documents() -> None:
-    from compress.schema.json_schemas import render
+    from compress.json_schemas import render
     from tests.helpers import run_cli
 
     assert run_cli(["schema"]).stdout == render("recipe")
@@ -142,7 +142,7 @@ def test_schema_command_defaults_to_the_recipe_and_refuses_unknown_documents() -
 
 
 def test_one_version_constant_per_document() -> None:
-    from compress.schema.json_schemas import VERSIONS, json_schema
+    from compress.json_schemas import VERSIONS, json_schema
 
     for name, version in VERSIONS.items():
         key = "version" if name == "recipe" else "schema_version"

@@ -21,7 +21,7 @@ from compress.progress import Reporter
 from compress.quantizers.core import RecordStore
 from compress.quantizers.rtn import rtn_quantize
 from compress.schema.quantize import QuantScheme
-from compress.schema.recipe import ModelSpec
+from compress.schema.recipe import ModelConfig
 
 CPU = torch.device("cpu")
 QUIET = Reporter(quiet=True)
@@ -36,7 +36,7 @@ def resident_tensors(model: torch.nn.Module) -> list[str]:
 
 
 def test_a_streamed_model_computes_what_the_loaded_model_computes_and_holds_no_unit_after(tiny_model_dir: Path) -> None:
-    lm = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET)
+    lm = load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), QUIET)
     model = lm.model
     assert lm.facts["streamed"] == "streamed from the checkpoint" and lm.facts["dtype"] == "float32"
     assert resident_tensors(model) == []  # nothing read yet
@@ -53,7 +53,7 @@ def test_a_streamed_model_computes_what_the_loaded_model_computes_and_holds_no_u
 
 
 def test_changes_go_to_the_overlay_and_a_fork_made_before_does_not_see_them(tiny_model_dir: Path) -> None:
-    baseline = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    baseline = load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), QUIET).model
     work = copy.deepcopy(baseline)
     block = work.model.layers[0]
     with streaming.resident(block, CPU, write_back=True):
@@ -68,7 +68,7 @@ def test_changes_go_to_the_overlay_and_a_fork_made_before_does_not_see_them(tiny
 
 
 def test_materialize_gives_an_ordinary_model(tiny_model_dir: Path) -> None:
-    model = streaming.materialize(load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model)
+    model = streaming.materialize(load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), QUIET).model)
     assert not streaming.is_streamed(model) and len(resident_tensors(model)) == len(list(model.parameters()))
     model.to(torch.float64)  # an in-memory model moves like any other
 
@@ -79,16 +79,16 @@ def test_auto_dtype_is_the_checkpoints_and_an_explicit_dtype_wins(tmp_path: Path
     for f in tiny_model_dir.glob("tokenizer*"):
         shutil.copy(f, bf16)
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
-    auto = load_model(ModelSpec(source=str(bf16)), Path("."), QUIET)
+    auto = load_model(ModelConfig(source=str(bf16)), Path("."), QUIET)
     assert auto.model.dtype == torch.bfloat16 and auto.facts["dtype"] == "bfloat16"
-    wide = load_model(ModelSpec(source=str(bf16), dtype="float32"), Path("."), QUIET)
+    wide = load_model(ModelConfig(source=str(bf16), dtype="float32"), Path("."), QUIET)
     assert wide.model.dtype == torch.float32
     with streaming.resident(wide.model.model.layers[0], CPU):
         assert wide.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
 
 
 def test_the_cached_baseline_equals_a_live_pass_and_computes_each_row_once(tmp_path: Path, tiny_model_dir: Path) -> None:
-    model = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    model = load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), QUIET).model
     cached = CachedBaseline(model, CPU, tmp_path / "baseline", "sha")
     x = ids(3)
     live = torch_forward(model, CPU)(x).full()
@@ -99,7 +99,7 @@ def test_the_cached_baseline_equals_a_live_pass_and_computes_each_row_once(tmp_p
 
 
 def test_remembered_rows_serve_the_same_weights_check_without_another_pass(tiny_model_dir: Path) -> None:
-    model = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    model = load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), QUIET).model
     remembered = RememberedRows(model, CPU, limit=2)
     x = ids(3)
     live = torch_forward(model, CPU)(x).full()
@@ -110,7 +110,7 @@ def test_remembered_rows_serve_the_same_weights_check_without_another_pass(tiny_
 
 
 def test_chunked_scoring_gives_the_numbers_of_whole_rows(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
-    model = streaming.materialize(load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model)
+    model = streaming.materialize(load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), QUIET).model)
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.model.layers[0].mlp.down_proj.weight.mul_(0.5)
@@ -153,7 +153,7 @@ def test_the_head_read_from_disk_by_slices_gives_the_held_heads_logits(
 ) -> None:
     """The exports' verifiers read the streamed head a slice of rows at a time (its last slice
     partial) and never hold it whole; the logits are the held head's."""
-    model = load_model(ModelSpec(source=str(tiny_model_dir)), Path("."), QUIET).model
+    model = load_model(ModelConfig(source=str(tiny_model_dir)), Path("."), QUIET).model
     head = model.get_output_embeddings()
     rows, cols = head.weight.shape
     monkeypatch.setattr(metrics, "HEAD_SLICE_BYTES", 7 * cols * head.weight.element_size())  # 7 rows a read
@@ -202,7 +202,7 @@ def test_records_wait_on_disk_and_come_back_exactly(tmp_path: Path) -> None:
 def test_a_source_file_changed_while_the_run_reads_it_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
     source = tmp_path / "model"
     shutil.copytree(tiny_model_dir, source)
-    model = load_model(ModelSpec(source=str(source)), Path("."), QUIET).model
+    model = load_model(ModelConfig(source=str(source)), Path("."), QUIET).model
     with torch.no_grad():
         model(input_ids=ids(), use_cache=False)  # reads fine
     weights = source / "model.safetensors"

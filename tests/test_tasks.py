@@ -17,12 +17,13 @@ from compress.eval.gates import evaluate_gates
 from compress.eval.metrics import Evaluation, torch_forward
 from compress.eval.tasks import Scorer, interval, load_task
 from compress.paths import usable_cpus
-from compress.schema.recipe import GateSpec, Recipe, TaskSpec
+from compress.recipe import recipe_model
+from compress.schema.recipe import GateConfig, TaskConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 
-def _spec(source: str, **kw: Any) -> TaskSpec:
-    return TaskSpec(name="t", source=source, **kw)
+def _spec(source: str, **kw: Any) -> TaskConfig:
+    return TaskConfig(name="t", source=source, **kw)
 
 
 def _questions(path: Path, n: int, seed: int = 0) -> Path:
@@ -100,7 +101,7 @@ def test_recipe_checks_tasks_and_their_gates(tiny_model_dir: Path, text_dir: Pat
 
     def check(gates: list[dict[str, Any]], tasks: list[dict[str, Any]] | None = None) -> str:
         try:
-            Recipe.model_validate({**base, "gates": gates, **({"tasks": tasks} if tasks is not None else {})})
+            recipe_model().model_validate({**base, "gates": gates, **({"tasks": tasks} if tasks is not None else {})})
         except ValueError as exc:
             return str(exc)
         return ""
@@ -152,11 +153,11 @@ def test_a_gates_files_task_gates_name_its_tasks(tmp_path: Path, tiny_model_dir:
 
 def test_gates_on_a_drop_in_points_and_on_the_interval() -> None:
     evals = [_task_eval("baseline", 40.0, 2.4), _task_eval("compressed", 37.5, 2.4), _task_eval("compressed", 90.0, 1.0, task="other")]
-    drop2 = GateSpec(metric="accuracy", task="quiz", max_decrease=2)
-    drop3 = GateSpec(metric="accuracy", task="quiz", max_decrease=3)
-    floor = GateSpec(metric="accuracy", task="quiz", min=35, on="lower_95")
-    other = GateSpec(metric="accuracy", task="other", min=80)
-    missing = GateSpec(metric="accuracy_norm", task="quiz", min=10)
+    drop2 = GateConfig(metric="accuracy", task="quiz", max_decrease=2)
+    drop3 = GateConfig(metric="accuracy", task="quiz", max_decrease=3)
+    floor = GateConfig(metric="accuracy", task="quiz", min=35, on="lower_95")
+    other = GateConfig(metric="accuracy", task="other", min=80)
+    missing = GateConfig(metric="accuracy_norm", task="quiz", min=10)
     results = evaluate_gates([drop2, drop3, floor, other, missing], evals)
     assert [r.passed for r in results] == [False, True, False, True, False]
     assert results[0].threshold["limit"] == pytest.approx(38.0) and results[0].threshold["baseline"] == 40.0
@@ -254,7 +255,7 @@ def test_mmlu_on_the_reference_model_in_torch_and_in_llama_cpp(smollm2, tmp_path
     from compress.eval.tasks import make_lm, run_task
     from compress.export.gguf.runtime import LlamaCppModel
 
-    spec = TaskSpec(name="mmlu", source="reference:mmlu", limit=40)
+    spec = TaskConfig(name="mmlu", source="reference:mmlu", limit=40)
     data = load_task(spec, tmp_path)
     assert data.rows == 14042 and len(data.docs) == 40 and all(len(d["choices"]) == 4 and d["subject"] for d in data.docs)
     tok = smollm2.tokenizer

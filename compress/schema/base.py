@@ -76,7 +76,7 @@ class Strict(BaseModel):
         return value
 
 
-class StageConfig(Strict):
+class BaseStageConfig(Strict):
     """The base of a stage kind's config (the value under ``prune:``, ``quantize:``, ...): the rules
     the kind sets on the rest of the recipe, which ``Recipe`` checks by asking each stage's config
     (it never switches on kind names)."""

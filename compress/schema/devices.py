@@ -41,10 +41,12 @@ class DeviceProfile(Strict):
         description="Runtimes that run on it: torch (the in-memory model and Hugging Face folders) and the runtime of each "
         "export format with a runtime of its own (llama.cpp, onnxruntime, tensorrt, …; the field reference lists them).",
     )
-    formats: list[str] = Field(
+    formats: list[str] | None = Field(
+        None,
         min_length=1,
         description="Artifact formats those runtimes load: hf (Hugging Face folders, on torch) and each export format "
-        "with a runtime of its own (gguf, onnx, tensorrt, …; the field reference lists them).",
+        "with a runtime of its own (gguf, onnx, tensorrt, …; the field reference lists them). Default: every format "
+        "whose runtime is listed in runtimes.",
     )
     decode_efficiency: float = Field(0.6, gt=0, le=1, description="Share of peak bandwidth a batch-1 decoder reaches.")
     prefill_efficiency: float = Field(0.35, gt=0, le=1, description="Share of peak compute prefill reaches.")
@@ -58,11 +60,11 @@ class DeviceProfile(Strict):
 
     @field_validator("runtimes", "formats", mode="after")
     @classmethod
-    def _registered_names(cls, value: list[str], info: ValidationInfo) -> list[str]:
+    def _registered_names(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
         """Each name must be one the export formats run under (from the validation context)."""
         key, what = _KNOWN[str(info.field_name)]
         known: Any = (info.context or {}).get(key)
-        if known is None:
+        if known is None or value is None:
             return value
         unknown = [v for v in value if v not in known]
         if unknown:
@@ -79,4 +81,6 @@ class DeviceProfile(Strict):
         return self.memory_gb * 1e9 * self.usable_memory_fraction
 
     def supports(self, fmt: str, runtime: str) -> bool:
-        return fmt in self.formats and runtime in self.runtimes
+        """Whether an artifact of format ``fmt`` on ``runtime`` runs here: its runtime is listed (and its
+        format, when the profile lists formats)."""
+        return (self.formats is None or fmt in self.formats) and runtime in self.runtimes

@@ -15,23 +15,15 @@ from typing import Any, Literal
 from pydantic import (
     BaseModel,
     Field,
-    SerializationInfo,
-    SerializerFunctionWrapHandler,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    field_serializer,
     field_validator,
     model_validator,
 )
 
 from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
-from compress.schema.distill import DistillConfig
-from compress.schema.exports import ExportSpec
-from compress.schema.kv_cache import KVCacheConfig
+from compress.schema.exports import BaseExportConfig
 from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
-from compress.schema.prune import PruneConfig
-from compress.schema.quantize import QUANTIZE_CONFIGS, QuantizeConfig, WeightQuantConfig
+from compress.schema.quantize import WeightQuantConfig
 
 SCHEMA_VERSION = 1
 """The recipe `version` this release reads (the one place it is defined)."""
@@ -42,9 +34,6 @@ BASELINE_THRESHOLDS = ("max_increase", "max_decrease", "max_increase_pct", "max_
 # (or, for --set overrides, against the current directory).
 PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
 TASK_SOURCE_FIELD = re.compile(r"tasks\.\d+\.source")  # each task's question file, a path field too
-QUANT_METHODS_CONTEXT = "quant_methods"
-"""Validation-context key: method name -> config model of every registered quantization method
-(compress.recipe passes compress.plugins' table; without it, the built-in methods are known)."""
 
 
 def alias_problem(alias: str) -> str | None:
@@ -54,7 +43,7 @@ def alias_problem(alias: str) -> str | None:
     return None
 
 
-class ModelSpec(Strict):
+class ModelConfig(Strict):
     source: Source = Field(
         description="A Hugging Face model directory, a Hugging Face id already in the local cache, "
         "a .gguf file, or reference:<name> (see `compress assets list`)."
@@ -68,7 +57,7 @@ class ModelSpec(Strict):
     allow_pickle: bool = Field(False, description="Allow pickle checkpoints (pytorch_model.bin): they can run arbitrary code when loaded.")
 
 
-class TextSpec(Strict):
+class TextConfig(Strict):
     source: Source = Field(description="A .txt/.md/.rst/.jsonl file, a directory of them, a glob, or reference:<name>.")
     samples: int = Field(ge=1, description="Number of token chunks.")
     seq_len: int = Field(ge=8, description="Tokens per chunk.")
@@ -108,28 +97,28 @@ class CalibrationChecks(Strict):
     layer_error_ratio: float = Field(10.0, gt=1, description="How far above its kind's median a layer's relative error may go.")
 
 
-class CalibrationSpec(TextSpec):
+class CalibrationConfig(TextConfig):
     """Text the compression stages learn from."""
 
     checks: CalibrationChecks = Field(default_factory=CalibrationChecks, description="Sanity checks on the calibration text.")
 
 
-class EvaluationSpec(TextSpec):
+class EvaluationConfig(TextConfig):
     """Text every artifact is scored on; kept apart from calibration text."""
 
     min_context: int = Field(32, ge=1, description="Score only positions with at least this many tokens of context before them.")
     batch_size: int = Field(1, ge=1, description="Chunks per forward pass.")
 
     @model_validator(mode="after")
-    def _context_fits(self) -> EvaluationSpec:
+    def _context_fits(self) -> EvaluationConfig:
         if self.min_context >= self.seq_len:
             raise ValueError(f"min_context ({self.min_context}) must be smaller than seq_len ({self.seq_len})")
         return self
 
 
-class DataSpec(Strict):
-    calibration: CalibrationSpec | None = None
-    evaluation: EvaluationSpec | None = None
+class DataConfig(Strict):
+    calibration: CalibrationConfig | None = None
+    evaluation: EvaluationConfig | None = None
     holdout: float = Field(
         0.2,
         gt=0,
@@ -139,38 +128,13 @@ class DataSpec(Strict):
     )
 
 
-class StageSpec(Strict):
+# The keys of a stage (one optional field per stage kind, holding that kind's config model) come from the
+# stage-kind table: compress.recipe.recipe_model subclasses StageConfig with them. This base has none.
+class StageConfig(Strict):
     """One stage: a mapping with exactly one key naming the stage kind."""
 
-    prune: PruneConfig | None = None
-    distill: DistillConfig | None = None
-    quantize: QuantizeConfig | None = None
-    kv_cache: KVCacheConfig | None = None
-
-    @field_validator("quantize", mode="wrap")
-    @classmethod
-    def _registered_method(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
-        """``method`` picks the config model from the registered methods (the validation context),
-        so a method registered only in compress.plugins validates too; the built-in configs go
-        through the discriminated union as before (the JSON Schema lists those)."""
-        methods = (info.context or {}).get(QUANT_METHODS_CONTEXT)
-        if methods is None or not isinstance(value, dict) or not isinstance(value.get("method"), str):
-            return handler(value)
-        config = methods.get(value["method"])
-        if config is None:
-            raise ValueError(f"unknown quantization method '{value['method']}'; known: {', '.join(methods)}")
-        if QUANTIZE_CONFIGS.get(value["method"]) is config:
-            return handler(value)
-        return config.model_validate(value, context=info.context)
-
-    @field_serializer("quantize", mode="wrap")
-    def _dump_method(self, value: Any, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
-        if value is None or QUANTIZE_CONFIGS.get(getattr(value, "method", None)) is type(value):
-            return handler(value)
-        return value.model_dump(mode="json" if info.mode_is_json() else "python")  # a method registered in compress.plugins
-
     @model_validator(mode="after")
-    def _exactly_one(self) -> StageSpec:
+    def _exactly_one(self) -> StageConfig:
         kinds = [k for k in type(self).model_fields if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError(f"a stage names exactly one of: {', '.join(type(self).model_fields)} (got {len(kinds)})")
@@ -185,7 +149,7 @@ class StageSpec(Strict):
         return getattr(self, self.kind)
 
 
-class GateSpec(Strict):
+class GateConfig(Strict):
     name: str | None = Field(None, description="Shown in reports; defaults to artifact.metric.threshold.")
     metric: str = Field(description="One of: " + ", ".join(METRICS) + ".")
     artifact: str = Field(
@@ -220,7 +184,7 @@ class GateSpec(Strict):
         return v
 
     @model_validator(mode="after")
-    def _device_metrics(self) -> GateSpec:
+    def _device_metrics(self) -> GateConfig:
         if self.device not in (None, "local") and self.metric not in DEVICE_METRICS:
             raise ValueError(
                 f"{self.metric} is measured on the artifact's runtime here and does not depend on the device; "
@@ -229,13 +193,13 @@ class GateSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _bound_has_an_interval(self) -> GateSpec:
+    def _bound_has_an_interval(self) -> GateConfig:
         if self.on != "value" and self.metric not in INTERVAL_METRICS:
             raise ValueError(f"on: {self.on} needs an interval, which only {', '.join(INTERVAL_METRICS)} have; use on: value")
         return self
 
     @model_validator(mode="after")
-    def _one_threshold(self) -> GateSpec:
+    def _one_threshold(self) -> GateConfig:
         given = [k for k in THRESHOLD_KEYS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"a gate takes exactly one threshold of {', '.join(THRESHOLD_KEYS)} (got {given or 'none'})")
@@ -247,7 +211,7 @@ class GateSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _task_metric(self) -> GateSpec:
+    def _task_metric(self) -> GateConfig:
         if self.metric in TASK_METRICS and self.task is None:
             raise ValueError(f"{self.metric} is a task's; name the task (`task:`, a tasks entry's name)")
         if self.task is not None and self.metric not in TASK_METRICS:
@@ -270,7 +234,7 @@ class GateSpec(Strict):
         return self.name or f"{self.artifact}{task}.{self.metric}{bound}{device}.{self.threshold_kind}"
 
 
-def check_task_gates(tasks: list[TaskSpec], gates: list[GateSpec], owner: str) -> None:
+def check_task_gates(tasks: list[TaskConfig], gates: list[GateConfig], owner: str) -> None:
     """Task names are unique, and each task gate names one of ``tasks`` that scores its artifact and
     has its metric (a recipe's, or a gates file's for `compress gate`); ValueError naming the entry."""
     names = [t.name for t in tasks]
@@ -291,7 +255,7 @@ def check_task_gates(tasks: list[TaskSpec], gates: list[GateSpec], owner: str) -
             raise ValueError(f"gates[{i}]: accuracy_norm is a multiple_choice task's; '{gate.task}' is {task.kind}")
 
 
-class TaskSpec(Strict):
+class TaskConfig(Strict):
     """A question set scored through lm-evaluation-harness on the baseline, the compressed model and
     each export on its own runtime (compress/eval/tasks.py). Accuracy is in percent, with lm-eval's
     standard error and its 95% interval."""
@@ -334,7 +298,7 @@ class TaskSpec(Strict):
     )
 
     @model_validator(mode="after")
-    def _fields_fit(self) -> TaskSpec:
+    def _fields_fit(self) -> TaskConfig:
         local = ("question_field", "choices_field", "answer_field", "subject_field")
         if self.source.startswith("reference:") and (given := [k for k in local if k in self.model_fields_set]):
             raise ValueError(f"{given[0]} maps the fields of a local file; {self.source} brings its own")
@@ -345,7 +309,7 @@ class TaskSpec(Strict):
         return self
 
 
-class LatencySpec(Strict):
+class LatencyConfig(Strict):
     prompt_tokens: int = Field(128, ge=1, description="Prompt length for the time to first token (real evaluation-text tokens).")
     output_tokens: int = Field(64, ge=2, description="Greedy tokens decoded per run (no stop at end-of-text).")
     batch_sizes: list[int] = Field(
@@ -371,13 +335,13 @@ class LatencySpec(Strict):
         return sorted(set(v))
 
 
-class TargetSpec(Strict):
+class TargetConfig(Strict):
     device: str = Field(description="A device profile name (shipped, or in `devices`).")
     context: int | None = Field(None, ge=1, description="Tokens of KV cache for the fit check (default: latency prompt + output).")
     batch: int = Field(1, ge=1, description="Sequences decoded at once, for the fit check.")
 
 
-class SearchSpec(Strict):
+class SearchConfig(Strict):
     variants: dict[str, list[Any]] = Field(
         min_length=1,
         description="Recipe key path (as for --set, e.g. stages.0.quantize.bits) -> values to try; every combination is a candidate.",
@@ -395,7 +359,7 @@ class SearchSpec(Strict):
         return v
 
 
-class PublishSpec(Strict):
+class PublishConfig(Strict):
     name: str | None = Field(None, description="Registered model name (default: the recipe's name).")
     aliases: list[str] = Field(
         default_factory=list, description="Aliases set on the version once every file is uploaded, e.g. [candidate]."
@@ -409,7 +373,7 @@ class PublishSpec(Strict):
     force: bool = Field(False, description="Publish even when a gate failed (recorded on the version and in its model card).")
 
     @model_validator(mode="after")
-    def _checks(self) -> PublishSpec:
+    def _checks(self) -> PublishConfig:
         if self.uri and self.store:
             raise ValueError("publish: give uri (a tracking server) or store (the embedded registry), not both")
         for alias in self.aliases:
@@ -418,45 +382,48 @@ class PublishSpec(Strict):
         return self
 
 
-class ComputeSpec(Strict):
+class ComputeConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when available.")
     threads: int | None = Field(
         None, ge=1, description="CPU threads for torch (default: the cores this process may run on, its CPU affinity)."
     )
 
 
+# The ``stages`` and ``exports`` items are the plugin tables' config models: recipes are validated against
+# compress.recipe.recipe_model(), this class with those two fields made from compress.plugins (the schema
+# package never imports the tables).
 class Recipe(Strict):
     version: Literal[SCHEMA_VERSION] = Field(description="Recipe schema version; this release reads version 1.")
     _version_is_a_number = field_validator("version", mode="before")(not_a_bool)
     name: str | None = Field(None, description="A label for reports and the manifest.")
     seed: Seed = Field(0, description="Global seed (torch, Python, numpy) for reproducible runs.")
-    model: ModelSpec
-    data: DataSpec = Field(default_factory=DataSpec)
-    compute: ComputeSpec = Field(default_factory=ComputeSpec)
-    stages: list[StageSpec] = Field(default_factory=list, description="Applied in order.")
-    exports: list[ExportSpec] = Field(
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    stages: list[StageConfig] = Field(default_factory=list, description="Applied in order.")
+    exports: list[BaseExportConfig] = Field(
         default_factory=list,
         description="Checkpoints of the quantized weights, packed exactly (compressed-tensors, gptq); "
         "each is written to exports/<name>/ in the artifact and verified by reloading it.",
     )
-    latency: LatencySpec | None = Field(None, description="Time the artifacts on their runtimes (each in a fresh process).")
+    latency: LatencyConfig | None = Field(None, description="Time the artifacts on their runtimes (each in a fresh process).")
     devices: list[DeviceProfile] = Field(
         default_factory=list, description="Device profiles of your own (added to, or replacing, the shipped ones)."
     )
-    targets: list[TargetSpec] = Field(
+    targets: list[TargetConfig] = Field(
         default_factory=list, description="Devices to check fit and estimate latency for, with the context and batch they must serve."
     )
-    tasks: list[TaskSpec] = Field(
+    tasks: list[TaskConfig] = Field(
         default_factory=list,
         description="Task accuracy through lm-evaluation-harness on every artifact's own runtime (see the manual, docs/tasks.md).",
     )
-    gates: list[GateSpec] = Field(default_factory=list)
-    search: SearchSpec | None = Field(
+    gates: list[GateConfig] = Field(default_factory=list)
+    search: SearchConfig | None = Field(
         None,
         description="Try every combination of these values and keep the smallest artifact "
         "passing every gate (see the manual, docs/search-and-plan.md).",
     )
-    publish: PublishSpec | None = Field(
+    publish: PublishConfig | None = Field(
         None,
         description="Publish the artifact to a model registry (MLflow) when every gate "
         "passed (see the manual, docs/registry.md). Not part of the recipe's hash: where an artifact is "

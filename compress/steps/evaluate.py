@@ -13,7 +13,7 @@ from compress.eval.kv_eval import evaluate_kv
 from compress.eval.metrics import Evaluation, Forward, Scores, compare
 from compress.eval.moe_coverage import expert_coverage
 from compress.progress import Reporter
-from compress.schema.kv_cache import KV_CACHE_ARTIFACT
+from compress.quantizers.kv_cache_config import KV_CACHE_ARTIFACT
 from compress.schema.recipe import Recipe
 from compress.steps.load import Run, Source
 from compress.steps.stages import Staged

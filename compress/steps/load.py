@@ -28,7 +28,7 @@ from compress.paths import usable_cpus
 from compress.plugins import STAGE_KINDS, stage_kind
 from compress.progress import Reporter
 from compress.recipe import LoadedRecipe
-from compress.schema.recipe import ModelSpec, Recipe
+from compress.schema.recipe import ModelConfig, Recipe
 
 
 @dataclass
@@ -213,4 +213,4 @@ def baseline_directory(model_facts: dict[str, Any]) -> str:
 
 def load_teacher(run: Run, source: str) -> torch.nn.Module:
     """A distillation teacher other than the source model, in the recipe's dtype."""
-    return load_model(ModelSpec(source=source, dtype=run.recipe.model.dtype), run.base_dir, run.reporter).model
+    return load_model(ModelConfig(source=source, dtype=run.recipe.model.dtype), run.base_dir, run.reporter).model

@@ -13,13 +13,13 @@ from compress.eval.tasks import TASK_CONTEXT, TaskData, interval, make_lm, run_t
 from compress.export.format import package_versions
 from compress.plugins import EXPORT_FORMATS
 from compress.schema.exports import EXPORTS_DIR
-from compress.schema.recipe import TaskSpec
+from compress.schema.recipe import TaskConfig
 from compress.steps.exports import Exported
 from compress.steps.load import Run, Source, work_dir_for
 from compress.steps.stages import Staged
 
 
-def scored_artifacts(run: Run, spec: TaskSpec) -> list[str]:
+def scored_artifacts(run: Run, spec: TaskConfig) -> list[str]:
     """What a task scores: its ``artifacts``, or baseline, compressed and every export whose format
     has a runtime of its own."""
     if spec.artifacts is not None:
@@ -65,7 +65,7 @@ def measure(root: Path, run: Run, source: Source, staged: Staged, exported: Expo
 
 def score_tasks(
     forward: Callable[..., Any],
-    jobs: list[tuple[TaskSpec, TaskData]],
+    jobs: list[tuple[TaskConfig, TaskData]],
     files: dict[str, dict[str, str]],
     cache_dir: Path,
     tokenizer: Any,
@@ -110,7 +110,7 @@ def _open(
     return forward, close, fmt.runtime, where[1]
 
 
-def _evaluation(artifact: str, runtime: str, device: str, spec: TaskSpec, data: TaskData, result: Any) -> Evaluation:
+def _evaluation(artifact: str, runtime: str, device: str, spec: TaskConfig, data: TaskData, result: Any) -> Evaluation:
     metrics: dict[str, float | int] = {"accuracy": result.accuracy, "questions": result.questions}
     intervals = {"accuracy": interval(result.accuracy, result.stderr, result.questions)}
     if result.stderr is not None:

@@ -27,14 +27,14 @@ from compress.eval.bench.quant import Setting, load_bench_inputs, quantize_copy,
 from compress.eval.metrics import compare
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.check import check_gguf_records, stored_type_counts, stored_types, tensor_totals
+from compress.export.gguf.config import GGUF_LLAMA_CPP_TYPES, GGUFExportConfig
 from compress.export.gguf.inputs import is_gguf_file
 from compress.export.gguf.tools import llama_imatrix, llama_quantize
 from compress.export.gguf.writer import write_gguf
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
 from compress.quantizers.grids import GRIDS, normalize_type
-from compress.schema.exports import GGUF_LLAMA_CPP_TYPES, GGUFExport
-from compress.schema.recipe import DataSpec
+from compress.schema.recipe import DataConfig
 
 LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_PURE = "llama.cpp-pure"
@@ -145,7 +145,7 @@ def decode_speed(runtime: gguf_runtime.LlamaCppModel, prompt: list[int], tokens:
 
 def run_gguf_bench(
     model_source: str,
-    data: DataSpec,
+    data: DataConfig,
     candidates: list[Candidate],
     out_dir: Path,
     threads: int,
@@ -221,7 +221,7 @@ def run_gguf_bench(
                 if cand.budget is not None:
                     bits = budget_bits(cand.budget, f16, files, threads, embedding_type)
                     row["budget_bits_per_weight"] = round(bits, 4)
-                    budget = GGUFExport(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
+                    budget = GGUFExportConfig(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
                 measured = len(sensitivity)
                 model, records, seconds = quantize_copy(
                     lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity, cand.head, cand.head_type

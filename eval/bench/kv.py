@@ -23,8 +23,8 @@ from compress.eval.bench.quant import load_bench_inputs, write_results
 from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token, kv_geometry, memory_plan
-from compress.schema.kv_cache import KVCacheConfig
-from compress.schema.recipe import DataSpec
+from compress.quantizers.kv_cache_config import KVCacheConfig
+from compress.schema.recipe import DataConfig
 
 # Named schemes for the benchmark (any other is given as a recipe-style override, see parse_scheme).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -73,7 +73,7 @@ def decode_speed(model: torch.nn.Module, ids: torch.Tensor, new_cache: Any, toke
 
 def run_kv_bench(
     model_source: str,
-    data: DataSpec,
+    data: DataConfig,
     schemes: list[tuple[str, KVCacheConfig]],
     out_dir: Path,
     threads: int,

@@ -158,9 +158,9 @@ def model_directory(source: str, reporter: Reporter) -> Path:
         folder = converted_dir(asset.meta["files"][gguf.name])
         if not (folder / CONVERTED_MARKER).is_file():  # converted on first load, as every run would
             from compress.models import load_model
-            from compress.schema.recipe import ModelSpec
+            from compress.schema.recipe import ModelConfig
 
-            load_model(ModelSpec(source=source), Path.cwd(), reporter)
+            load_model(ModelConfig(source=source), Path.cwd(), reporter)
         return folder
     path = Path(source).expanduser()
     if (path / "config.json").is_file():

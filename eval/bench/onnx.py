@@ -29,11 +29,11 @@ from compress.eval.bench.quant import Setting, load_bench_inputs, quantize_copy,
 from compress.eval.metrics import compare
 from compress.export.onnx import export as onnx_export
 from compress.export.onnx import runtime as rt
+from compress.export.onnx.config import ONNXExportConfig
 from compress.export.onnx.names import ONNX_FILE
 from compress.plugins import QUANT_METHODS
 from compress.progress import Reporter
-from compress.schema.exports import ONNXExport
-from compress.schema.recipe import DataSpec
+from compress.schema.recipe import DataConfig
 
 BUILDER = "builder"
 
@@ -67,12 +67,12 @@ class Candidate:
         who = "builder RTN" if self.source == BUILDER else self.source
         return f"{who} {self.setting.label}" + (", head too" if self.head else "")
 
-    def spec(self, accuracy_level: int, keep_float: list[str] | None = None) -> ONNXExport:
+    def spec(self, accuracy_level: int, keep_float: list[str] | None = None) -> ONNXExportConfig:
         s = self.setting
         common: dict[str, Any] = {"name": "candidate", "precision": "int4", "accuracy_level": accuracy_level, "verify": False}
         if self.source == BUILDER:
-            return ONNXExport(**common, quantizer=BUILDER, block_size=s.group_size, symmetric=s.symmetric, keep_float=keep_float)
-        return ONNXExport(**common, quantizer="records", keep_float=keep_float)
+            return ONNXExportConfig(**common, quantizer=BUILDER, block_size=s.group_size, symmetric=s.symmetric, keep_float=keep_float)
+        return ONNXExportConfig(**common, quantizer="records", keep_float=keep_float)
 
 
 def decode_speed(directory: Path, prompt: list[int], tokens: int, repeats: int, threads: int) -> float:
@@ -88,7 +88,7 @@ def decode_speed(directory: Path, prompt: list[int], tokens: int, repeats: int, 
 
 def run_onnx_bench(
     model_source: str,
-    data: DataSpec,
+    data: DataConfig,
     candidates: list[Candidate],
     out_dir: Path,
     threads: int,
@@ -107,7 +107,7 @@ def run_onnx_bench(
     files.mkdir(parents=True, exist_ok=True)
     fp32_dir = files / "fp32"
     with reporter.status("building the fp32 reference ONNX"):
-        fp32 = onnx_export.write(fp32_dir, ONNXExport(name="fp32", precision="fp32", verify=False), lm.model, lm.tokenizer, {})
+        fp32 = onnx_export.write(fp32_dir, ONNXExportConfig(name="fp32", precision="fp32", verify=False), lm.model, lm.tokenizer, {})
     reference = rt.OrtDecoder(fp32_dir / ONNX_FILE, threads)
     prompt = evaluation.tokens[0, :64].tolist()
     result: dict[str, Any] = {

@@ -25,14 +25,14 @@ import torch
 from compress import streaming
 from compress.context import RunContext
 from compress.data import DataPlan
+from compress.distill.config import DistillConfig
 from compress.distill.distill import DistillStage
 from compress.eval.bench.quant import load_bench_inputs, write_results
 from compress.eval.metrics import compare, torch_forward
 from compress.progress import Reporter
+from compress.pruning.config import PruneConfig
 from compress.pruning.prune import PruneStage, parameters
-from compress.schema.distill import DistillConfig
-from compress.schema.prune import PruneConfig
-from compress.schema.recipe import DataSpec, EvaluationSpec
+from compress.schema.recipe import DataConfig, EvaluationConfig
 
 DEFAULT_SETTINGS = ("{mlp: 0.25}", "{layers: {drop: 4}}")
 # recipes/prune-distill.yaml's repair (a 14.5-minute training budget, at most 400 steps of 2 x 512 tokens, bf16
@@ -66,7 +66,7 @@ def repair_label(override: dict[str, Any]) -> str:
 
 def run_prune_bench(
     model_source: str,
-    data: DataSpec,
+    data: DataConfig,
     unseen: list[str],
     settings: list[PruneConfig],
     distill: DistillConfig,
@@ -88,8 +88,8 @@ def run_prune_bench(
     texts = {"held_out": evaluation.tokens}
     unseen_facts = {}
     for source in unseen:
-        other = EvaluationSpec(source=source, samples=spec.samples, seq_len=spec.seq_len, min_context=spec.min_context)
-        chunks = DataPlan.load(DataSpec(evaluation=other), Path.cwd(), reporter).chunks("evaluation", lm.tokenizer)
+        other = EvaluationConfig(source=source, samples=spec.samples, seq_len=spec.seq_len, min_context=spec.min_context)
+        chunks = DataPlan.load(DataConfig(evaluation=other), Path.cwd(), reporter).chunks("evaluation", lm.tokenizer)
         label = text_label(source, set(texts))
         texts[label], unseen_facts[label] = chunks.tokens, chunks.facts
     baseline = torch_forward(lm.model, device)

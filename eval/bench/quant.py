@@ -28,7 +28,7 @@ from compress.models import load_model
 from compress.plugins import export_format, method_streams, quant_method
 from compress.progress import Reporter
 from compress.schema.quantize import HEAD
-from compress.schema.recipe import DataSpec, ModelSpec
+from compress.schema.recipe import DataConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def quantize_copy(
     head_type: str | None = None,
 ) -> tuple[Any, dict[str, Any], float]:
     """A deep copy of ``lm.model`` quantized by ``method`` at ``setting`` (or on llama.cpp's ``gguf_type``
-    grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExport with a
+    grid, or each layer on the type a GGUF export's size ``budget`` chooses: a GGUFExportConfig with a
     target) on the calibration chunks: (model, records, seconds). ``sensitivity``: a dict kept across
     calls on the same model, in which a budget's per-layer measurement is made once (RunContext.sensitivity).
     ``head``: the output head quantized too (``ignore: []``); with ``head_type``, by a second stage of
@@ -115,14 +115,14 @@ def working_copy(model: Any, config: Any) -> Any:
 
 
 def load_bench_inputs(
-    model_source: str, data: DataSpec, threads: int, reporter: Reporter, dtype: str = "auto"
+    model_source: str, data: DataConfig, threads: int, reporter: Reporter, dtype: str = "auto"
 ) -> tuple[Any, Any, Any, Any]:
     """The model (computing in ``dtype``, a recipe's ``model.dtype``), calibration chunks (None without
     calibration data), evaluation chunks and evaluation spec a benchmark runs on, with torch set to
     ``threads``."""
     torch.set_num_threads(threads)
     base_dir = Path.cwd()
-    lm = load_model(ModelSpec(source=model_source, dtype=dtype), base_dir, reporter)
+    lm = load_model(ModelConfig(source=model_source, dtype=dtype), base_dir, reporter)
     plan = DataPlan.load(data, base_dir, reporter)
     evaluation = plan.chunks("evaluation", lm.tokenizer)
     calibration = plan.chunks("calibration", lm.tokenizer) if data.calibration else None
@@ -137,7 +137,7 @@ def backend_choices() -> tuple[str, ...]:
     """The values of the calibrated methods' ``backend`` option (read from the recipe schema)."""
     from typing import get_args
 
-    from compress.schema.quantize import GPTQConfig
+    from compress.quantizers.configs import GPTQConfig
 
     return get_args(GPTQConfig.model_fields["backend"].annotation)
 
@@ -159,7 +159,7 @@ def method_label(method: str, backend: str | None) -> str:
 
 def run_quant_bench(
     model_source: str,
-    data: DataSpec,
+    data: DataConfig,
     methods: list[str],
     settings: list[Setting],
     out_dir: Path,

@@ -13,12 +13,12 @@ from compress.eval.plan.shapes import DTYPE_BYTES, ModelShape, Record, packed_by
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME
 from compress.inputs import check_json
 from compress.plugins import EXPORT_FORMATS, stage_kind
-from compress.schema.recipe import ModelSpec, Recipe
+from compress.schema.recipe import ModelConfig, Recipe
 
 # --------------------------------------------------------------------------- the model's shape
 
 
-def compute_dtype(spec: ModelSpec, config: Any) -> str:
+def compute_dtype(spec: ModelConfig, config: Any) -> str:
     """The recipe's ``model.dtype`` with ``auto`` resolved as the loader resolves it: the dtype the
     model's config records (bfloat16 for most Hugging Face models; float32 for a GGUF source, which
     is converted to float32), float32 when it records none."""
@@ -28,12 +28,12 @@ def compute_dtype(spec: ModelSpec, config: Any) -> str:
     return stored if stored in DTYPE_BYTES else "float32"
 
 
-def model_shape(spec: ModelSpec, base_dir: Path) -> ModelShape:
+def model_shape(spec: ModelConfig, base_dir: Path) -> ModelShape:
     config, origin = source_config(spec, base_dir)
     return shape_of(config, spec.trust_remote_code, origin)
 
 
-def source_config(spec: ModelSpec, base_dir: Path) -> tuple[Any, str]:
+def source_config(spec: ModelConfig, base_dir: Path) -> tuple[Any, str]:
     """The model's transformers config, read without loading (or downloading) any weights."""
     from transformers import AutoConfig
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from compress.export.checkpoint.config import CompressedTensorsExportConfig, GPTQExportConfig
 from compress.export.format import ExportFormat, PlannedSize
-from compress.schema.exports import CompressedTensorsExport, GPTQExport
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,14 @@ class CheckpointFormat(ExportFormat):
 
 COMPRESSED_TENSORS = CheckpointFormat(
     name="compressed-tensors",
-    config=CompressedTensorsExport,
+    config=CompressedTensorsExportConfig,
     runtime="transformers",
     intended_runtimes="vLLM, transformers (compressed-tensors)",
     description="compressed-tensors pack-quantized Hugging Face folder, written from the records and read back exactly",
 )
 GPTQ = CheckpointFormat(
     name="gptq",
-    config=GPTQExport,
+    config=GPTQExportConfig,
     runtime="transformers",
     intended_runtimes="transformers + GPTQModel, vLLM (GPTQ checkpoint format)",
     description="AutoGPTQ v1 Hugging Face folder, written from the records and read back exactly",

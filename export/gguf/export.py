@@ -18,6 +18,7 @@ from compress.errors import FormatError
 from compress.eval.metrics import Evaluation, compare, tables_forward
 from compress.export.gguf import runtime as gguf_runtime
 from compress.export.gguf.check import check_gguf_records, stored_type_counts, stored_types, tensor_totals
+from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.inputs import is_gguf_file
 from compress.export.gguf.layout import HEAD_RECORD, architecture_of, plan_tensors, resolve_type
 from compress.export.gguf.metadata import tokenizer_metadata
@@ -35,13 +36,12 @@ from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.grids import GRIDS
 from compress.quantizers.kv_cache import KVCacheScheme
-from compress.schema.exports import GGUFExport
 from compress.streaming import compute_device
 
 GENERATION_PROMPT = "The quick brown fox"
 
 
-def with_records_quantizer(spec: GGUFExport, records: dict[str, QuantizedWeight]) -> GGUFExport:
+def with_records_quantizer(spec: GGUFExportConfig, records: dict[str, QuantizedWeight]) -> GGUFExportConfig:
     """The spec with quantizer records where none was named for a type llama.cpp's quantizer also
     makes (q2_k, q5_0, q5_1, q6_k) and every record lies on that type's grid (or its fallback's)."""
     if spec.quantizer != "llama.cpp" or not spec.records_by_default or not records:
@@ -52,7 +52,7 @@ def with_records_quantizer(spec: GGUFExport, records: dict[str, QuantizedWeight]
     return spec
 
 
-def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+def check(spec: GGUFExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation) on an export that cannot be made."""
     spec = with_records_quantizer(spec, records)
     architecture_of(model)
@@ -69,7 +69,7 @@ def check(spec: GGUFExport, model: nn.Module, records: dict[str, QuantizedWeight
 
 def export(
     directory: Path,
-    spec: GGUFExport,
+    spec: GGUFExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -165,7 +165,7 @@ def export(
     return entry, evaluations
 
 
-def check_target(path: Path, spec: GGUFExport, label: str) -> dict[str, Any]:
+def check_target(path: Path, spec: GGUFExportConfig, label: str) -> dict[str, Any]:
     """The written file against the export's size budget: its tensor bytes, bits per weight (tensor
     bytes x 8 / parameters, as llama.cpp reports them) and file size; over the budget is an error."""
     target = spec.target
@@ -286,7 +286,7 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: list[str], source_gguf: P
 
 def verify(
     path: Path,
-    spec: GGUFExport,
+    spec: GGUFExportConfig,
     tokenizer: Any,
     inputs: VerifyInputs,
     reporter: Reporter,

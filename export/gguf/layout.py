@@ -17,11 +17,11 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.export.gguf.blocks import BLOCK, ggml_type, record_problem
+from compress.export.gguf.config import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.export.gguf.metadata import gemma_keys
 from compress.quantizers.arch import ARCHITECTURES as QUANT_ARCHITECTURES
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.grids import GRIDS
-from compress.schema.exports import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 
 MIX = "mix"  # the export's type when each record keeps the GGUF type of its own grid (a size budget's choice)
 

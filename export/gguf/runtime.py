@@ -20,7 +20,7 @@ import torch
 
 from compress.errors import FormatError
 from compress.eval.metrics import Logits
-from compress.schema.exports import GGUF_LLAMA_CPP_TYPES
+from compress.export.gguf.config import GGUF_LLAMA_CPP_TYPES
 
 INSTALL_HINT = "pip install 'compress[gguf]' (llama-cpp-python builds from source: about 17 minutes on 2 cores the first time)"
 

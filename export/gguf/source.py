@@ -19,7 +19,7 @@ from compress.export.gguf.inputs import check_gguf
 from compress.fsutil import atomic_directory, sha256_file
 from compress.paths import CONVERTED_MARKER, cache_root
 from compress.progress import Reporter
-from compress.schema.recipe import ModelSpec
+from compress.schema.recipe import ModelConfig
 
 
 def converted_dir(digest: str) -> Path:
@@ -44,7 +44,7 @@ def source_config(path: Path, digest: str | None, source: str) -> tuple[Any, str
         ) from None
 
 
-def load_source(path: Path, spec: ModelSpec, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
+def load_source(path: Path, spec: ModelConfig, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
     """A GGUF file as the model source: dequantized by transformers once, cached as float safetensors,
     and that folder loaded by ``load_dir`` (compress.models.from_hf_dir: handed in, since the model
     loader sits above the export formats). Returns its LoadedModel."""

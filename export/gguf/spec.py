@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, FileLayout, PlannedSize, Runner
+from compress.export.gguf.config import GGUFExportConfig
 from compress.quantizers.grids import llama_cpp_spelling
-from compress.schema.exports import GGUFExport
 
 SUFFIX = ".gguf"
 GGUF_FILE = "model.gguf"  # the export's file in its folder
@@ -106,7 +106,7 @@ class GGUFFormat(ExportFormat):
 GGUF = GGUFFormat(
     name="gguf",
     writer="compress.export.gguf.export",
-    config=GGUFExport,
+    config=GGUFExportConfig,
     runtime="llama.cpp",
     intended_runtimes="llama.cpp (and tools built on it: Ollama, LM Studio, llama-cpp-python)",
     description="GGUF file with the records packed into exact blocks (or llama.cpp's own quantizer), verified and timed in llama.cpp",

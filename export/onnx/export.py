@@ -25,13 +25,13 @@ from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
 from compress.export.onnx import matmulnbits as mnb
 from compress.export.onnx import tables as tb
+from compress.export.onnx.config import ONNXExportConfig
 from compress.export.onnx.names import ONNX_FILE
 from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, special_ids, tokenization_mismatches
 from compress.hf_model import float_tensors, write_config_and_tokenizer
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme, kv_geometry
-from compress.schema.exports import ONNXExport
 from compress.streaming import compute_device
 
 BUILDER_LOG = "builder.log"
@@ -43,7 +43,7 @@ INT_BITS = {"int4": 4, "int8": 8}
 GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention kernel
 
 
-def resolve(spec: ONNXExport, records: dict[str, QuantizedWeight]) -> tuple[str, str | None]:
+def resolve(spec: ONNXExportConfig, records: dict[str, QuantizedWeight]) -> tuple[str, str | None]:
     """(precision, quantizer) for this model: auto follows the records' bits."""
     precision = spec.precision
     if precision == "auto":
@@ -62,7 +62,7 @@ def resolve(spec: ONNXExport, records: dict[str, QuantizedWeight]) -> tuple[str,
     return precision, spec.quantizer or ("records" if records else "builder")
 
 
-def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+def check(spec: ONNXExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation) on an export that cannot be made."""
     ob.require()
     head_dim = kv_geometry(model.config)[2]
@@ -89,7 +89,7 @@ def check(spec: ONNXExport, model: nn.Module, records: dict[str, QuantizedWeight
 
 
 def builder_options(
-    spec: ONNXExport,
+    spec: ONNXExportConfig,
     precision: str,
     quantizer: str | None,
     records: dict[str, QuantizedWeight],
@@ -133,7 +133,12 @@ def _fresh(directory: Path) -> None:
 
 
 def build(
-    directory: Path, spec: ONNXExport, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], kv_options: dict[str, str]
+    directory: Path,
+    spec: ONNXExportConfig,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    kv_options: dict[str, str],
 ) -> tuple[dict[str, Any], Any]:
     """Run the builder into ``directory`` and put our records into the graph. Returns how the weights got
     there and the graph, loaded with its weights for an int precision (the caller proves and saves it)."""
@@ -179,7 +184,7 @@ def build(
 
 def export(
     directory: Path,
-    spec: ONNXExport,
+    spec: ONNXExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -204,7 +209,7 @@ def export(
     return entry, evaluations
 
 
-def unverifiable(spec: ONNXExport) -> str | None:
+def unverifiable(spec: ONNXExportConfig) -> str | None:
     """Why this machine cannot run the export, or None: a CUDA build needs ONNX Runtime's CUDA provider."""
     import onnxruntime as ort
 
@@ -215,7 +220,7 @@ def unverifiable(spec: ONNXExport) -> str | None:
 
 def write(
     directory: Path,
-    spec: ONNXExport,
+    spec: ONNXExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -229,7 +234,7 @@ def write(
 
 def _write(
     directory: Path,
-    spec: ONNXExport,
+    spec: ONNXExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -364,7 +369,7 @@ def kv_cache_options(
 
 def verify(
     directory: Path,
-    spec: ONNXExport,
+    spec: ONNXExportConfig,
     tokenizer: Any,
     inputs: VerifyInputs,
     reporter: Reporter,

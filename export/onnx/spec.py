@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
+from compress.export.onnx.config import ONNXExportConfig
 from compress.export.onnx.names import GENAI_CONFIG, ONNX_FILE
-from compress.schema.exports import ONNXExport
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class ONNXFormat(ExportFormat):
 ONNX = ONNXFormat(
     name="onnx",
     writer="compress.export.onnx.export",
-    config=ONNXExport,
+    config=ONNXExportConfig,
     runtime="onnxruntime",
     intended_runtimes="ONNX Runtime / ONNX Runtime GenAI",
     description="ONNX Runtime GenAI folder made by its model builder, the records proven equal in MatMulNBits, verified and timed in ONNX Runtime",

@@ -1,6 +1,6 @@
 """TensorRT engines from the Q/DQ ONNX (``export/tensorrt/qdq.py``): build, describe, run.
 
-* ``TensorRTConfig`` (in ``compress/schema/exports.py``) — the optimization profile (min/opt/max of batch, sequence and
+* ``TensorRTConfig`` (in ``export/tensorrt/config.py``) — the optimization profile (min/opt/max of batch, sequence and
   past length), workspace limit and timing cache; validated at construction.
 * ``profile_shapes`` — pure: the (min, opt, max) shape of every network input from its axis
   names (``batch``, ``sequence``, ``past_sequence``, ``total_sequence`` = past + sequence).
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from compress.errors import FormatError
+from compress.export.tensorrt.config import TensorRTConfig
 from compress.export.tensorrt.qdq import MODEL_FILE
 from compress.fsutil import sha256_file
-from compress.schema.exports import TensorRTConfig
 
 ENGINE_FILE = "engine.plan"
 ENGINE_INFO_FILE = "engine.json"

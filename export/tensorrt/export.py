@@ -20,13 +20,13 @@ from compress.export.onnx import builder as onnx_builder
 from compress.export.parity import VerifyInputs
 from compress.export.tensorrt import engine as tensorrt
 from compress.export.tensorrt import qdq as onnx_qdq
+from compress.export.tensorrt.config import TensorRTExportConfig
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme
-from compress.schema.exports import TensorRTExport
 
 
-def check(spec: TensorRTExport, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+def check(spec: TensorRTExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation): onnx/onnxruntime/onnxscript present, every record has a Q/DQ form."""
     onnx_builder.require(("onnx", "onnxruntime", "onnxscript"), "the TensorRT-ready ONNX")
     refuse_gguf_grids(records, "tensorrt")
@@ -60,7 +60,7 @@ def converted_model(model: nn.Module, plans: list[onnx_qdq.LayerPlan], dtype: to
 
 def export(
     directory: Path,
-    spec: TensorRTExport,
+    spec: TensorRTExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],

@@ -45,9 +45,9 @@ from torch import nn
 
 from compress import streaming
 from compress.errors import FormatError
+from compress.export.tensorrt.config import BATCH, PAST, SEQUENCE, TOTAL
 from compress.paths import usable_cpus
 from compress.quantizers.core import QuantizedWeight
-from compress.schema.exports import BATCH, PAST, SEQUENCE, TOTAL
 from compress.schema.quantize import QuantScheme
 
 OPSET = 21  # DequantizeLinear's block_size attribute and the INT4 type start at opset 21

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.export.format import ExportFormat, PlannedSize, Runner
-from compress.schema.exports import TensorRTExport
+from compress.export.tensorrt.config import TensorRTExportConfig
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TensorRTFormat(ExportFormat):
 TENSORRT = TensorRTFormat(
     name="tensorrt",
     writer="compress.export.tensorrt.export",
-    config=TensorRTExport,
+    config=TensorRTExportConfig,
     runtime="tensorrt",
     description="TensorRT-ready ONNX (standard ops, weights as Q/DQ) checked on ONNX Runtime CPU, and an engine built where TensorRT and a GPU exist",
     intended_runtimes="TensorRT (the engine is built for the GPU it was built on; the ONNX rebuilds it elsewhere)",

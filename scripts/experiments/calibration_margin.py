@@ -26,10 +26,10 @@ from compress.eval.metrics import compare, torch_forward  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.awq import AWQStage  # noqa: E402
+from compress.quantizers.configs import AWQConfig, GPTQConfig, RTNConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
 from compress.quantizers.rtn import RTNStage  # noqa: E402
-from compress.schema.quantize import AWQConfig, GPTQConfig, RTNConfig  # noqa: E402
-from compress.schema.recipe import ModelSpec  # noqa: E402
+from compress.schema.recipe import ModelConfig  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main(sizes: list[str], blocks: int | None, evaluation: tuple[int, int], thre
     torch.set_num_threads(threads)
     targets = ["*"] if blocks is None else [rf"re:model\.layers\.({'|'.join(map(str, range(blocks)))})\..*"]
     quiet = Reporter(quiet=True)
-    source = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, quiet)
+    source = load_model(ModelConfig(source="reference:smollm2-135m"), ROOT, quiet)
     cpu = torch.device("cpu")
     for size in sizes:
         samples, seq_len = (int(x) for x in size.split("x"))

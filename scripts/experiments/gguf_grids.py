@@ -34,7 +34,7 @@ from compress.export.gguf.inputs import is_gguf_file  # noqa: E402
 from compress.export.gguf.layout import resolve_type  # noqa: E402
 from compress.export.gguf.writer import write_gguf  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
-from compress.schema.recipe import DataSpec  # noqa: E402
+from compress.schema.recipe import DataConfig  # noqa: E402
 
 EMBEDDING = "q8_0"
 MODEL = "reference:smollm2-135m"
@@ -46,9 +46,9 @@ def shape(text: str) -> tuple[int, int]:
     return int(samples), int(seq_len)
 
 
-def data_spec(cal: str, evaluation: str) -> DataSpec:
+def data_spec(cal: str, evaluation: str) -> DataConfig:
     (cs, cl), (es, el) = shape(cal), shape(evaluation)
-    return DataSpec(calibration={"source": TEXT, "samples": cs, "seq_len": cl}, evaluation={"source": TEXT, "samples": es, "seq_len": el})
+    return DataConfig(calibration={"source": TEXT, "samples": cs, "seq_len": cl}, evaluation={"source": TEXT, "samples": es, "seq_len": el})
 
 
 def file_name(cand: Candidate) -> str:

@@ -21,7 +21,8 @@ import time
 import torch
 
 from compress.quantizers import gptq
-from compress.schema.quantize import GPTQConfig, QuantScheme
+from compress.quantizers.configs import GPTQConfig
+from compress.schema.quantize import QuantScheme
 
 SHAPES = {
     "SmolLM2 q_proj": (576, 576),
@@ -46,12 +47,12 @@ def reference_stage(repeats: int) -> None:
     from compress.data import DataPlan
     from compress.models import load_model
     from compress.progress import Reporter
-    from compress.schema.recipe import DataSpec, ModelSpec
+    from compress.schema.recipe import DataConfig, ModelConfig
 
     root, quiet = Path(__file__).resolve().parents[2], Reporter(quiet=True)
-    lm = load_model(ModelSpec(source="reference:smollm2-135m"), root, quiet)
+    lm = load_model(ModelConfig(source="reference:smollm2-135m"), root, quiet)
     lm.model = streaming.materialize(lm.model)
-    data = DataSpec(calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256})
+    data = DataConfig(calibration={"source": "reference:shakespeare", "samples": 16, "seq_len": 256})
     cal = DataPlan.load(data, root, quiet).chunks("calibration", lm.tokenizer).tokens
     times, codes = {}, {}
     for _ in range(repeats):

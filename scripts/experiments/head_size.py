@@ -32,13 +32,13 @@ from compress.context import RunContext  # noqa: E402
 from compress.eval.metrics import compare, torch_forward  # noqa: E402
 from compress.export.onnx import export as onnx_export  # noqa: E402
 from compress.export.onnx import runtime as rt  # noqa: E402
+from compress.export.onnx.config import ONNXExportConfig  # noqa: E402
 from compress.export.onnx.names import ONNX_FILE  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
+from compress.quantizers.configs import GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.exports import ONNXExport  # noqa: E402
-from compress.schema.quantize import GPTQConfig  # noqa: E402
-from compress.schema.recipe import ModelSpec  # noqa: E402
+from compress.schema.recipe import ModelConfig  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 
 MIN_CONTEXT = 32
@@ -62,7 +62,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quiet = Reporter(quiet=True)
     cpu = torch.device("cpu")
-    source = load_model(ModelSpec(source="reference:smollm2-135m"), ROOT, quiet)
+    source = load_model(ModelConfig(source="reference:smollm2-135m"), ROOT, quiet)
     cal, ev = reference_chunks(source.tokenizer, args.cal, args.eval)
     baseline = torch_forward(source.model, cpu)
 
@@ -87,7 +87,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="head-size-") as tmp:
         for i, (name, (candidate, records, keep_float)) in enumerate(candidates.items()):
             directory = Path(tmp) / str(i)
-            spec = ONNXExport(name=f"onnx{i}", precision="int4", quantizer="records", accuracy_level=4, verify=False, keep_float=keep_float)
+            spec = ONNXExportConfig(
+                name=f"onnx{i}", precision="int4", quantizer="records", accuracy_level=4, verify=False, keep_float=keep_float
+            )
             entry = onnx_export.write(directory, spec, candidate, source.tokenizer, records)
             session = rt.OrtDecoder(directory / ONNX_FILE, args.threads)
             metrics = compare(baseline, {name: session.forward}, ev, MIN_CONTEXT)

@@ -42,8 +42,8 @@ from compress.export.gguf.inputs import is_gguf_file  # noqa: E402
 from compress.export.gguf.tools import llama_quantize  # noqa: E402
 from compress.export.gguf.writer import write_gguf  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
+from compress.quantizers.configs import GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.quantize import GPTQConfig  # noqa: E402
 
 OURS, THEIRS = "imatrix.ours.gguf", "imatrix.llama.cpp.gguf"
 

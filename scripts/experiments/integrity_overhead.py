@@ -18,7 +18,7 @@ import torch
 from compress import integrity, streaming
 from compress.models import load_model
 from compress.progress import Reporter
-from compress.schema.recipe import ModelSpec
+from compress.schema.recipe import ModelConfig
 
 
 def _skip(*args: object) -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     opened = []
     for _ in range(3):
         started = time.perf_counter()
-        lm = load_model(ModelSpec(source="reference:smollm2-135m"), Path.cwd(), Reporter(quiet=True))
+        lm = load_model(ModelConfig(source="reference:smollm2-135m"), Path.cwd(), Reporter(quiet=True))
         opened.append(time.perf_counter() - started)
     print(f"load_model: {min(opened):.2f} s (best of 3)")
     store = streaming.store_of(lm.model)

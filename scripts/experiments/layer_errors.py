@@ -28,9 +28,9 @@ from compress.context import RunContext  # noqa: E402
 from compress.models import load_model  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.awq import AWQStage  # noqa: E402
+from compress.quantizers.configs import AWQConfig, GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.quantize import AWQConfig, GPTQConfig  # noqa: E402
-from compress.schema.recipe import ModelSpec  # noqa: E402
+from compress.schema.recipe import ModelConfig  # noqa: E402
 from tests.conftest import reference_chunks  # noqa: E402
 
 SCHEMES = {
@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet = Reporter(quiet=True)
-    source = load_model(ModelSpec(source=args.model), ROOT, quiet)
+    source = load_model(ModelConfig(source=args.model), ROOT, quiet)
     samples, seq_len = (int(x) for x in args.cal.split("x"))
     cal, _ = reference_chunks(source.tokenizer, (samples, seq_len), (1, 64))
     cpu = torch.device("cpu")

@@ -31,8 +31,8 @@ from compress.context import RunContext  # noqa: E402
 from compress.eval.metrics import compare, torch_forward  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.awq import AWQStage  # noqa: E402
+from compress.quantizers.configs import AWQConfig, GPTQConfig  # noqa: E402
 from compress.quantizers.gptq import GPTQStage  # noqa: E402
-from compress.schema.quantize import AWQConfig, GPTQConfig  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 

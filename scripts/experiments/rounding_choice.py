@@ -35,7 +35,7 @@ from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.gptq import accumulate_hessian, gptq_quantize  # noqa: E402
 from compress.quantizers.grid_search import grid_quantize  # noqa: E402
 from compress.schema.quantize import QuantScheme  # noqa: E402
-from compress.schema.recipe import DataSpec  # noqa: E402
+from compress.schema.recipe import DataConfig  # noqa: E402
 
 TEXT = "reference:shakespeare"
 GGUF_NAMES = {
@@ -99,7 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     reporter = Reporter()
     samples, _, seq_len = args.cal.partition("x")
-    data = DataSpec(
+    data = DataConfig(
         calibration={"source": TEXT, "samples": int(samples), "seq_len": int(seq_len)},
         evaluation={"source": TEXT, "samples": 1, "seq_len": 64},
     )

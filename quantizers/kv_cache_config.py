@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from compress.schema.base import StageConfig, Strict
+from compress.schema.base import BaseStageConfig, Strict
 
 # What each runtime's own KV cache can hold, by (format, bits): llama.cpp cache types
 # (`--cache-type-k/-v`, llama_context_params.type_k/type_v) and vLLM's kv_cache_dtype.
@@ -35,7 +35,7 @@ class KVEvalConfig(Strict):
     prefill: int = Field(0, ge=0, description="Tokens fed in the first step (0 = start decoding from the first token).")
 
 
-class KVCacheConfig(StageConfig):
+class KVCacheConfig(BaseStageConfig):
     """`kv_cache: {bits, format, key_axis, value_axis, group_size, residual, static_scales, ...}`."""
 
     model_config = ConfigDict(extra="forbid")

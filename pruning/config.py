@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from compress.schema.base import Seed, StageConfig
+from compress.schema.base import BaseStageConfig, Seed
 from compress.schema.base import Strict as _Strict
 
 
@@ -48,7 +48,7 @@ Share = float
 Target = Share | SizeTarget | None
 
 
-class PruneConfig(StageConfig):
+class PruneConfig(BaseStageConfig):
     """`prune: {mlp, heads, hidden, layers, multiple_of, batch_size}`."""
 
     before_quantization: ClassVar[bool] = True

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from compress.schema.base import Seed, StageConfig
+from compress.schema.base import BaseStageConfig, Seed
 from compress.schema.base import Strict as _Strict
 
 ORIGINAL = "original"
@@ -58,7 +58,7 @@ class StoredTeacher(_Strict):
     )
 
 
-class DistillConfig(StageConfig):
+class DistillConfig(BaseStageConfig):
     """`distill: {teacher, steps, batch_size, seq_len, lr, temperature, loss, hidden_loss_weight, data, ...}`."""
 
     calibration_hint: ClassVar[str] = " (or its own distill.data.source)"

@@ -1,0 +1,25 @@
+"""The recipe config of the two checkpoint formats (``exports: [{format: compressed-tensors}]``,
+``{format: gptq}``): torch-free, validated when the recipe is (compress validate)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from compress.schema.exports import FORMAT_DOC, BaseExportConfig
+
+COMPRESSED_TENSORS = "compressed-tensors"
+GPTQ = "gptq"
+
+
+class CompressedTensorsExportConfig(BaseExportConfig):
+    """compressed-tensors pack-quantized HF directory (transformers with compressed-tensors, vLLM)."""
+
+    format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMAT_DOC)
+
+
+class GPTQExportConfig(BaseExportConfig):
+    """AutoGPTQ v1 HF directory (GPTQModel, AutoGPTQ, transformers with optimum/gptqmodel, vLLM)."""
+
+    format: Literal["gptq"] = Field("gptq", description=FORMAT_DOC)
