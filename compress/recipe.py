@@ -11,9 +11,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compress.errors import RecipeError
+from compress.paths import usable_cpus
 from compress.schema.devices import DEVICE_FORMATS, DEVICE_RUNTIMES
 from compress.schema.exports import EXPORT_CONFIGS
-from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, TASK_SOURCE_FIELD, Recipe
+from compress.schema.recipe import PATH_FIELDS, QUANT_METHODS_CONTEXT, TASK_SOURCE_FIELD, USABLE_CPUS, Recipe
 from compress.schema.yamlio import format_path, load_yaml, read_text
 
 # --------------------------------------------------------------------------- loading
@@ -110,6 +111,7 @@ def validation_context() -> dict[str, Any]:
         EXPORT_CONFIGS: {name: fmt.config for name, fmt in EXPORT_FORMATS.items()},
         DEVICE_FORMATS: formats,
         DEVICE_RUNTIMES: runtimes,
+        USABLE_CPUS: usable_cpus(),
     }
 
 

@@ -42,6 +42,7 @@ OVERRIDES = {
     "compress.models": APP,
     "compress.cli": APP,
     "compress.__main__": APP,
+    "compress.entry": APP,
 }
 FOLDER_LAYERS = {"compress.schema": SCHEMA, "compress.quantizers": METHODS, "compress.pruning": METHODS,
                  "compress.distill": METHODS, "compress.export": METHODS, "compress.eval": EVAL, "compress.steps": APP}  # fmt: skip

@@ -8,15 +8,14 @@ config; the plugin table (name -> MethodSpec: config, stage, plan estimate, ...)
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import re
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from compress.schema.base import StageConfig, Strict
 from compress.schema.gguf_types import GGUF_GRID_TYPES, GGUF_GRIDS, GGUFGrid, llama_cpp_spelling, normalize_type
+from compress.schema.patterns import check_pattern, matches
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 
@@ -112,17 +111,6 @@ class QuantScheme(Strict):
 HEAD = "lm_head"  # the output head's module name in the supported architectures
 
 
-def matches(name: str, pattern: str) -> bool:
-    """True when ``pattern`` selects the module ``name``.
-
-    ``re:<regex>`` must match the whole name; any other pattern is a glob that matches the whole
-    name or its trailing dotted components (``down_proj`` matches ``model.layers.0.mlp.down_proj``).
-    """
-    if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], name) is not None
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
-
-
 class WeightQuantConfig(QuantScheme, StageConfig):
     """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
 
@@ -137,6 +125,14 @@ class WeightQuantConfig(QuantScheme, StageConfig):
         description="Linear layers to leave in float. The default keeps the output head (lm_head) float; "
         "`ignore: []` quantizes it too (rtn, gptq; a head tied to the embeddings is untied, the embedding table stays float).",
     )
+
+    @field_validator("targets", "ignore")
+    @classmethod
+    def _patterns_run_in_bounded_time(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if (problem := check_pattern(pattern)) is not None:
+                raise ValueError(problem)
+        return patterns
 
     gguf_target: bool = Field(
         False,
