@@ -355,6 +355,50 @@ def _fetch_split_gguf(split: SplitFile, dtype: str, tie_embeddings: bool, workdi
     }
 
 
+def _fetch_float(base: str, untie: bool, dtype: str, workdir: Path, dest: Path, tools: FetchTools) -> dict[str, Any]:
+    """A float reference (compress/float_reference.py) derived from the reference model ``base``: its
+    float form (the converted GGUF, or the asset's own folder), rewritten with the same function and no
+    block grid, saved in ``dtype``; the largest logit difference against ``base`` on 64 fixed token ids
+    and the share of on-grid blocks are measured here and kept in asset.json."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from compress.float_reference import float_reference, grid_share
+    from compress.integrity import from_pretrained_checked
+
+    source = fetch(base, tools.reporter, convert_gguf=tools.convert_gguf)
+    if source.hf_directory:
+        folder = source.path
+    else:
+        if tools.convert_gguf is None:
+            raise AssetError(f"reference:{base} is converted from its GGUF file first; run `compress assets fetch` for it")
+        folder = workdir / "float"
+        folder.mkdir()
+        tools.convert_gguf(source.files[0], folder, "float32", False, tools.reporter)
+    with tools.reporter.status(f"deriving the float reference of {base} ({'untied' if untie else 'tied'})"):
+        model = from_pretrained_checked(folder, dtype=torch.float32).eval()
+        ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            before = model(ids).logits
+            facts = float_reference(model, untie=untie)
+            model.to(getattr(torch, dtype)).to(torch.float32)  # the saved weights, computed in float32
+            after = model(ids).logits
+        linears = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        shares = {n: grid_share(w) for n, w in linears.items() if untie or n != "lm_head"}
+        model.to(getattr(torch, dtype)).save_pretrained(dest, safe_serialization=True)
+        AutoTokenizer.from_pretrained(folder).save_pretrained(dest)
+    return {
+        "origin": f"derived from reference:{base} ({source.sha256[:16]}) by compress.float_reference, saved as {dtype}",
+        "transform": facts,
+        "max_logit_difference": float((before - after).abs().max()),
+        "max_logit": float(before.abs().max()),
+        "on_grid_share": {
+            "linears_max": max(shares.values()),
+            "token_embedding": grid_share(model.model.embed_tokens.weight.to(torch.float32)),
+        },
+    }
+
+
 ASSETS: dict[str, AssetSpec] = {
     "smollm2-135m": AssetSpec(
         name="smollm2-135m",
@@ -398,6 +442,46 @@ ASSETS: dict[str, AssetSpec] = {
         fetch=partial(_fetch_split_gguf, QWEN_SPLIT, "bfloat16", True),
         by_default=False,
         size="1.1 GB download, 3.1 GB on disk",
+    ),
+    "smollm2-135m-float": AssetSpec(
+        name="smollm2-135m-float",
+        kind="model",
+        description="SmolLM2-135M-Instruct with the same function off its Q4_1 grid (norms folded, channel scales "
+        "moved; tied embeddings, the embedding as distributed), float32 (docs/models-and-data.md, Float references)",
+        license="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+        origin="derived from reference:smollm2-135m by compress.float_reference",
+        fetch=partial(_fetch_float, "smollm2-135m", False, "float32"),
+        size="540 MB on disk",
+    ),
+    "smollm2-135m-float-untied": AssetSpec(
+        name="smollm2-135m-float-untied",
+        kind="model",
+        description="SmolLM2-135M-Instruct with the same function, untied (its own output head) and off every grid "
+        "(norms folded, channel scales moved, residual stream rotated near the identity), float32",
+        license="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+        origin="derived from reference:smollm2-135m by compress.float_reference",
+        fetch=partial(_fetch_float, "smollm2-135m", True, "float32"),
+        size="650 MB on disk",
+    ),
+    "qwen2.5-coder-1.5b-float": AssetSpec(
+        name="qwen2.5-coder-1.5b-float",
+        kind="model",
+        description="Qwen2.5-Coder-1.5B-Instruct with the same function off its Q4_K_M grid (tied), bfloat16",
+        license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct)",
+        origin=f"derived from reference:{QWEN_CODER} by compress.float_reference",
+        fetch=partial(_fetch_float, QWEN_CODER, False, "bfloat16"),
+        by_default=False,
+        size=f"3.1 GB on disk (and reference:{QWEN_CODER})",
+    ),
+    "qwen2.5-coder-1.5b-float-untied": AssetSpec(
+        name="qwen2.5-coder-1.5b-float-untied",
+        kind="model",
+        description="Qwen2.5-Coder-1.5B-Instruct with the same function, untied and off every grid, bfloat16",
+        license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct)",
+        origin=f"derived from reference:{QWEN_CODER} by compress.float_reference",
+        fetch=partial(_fetch_float, QWEN_CODER, True, "bfloat16"),
+        by_default=False,
+        size=f"3.6 GB on disk (and reference:{QWEN_CODER})",
     ),
 }
 

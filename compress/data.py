@@ -129,6 +129,8 @@ def _jsonl_documents(path: Path, rel: str, raw: str, text_field: str) -> list[Do
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+        except RecursionError:
+            raise DataError(f"{path}:{lineno}: JSON nested too deeply") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             raise DataError(f"{path}:{lineno}: record has no string field '{text_field}' (set text_field in the recipe)")
         if record[text_field].strip():

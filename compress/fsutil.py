@@ -90,9 +90,17 @@ def clean_stale_partials(target: Path) -> None:
 REPORT = "report.json"
 
 
+MAX_DOCUMENT = 256 << 20
+"""The most bytes a JSON document of ours (manifest.json, report.json) is read from: an artifact of 10⁵
+files has a manifest of ~10 MB; a larger one was not written by compress."""
+
+
 def read_json_object(path: Path) -> dict[str, Any] | None:
-    """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
+    """The JSON object in ``path``, or None when it is missing, unreadable, larger than
+    ``MAX_DOCUMENT`` or not an object."""
     try:
+        if path.stat().st_size > MAX_DOCUMENT:
+            return None
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None

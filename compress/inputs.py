@@ -21,6 +21,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from compress import integrity
 from compress.errors import ModelLoadError
 from compress.integrity import check_config_values
 
@@ -42,6 +43,9 @@ SAFETENSORS_ITEMSIZE = {
     "F64": 8,
 }
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+MAX_JSON = 16 << 20
+"""The most bytes a model directory's JSON file (config.json …) may have: the largest real ones are under 1 MB."""
+JSON_CAPS = {"tokenizer.json": 512 << 20}  # the largest published vocabularies' tokenizer.json are ~35 MB
 JSON_FILES = (
     "config.json",
     "tokenizer.json",
@@ -113,8 +117,15 @@ def check_safetensors(path: Path) -> dict[str, Any]:
 
 
 def check_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, or ModelLoadError naming it and the line of the problem."""
+    """A JSON object file, or ModelLoadError naming it and the line of the problem; a file above its
+    size cap (``JSON_CAPS``) is refused before it is read."""
+    cap = JSON_CAPS.get(path.name, MAX_JSON)
     try:
+        size = path.stat().st_size
+        if size > cap:
+            raise ModelLoadError(
+                f"{path}: {size:,} bytes, more than a model's {path.name} ever needs (at most {cap:,}); is it the right file, and complete?"
+            )
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ModelLoadError(f"{path}: not UTF-8 text (byte {exc.start})") from None
@@ -142,3 +153,14 @@ def check_model_directory(path: Path) -> None:
                 check_config_values(data, path / name)
     for file in sorted(path.glob("*.safetensors")):
         check_safetensors(file)
+
+
+def check_blocks_on_disk(directory: Path, layers: Any) -> None:
+    """A Hugging Face directory's ``num_hidden_layers`` against the blocks its safetensors files
+    hold, from their headers alone: run before any model is built from the config (building 10⁹
+    blocks, even on the meta device, would never end)."""
+    weights = sorted(directory.glob("*.safetensors"))
+    if weights and isinstance(layers, int) and not isinstance(layers, bool):
+        integrity.check_block_count(
+            layers, integrity.stored_entries({file: check_safetensors(file) for file in weights}), directory / "config.json"
+        )

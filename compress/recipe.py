@@ -13,9 +13,10 @@ from typing import Annotated, Any, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from compress.errors import RecipeError
+from compress.paths import usable_cpus
 from compress.plugins import EXPORT_FORMATS, QUANT_METHODS, STAGE_KINDS, device_names
 from compress.schema.devices import DEVICE_FORMATS, DEVICE_RUNTIMES
-from compress.schema.recipe import PATH_FIELDS, TASK_SOURCE_FIELD, Recipe, StageConfig
+from compress.schema.recipe import PATH_FIELDS, TASK_SOURCE_FIELD, USABLE_CPUS, Recipe, StageConfig
 from compress.schema.yamlio import format_path, load_yaml, read_text
 
 # --------------------------------------------------------------------------- loading
@@ -172,7 +173,7 @@ def validation_context() -> dict[str, Any]:
     names device profiles may list (the schema package never imports the tables). Recipes, device
     profile files and gates files are validated with it."""
     formats, runtimes = device_names()
-    return {DEVICE_FORMATS: formats, DEVICE_RUNTIMES: runtimes}
+    return {DEVICE_FORMATS: formats, DEVICE_RUNTIMES: runtimes, USABLE_CPUS: usable_cpus()}
 
 
 def validate(data: dict[str, Any], lines: dict[tuple, int], filename: str) -> Recipe:

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from compress.errors import ArtifactError
-from compress.fsutil import REPORT, combined_digest, read_json_object, sha256_file
+from compress.fsutil import MAX_DOCUMENT, REPORT, combined_digest, read_json_object, sha256_file
 from compress.marker import MANIFEST, MARKER, MODEL_CARD, entries, read_marker
 
 RERUN = "run the recipe again (or pull the version again) to get a complete, unaltered copy"
@@ -43,6 +43,8 @@ class Contents:
 
 def _json(path: Path) -> dict[str, Any]:
     data = read_json_object(path)
+    if data is None and path.is_file() and (size := path.stat().st_size) > MAX_DOCUMENT:
+        raise ArtifactError(f"{path} is {size:,} bytes, more than compress ever writes there (at most {MAX_DOCUMENT:,}); not read")
     if data is None:
         raise ArtifactError(f"{path} cannot be read as a JSON object (missing, truncated or not JSON)")
     return data

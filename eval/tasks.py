@@ -127,12 +127,16 @@ def _read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise DataError(f"{path}:{number}: not a JSON object ({exc.msg})") from None
+                    except RecursionError:
+                        raise DataError(f"{path}:{number}: JSON nested too deeply") from None
                     yield f"{path}:{number}", row
         elif suffix == ".json":
             try:
                 rows = json.loads(path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            except RecursionError:
+                raise DataError(f"{path}: JSON nested too deeply") from None
             if not isinstance(rows, list):
                 raise DataError(f"{path}: a .json task file holds a list of question objects (got {type(rows).__name__})")
             for number, row in enumerate(rows):
@@ -169,7 +173,7 @@ def _choices(row: dict[str, Any], spec: Any, where: str) -> list[str]:
         if isinstance(value, str):  # a CSV cell: a JSON list
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise DataError(f"{where}: field '{spec}' is text, not a list of choices (in a CSV cell, write a JSON list)") from None
         if not isinstance(value, list) or not all(isinstance(c, str | int | float) and not isinstance(c, bool) for c in value):
             raise DataError(f"{where}: field '{spec}' must be a list of choice texts")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from compress.schema.quantize import matches
+from compress.schema.patterns import matches
 
 __all__ = ["select_linears"]
 

@@ -64,6 +64,7 @@ OVERRIDES = {
     "compress.cli_bench": APP,
     "compress.console": APP,
     "compress.__main__": APP,
+    "compress.entry": APP,
 }
 FOLDER_LAYERS = {"compress.schema": SCHEMA, "compress.quantizers": METHODS, "compress.pruning": METHODS,
                  "compress.distill": METHODS, "compress.export": METHODS, "compress.eval": EVAL, "compress.steps": APP}  # fmt: skip

@@ -8,7 +8,8 @@ import torch
 from compress.quantizers.core import QuantizedWeight, sqnr_db
 from compress.quantizers.rtn import rtn_quantize
 from compress.quantizers.targets import select_linears
-from compress.schema.quantize import QuantScheme, matches
+from compress.schema.patterns import matches
+from compress.schema.quantize import QuantScheme
 
 SCHEMES = [QuantScheme(bits=b, group_size=g, symmetric=s) for b in (2, 3, 4, 8) for g in (32, 64, 128, None) for s in (True, False)]
 

@@ -8,15 +8,14 @@ lives with its code (quantizers/configs.py for the built-in ones) and is named b
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import re
 from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from compress.quantizers.grids import GRID_NAMES, GRIDS, Grid, llama_cpp_spelling, normalize_type
 from compress.schema.base import BaseStageConfig, Strict
+from compress.schema.patterns import check_pattern, matches
 
 ScaleDType = Literal["float16", "bfloat16", "float32"]
 
@@ -116,17 +115,6 @@ SENSITIVITY_SAMPLES = 8
 HEAD = "lm_head"  # the output head's module name in the supported architectures
 
 
-def matches(name: str, pattern: str) -> bool:
-    """True when ``pattern`` selects the module ``name``.
-
-    ``re:<regex>`` must match the whole name; any other pattern is a glob that matches the whole
-    name or its trailing dotted components (``down_proj`` matches ``model.layers.0.mlp.down_proj``).
-    """
-    if pattern.startswith("re:"):
-        return re.fullmatch(pattern[3:], name) is not None
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
-
-
 class WeightQuantConfig(QuantScheme, BaseStageConfig):
     """Fields every weight-quantization method takes: the scheme plus which Linear layers to touch.
 
@@ -141,6 +129,14 @@ class WeightQuantConfig(QuantScheme, BaseStageConfig):
         description="Linear layers to leave in float. The default keeps the output head (lm_head) float; "
         "`ignore: []` quantizes it too (rtn, gptq; a head tied to the embeddings is untied, the embedding table stays float).",
     )
+
+    @field_validator("targets", "ignore")
+    @classmethod
+    def _patterns_run_in_bounded_time(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if (problem := check_pattern(pattern)) is not None:
+                raise ValueError(problem)
+        return patterns
 
     gguf_target: bool = Field(
         False,

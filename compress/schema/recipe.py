@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -34,6 +36,7 @@ BASELINE_THRESHOLDS = ("max_increase", "max_decrease", "max_increase_pct", "max_
 # (or, for --set overrides, against the current directory).
 PATH_FIELDS = ("model.source", "data.calibration.source", "data.evaluation.source")
 TASK_SOURCE_FIELD = re.compile(r"tasks\.\d+\.source")  # each task's question file, a path field too
+USABLE_CPUS = "usable_cpus"  # validation-context key: the CPUs this process may run on (compress.paths.usable_cpus)
 
 
 def alias_problem(alias: str) -> str | None:
@@ -309,17 +312,28 @@ class TaskConfig(Strict):
         return self
 
 
+MAX_LATENCY_TOKENS = 1 << 20
+"""The most prompt or output tokens a latency run may ask for (above every released model's context)."""
+MAX_LATENCY_BATCH = 1024
+
+
 class LatencyConfig(Strict):
-    prompt_tokens: int = Field(128, ge=1, description="Prompt length for the time to first token (real evaluation-text tokens).")
-    output_tokens: int = Field(64, ge=2, description="Greedy tokens decoded per run (no stop at end-of-text).")
+    prompt_tokens: int = Field(
+        128,
+        ge=1,
+        le=MAX_LATENCY_TOKENS,
+        description="Prompt length for the time to first token (real evaluation-text tokens); prompt and output together "
+        "must fit the model's context length.",
+    )
+    output_tokens: int = Field(64, ge=2, le=MAX_LATENCY_TOKENS, description="Greedy tokens decoded per run (no stop at end-of-text).")
     batch_sizes: list[int] = Field(
         [1, 4],
         min_length=1,
         description="Batch sizes to measure; 1 is required (the gated medians). "
         "A runtime that decodes one sequence (llama-cpp-python) skips the others and says so.",
     )
-    warmup: int = Field(1, ge=0, description="Unmeasured runs before the measured ones.")
-    repeats: int = Field(5, ge=1, description="Measured runs; medians and p90 are over these.")
+    warmup: int = Field(1, ge=0, le=100, description="Unmeasured runs before the measured ones.")
+    repeats: int = Field(5, ge=1, le=1000, description="Measured runs; medians and p90 are over these.")
     artifacts: list[str] | None = Field(
         None,
         description="Artifacts to time: baseline and compressed (torch) and export names. "
@@ -332,6 +346,8 @@ class LatencyConfig(Strict):
     def _has_one(cls, v: list[int]) -> list[int]:
         if 1 not in v or any(b < 1 for b in v):
             raise ValueError("batch_sizes are positive and include 1 (the gated latency is at batch 1)")
+        if max(v) > MAX_LATENCY_BATCH:
+            raise ValueError(f"batch size {max(v):,} is more than {MAX_LATENCY_BATCH:,}")
         return sorted(set(v))
 
 
@@ -339,6 +355,10 @@ class TargetConfig(Strict):
     device: str = Field(description="A device profile name (shipped, or in `devices`).")
     context: int | None = Field(None, ge=1, description="Tokens of KV cache for the fit check (default: latency prompt + output).")
     batch: int = Field(1, ge=1, description="Sequences decoded at once, for the fit check.")
+
+
+MAX_CANDIDATES = 64
+"""search.max_candidates by default: a search of more whole runs than this is a typo more often than a plan."""
 
 
 class SearchConfig(Strict):
@@ -349,6 +369,13 @@ class SearchConfig(Strict):
     stop_at_first_pass: bool = Field(
         False, description="Stop at the first candidate that passes every gate (candidates run smallest expected size first)."
     )
+    max_candidates: int = Field(
+        MAX_CANDIDATES,
+        ge=1,
+        le=100_000,
+        description="Most candidates (combinations of variants) a search may run; more are refused at validation. "
+        "Raise it for a larger search on purpose (every candidate is a whole run).",
+    )
 
     @field_validator("variants")
     @classmethod
@@ -357,6 +384,17 @@ class SearchConfig(Strict):
         if empty:
             raise ValueError(f"no values to try for {', '.join(empty)}")
         return v
+
+    @model_validator(mode="after")
+    def _bounded(self) -> SearchConfig:
+        count = math.prod(len(values) for values in self.variants.values())
+        if count > self.max_candidates:
+            sizes = " x ".join(str(len(values)) for values in self.variants.values())
+            raise ValueError(
+                f"variants make {count:,} candidates ({sizes}), more than max_candidates ({self.max_candidates:,}); "
+                "try fewer values, or raise search.max_candidates"
+            )
+        return self
 
 
 class PublishConfig(Strict):
@@ -385,8 +423,19 @@ class PublishConfig(Strict):
 class ComputeConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when available.")
     threads: int | None = Field(
-        None, ge=1, description="CPU threads for torch (default: the cores this process may run on, its CPU affinity)."
+        None,
+        ge=1,
+        description="CPU threads for torch (default: the cores this process may run on, its CPU affinity); "
+        "at most those cores (more threads than cores make torch's threads wait on each other many-fold).",
     )
+
+    @field_validator("threads")
+    @classmethod
+    def _at_most_the_usable_cpus(cls, threads: int | None, info: ValidationInfo) -> int | None:
+        usable = (info.context or {}).get(USABLE_CPUS)
+        if threads is not None and usable is not None and threads > usable:
+            raise ValueError(f"{threads:,} threads, but this process may run on {usable} CPU(s); give at most {usable} or leave it out")
+        return threads
 
 
 # The ``stages`` and ``exports`` items are the plugin tables' config models: recipes are validated against

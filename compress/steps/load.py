@@ -16,7 +16,7 @@ import torch
 from compress.calibration_checks import CalibrationChecker, check_text
 from compress.data import Chunks, DataPlan
 from compress.distill.train import process_rank
-from compress.errors import CompressError
+from compress.errors import CompressError, RecipeError
 from compress.eval.baseline import CachedBaseline
 from compress.eval.devices import LOCAL, get_profile, load_profiles
 from compress.eval.memory import PhaseMemory
@@ -181,6 +181,7 @@ def load(run: Run) -> Source:
     recipe = run.recipe
     with run.timed("load_model_s"):
         lm = load_model(recipe.model, run.base_dir, run.reporter)
+        check_latency_fits(recipe, lm.model.config)
         if baseline_timed(recipe.latency, recipe.gates):
             baseline_directory(lm.facts)  # fails now, before the stages, when the baseline cannot be timed
     with run.timed("prepare_data_s"):
@@ -195,6 +196,17 @@ def load(run: Run) -> Source:
         with run.reporter.status(f"reading the questions of {len(recipe.tasks)} task(s)"):
             tasks = [load_task(spec, run.base_dir, run.reporter) for spec in recipe.tasks]
     return Source(lm, data, eval_chunks, run.reporter, cached, checks=checks, tasks=tasks)
+
+
+def check_latency_fits(recipe: Recipe, config: Any) -> None:
+    """The latency block's prompt and output tokens within the model's context length (before the stages)."""
+    spec = recipe.latency
+    context = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
+    if spec is not None and isinstance(context, int) and spec.prompt_tokens + spec.output_tokens > context:
+        raise RecipeError(
+            f"latency: prompt_tokens + output_tokens = {spec.prompt_tokens + spec.output_tokens:,}, more than the model's "
+            f"context length ({context:,}, max_position_embeddings); give fewer"
+        )
 
 
 def baseline_directory(model_facts: dict[str, Any]) -> str:

@@ -11,7 +11,8 @@ from typing import Any
 from compress.errors import CompressError, ModelLoadError
 from compress.eval.plan.shapes import DTYPE_BYTES, ModelShape, Record, packed_bytes, shape_of
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME
-from compress.inputs import check_json
+from compress.inputs import check_blocks_on_disk, check_json
+from compress.integrity import check_config_values
 from compress.plugins import EXPORT_FORMATS, stage_kind
 from compress.schema.recipe import ModelConfig, Recipe
 
@@ -72,11 +73,13 @@ def source_config(spec: ModelConfig, base_dir: Path) -> tuple[Any, str]:
             f"model.source {source}: no config.json at {path} (give a Hugging Face directory, a .gguf file, "
             "a cached Hugging Face id or reference:<name>)"
         )
-    check_json(path / "config.json")
+    check_config_values(check_json(path / "config.json"), path / "config.json")
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True), f"{path / 'config.json'}"
+        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a config it cannot use
         raise ModelLoadError(f"transformers could not read {path / 'config.json'}: {type(exc).__name__}: {str(exc)[:300]}") from None
+    check_blocks_on_disk(path, getattr(config, "num_hidden_layers", None))
+    return config, f"{path / 'config.json'}"
 
 
 # --------------------------------------------------------------------------- sizes

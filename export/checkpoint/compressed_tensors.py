@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from compress.errors import FormatError
+from compress.errors import CompressError, FormatError
 from compress.export.checkpoint.hf_checkpoint import (
     QUANT_METHOD,
     ImportedRecords,
@@ -46,6 +45,7 @@ from compress.export.checkpoint.hf_checkpoint import (
 from compress.export.packing import pack_int32, unpack_int32
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
+from compress.schema.patterns import regex_match
 from compress.schema.quantize import QuantScheme
 
 METHOD = "compressed-tensors"
@@ -302,14 +302,24 @@ def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> 
     return found
 
 
+def _target_matches(expression: str, name: str, where: str) -> bool:
+    """A config group's ``re:`` target matches the start of ``name`` (compressed-tensors' rule), in bounded time."""
+    try:
+        return regex_match(expression, name, whole=False, what=f"{where}: config group target")
+    except CompressError as exc:
+        raise FormatError(str(exc)) from None
+
+
 def _group_of(name: str, groups: dict[str, Any], where: str) -> str:
     """The config group whose targets match layer ``name``: exact name, then ``re:``, then class ``Linear``."""
     ranked = []
     for gname, group in groups.items():
         for target in group.get(Key.TARGETS, []):
+            if not isinstance(target, str):
+                raise FormatError(f"{where}: config group '{gname}' has a target that is not a string: {target!r}")
             if target == name:
                 ranked.append((0, gname))
-            elif target.startswith(REGEX_PREFIX) and re.match(target[len(REGEX_PREFIX) :], name):
+            elif target.startswith(REGEX_PREFIX) and _target_matches(target[len(REGEX_PREFIX) :], name, where):
                 ranked.append((1, gname))
             elif target == LINEAR_TARGET:  # layers with weight_packed are Linear layers
                 ranked.append((2, gname))

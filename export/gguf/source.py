@@ -36,6 +36,7 @@ def source_config(path: Path, digest: str | None, source: str) -> tuple[Any, str
         return AutoConfig.from_pretrained(
             converted_dir(digest), local_files_only=True
         ), f"config.json of the converted {source} ({converted_dir(digest)})"
+    check_gguf(path)  # the tensor table against the metadata first: a block_count of 10⁹ never reaches transformers
     try:  # transformers reads the metadata with gguf.GGUFReader (memory-mapped; tensors are not loaded)
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name), f"GGUF metadata of {path}"
     except Exception as exc:  # the GGUF reader raises many types for a damaged file
