@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from compress import __version__
 from compress.cli_bench import bench_app
-from compress.cli_options import OVERWRITE_OPTION, SET_OPTION
+from compress.cli_options import OVERWRITE_OPTION, SET_OPTION, threads_option
 from compress.console import err, guarded, out, print_published, print_registry, print_report, print_search, print_summary
 from compress.errors import CompressError
 
@@ -257,7 +257,7 @@ def gate(
         "an existing one only with --overwrite).",
     ),
     overwrite: bool = OVERWRITE_OPTION,
-    threads: int | None = typer.Option(None, help="CPU threads (default: all cores)."),
+    threads: int | None = threads_option(None, "CPU threads (default: all cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars; print only the summary."),
 ) -> None:
     """Evaluate an existing ARTIFACT against a gates file, without re-running compression.

@@ -16,9 +16,10 @@ from typing import Any
 
 import typer
 
-from compress.cli_options import OVERWRITE_OPTION, SET_OPTION, THREADS
+from compress.cli_options import OVERWRITE_OPTION, SET_OPTION, THREADS, threads_option
 from compress.console import err, guarded, out
 from compress.errors import CompressError
+from compress.schema.recipe import MAX_LATENCY_BATCH, MAX_LATENCY_TOKENS
 
 bench_app = typer.Typer(help="Benchmarks measured as ratios against a baseline in the same run.", no_args_is_help=True)
 
@@ -98,7 +99,7 @@ def bench_command(
         for field in options:
             default, help_text = changed.get(field, SHARED_OPTIONS[field])
             shared[field] = typer.Option(default, help=help_text)
-        shared["threads"] = typer.Option(THREADS, help=threads_help)
+        shared["threads"] = threads_option(THREADS, threads_help)
         hints = typing.get_type_hints(fn)
         own = list(inspect.signature(fn).parameters.values())[1:]  # after opts
         own = [p.replace(annotation=hints[p.name]) for p in own]
@@ -454,11 +455,11 @@ def bench_latency(
         None, help="Comma-separated runtimes to time (torch, llama.cpp, onnxruntime, tensorrt); default all."
     ),
     rounds: int = typer.Option(2, min=2, help="Independent rounds (fresh processes) to compare."),
-    prompt_tokens: int = typer.Option(128, min=1),
-    output_tokens: int = typer.Option(64, min=2),
-    batch: int = typer.Option(4, min=1, help="The batch size measured besides 1."),
-    warmup: int = typer.Option(1, min=0),
-    repeats: int = typer.Option(5, min=1),
+    prompt_tokens: int = typer.Option(128, min=1, max=MAX_LATENCY_TOKENS),
+    output_tokens: int = typer.Option(64, min=2, max=MAX_LATENCY_TOKENS),
+    batch: int = typer.Option(4, min=1, max=MAX_LATENCY_BATCH, help="The batch size measured besides 1."),
+    warmup: int = typer.Option(1, min=0, max=100),
+    repeats: int = typer.Option(5, min=1, max=1000),
 ) -> None:
     """Time each runtime of ARTIFACT in several independent rounds: medians, p90, and the spread between rounds."""
     from compress.eval.bench.latency import markdown_table, run_latency_bench

@@ -6,7 +6,14 @@ import typer
 
 from compress.paths import usable_cpus
 
-THREADS = usable_cpus()  # every --threads default: the CPUs this process may run on
+THREADS = usable_cpus()  # every --threads default, and its most: the CPUs this process may run on
+
+
+def threads_option(default: int | None, help_text: str) -> typer.models.OptionInfo:
+    """--threads: at least 1, at most the usable CPUs (more make torch's threads wait on each other; a
+    count beyond any machine ended in a panic of a Rust thread pool), else exit 2 naming the range."""
+    return typer.Option(default, min=1, max=THREADS, help=f"{help_text} At most {THREADS} here (the CPUs this process may use).")
+
 
 OVERWRITE_OPTION = typer.Option(
     False,

@@ -272,3 +272,19 @@ def test_an_interrupt_after_the_last_line_exits_130_or_not_at_all(tmp_path: Path
         assert "Traceback" not in output, output
         codes.append(code)
     assert set(codes) <= {0, 130}, codes  # 0: it had ended before the signal came
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "quant", "--threads", "100000"],
+        ["bench", "gguf", "--threads", "100000"],
+        ["gate", "anything", "--gates", "gates.yaml", "--threads", "100000"],
+        ["bench", "latency", "anything", "--prompt-tokens", "2147483647"],
+        ["bench", "latency", "anything", "--repeats", "2147483647"],
+    ],
+)
+def test_command_line_counts_beyond_the_machine_are_refused(command: list[str]) -> None:
+    result = run_cli(command)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for" in result.output and "less than or equal to" in result.output, result.output
