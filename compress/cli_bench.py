@@ -335,8 +335,8 @@ def bench_prune(
 
     from compress.eval.bench.prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
     from compress.progress import Reporter
-    from compress.schema.distill import DistillConfig
-    from compress.schema.prune import PruneConfig
+    from compress.distill.config import DistillConfig
+    from compress.pruning.config import PruneConfig
     from compress.steps.load import resolve_device
 
     def parse(kind: Any, text: str, base: dict[str, Any]) -> Any:
