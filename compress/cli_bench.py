@@ -333,9 +333,9 @@ def bench_prune(
     import yaml
     from pydantic import ValidationError
 
+    from compress.distill.config import DistillConfig
     from compress.eval.bench.prune import DEFAULT_DISTILL, DEFAULT_SETTINGS, markdown_table, run_prune_bench
     from compress.progress import Reporter
-    from compress.distill.config import DistillConfig
     from compress.pruning.config import PruneConfig
     from compress.steps.load import resolve_device
 
