@@ -399,6 +399,31 @@ def _fetch_float(base: str, untie: bool, dtype: str, workdir: Path, dest: Path, 
     }
 
 
+_LICENSES = {
+    "smollm2-135m": "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+    QWEN_CODER: "Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct)",
+}
+
+
+def _float_asset(base: str, model: str, untie: bool, dtype: str, size: str) -> AssetSpec:
+    """``<base>-float`` (tied, the embedding as distributed) or ``<base>-float-untied`` (its own head, the
+    residual stream rotated): fetched by default when its base is (docs/models-and-data.md, Float references)."""
+    if untie:
+        how = "untied (its own output head) and off every grid (norms folded, channel scales moved, residual stream rotated near the identity)"
+    else:
+        how = "off its grid (norms folded, channel scales moved; tied, the embedding as distributed)"
+    return AssetSpec(
+        name=f"{base}-float{'-untied' if untie else ''}",
+        kind="model",
+        description=f"{model} with the same function, {how}, {dtype}",
+        license=_LICENSES[base],
+        origin=f"derived from reference:{base} by compress.float_reference",
+        fetch=partial(_fetch_float, base, untie, dtype),
+        by_default=base != QWEN_CODER,
+        size=size,
+    )
+
+
 ASSETS: dict[str, AssetSpec] = {
     "smollm2-135m": AssetSpec(
         name="smollm2-135m",
@@ -443,46 +468,15 @@ ASSETS: dict[str, AssetSpec] = {
         by_default=False,
         size="1.1 GB download, 3.1 GB on disk",
     ),
-    "smollm2-135m-float": AssetSpec(
-        name="smollm2-135m-float",
-        kind="model",
-        description="SmolLM2-135M-Instruct with the same function off its Q4_1 grid (norms folded, channel scales "
-        "moved; tied embeddings, the embedding as distributed), float32 (docs/models-and-data.md, Float references)",
-        license="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
-        origin="derived from reference:smollm2-135m by compress.float_reference",
-        fetch=partial(_fetch_float, "smollm2-135m", False, "float32"),
-        size="540 MB on disk",
-    ),
-    "smollm2-135m-float-untied": AssetSpec(
-        name="smollm2-135m-float-untied",
-        kind="model",
-        description="SmolLM2-135M-Instruct with the same function, untied (its own output head) and off every grid "
-        "(norms folded, channel scales moved, residual stream rotated near the identity), float32",
-        license="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
-        origin="derived from reference:smollm2-135m by compress.float_reference",
-        fetch=partial(_fetch_float, "smollm2-135m", True, "float32"),
-        size="650 MB on disk",
-    ),
-    "qwen2.5-coder-1.5b-float": AssetSpec(
-        name="qwen2.5-coder-1.5b-float",
-        kind="model",
-        description="Qwen2.5-Coder-1.5B-Instruct with the same function off its Q4_K_M grid (tied), bfloat16",
-        license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct)",
-        origin=f"derived from reference:{QWEN_CODER} by compress.float_reference",
-        fetch=partial(_fetch_float, QWEN_CODER, False, "bfloat16"),
-        by_default=False,
-        size=f"3.1 GB on disk (and reference:{QWEN_CODER})",
-    ),
-    "qwen2.5-coder-1.5b-float-untied": AssetSpec(
-        name="qwen2.5-coder-1.5b-float-untied",
-        kind="model",
-        description="Qwen2.5-Coder-1.5B-Instruct with the same function, untied and off every grid, bfloat16",
-        license="Apache-2.0 (Qwen/Qwen2.5-Coder-1.5B-Instruct)",
-        origin=f"derived from reference:{QWEN_CODER} by compress.float_reference",
-        fetch=partial(_fetch_float, QWEN_CODER, True, "bfloat16"),
-        by_default=False,
-        size=f"3.6 GB on disk (and reference:{QWEN_CODER})",
-    ),
+    **{
+        spec.name: spec
+        for spec in (
+            _float_asset("smollm2-135m", "SmolLM2-135M-Instruct", False, "float32", "540 MB on disk"),
+            _float_asset("smollm2-135m", "SmolLM2-135M-Instruct", True, "float32", "650 MB on disk"),
+            _float_asset(QWEN_CODER, "Qwen2.5-Coder-1.5B-Instruct", False, "bfloat16", f"3.1 GB on disk (and reference:{QWEN_CODER})"),
+            _float_asset(QWEN_CODER, "Qwen2.5-Coder-1.5B-Instruct", True, "bfloat16", f"3.6 GB on disk (and reference:{QWEN_CODER})"),
+        )
+    },
 }
 
 
