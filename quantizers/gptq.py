@@ -51,10 +51,12 @@ _TORCH_OPS = _ColumnOps(lambda t: t, torch.round, lambda q, hi: q.clamp_(0.0, hi
 _NUMPY_OPS = _ColumnOps(torch.Tensor.numpy, np.rint, lambda q, hi: np.minimum(np.maximum(q, 0.0, out=q), hi, out=q), np.multiply.outer)
 
 
-def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor, upper_only: bool = False) -> int:
+def accumulate_hessian(
+    hessian: torch.Tensor, count: int, inputs: torch.Tensor, upper_only: bool = False, strip: int = HESSIAN_STRIP
+) -> int:
     """Fold ``inputs`` [..., in] into the running ``H = 2/n · Σ x xᵀ`` (in place); returns the new n.
-    ``upper_only``: only the upper triangle (and the diagonal strips) is kept up to date; call
-    ``mirror_upper`` once the last inputs are in."""
+    ``upper_only``: only the upper triangle (and the diagonal strips of ``strip`` rows) is kept up to
+    date; call ``mirror_upper`` with the same ``strip`` once the last inputs are in."""
     x = inputs.reshape(-1, inputs.shape[-1])
     new = count + x.shape[0]
     hessian.mul_(count / new)
@@ -62,11 +64,11 @@ def accumulate_hessian(hessian: torch.Tensor, count: int, inputs: torch.Tensor, 
     # Scaled in place when the float32 copy is ours (bf16/fp16 inputs): one [tokens, in] buffer, not two.
     x = x.to(torch.float32).mul_(scale) if x.dtype != torch.float32 else x * scale
     width = x.shape[1]
-    if not upper_only or width <= HESSIAN_STRIP:
+    if not upper_only or width <= strip:
         hessian.addmm_(x.t(), x)
         return new
-    for i in range(0, width, HESSIAN_STRIP):
-        hessian[i : i + HESSIAN_STRIP, i:].addmm_(x[:, i : i + HESSIAN_STRIP].t(), x[:, i:])
+    for i in range(0, width, strip):
+        hessian[i : i + strip, i:].addmm_(x[:, i : i + strip].t(), x[:, i:])
     return new
 
 
@@ -75,11 +77,11 @@ def input_square_sums(hessian: torch.Tensor, count: int) -> torch.Tensor:
     return (torch.diagonal(hessian).double() * (count / 2.0)).float().cpu()
 
 
-def mirror_upper(hessian: torch.Tensor) -> torch.Tensor:
-    """Complete a Hessian accumulated with ``upper_only``: each strip's part left of its diagonal
-    block is the transpose of the strips above it (in place; returns it)."""
-    for i in range(HESSIAN_STRIP, hessian.shape[0], HESSIAN_STRIP):
-        hessian[i : i + HESSIAN_STRIP, :i] = hessian[:i, i : i + HESSIAN_STRIP].t()
+def mirror_upper(hessian: torch.Tensor, strip: int = HESSIAN_STRIP) -> torch.Tensor:
+    """Complete a Hessian accumulated with ``upper_only`` (in strips of ``strip`` rows): each strip's
+    part left of its diagonal block is the transpose of the strips above it (in place; returns it)."""
+    for i in range(strip, hessian.shape[0], strip):
+        hessian[i : i + strip, :i] = hessian[:i, i : i + strip].t()
     return hessian
 
 
@@ -294,11 +296,14 @@ def _gptq(
 class GPTQStage:
     """The recipe step ``quantize: {method: gptq, ...}``: layer-wise over the decoder blocks."""
 
-    def __init__(self, config: GPTQConfig, label: str, *, sub_block: int = 16, numpy_columns: bool = True) -> None:
+    def __init__(
+        self, config: GPTQConfig, label: str, *, sub_block: int = 16, numpy_columns: bool = True, hessian_strip: int = HESSIAN_STRIP
+    ) -> None:
         self.config = config
         self.label = label
         self.sub_block = sub_block  # gptq_quantize's column-loop tunables (speed only)
         self.numpy_columns = numpy_columns
+        self.hessian_strip = hessian_strip  # rows per strip of the shared Hessians' upper triangle (memory/speed only)
 
     def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
         cfg = self.config
@@ -330,7 +335,7 @@ class GPTQStage:
                             return
                         hessians[name] = torch.zeros(x.shape[-1], x.shape[-1], device=ctx.device)
                     last[0], last[1] = x, name
-                    counts[name] = accumulate_hessian(hessians[name], counts[name], x.detach(), upper_only=True)
+                    counts[name] = accumulate_hessian(hessians[name], counts[name], x.detach(), upper_only=True, strip=self.hessian_strip)
 
                 return fn
 
@@ -342,7 +347,7 @@ class GPTQStage:
                 for handle in handles:
                     handle.remove()
             for owner in hessians:  # (no loop variable left holding the last Hessian through its solve)
-                mirror_upper(hessians[owner])
+                mirror_upper(hessians[owner], self.hessian_strip)
             owners = {name: alias.get(name, name) for name in job.linears}
             # H = 2/n Σ x xᵀ: its diagonal is 2/n Σ x², llama.cpp's importance (once per input; q/k/v share it)
             sums = {owner: (input_square_sums(h, counts[owner]), counts[owner]) for owner, h in hessians.items()}

@@ -50,22 +50,21 @@ def test_hessian_accumulates_in_batches() -> None:
     assert torch.allclose(h, 2 * x.t() @ x / 300, atol=1e-5)
 
 
-def test_upper_triangle_hessian_equals_the_full_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gptq_module, "HESSIAN_STRIP", 24)  # strips of 24 over 100 columns: a partial last one
+def test_upper_triangle_hessian_equals_the_full_one() -> None:
+    strip = 24  # strips of 24 over 100 columns: a partial last one
     x = torch.randn(3, 50, 100, dtype=torch.bfloat16)
     full, upper, n, m = torch.zeros(100, 100), torch.zeros(100, 100), 0, 0
     for part in x:
         n = accumulate_hessian(full, n, part)
-        m = accumulate_hessian(upper, m, part, upper_only=True)
+        m = accumulate_hessian(upper, m, part, upper_only=True, strip=strip)
     assert not torch.equal(upper, full)  # the lower triangle is left behind until mirrored
-    torch.testing.assert_close(mirror_upper(upper), full, rtol=1e-6, atol=1e-7)  # the same sums, blocked differently
+    torch.testing.assert_close(mirror_upper(upper, strip), full, rtol=1e-6, atol=1e-7)  # the same sums, blocked differently
     assert torch.equal(upper, upper.t())
 
 
-def test_gptq_stage_shares_hessians_and_matches_each_linear_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gptq_stage_shares_hessians_and_matches_each_linear_on_its_own() -> None:
     """q/k/v and gate/up take the same input tensor, so the stage accumulates one Hessian for each
     group (upper triangle only): the first block's records equal GPTQ on each linear's own Hessian."""
-    monkeypatch.setattr(gptq_module, "HESSIAN_STRIP", 16)
     base = tiny_model("llama", layers=2)
     cal = tokens(16, 48)
     block = decoder_blocks(base, architecture_of(base))[0]
@@ -88,7 +87,7 @@ def test_gptq_stage_shares_hessians_and_matches_each_linear_on_its_own(monkeypat
     config = GPTQConfig(bits=3, group_size=32)
     model = copy.deepcopy(base)
     ctx = ctx_for(cal)
-    GPTQStage(config, "s").apply(model, ctx)
+    GPTQStage(config, "s", hessian_strip=16).apply(model, ctx)  # strips narrower than the 64-wide inputs
     prefix = next(n for n, m in model.named_modules() if m is decoder_blocks(model, architecture_of(model))[0]) + "."
     for name, module in linears.items():
         expected, _ = gptq_quantize(module.weight, hessians[name], config.scheme(), config.dampening, config.block_size, config.act_order)
