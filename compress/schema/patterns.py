@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 from functools import lru_cache
+from typing import Any
 
 import regex
 
@@ -47,6 +48,10 @@ class PatternTimeout(CompressError):
     """A ``re:`` pattern took longer than its bound to match one module name."""
 
 
+_NOT_A_REGEX = (regex.error, ValueError, OverflowError, RecursionError)  # what compiling a bad expression raises
+_OVERRUN = object()  # _bounded_match's answer when every attempt ran over its bound
+
+
 @lru_cache(maxsize=256)
 def _compiled(expression: str) -> regex.Pattern:
     return regex.compile(expression, flags=regex.VERSION0)
@@ -63,10 +68,10 @@ def check_pattern(pattern: str) -> str | None:
     expression = pattern[len(REGEX_PREFIX) :]
     try:
         compiled = _compiled(expression)
-    except (regex.error, ValueError, OverflowError, RecursionError) as exc:
+    except _NOT_A_REGEX as exc:
         return f"'{pattern}' is not a regular expression: {exc}"
     for name in PROBE_NAMES:
-        if _times_out(compiled, name, PROBE_SECONDS, whole=True):
+        if _bounded_match(compiled, name, PROBE_SECONDS, whole=True) is _OVERRUN:
             return (
                 f"'{pattern}' takes over {PROBE_SECONDS * 1000:.0f} ms to match the module name '{name}' "
                 "(nested repetition such as (a|a)* or (a+)+ backtracks); write it without repeating a group "
@@ -80,26 +85,27 @@ def regex_match(expression: str, name: str, *, whole: bool = True, what: str = "
     ``MATCH_SECONDS``; running over raises PatternTimeout naming ``what``."""
     try:
         compiled = _compiled(expression)
-    except (regex.error, ValueError, OverflowError, RecursionError) as exc:
+    except _NOT_A_REGEX as exc:
         raise CompressError(f"{what} 're:{expression}' is not a regular expression: {exc}") from None
-    if _times_out(compiled, name, MATCH_SECONDS, whole):
+    found = _bounded_match(compiled, name, MATCH_SECONDS, whole)
+    if found is _OVERRUN:
         raise PatternTimeout(
             f"{what} 're:{expression}' took over {MATCH_SECONDS} s to match the module name '{name}'; rewrite it without nested repetition"
         )
-    return (compiled.fullmatch(name) if whole else compiled.match(name)) is not None
+    return found is not None
 
 
-def _times_out(compiled: regex.Pattern, name: str, seconds: float, whole: bool) -> bool:
-    """The match runs over ``seconds`` ``ATTEMPTS`` times in a row. The timeout is wall-clock time, so one
-    overrun may be this process waiting for a CPU on a busy machine; a backtracking pattern overruns every time."""
+def _bounded_match(compiled: regex.Pattern, name: str, seconds: float, whole: bool) -> Any:
+    """The match of ``name`` (or None), or ``_OVERRUN`` when it ran over ``seconds`` ``ATTEMPTS`` times in a
+    row. The timeout is wall-clock time, so one overrun may be this process waiting for a CPU on a busy
+    machine; a backtracking pattern overruns every time."""
     match = compiled.fullmatch if whole else compiled.match
     for _ in range(ATTEMPTS):
         try:
-            match(name, timeout=seconds)
-            return False
+            return match(name, timeout=seconds)
         except TimeoutError:
             continue
-    return True
+    return _OVERRUN
 
 
 def matches(name: str, pattern: str) -> bool:
