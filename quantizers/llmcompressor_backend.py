@@ -41,9 +41,8 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError, FormatError
 from compress.experts import expert_view
-from compress.export.checkpoint import compressed_tensors as ct_format
-from compress.export.checkpoint.hf_checkpoint import QUANTIZATION_CONFIG
 from compress.quantizers.apply import install_record, summarize
+from compress.quantizers.compressed_tensors_args import LINEAR_TARGET, weight_args
 from compress.quantizers.core import QuantizedWeight, one_cpu_thread, scale_torch_dtype
 from compress.quantizers.sequential import peak_memory_mb, select_block_linears
 from compress.schema.quantize import QuantScheme
@@ -86,9 +85,12 @@ class _Method:
     other core busy). AWQ's scale search is matrix products, which use every thread."""
 
 
+_SCALE_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
 def _weight_args(scheme: QuantScheme) -> dict[str, Any]:
     """compressed-tensors ``QuantizationArgs`` (as a dict) for our scheme; scales are rounded to ``scale_dtype``."""
-    return {**ct_format.weight_args(scheme), "scale_dtype": scale_torch_dtype(scheme)}
+    return {**weight_args(scheme), "scale_dtype": scale_torch_dtype(scheme)}
 
 
 def _gptq_modifiers(cfg: GPTQConfig, groups: dict[str, Any], ignore: list[str]) -> list[Any]:
@@ -199,8 +201,8 @@ def run_oneshot(
     from llmcompressor import oneshot
 
     work = copy.deepcopy(model).eval()
-    if hasattr(work.config, QUANTIZATION_CONFIG):  # e.g. gguf: the model in memory is float, and oneshot refuses quantized ones
-        delattr(work.config, QUANTIZATION_CONFIG)
+    if hasattr(work.config, "quantization_config"):  # e.g. gguf: the model in memory is float, and oneshot refuses quantized ones
+        delattr(work.config, "quantization_config")
     with (
         tempfile.TemporaryDirectory(prefix="compress-llmc-") as config_dir,
         _quiet_llmcompressor(ctx.reporter.quiet),
@@ -229,25 +231,52 @@ def run_oneshot(
 
 
 def import_layer(module: nn.Module, name: str, scheme: QuantScheme, label: str) -> QuantizedWeight:
-    """Pack one of llmcompressor's quantized layers with compressed-tensors' own pack-quantized
-    compressor and read it with our reader; refuse anything that does not decode as compressed-tensors does."""
+    """One of llmcompressor's quantized layers as our record: its codes from compressed-tensors' own
+    ``quantize`` (what its pack-quantized compressor packs), its scales and zero points as llmcompressor
+    left them; refused unless the record dequantizes to what compressed-tensors' own compress and
+    decompress give. (The compressed-tensors export reads and writes files; this reads a model in memory.)"""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.lifecycle.forward import quantize
 
     where = f"{label}: llmcompressor result, layer {name}"
     qscheme = getattr(module, "quantization_scheme", None)
     if qscheme is None or qscheme.weights is None:
         raise FormatError(f"{where}: llmcompressor left no quantization scheme on it")
+    args = qscheme.weights
+    asked = weight_args(scheme)
+    got = {"num_bits": args.num_bits, "symmetric": args.symmetric, "group_size": args.group_size}
+    if got != {k: asked[k] for k in got}:
+        raise FormatError(f"{where}: llmcompressor quantized it as {got}, not as asked ({scheme.describe()})")
     state = {k: getattr(module, k).detach().cpu() for k in ("weight", "weight_scale", "weight_zero_point") if hasattr(module, k)}
-    packed = PackedQuantizationCompressor.compress(state, qscheme)
-    theirs = PackedQuantizationCompressor.decompress(packed, qscheme)["weight"]
-    scale = packed[ct_format.Key.SCALE]
+    theirs = PackedQuantizationCompressor.decompress(PackedQuantizationCompressor.compress(state, qscheme), qscheme)["weight"]
+    weight, scale = state["weight"], state["weight_scale"]
+    signed = quantize(x=weight, scale=scale, zero_point=state.get("weight_zero_point"), args=args, dtype=torch.int8)
+    offset = 2 ** (scheme.bits - 1)  # compressed-tensors' signed codes and zero points, shifted to our unsigned ones
     want = scale_torch_dtype(scheme)
     if scale.dtype != want and torch.equal(scale.to(want).to(scale.dtype), scale):
-        packed[ct_format.Key.SCALE] = scale.to(want)  # rounded to scale_dtype by llmcompressor, held in the model's dtype
-    record = ct_format.unpack_record(packed, qscheme.weights.model_dump(mode="json"), where)
+        scale = scale.to(want)  # rounded to scale_dtype by llmcompressor, held in the model's dtype
+    if scale.dtype not in _SCALE_DTYPE_NAMES:
+        raise FormatError(f"{where}: scales are {scale.dtype}; records hold float16, bfloat16 or float32 scales")
+    n_groups = math.ceil(weight.shape[1] / (scheme.group_size or weight.shape[1]))
+    if tuple(scale.shape) != (weight.shape[0], n_groups):
+        raise FormatError(f"{where}: weight_scale has shape {tuple(scale.shape)}, expected {(weight.shape[0], n_groups)}")
+    zero = torch.full(scale.shape, offset, dtype=torch.int32)
+    if not scheme.symmetric:
+        zero = state["weight_zero_point"].to(torch.int32).reshape(scale.shape) + offset
+    try:
+        record = QuantizedWeight(
+            codes=(signed.to(torch.int32) + offset).to(torch.uint8).contiguous(),
+            scale=scale.contiguous(),
+            zero_point=zero.to(torch.uint8).contiguous(),
+            scheme=QuantScheme(
+                bits=scheme.bits, group_size=scheme.group_size, symmetric=scheme.symmetric, scale_dtype=_SCALE_DTYPE_NAMES[scale.dtype]
+            ),
+        )
+    except ValueError as exc:
+        raise FormatError(f"{where}: {exc}") from None
     tolerance = torch.finfo(theirs.dtype).eps * float(theirs.abs().max())  # fp32 models: measured identical
     if not torch.allclose(record.dequantize(torch.float32), theirs.float(), rtol=0, atol=tolerance):
-        raise FormatError(f"{where}: our reading of compressed-tensors' packing differs from its own dequantization")
+        raise FormatError(f"{where}: our record of llmcompressor's layer differs from compressed-tensors' own dequantization")
     return record
 
 
@@ -267,7 +296,7 @@ def apply_llmcompressor(model: nn.Module, ctx: RunContext, cfg: GPTQConfig | AWQ
         )
     check_whole_groups(selected, scheme, label)
     floats = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in selected]
-    groups = {"group_0": {"targets": [ct_format.LINEAR_TARGET], "weights": _weight_args(scheme)}}
+    groups = {"group_0": {"targets": [LINEAR_TARGET], "weights": _weight_args(scheme)}}
     tokens = ctx.calibration()
     ctx.reporter.info(f"{label} running llmcompressor {version} {cfg.method} {scheme.describe()} on a copy of the model")
     work = run_oneshot(model, tokens, ctx, method.modifiers(cfg, groups, floats), cfg.batch_size, method.one_cpu_thread)

@@ -169,12 +169,6 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     assert layer_of("compress.eval.latency") < layer_of("compress.cli")
 
 
-# The one quantizer module that reads an export's layout: the llm-compressor backend runs an outside
-# library whose result is a compressed-tensors model, and reads it back with that format's own reader
-# (export/checkpoint/compressed_tensors.py), as the checkpoint import does. Any other is refused.
-READS_AN_EXPORT = {"compress.quantizers.llmcompressor_backend": {"compress.export.checkpoint.compressed_tensors", "compress.export.checkpoint.hf_checkpoint"}}  # fmt: skip
-
-
 def quantizer_imports_of_exports(known: dict[str, Path]) -> list[str]:
     """Imports of an export module (compress.export.*) by a quantizer module (compress.quantizers.*):
     the quantizers know grids, the exports map them to their files; what a method needs of a file (a
@@ -184,7 +178,7 @@ def quantizer_imports_of_exports(known: dict[str, Path]) -> list[str]:
         for name, path in known.items()
         if name.startswith("compress.quantizers.")
         for target, line in sorted(imports_of(name, path, known))
-        if (target == "compress.export" or target.startswith("compress.export.")) and target not in READS_AN_EXPORT.get(name, ())
+        if (target == "compress.export" or target.startswith("compress.export."))
     ]
 
 

@@ -43,6 +43,7 @@ from compress.export.checkpoint.hf_checkpoint import (
     write_checkpoint,
 )
 from compress.export.packing import pack_int32, unpack_int32
+from compress.quantizers.compressed_tensors_args import LINEAR_TARGET, Strategy, weight_args
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.patterns import regex_match
@@ -52,7 +53,6 @@ METHOD = "compressed-tensors"
 PACK_FORMAT = "pack-quantized"
 STATUS_COMPRESSED = "compressed"
 SUPPORTED_BITS = (2, 4, 8)
-LINEAR_TARGET = "Linear"
 REGEX_PREFIX = "re:"
 KV_K_SCALE, KV_V_SCALE = "k_scale", "v_scale"  # per-attention-layer static KV scales, as vLLM loads them
 
@@ -71,12 +71,6 @@ class Key:
     IGNORE = "ignore"
     TARGETS = "targets"
     WEIGHTS = "weights"
-
-
-class Strategy:
-    GROUP = "group"
-    CHANNEL = "channel"
-    TENSOR = "tensor"
 
 
 # --------------------------------------------------------------------------- pure conversion
@@ -133,19 +127,6 @@ def unpack_record(tensors: dict[str, torch.Tensor], weights: dict[str, Any], whe
             )
     scheme = QuantScheme(bits=bits, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype_name(scale, where))
     return build_record(codes, scale, zero, scheme, where)
-
-
-def weight_args(scheme: QuantScheme) -> dict[str, Any]:
-    """compressed-tensors ``QuantizationArgs`` for a weight scheme."""
-    return {
-        "num_bits": scheme.bits,
-        "type": "int",
-        "symmetric": scheme.symmetric,
-        "strategy": Strategy.CHANNEL if scheme.group_size is None else Strategy.GROUP,
-        "group_size": scheme.group_size,
-        "dynamic": False,
-        "actorder": None,
-    }
 
 
 # --------------------------------------------------------------------------- writer
