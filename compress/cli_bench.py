@@ -211,7 +211,11 @@ def bench_gguf(
         "scripts/build_llama_tools.py) or llama.cpp-pure:TYPE (every tensor in that one type). After one of ours, +head "
         "quantizes the output head too, +head:TYPE by a second stage on that type's grid (gptq:W4g32s+head:Q8_0).",
     ),
-    embedding_type: str = typer.Option("q8_0", help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | ..."),
+    embedding_type: str = typer.Option(
+        "q8_0",
+        help="Token-embedding type of every candidate (ours and llama.cpp's): f16 | q8_0 | q4_k | ...; auto: each one's own "
+        "(llama.cpp's rule, our float_type default, a budget's choice)",
+    ),
     keep_files: bool = typer.Option(False, help="Keep the GGUF files under OUTPUT/files."),
     same_mix: bool = typer.Option(
         True, help="After each mix of ours, llama.cpp's quantizer on the same tensor types (its decode speed is the reference)."

@@ -169,30 +169,49 @@ def _rtn_error(weight: torch.Tensor, type_name: str) -> torch.Tensor:
     return (w - grid_quantize(w, QuantScheme(gguf_type=type_name)).dequantize().float()).square_()
 
 
-def _head_gradients(model: nn.Module, arch: Any, hidden: list[torch.Tensor], device: torch.device, seed: int) -> list[torch.Tensor]:
+def _head_gradients(
+    model: nn.Module, arch: Any, hidden: list[torch.Tensor], device: torch.device, seed: int, head_fisher: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """d(−log p(y))/d(last block's output) per batch, y sampled from the model's own next-token
-    distribution at every position (one sequence at a time: a batch of logits is batch x seq x vocab)."""
+    distribution at every position (one sequence at a time: a batch of logits is batch x seq x vocab).
+    With ``head_fisher`` [vocab, width], the output head's Σ_t g_t² ⊗ x_t² is added to it (g the
+    gradient at the head's output, x its input), as ``_block_fisher`` does for a block's Linears."""
     from compress.eval.metrics import output_head as logits_of
 
     norm = submodule(model, arch.final_norm)
     head = model.get_output_embeddings()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     grads = []
-    with streaming.resident(norm, device), streaming.resident(head, device), torch.enable_grad():
-        to_logits = logits_of(model)
-        for h in hidden:
-            rows = []
-            for row in h:
-                x = row.unsqueeze(0).detach().requires_grad_(True)
-                logits = to_logits(norm(x)).float()
-                with torch.no_grad():
-                    probs = torch.softmax(logits[0], dim=-1).cpu()
-                    y = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
-                loss = nn.functional.cross_entropy(logits[0], y, reduction="sum")
-                (g,) = torch.autograd.grad(loss, x)
-                rows.append(g.detach())
-                del logits, loss
-            grads.append(torch.cat(rows))
+
+    def on_output(_module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        x2 = args[0].detach().float().square().reshape(-1, args[0].shape[-1])
+
+        def on_grad(g: torch.Tensor) -> None:
+            assert head_fisher is not None
+            head_fisher.addmm_(g.detach().float().square().reshape(-1, g.shape[-1]).T, x2)
+
+        output.register_hook(on_grad)
+
+    handle = head.register_forward_hook(on_output) if head_fisher is not None else None
+    try:
+        with streaming.resident(norm, device), streaming.resident(head, device), torch.enable_grad():
+            to_logits = logits_of(model)
+            for h in hidden:
+                rows = []
+                for row in h:
+                    x = row.unsqueeze(0).detach().requires_grad_(True)
+                    logits = to_logits(norm(x)).float()
+                    with torch.no_grad():
+                        probs = torch.softmax(logits[0], dim=-1).cpu()
+                        y = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
+                    loss = nn.functional.cross_entropy(logits[0], y, reduction="sum")
+                    (g,) = torch.autograd.grad(loss, x)
+                    rows.append(g.detach())
+                    del logits, loss
+                grads.append(torch.cat(rows))
+    finally:
+        if handle is not None:
+            handle.remove()
     return grads
 
 
@@ -235,6 +254,101 @@ def _block_fisher(
     return fisher, new_grads
 
 
+TABLE_TOP_ROWS = 1024
+TABLE_SAMPLED_ROWS = 1024
+"""A table's (token embedding's, output head's) estimate is exact on the TABLE_TOP_ROWS rows that
+carry the most of its Fisher mass (the frequent tokens, where nearly all of it sits) and taken on a
+systematic sample of TABLE_SAMPLED_ROWS of the other rows (in order of mass), each standing for its
+share of them: a table has a row per vocabulary entry, and rounding all of them once per candidate
+type would cost more than the rest of the pass."""
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The matrices outside the decoder blocks that a budget types too (``target.tables``): an untied
+    output head and token embedding, each a choice of its own, or a tied model's one table, which the
+    file stores once (token_embd, from the head's record) and the model reads twice (the lookup and
+    the logits), so its estimate adds both."""
+
+    head: str | None = None
+    embedding: str | None = None
+    tied: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n in (self.head, self.embedding) if n is not None]
+
+    @property
+    def reads_embedding(self) -> bool:
+        return self.embedding is not None or (self.tied and self.head is not None)
+
+
+NO_TABLES = Tables()
+
+
+def budget_tables(model: nn.Module, taken: set[str]) -> Tables:
+    """The tables of ``model`` a budget types: the output head and the token embedding unless a stage
+    quantized them already (``taken``); for a tied model the one table, named by its head."""
+    embedding = model.get_input_embeddings()
+    head = output_head(model)
+    if not isinstance(embedding, nn.Embedding):
+        return Tables(head=head[0] if head is not None and head[0] not in taken else None)
+    embedding_name = next(n for n, m in model.named_modules() if m is embedding)
+    if head is not None and head[1].weight is embedding.weight:
+        return Tables(head=head[0] if head[0] not in taken and embedding_name not in taken else None, tied=True)
+    return Tables(
+        head=head[0] if head is not None and head[0] not in taken else None,
+        embedding=embedding_name if embedding_name not in taken else None,
+    )
+
+
+def _table_bracket(module: nn.Module, device: torch.device) -> torch.Tensor:
+    rows, width = module.weight.shape
+    return torch.zeros(rows, width, device=device)
+
+
+def _embedding_scale(model: nn.Module, tokens: torch.Tensor, hidden: list[torch.Tensor], batch_size: int, label: str) -> float:
+    """The factor between an embedding row and block 0's input for its token (1, or Gemma's √width):
+    an error on a row reaches the blocks scaled by it. Refused when block 0's input is not a scaled
+    lookup (position embeddings added, say): the estimate would not hold."""
+    embedding = model.get_input_embeddings()
+    with streaming.resident(embedding, hidden[0].device):
+        rows = embedding.weight.detach()[tokens[:batch_size].reshape(-1).to(embedding.weight.device)].float()
+    h0 = hidden[0].reshape(-1, hidden[0].shape[-1]).float().to(rows.device)
+    scale = float((h0 * rows).sum() / (rows * rows).sum().clamp_min(1e-30))
+    if float((h0 - scale * rows).norm()) > 1e-2 * float(h0.norm()):
+        raise CompressError(
+            f"{label}: block 0's input is not a scaled lookup of the token embedding in this model, so the budget cannot "
+            "weigh the embedding's rounding; set the export's target.tables: false (the embedding then keeps float_type)"
+        )
+    return scale
+
+
+def _table_choice(
+    model: nn.Module, name: str, fisher: torch.Tensor, types: list[str], n_tokens: int, device: torch.device, label: str, tensor_bytes: TensorBytes
+) -> LayerChoice:
+    """A table's options: every candidate type's estimated ΔKL from its bracket ``fisher`` [rows, width],
+    on its heaviest rows and a sample of the rest (TABLE_TOP_ROWS, TABLE_SAMPLED_ROWS)."""
+    module = model.get_submodule(name)
+    order = torch.argsort(fisher.sum(1), descending=True)
+    top, rest = order[:TABLE_TOP_ROWS], order[TABLE_TOP_ROWS:]
+    stride = max(1, -(-len(rest) // TABLE_SAMPLED_ROWS))
+    sample = rest[::stride]
+    rows = torch.cat([top, sample])
+    share = torch.cat([torch.ones(len(top), device=fisher.device), torch.full((len(sample),), len(rest) / max(1, len(sample)), device=fisher.device)])
+    weighed = fisher[rows] * share[:, None]
+    with streaming.resident(module, device):
+        weight = module.weight.detach()[rows.to(module.weight.device)].to(device)
+    shape = tuple(int(n) for n in module.weight.shape)
+    options = [
+        (t, tensor_bytes(t, shape), 0.5 * float((weighed * _rtn_error(weight, t)).sum()) / n_tokens)
+        for t in candidate_types(shape[1], types)
+    ]
+    if not options:
+        raise CompressError(f"{label}: {name} has rows of {shape[1]} weights, which no type of target.types ({', '.join(types)}) divides")
+    return LayerChoice(name, shape, sorted(options, key=lambda o: o[1]))
+
+
 def measure(
     model: nn.Module,
     selected: dict[str, nn.Linear],
@@ -246,10 +360,11 @@ def measure(
     reporter: Any,
     label: str,
     tensor_bytes: TensorBytes,
+    tables: Tables = NO_TABLES,
 ) -> list[LayerChoice]:
     """Every selected Linear's options (its candidate types, their bytes in the export's file as
     ``tensor_bytes`` counts them, and estimated ΔKL in nats per token) on the calibration ``tokens``,
-    block by block."""
+    block by block; then those of the ``tables`` (the token embedding, the output head)."""
     arch = architecture_of(model)
     blocks = decoder_blocks(model, arch)
     head = output_head(model)
@@ -264,12 +379,14 @@ def measure(
     n_tokens = int(tokens.numel())
     with reporter.status(f"{label} sensitivity: capturing block inputs ({tokens.shape[0]} x {tokens.shape[1]} tokens)"):
         hidden, kwargs = capture_block_inputs(model, blocks, tokens, batch_size, device)
+    embed_scale = _embedding_scale(model, tokens, hidden, batch_size, label) if tables.reads_embedding else 1.0
     inputs: list[list[torch.Tensor]] = []
     for i in reporter.track(range(len(blocks)), f"{label} sensitivity: forward", total=len(blocks)):
         with streaming.resident(blocks[i], device) as block:
             inputs.append(hidden)
             hidden = BlockInputs(hidden, kwargs[i]).run(block)
-    grads = _head_gradients(model, arch, hidden, device, seed)
+    head_fisher = _table_bracket(model.get_output_embeddings(), device) if tables.head else None
+    grads = _head_gradients(model, arch, hidden, device, seed, head_fisher)
     del hidden
     choices: dict[str, LayerChoice] = {}
     for i in reporter.track(reversed(range(len(blocks))), f"{label} sensitivity: backward", total=len(blocks)):
@@ -295,9 +412,19 @@ def measure(
                 choices[name] = LayerChoice(name, shape, sorted(options, key=lambda o: o[1]))
             del fisher
         inputs[i] = []
+    if tables.names:
+        embed_fisher = None
+        if tables.reads_embedding:  # the lookup's rows: each token's gradient at block 0's input, on its own row
+            embedding = model.get_input_embeddings()
+            embed_fisher = head_fisher if tables.tied else _table_bracket(embedding, device)
+            flat = torch.cat([g.reshape(-1, g.shape[-1]) for g in grads]).float() * embed_scale
+            embed_fisher.index_add_(0, tokens.reshape(-1).to(device), flat.square())
+        for name, fisher in ((tables.head, head_fisher), (tables.embedding, embed_fisher)):
+            if name is not None and fisher is not None:
+                choices[name] = _table_choice(model, name, fisher, types, n_tokens, device, label, tensor_bytes)
     move_outside_blocks(model, arch.blocks, home)
     model.train(was_training)
-    return [choices[n] for n in selected if n in choices]
+    return [choices[n] for n in selected if n in choices] + [choices[n] for n in tables.names if n in choices]
 
 
 # --------------------------------------------------------------------------- the budget
@@ -320,17 +447,18 @@ def sensitivities(
     ctx: Any,
     label: str,
     tensor_bytes: TensorBytes,
+    tables: Tables = NO_TABLES,
 ) -> list[LayerChoice]:
     """``measure``'s options of each layer, or a copy of those ``ctx.sensitivity`` holds for the same
-    types, layers, tokens and seed (its keeper vouches that the model and the export format are the same)."""
+    types, layers, tables, tokens and seed (its keeper vouches that the model and the export format are the same)."""
     cache = ctx.sensitivity
+    args = (model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label, tensor_bytes, tables)
     if cache is None:
-        return measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label, tensor_bytes)
-    key = hashlib.sha256(
-        json.dumps([list(types), sorted(selected), ctx.seed, batch_size]).encode() + tokens.to(torch.int64).cpu().numpy().tobytes()
-    ).hexdigest()
+        return measure(*args)
+    key_parts = [list(types), sorted(selected), ctx.seed, batch_size] + ([dataclasses.asdict(tables)] if tables.names else [])
+    key = hashlib.sha256(json.dumps(key_parts).encode() + tokens.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
     if key not in cache:
-        cache[key] = measure(model, selected, types, tokens, batch_size, ctx.device, ctx.seed, ctx.reporter, label, tensor_bytes)
+        cache[key] = measure(*args)
     return [dataclasses.replace(layer, options=list(layer.options), chosen=0) for layer in cache[key]]
 
 
@@ -342,11 +470,15 @@ def choose(
     holds besides these Linears, and what each option of them takes in it, its format says
     (``ExportFormat.file_layout``)."""
     target = budget.export.target
-    layout = budget.format.file_layout(budget.export, model, ctx.tokenizer, set(selected))
+    tables = budget_tables(model, set(ctx.quantized) | set(selected)) if target.tables else NO_TABLES
+    in_budget = set(selected) | set(tables.names)
+    if tables.tied and tables.head is not None:  # the one table: the file's token_embd
+        in_budget.add(next(n for n, m in model.named_modules() if m is model.get_input_embeddings()))
+    layout = budget.format.file_layout(budget.export, model, ctx.tokenizer, in_budget)
     fixed, params = layout.fixed_bytes, layout.params
     metadata = layout.metadata_bytes() if target.size_mib is not None else 0
     allowed = budget_bytes(target, params, metadata)
-    layers = sensitivities(model, selected, target.types, tokens, batch_size, ctx, label, layout.tensor_bytes)
+    layers = sensitivities(model, selected, target.types, tokens, batch_size, ctx, label, layout.tensor_bytes, tables)
     try:
         used = allocate(layers, allowed - fixed)
     except CompressError as exc:
@@ -369,6 +501,7 @@ def choose(
         "bits_per_weight": round(8 * (fixed + used) / params, 4),
         "estimated_kl": _sig(sum(layer.estimate for layer in layers)),
         "type_counts": counts,
+        "tables": ({"tied": tables.tied, "names": tables.names} if target.tables else "fixed at float_type"),
         "layers": {
             layer.name: {
                 "type": llama_cpp_spelling(layer.type),
@@ -398,5 +531,25 @@ def layer_schemes(
     tokens = ctx.calibration()[: budget.export.target.samples]
     batch = getattr(cfg, "batch_size", 8)
     types, facts = choose(model, selected, budget, ctx, tokens, batch, label)
+    tables = {name: t for name, t in types.items() if name not in selected}
+    if tables:
+        facts["table_records"] = quantize_tables(model, ctx, tables, label)
     schemes = {t: QuantScheme(gguf_type=t) for t in set(types.values())}
     return (lambda name: schemes[types[name]]), {"export": budget.export.name, **facts}
+
+
+def quantize_tables(model: nn.Module, ctx: Any, types: dict[str, str], label: str) -> dict[str, dict[str, Any]]:
+    """Round each table (the token embedding, the output head: a tied model's one table is the head's
+    record) on the type the budget chose for it, with the quantizers' parameter search, and install
+    the record as a stage does for a Linear; the per-table facts for the stage's summary. These
+    matrices are looked up or read once per token, so no calibration feeds their rounding, as in llama.cpp."""
+    from compress.quantizers.apply import install_record
+    from compress.quantizers.grid_search import grid_quantize
+
+    facts = {}
+    for name, type_name in types.items():
+        module = model.get_submodule(name)
+        with streaming.resident(streaming.owner(model, name) or module, write_back=True):
+            record = grid_quantize(module.weight.detach().to(ctx.device), QuantScheme(gguf_type=type_name))
+            facts[name] = install_record(model, name, module, record, ctx, label)
+    return facts

@@ -95,6 +95,39 @@ def test_records_become_blocks_bit_exactly(tmp_path: Path, tokenizer, type_name,
             assert torch.equal(got, want), name
 
 
+@pytest.mark.parametrize(
+    ("float_type", "hidden", "stored_as"),
+    [("q4_k", 256, "q4_k"), ("q3_k", 256, "q3_k"), ("q4_k", 96, "q5_0"), ("q2_k", 96, "q4_0"), ("q5_1", 96, "q5_1"), ("q6_k", 96, "q8_0")],
+)
+def test_float_type_takes_any_block_type_with_its_fallback(tmp_path: Path, tokenizer, float_type: str, hidden: int, stored_as: str) -> None:
+    """Matrices without a record (here the untied embedding and head) in any block type llama.cpp stores an
+    embedding in: rounded on its grid with the quantizers' search (Q8_0: llama.cpp's reference rounding;
+    a row a K-quant does not divide: its fallback), read back by gguf-py as those values."""
+    from compress.quantizers.grid_search import grid_quantize
+    from compress.schema.quantize import QuantScheme
+
+    assert GGUFExportConfig(type="q4_0", float_type=float_type.upper()).float_type == float_type
+    model = tiny_llama(len(tokenizer), hidden=hidden, intermediate=2 * hidden, tie=False)
+    records = quantize(model, 4, 32, True)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, tokenizer, records, "q4_0", float_type=float_type)
+    tensors = stored(path)
+    for gguf_name, weight in (("token_embd.weight", model.get_input_embeddings().weight), ("output.weight", model.lm_head.weight)):
+        t = tensors[gguf_name]
+        assert t.tensor_type == gguf.GGMLQuantizationType[stored_as.upper()]
+        got = torch.from_numpy(quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(weight.shape).copy())
+        if stored_as == "q8_0":  # llama.cpp's reference rounding, as before block types were allowed here
+            want = torch.from_numpy(quants.dequantize(quants.quantize(weight.detach().numpy(), t.tensor_type), t.tensor_type))
+        else:
+            want = grid_quantize(weight.detach(), QuantScheme(gguf_type=stored_as)).dequantize()
+        assert torch.equal(got, want.reshape(weight.shape))
+
+
+def test_float_type_outside_the_block_types_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"float_type[\s\S]*'q4_k'"):
+        GGUFExportConfig(type="q4_0", float_type="iq2_xxs")
+
+
 @pytest.mark.parametrize(("type_name", "symmetric"), [("q4_0", True), ("q4_1", False)])
 def test_transformers_loads_our_gguf_with_the_same_weights_and_logits(tmp_path: Path, tokenizer, type_name, symmetric) -> None:
     model = tiny_llama(len(tokenizer))

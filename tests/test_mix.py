@@ -112,12 +112,16 @@ def test_a_budget_picks_several_types_keeps_within_it_and_packs_them_exactly(tmp
     assert len(mix["type_counts"]) > 1, mix["type_counts"]  # a mix, not one type
     assert mix["bits_per_weight"] <= 4.0 and mix["tensor_bytes"] <= mix["budget_bytes"]
     entry = manifest["exports"][0]
-    assert entry["type"] == "mix" and entry["records_exact"] == 14 and entry["verified"]
+    # 14 Linears and the one table of this tied model (token_embd, from the head's record: target.tables)
+    assert entry["type"] == "mix" and entry["records_exact"] == 15 and entry["verified"] and "one_table" in entry
+    assert set(mix["table_records"]) == {"lm_head"} and mix["tables"] == {"tied": True, "names": ["lm_head"]}
     assert entry["target"]["bits_per_weight"] <= 4.0
     assert entry["target"]["tensor_bytes"] == mix["tensor_bytes"]  # the plan's bytes are the file's
     layers = manifest["quantization"]["layers"]
     for name, chosen in mix["layers"].items():
-        assert layers[name]["scheme"]["gguf_type"] == chosen["type"].lower()
+        assert (layers.get(name) or mix["table_records"][name]) is not None
+        if name in layers:
+            assert layers[name]["scheme"]["gguf_type"] == chosen["type"].lower()
         assert chosen["estimated_kl"] == chosen["options"][chosen["type"]]
     # of two layers of one shape, the one Q2_K would hurt most gets at least as many bits
     bits = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5}
@@ -169,6 +173,83 @@ def test_the_estimate_ranks_layers_as_the_measured_kl_does(wide_model_dir: Path,
     assert rho > 0.6, (rho, estimated, measured)
     total_est, total_meas = sum(estimated.values()), sum(measured.values())
     assert 0.25 < total_est / total_meas < 4, (total_est, total_meas)  # the same scale (nats per token)
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory: pytest.TempPathFactory, text_dir: Path) -> Path:
+    """The wide tiny llama with its output head apart from its token embedding."""
+    from tests.tiny import tiny_llama_dir
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("untied") / "m", texts_of(text_dir), hidden=256, intermediate=512, tie=False)
+
+
+@pytest.mark.runtime
+def test_an_untied_models_embedding_and_head_take_part_in_the_budget(tmp_path: Path, untied_model_dir: Path, text_dir: Path) -> None:
+    """At 3.0 bits/weight the untied model's two tables cannot stay at Q8_0 (the budget is below the
+    smallest file that leaves them so: exit 2); with target.tables (the default) both get block types
+    of their own, are packed exactly and the file runs in llama.cpp with the same weights."""
+    fixed = _mix_recipe(untied_model_dir, text_dir, "rtn", "{bits_per_weight: 3.0, tables: false}")
+    result = run_cli(["run", write_recipe(tmp_path, fixed, "fixed.yaml"), "-o", tmp_path / "fixed"])
+    assert result.exit_code == 2 and "below the smallest file these types make" in result.output, result.output
+    out = tmp_path / "out"
+    result = run_cli(
+        ["run", write_recipe(tmp_path, _mix_recipe(untied_model_dir, text_dir, "rtn", "{bits_per_weight: 3.0}", "true")), "-o", out]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    mix = manifest["stages"][0]["summary"]["gguf_mix"]
+    assert mix["tables"] == {"tied": False, "names": ["lm_head", "model.embed_tokens"]}
+    assert mix["bits_per_weight"] <= 3.0 and mix["tensor_bytes"] <= mix["budget_bytes"]
+    entry = manifest["exports"][0]
+    assert entry["records_exact"] == 16 and entry["verified"] and "one_table" not in entry  # 14 Linears, the head, the embedding
+    stored = entry["tensor_type_of"]
+    for table, gguf_name in (("lm_head", "output.weight"), ("model.embed_tokens", "token_embd.weight")):
+        assert stored[gguf_name] == mix["layers"][table]["type"].lower() != "q8_0"
+        assert mix["table_records"][table]["bits_per_weight"] < 8.5
+    assert entry["target"]["bits_per_weight"] <= 3.0
+
+
+def test_tables_false_keeps_them_at_float_type(tmp_path: Path, wide_model_dir: Path, text_dir: Path) -> None:
+    out = tmp_path / "out"
+    recipe = _mix_recipe(wide_model_dir, text_dir, "rtn", "{bits_per_weight: 5.0, tables: false}")
+    result = run_cli(["run", write_recipe(tmp_path, recipe), "-o", out])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    mix = manifest["stages"][0]["summary"]["gguf_mix"]
+    assert mix["tables"] == "fixed at float_type" and "table_records" not in mix and "lm_head" not in mix["layers"]
+    assert manifest["exports"][0]["tensor_type_of"]["token_embd.weight"] == "q8_0"
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_tables_estimates_are_on_the_measured_scale(tie: bool, wide_model_dir: Path, untied_model_dir: Path, text_dir: Path) -> None:
+    """Each table's estimated ΔKL of Q2_K against the KL measured by rounding that table alone (both
+    of its uses for a tied model's one table): the same scale, as for the Linears."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.progress import Reporter
+    from compress.quantizers.grid_search import grid_quantize
+    from compress.quantizers.mix import budget_tables, measure
+    from compress.schema.quantize import QuantScheme
+
+    directory = wide_model_dir if tie else untied_model_dir
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(directory)("\n".join(texts_of(text_dir)), return_tensors="pt").input_ids[0]
+    tokens = ids[: 8 * 64].reshape(8, 64)
+    tables = budget_tables(model, set())
+    assert tables.tied == tie and tables.names == (["lm_head"] if tie else ["lm_head", "model.embed_tokens"])
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    choices = measure(model, linears, ["q2_k"], tokens, 4, torch.device("cpu"), 0, Reporter(quiet=True), "t", tensor_bytes, tables)
+    estimated = {c.name: c.options[0][2] for c in choices if c.name in tables.names}
+    with torch.no_grad():
+        base = torch.log_softmax(model(tokens).logits.float(), -1)
+        for name, estimate in estimated.items():
+            module = model.get_submodule(name)
+            keep = module.weight.data.clone()
+            module.weight.data = grid_quantize(keep, QuantScheme(gguf_type="q2_k")).dequantize().to(keep.dtype)  # tied: both uses
+            logp = torch.log_softmax(model(tokens).logits.float(), -1)
+            measured = float((base.exp() * (base - logp)).sum(-1).mean())
+            module.weight.data = keep
+            assert 0.5 < estimate / measured < 2, (name, estimate, measured)  # measured: 0.75 to 0.99
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ The reference is our F16 GGUF of the baseline, run in llama.cpp; every candidate
 against it on the same evaluation chunks (KL, top-1 agreement, perplexity), with its file size
 and llama.cpp's single-stream decode speed (median of repeats). llama.cpp's candidates are made
 by its quantizer from that F16 file, with the token embedding in the same type as ours
-(``--embedding-type``), so Q4_0 against Q4_0 compares files of the same size.
+(``--embedding-type``), so Q4_0 against Q4_0 compares files of the same size; ``auto`` leaves it
+to each: llama.cpp's own rule (an untied model's embedding at the file's base type), our
+``float_type`` default, and a budget's own choice (``target.tables``).
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ def decode_speed(runtime: gguf_runtime.LlamaCppModel, prompt: list[int], tokens:
     return statistics.median(rates)
 
 
+EMBEDDING_AUTO = "auto"
+
+
 def run_gguf_bench(
     model_source: str,
     data: DataConfig,
@@ -158,6 +163,7 @@ def run_gguf_bench(
     dtype: str = "auto",
 ) -> dict[str, Any]:
     gguf_runtime.llama_cpp()  # fail before any work when the binding is missing
+    embedding = None if embedding_type == EMBEDDING_AUTO else embedding_type  # auto: each tool's own choice
     lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter, dtype)
     seq_len = int(evaluation.tokens.shape[1])
     files = out_dir / "files"
@@ -209,28 +215,26 @@ def run_gguf_bench(
                     with reporter.status("llama-imatrix on the calibration text"):
                         row["imatrix_command"] = llama_cpp_imatrix(f16, calibration, lm.tokenizer, imatrix, threads)
                 with reporter.status(f"llama-quantize to {cand.type_name} with its imatrix"):
-                    llama_quantize(f16, path, cand.type_name, threads, embedding_type, imatrix)
+                    llama_quantize(f16, path, cand.type_name, threads, embedding, imatrix)
                 exact = 0
             elif cand.llama_cpp:
                 with reporter.status(f"llama.cpp quantizing to {cand.type_name}"):
                     gguf_runtime.quantize(
-                        f16, path, cand.type_name, threads, token_embedding_type=embedding_type, pure=cand.source == LLAMA_CPP_PURE
+                        f16, path, cand.type_name, threads, token_embedding_type=embedding, pure=cand.source == LLAMA_CPP_PURE
                     )
                 exact = 0
             else:
                 if cand.budget is not None:
-                    bits = budget_bits(cand.budget, f16, files, threads, embedding_type)
+                    bits = budget_bits(cand.budget, f16, files, threads, embedding)
                     row["budget_bits_per_weight"] = round(bits, 4)
-                    budget = GGUFExportConfig(name="bench", target={"bits_per_weight": bits}, float_type=embedding_type)
+                    budget = GGUFExportConfig(name="bench", target={"bits_per_weight": bits}, float_type=embedding)
                 measured = len(sensitivity)
                 model, records, seconds = quantize_copy(
                     lm, calibration, cand.source, cand.setting, reporter, cand.gguf_type, budget, sensitivity, cand.head, cand.head_type
                 )
                 if budget is not None:  # the seconds of a later budget leave out the measurement it reused
                     row["sensitivity_reused"] = len(sensitivity) == measured  # no new measurement was kept
-                facts = write_gguf(
-                    path, model, lm.tokenizer, records, cand.type_name, float_type=embedding_type, tokenizer_from=tokenizer_from
-                )
+                facts = write_gguf(path, model, lm.tokenizer, records, cand.type_name, float_type=embedding, tokenizer_from=tokenizer_from)
                 problems = check_gguf_records(path, facts["plan"], records)
                 if problems:
                     raise RuntimeError(f"{cand.name}: GGUF read-back differs from the records: {problems[:3]}")
@@ -323,7 +327,7 @@ def file_facts(path: Path, metrics: dict[str, Any], speed: float) -> dict[str, A
     }
 
 
-def budget_bits(budget: str, f16: Path, files: Path, threads: int, embedding_type: str) -> float:
+def budget_bits(budget: str, f16: Path, files: Path, threads: int, embedding_type: str | None) -> float:
     """Bits per weight of a mix budget: the number given, or those of llama.cpp's own file of that type
     (made from the same F16 file with the same embedding type, measured, deleted)."""
     try:

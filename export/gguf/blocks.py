@@ -292,8 +292,9 @@ def record_problem(record: QuantizedWeight, type_name: str) -> str | None:
 
 
 def float_bytes(weight: torch.Tensor, type_name: str) -> np.ndarray:
-    """A float tensor in ``type_name`` (f32 | f16 | bf16 | q8_0 by llama.cpp's reference rounding);
-    its ggml type is ``TensorPlan.info``'s."""
+    """A float tensor in ``type_name``: f32, f16; bf16 and q8_0 by llama.cpp's reference rounding
+    (gguf-py's); any other block type rounded on its grid with the quantizers' parameter search and
+    packed like a record. Its ggml type is ``TensorPlan.info``'s."""
     w = weight.detach()
     if w.dim() < 2 or w.shape[0] <= FLOAT_ROWS:
         return _float_piece(w, type_name)
@@ -320,4 +321,9 @@ def _float_piece(weight: torch.Tensor, type_name: str) -> np.ndarray:
         return w
     if type_name == "f16":
         return w.astype(np.float16)
-    return quants.quantize(w, ggml_type(type_name))
+    if type_name in ("bf16", "q8_0"):
+        return quants.quantize(w, ggml_type(type_name))
+    from compress.quantizers.grid_search import grid_quantize
+    from compress.schema.quantize import QuantScheme
+
+    return PACKERS[type_name](grid_quantize(weight.to(torch.float32).cpu(), QuantScheme(gguf_type=type_name)))

@@ -41,6 +41,7 @@ GGUF_LLAMA_CPP_TYPES = (
     "bf16",
 )
 GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
+GGUFMatrixType = Literal[GGUF_RECORD_TYPES]  # type: ignore[valid-type]  # a float type or any grid: what token_embd may be
 
 
 MIX_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0")
@@ -70,6 +71,13 @@ class GGUFTarget(Strict):
         SENSITIVITY_SAMPLES,
         ge=1,
         description="Calibration chunks the sensitivity pass (one forward and one backward through the model, block by block) runs on.",
+    )
+    tables: bool = Field(
+        True,
+        description="The token embedding and an untied output head (a tied model's one table) take part in the budget like "
+        "any layer: each gets the type of `types` (or its fallback) the estimate and the budget choose, rounded with the "
+        "quantizers' parameter search and packed exactly. false: they keep float_type (Q8_0 by default) and count against "
+        "the budget as they are.",
     )
 
     @field_validator("types", mode="before")
@@ -110,11 +118,13 @@ class GGUFExportConfig(BaseExportConfig):
         "records for auto, the float types, q4_0, q4_1, q8_0, q3_k, q4_k, q5_k; for q2_k, q5_0, q5_1, q6_k records when "
         "they lie on that type's grid (gguf_type), else llama.cpp; llama.cpp for the mixes (q4_k_m …).",
     )
-    float_type: GGUFFloat | None = Field(
+    float_type: GGUFMatrixType | None = Field(
         None,
-        description="Type of weight matrices without a record (embeddings, output head, layers left unquantized); "
-        "default q8_0 for quantized types (as llama.cpp stores SmolLM-sized embeddings), else the type itself. "
-        "With quantizer llama.cpp: the token-embedding type passed to its quantizer (default: its own choice).",
+        description="Type of weight matrices without a record (embeddings, output head, layers left unquantized): a float "
+        "type or any block type (" + ", ".join(GGUF_EXACT_TYPES) + "; rounded with the quantizers' parameter search, "
+        "Q8_0 and BF16 with llama.cpp's reference rounding; a row a K-quant does not divide gets its fallback, one no type "
+        "divides F16); default q8_0 for quantized types (as llama.cpp stores SmolLM-sized embeddings), else the type "
+        "itself. With quantizer llama.cpp: the token-embedding type passed to its quantizer (default: its own choice).",
     )
     fallback: GGUFFloat | None = Field(
         None,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.export.gguf.blocks import BLOCK, ggml_type, record_problem
+from compress.export.gguf.blocks import ggml_type, record_problem
 from compress.export.gguf.config import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
 from compress.export.gguf.metadata import gemma_keys
 from compress.quantizers.arch import ARCHITECTURES as QUANT_ARCHITECTURES
@@ -232,8 +232,9 @@ def plan_tensors(
             plan.tensors.append(TensorPlan(hf_name, gguf_name, "f32", "float", heads, shape, offset))
         else:
             usable = matrix_default
-            if usable in GGUF_EXACT_TYPES and tensor.shape[-1] % BLOCK:
-                usable = "f16"
+            if usable in GRIDS:  # a block type: its fallback where a K-quant does not divide the row, F16 where none does
+                grid = GRIDS[usable].for_width(tensor.shape[-1])
+                usable = grid.name if tensor.shape[-1] % grid.block_weights == 0 else "f16"
             plan.tensors.append(TensorPlan(hf_name, gguf_name, usable, "float", heads, shape))
     return plan
 

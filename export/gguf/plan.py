@@ -39,7 +39,7 @@ def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
         return size, 1.05, f"the target ({t.describe()}): a type per layer chosen to fill it"
     if spec.quantizer == "llama.cpp":
         kind, float_type = spec.type, spec.float_type or "q8_0"  # llama.cpp picks the embedding's type itself; q8_0 assumed
-        size = uniform_bytes(shape, GGUF_BITS[kind], GGUF_BITS[float_type])
+        size = uniform_bytes(shape, GGUF_BITS[kind], _single_type_bits(float_type))
         return (
             size,
             2.0,
@@ -50,13 +50,18 @@ def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
         )
     kind = _gguf_type(spec.type, records)
     float_type = spec.float_type or ("q8_0" if kind.startswith("q") else kind)
-    bits = GRIDS[kind].bits_per_weight if kind in GRIDS else GGUF_BITS[kind]  # one block type, not a mix
-    size = packed_bytes(shape, records, GGUF_BITS[float_type], code_bits=bits, scale_bits=0, zero_bits=0)
+    bits = _single_type_bits(kind)
+    size = packed_bytes(shape, records, _single_type_bits(float_type), code_bits=bits, scale_bits=0, zero_bits=0)
     return (
         size,
         2.0,
         f"records as {kind} blocks ({bits:g} bits/weight; K-quant rows not a multiple of 256: its fallback), other tensors {float_type}",
     )
+
+
+def _single_type_bits(type_name: str) -> float:
+    """Bits per weight of one block type (not a mix), or of a float type."""
+    return GRIDS[type_name].bits_per_weight if type_name in GRIDS else GGUF_BITS[type_name]
 
 
 def _gguf_type(spec_type: str, records: dict[str, Record]) -> str:

@@ -50,10 +50,12 @@ def llama_imatrix(f16: Path, text: Path, out: Path, seq_len: int, chunks: int, t
     return command
 
 
-def llama_quantize(f16: Path, out: Path, type_name: str, threads: int, embedding_type: str, imatrix: Path | None = None) -> list[str]:
+def llama_quantize(
+    f16: Path, out: Path, type_name: str, threads: int, embedding_type: str | None, imatrix: Path | None = None
+) -> list[str]:
     """llama-quantize ``f16`` to ``type_name`` (a mix such as q4_k_m, or one type), with the token
     embedding in ``embedding_type`` and, when given, an importance matrix; returns the command."""
-    command = [str(require_tool("llama-quantize")), "--token-embedding-type", embedding_type]
+    command = [str(require_tool("llama-quantize"))] + (["--token-embedding-type", embedding_type] if embedding_type else [])
     if imatrix is not None:
         command += ["--imatrix", str(imatrix)]
     command += [str(f16), str(out), type_name.upper(), str(threads)]
