@@ -10,6 +10,7 @@ can import these types while compress.plugins imports the spec objects.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,10 @@ class QuantMethod:
     not_carried: str | None = None
     """What no export format holds of this method (said on every export of a run that used it),
     or None when the QuantizedWeight records carry all of it."""
+    load_records_only: Callable[[], Callable[[Any], AbstractContextManager[None]]] | None = None
+    """With ``not_carried``: imports and returns ``records_only(model)``, a context in which the model
+    computes with its records alone (what the exports hold), the reference of the exports'
+    same-weights checks. Called only when a run exports such a model."""
     streams: bool | Callable[[Any], bool] = False
     """True: the stage reads and changes the model one streamed unit (decoder block, head) at a time
     (compress/streaming.py); False: the run reads the whole model into memory before the stage; or a

@@ -31,8 +31,10 @@ Pure math first, the module next, the calibration stage last.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -224,6 +226,7 @@ class LLMInt8Linear(nn.Linear):
         self.bias = linear.bias
         self.threshold = float(threshold)
         self.kernel = kernel  # resolved per call: the module may move between devices
+        self.records_only = False  # records_only(): a plain Linear on the record's values, what exports hold
         device = linear.weight.device
         q, scale = signed_codes(record)
         self.register_buffer("weight_int8", q.to(device), persistent=False)
@@ -242,6 +245,8 @@ class LLMInt8Linear(nn.Linear):
         return cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.records_only:
+            return super().forward(x)
         flat = x.reshape(-1, self.in_features).to(torch.float32)
         outliers = find_outliers(flat, self.threshold)
         y = decomposed_matmul(
@@ -253,6 +258,22 @@ class LLMInt8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, threshold={self.threshold}, calibrated_outliers={self.outlier_index.numel()}, kernel={self.kernel}"
+
+
+@contextlib.contextmanager
+def records_only(model: nn.Module) -> Iterator[None]:
+    """Within the block, every LLM.int8 layer of ``model`` computes as a plain Linear on its int8
+    record's values, with float activations: what an export holds of it (GGUF, compressed-tensors),
+    so the exports' same-weights checks compare a runtime with the weights it was given, not with
+    the int8 activations and outlier decomposition no format carries."""
+    layers = [m for m in model.modules() if isinstance(m, LLMInt8Linear)]
+    for layer in layers:
+        layer.records_only = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.records_only = False
 
 
 # --------------------------------------------------------------------------- calibration and the stage

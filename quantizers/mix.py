@@ -325,7 +325,14 @@ def _embedding_scale(model: nn.Module, tokens: torch.Tensor, hidden: list[torch.
 
 
 def _table_choice(
-    model: nn.Module, name: str, fisher: torch.Tensor, types: list[str], n_tokens: int, device: torch.device, label: str, tensor_bytes: TensorBytes
+    model: nn.Module,
+    name: str,
+    fisher: torch.Tensor,
+    types: list[str],
+    n_tokens: int,
+    device: torch.device,
+    label: str,
+    tensor_bytes: TensorBytes,
 ) -> LayerChoice:
     """A table's options: every candidate type's estimated ΔKL from its bracket ``fisher`` [rows, width],
     on its heaviest rows and a sample of the rest (TABLE_TOP_ROWS, TABLE_SAMPLED_ROWS)."""
@@ -335,7 +342,9 @@ def _table_choice(
     stride = max(1, -(-len(rest) // TABLE_SAMPLED_ROWS))
     sample = rest[::stride]
     rows = torch.cat([top, sample])
-    share = torch.cat([torch.ones(len(top), device=fisher.device), torch.full((len(sample),), len(rest) / max(1, len(sample)), device=fisher.device)])
+    share = torch.cat(
+        [torch.ones(len(top), device=fisher.device), torch.full((len(sample),), len(rest) / max(1, len(sample)), device=fisher.device)]
+    )
     weighed = fisher[rows] * share[:, None]
     with streaming.resident(module, device):
         weight = module.weight.detach()[rows.to(module.weight.device)].to(device)

@@ -200,6 +200,12 @@ def _llm_int8_stage() -> type:
     return LLMInt8Stage
 
 
+def _llm_int8_records_only() -> Any:
+    from compress.quantizers.llm_int8 import records_only
+
+    return records_only
+
+
 def _llm_int8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     # one pass to find outlier columns, then rounding
     seconds = forward_s(step.shape.params, step.cal_tokens) + _weights(layers) / RTN_WEIGHTS_PER_S
@@ -218,6 +224,7 @@ LLM_INT8 = QuantMethod(
         "LLM.int8 int8 activations and outlier decomposition: the export holds the plain int8 weight records; "
         "its runtime computes with them and its own activations"
     ),
+    load_records_only=_llm_int8_records_only,
 )
 
 

@@ -51,8 +51,11 @@ SHORTER: dict[str, list[str]] = {
     "qwen-1.5b-rtn.yaml": ["data.evaluation.samples=2"],
     "qwen-1.5b-prune-distill.yaml": ["data.calibration.samples=8", "data.evaluation.samples=2", "stages.1.distill.steps=4"],
     "kv-cache.yaml": ["stages.0.kv_cache.evaluate.samples=8", "stages.0.kv_cache.evaluate.context=512"],
-    "tasks-mmlu.yaml": ["data.calibration.samples=32"],
-    "onnx.yaml": ["data.calibration.samples=32"],
+    "tasks-mmlu.yaml": ["data.calibration.samples=32", "data.evaluation.samples=8"],
+    "onnx.yaml": ["data.calibration.samples=32", "data.evaluation.samples=8"],
+    "gguf-budget.yaml": ["data.evaluation.samples=8"],
+    "llm-int8.yaml": ["data.calibration.samples=8", "data.evaluation.samples=8"],
+    "latency-gates.yaml": ["data.evaluation.samples=8"],
 }
 
 

@@ -310,12 +310,27 @@ def test_stage_finds_calibrated_outliers_and_beats_plain_int8() -> None:
     assert kl[6.0] < 0.5 * kl[float("inf")], kl
 
 
+def test_records_only_computes_the_plain_linear_the_exports_hold() -> None:
+    """Inside records_only a layer is the plain Linear on its int8 record's values (the exports'
+    same-weights reference); outside it, the decomposition with int8 activations, which differs."""
+    from compress.quantizers.llm_int8 import records_only
+
+    linear, x = linear_and_inputs()
+    x[:, [5, 20]] *= 50
+    model = nn.Sequential(int8_layer(linear, 6.0, calibration=x))
+    with torch.no_grad():
+        plain = nn.functional.linear(x, model[0].weight, model[0].bias)
+        with records_only(model):
+            assert torch.equal(model(x), plain)
+        assert not torch.allclose(model(x), plain, atol=1e-3)
+
+
 def test_recipe_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     text = recipe_text(tiny_model_dir, text_dir, bits=8, group_size=None)
     rtn_stage = "      method: rtn\n      bits: 8\n      group_size: null\n      symmetric: true\n"
     assert rtn_stage in text
     text = text.replace(rtn_stage, "      method: llm_int8\n      threshold: 6.0\n")
-    text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n  - format: gguf\n    type: q8_0\n    verify: false\n")
+    text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n  - format: gguf\n    type: q8_0\n")
     out = tmp_path / "out"
     result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
     assert result.exit_code == 0, result.output
@@ -340,6 +355,10 @@ def test_recipe_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: 
     assert entries["compressed-tensors"]["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == 8
     for entry in report["exports"]:
         assert "outlier decomposition" in entry["not_carried"][0]
+    # llama.cpp on the Q8_0 file against our model computing with the same int8 weights (records_only), not
+    # against its int8 activations: KL at llama.cpp's own activation rounding
+    gguf_eval = next(ev for ev in report["evaluations"] if ev["artifact"] == "gguf")
+    assert gguf_eval["details"]["same_weights_kl"] < 1e-4
 
 
 # --------------------------------------------------------------------------- the reference model

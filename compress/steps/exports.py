@@ -41,7 +41,7 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> Exported:
         inputs = VerifyInputs(  # the heads read from disk by slices: each runtime holds its own copy of the model
             head_read_from_disk(source.baseline_forward),
             staged.model,
-            head_read_from_disk(staged.forward("cpu")),
+            head_read_from_disk(staged.records_forward("cpu")),
             None if source.eval_chunks is None else source.eval_chunks.tokens,
             evaluation.min_context if evaluation else 1,
             run.threads,

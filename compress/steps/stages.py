@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,6 +16,7 @@ from compress import streaming
 from compress.context import RunContext, SizeBudget, Stage, StageRecord
 from compress.distill.train import end_processes
 from compress.eval.baseline import RememberedRows
+from compress.eval.metrics import HiddenStates
 from compress.export.parity import SAME_WEIGHTS_CHUNKS
 from compress.fsutil import remove_if_only_marked
 from compress.plugins import export_format, quant_method, stage_kind, stage_streams
@@ -43,6 +46,49 @@ class Staged:
             self._forward = RememberedRows(self.model, torch.device(device), SAME_WEIGHTS_CHUNKS)
         self._forward.device = torch.device(device)
         return self._forward
+
+    def records_forward(self, device: torch.device | str) -> RememberedRows:
+        """The forward the exports' same-weights checks compare their runtimes with: the model as the
+        exports hold it. That is ``forward`` unless a method used computes more than its records
+        carry (LLM.int8's int8 activations): then the model inside each such method's ``records_only``."""
+        used = set(self.ctx.quantized_by.values())
+        loaders = [
+            method.load_records_only
+            for i, r in enumerate(self.records)
+            if f"stages[{i}]" in used
+            and stage_kind(r.kind).quantizes_weights
+            and (method := quant_method(r.method)).load_records_only is not None
+        ]
+        if not loaders:
+            return self.forward(device)
+        contexts = list(dict.fromkeys(load() for load in loaders))
+        return RecordsOnlyRows(self.model, torch.device(device), SAME_WEIGHTS_CHUNKS, contexts)
+
+
+class RecordsOnlyRows(RememberedRows):
+    """``RememberedRows`` of the model computing inside ``contexts`` (each ``records_only(model)``),
+    its head too."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, limit: int, contexts: list[Callable[[Any], Any]]) -> None:
+        super().__init__(model, device, limit)
+        self.contexts = contexts
+
+    def _inside(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for context in self.contexts:
+            stack.enter_context(context(self.model))
+        return stack
+
+    def __call__(self, ids: torch.Tensor) -> HiddenStates:
+        with self._inside():
+            out = super().__call__(ids)
+        head = out.head
+
+        def head_inside(hidden: torch.Tensor) -> torch.Tensor:
+            with self._inside():
+                return head(hidden)
+
+        return HiddenStates(out.hidden, head_inside, out._hold)
 
 
 def build_stages(recipe: Recipe) -> list[Stage]:
