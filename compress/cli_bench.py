@@ -129,6 +129,30 @@ def _candidates(parse: Callable[[str], Any], text: str) -> list[Any]:
         raise CompressError(str(exc)) from None
 
 
+def _run_candidates(
+    opts: BenchOptions, candidates: list[Any], run: Callable[..., dict[str, Any]], table: Callable[[dict[str, Any]], str], **own: Any
+) -> None:
+    """What `bench gguf` and `bench onnx` do once their own options are checked: claim the output directory,
+    run the bench (``run``: run_gguf_bench or run_onnx_bench) on the shared data and decode options and the
+    command's ``own`` arguments, and print its table."""
+    from compress.progress import Reporter
+
+    data = opts.data()
+    opts.claim()
+    result = run(
+        opts.model,
+        data,
+        candidates,
+        opts.output,
+        opts.threads,
+        reporter=Reporter(err),
+        decode_tokens=opts.decode_tokens,
+        repeats=opts.repeats,
+        **own,
+    )
+    opts.results(table(result))
+
+
 @bench_command("quant", "torch CPU threads.")
 def bench_quant(
     opts: BenchOptions,
@@ -230,30 +254,15 @@ def bench_gguf(
     from typing import get_args
 
     from compress.eval.bench.gguf import Candidate, markdown_table, run_gguf_bench
-    from compress.progress import Reporter
     from compress.schema.recipe import ModelConfig
 
     dtypes = get_args(ModelConfig.model_fields["dtype"].annotation)  # the recipe's model.dtype values, kept in one place
     if dtype not in dtypes:
         raise CompressError(f"--dtype: expected one of {', '.join(dtypes)}; got {dtype!r}")
     parsed = _candidates(Candidate.parse, candidates)
-    data = opts.data()
-    opts.claim()
-    result = run_gguf_bench(
-        opts.model,
-        data,
-        parsed,
-        opts.output,
-        opts.threads,
-        embedding_type,
-        Reporter(err),
-        opts.decode_tokens,
-        opts.repeats,
-        keep_files,
-        same_mix,
-        dtype,
+    _run_candidates(
+        opts, parsed, run_gguf_bench, markdown_table, embedding_type=embedding_type, keep_files=keep_files, same_mix=same_mix, dtype=dtype
     )
-    opts.results(markdown_table(result))
 
 
 ONNX_CANDIDATES = ("gptq:W4g32s+head", "builder:W4g32s", "gptq:W4g32a+head", "builder:W4g32a")
@@ -276,29 +285,15 @@ def bench_onnx(
 ) -> None:
     """Our exact GPTQ/AWQ int4 ONNX against onnxruntime-genai's own int4 at the same block size, measured in ONNX Runtime."""
     from compress.eval.bench.onnx import Candidate, markdown_table, run_onnx_bench
-    from compress.progress import Reporter
 
     parsed = _candidates(Candidate.parse, candidates)
     tables = [t.strip() for t in keep_float.split(",") if t.strip()]
     unknown = [t for t in tables if t not in ("lm_head", "embeddings")]
     if unknown:
         raise CompressError(f"--keep-float: {', '.join(unknown)}: expected lm_head or embeddings")
-    data = opts.data()
-    opts.claim()
-    result = run_onnx_bench(
-        opts.model,
-        data,
-        parsed,
-        opts.output,
-        opts.threads,
-        Reporter(err),
-        accuracy_level,
-        opts.decode_tokens,
-        opts.repeats,
-        keep_files,
-        tables or None,
+    _run_candidates(
+        opts, parsed, run_onnx_bench, markdown_table, accuracy_level=accuracy_level, keep_files=keep_files, keep_float=tables or None
     )
-    opts.results(markdown_table(result))
 
 
 @bench_command(

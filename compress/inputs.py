@@ -116,6 +116,13 @@ def check_safetensors(path: Path) -> dict[str, Any]:
     return header
 
 
+def safetensors_data_start(size: int, header: dict[str, Any]) -> int:
+    """Where the data section of a safetensors file of ``size`` bytes starts, from its header as
+    ``check_safetensors`` returned it: the tensors tile the data section, which ends the file."""
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    return size - max(ends, default=0)
+
+
 def check_json(path: Path) -> dict[str, Any]:
     """A JSON object file, or ModelLoadError naming it and the line of the problem; a file above its
     size cap (``JSON_CAPS``) is refused before it is read."""

@@ -43,7 +43,7 @@ from torch.utils import swap_tensors
 from compress.errors import ModelLoadError
 from compress.fsutil import scratch_dir
 from compress.heap import return_to_os as _return_to_os
-from compress.inputs import check_safetensors
+from compress.inputs import check_safetensors, safetensors_data_start
 from compress.integrity import check_finite
 
 
@@ -166,8 +166,7 @@ def safetensors_header(file: Path) -> tuple[dict, int]:
 @functools.lru_cache(maxsize=64)
 def _header(path: str, size: int, mtime_ns: int) -> tuple[dict, int]:
     header = check_safetensors(Path(path))
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-    return header, size - max(ends, default=0)  # the tensors tile the data section, which ends the file
+    return header, safetensors_data_start(size, header)
 
 
 def read_tensors(file: Path, keys: list[str]) -> dict[str, torch.Tensor]:

@@ -267,7 +267,7 @@ class DistillStage:
         if not refit_targets(model, teacher, layers):
             return None
         if cfg.teacher == ORIGINAL and getattr(ctx.mapping, "mlp_refitted", False) and "refit" not in cfg.model_fields_set:
-            return None  # prune's mlp_method obs fitted these columns already, to the same target (measured: no gain, ~1 min lost)
+            return None  # prune's mlp_method obs fitted these columns already, to the same target (a second fit gains nothing)
         order = sample_order(train_tokens.shape[0], cfg.data.seed, 0)[: cfg.refit.samples]
         tokens = train_tokens[list(order)]
 

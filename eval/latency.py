@@ -23,6 +23,7 @@ untied token embedding read one row and are left out) + the KV cache at the run'
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ import numpy as np
 from compress.errors import CompressError
 from compress.export.format import TORCH_RUNTIME, Runner
 from compress.fsutil import tree_size
+from compress.inputs import check_safetensors
 from compress.paths import usable_cpus
 from compress.plugins import runtime_formats
 
@@ -225,14 +227,11 @@ def load_torch_model(path: Path, dtype: Any = None) -> Any:
 
 def safetensors_entries(folder: Path) -> Iterator[tuple[str, int, str]]:
     """(name, element count, safetensors dtype) of every tensor in the folder's .safetensors files,
-    from their headers (no tensor is read)."""
-    from safetensors import safe_open
-
+    from their checked headers (no tensor is read)."""
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                sl = f.get_slice(key)
-                yield key, int(np.prod(sl.get_shape())), sl.get_dtype()
+        for key, entry in sorted(check_safetensors(file).items()):
+            if key != "__metadata__":
+                yield key, math.prod(entry["shape"]), entry["dtype"]
 
 
 def _torch_bytes(path: Path) -> tuple[int, int, int]:

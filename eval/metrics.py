@@ -160,9 +160,8 @@ class HiddenStates(Logits):
         self.hidden, self.head, self._hold = hidden, head, hold
 
     def logits(self, row: int, positions: slice) -> torch.Tensor:
-        # A 2-D slice: torch's CPU linear on a 3-D view whose batch stride is not seq x hidden (a row
-        # of a longer batch) took a slow path that copied the whole head weight on every call
-        # (bf16, 151,936 x 1,536: 1.1 s and +460 MB a call, against 0.04 s; torch 2.13).
+        # A 2-D slice: torch's CPU linear (2.13) on a 3-D view whose batch stride is not seq x hidden (a row
+        # of a longer batch) takes a slow path that copies the whole head weight every call (docs/models-and-data.md).
         return self.head(self.hidden[row, positions])
 
     def full(self) -> torch.Tensor:
@@ -313,8 +312,7 @@ def head_from_disk(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     For comparisons that run beside a runtime's own copy of the model (the exports' verifiers): the
     logits of the resident head (bit for bit on Qwen2.5-1.5B's bf16 head; float32 matmuls over a
     narrower slice may round the last bit differently), at the cost of reading the head once per
-    chunk of positions (0.25 s against 0.08 s for a 55-position chunk of Qwen2.5-1.5B's 467 MB
-    head, page cache warm)."""
+    chunk of positions (the time it adds: docs/models-and-data.md, "Streamed, in bfloat16")."""
     head = model.get_output_embeddings()
     unit = streaming.unit_of(head) if head is not None else None
     if unit is None or type(head) is not torch.nn.Linear:

@@ -339,8 +339,8 @@ def refuse_gguf_grids(records: Mapping[str, QuantizedWeight], fmt: str) -> None:
 
 SQNR_CHUNK = 2**20
 """Values summed in float64 at a time by ``sqnr_db``: a whole 1536 x 8960 weight in float64 is 110 MB
-a copy, and the difference and its square made two more (measured: the GPTQ stage's peak on the
-1.5B model)."""
+a copy, and the difference and its square would make two more (they set the GPTQ stage's peak on
+the 1.5B model)."""
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -359,7 +359,7 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
 @contextmanager
 def one_cpu_thread() -> Iterator[None]:
     """The column loop is thousands of tiny ops: extra CPU threads only add synchronization
-    (measured: 1536x576 layer, 0.13 s on 1 thread vs 7.1 s on 2 with the machine's other core busy)."""
+    (scripts/experiments/gptq_threads.py times it)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

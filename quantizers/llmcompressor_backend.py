@@ -80,9 +80,8 @@ class _Method:
     """GPTQ leaves fake-quantized weights in llmcompressor's model (our float weights are the
     reference for SQNR); AWQ leaves the scaled float weights that were rounded (they are)."""
     one_cpu_thread: bool
-    """GPTQ's column loop is thousands of tiny ops: on CPU, one thread is far faster (measured,
-    llmcompressor's quantize_weight on a 576x576 layer: 0.17 s on 1 thread, 10.8 s on 2 with the
-    other core busy). AWQ's scale search is matrix products, which use every thread."""
+    """GPTQ's column loop is thousands of tiny ops: on CPU, one thread is far faster (timed in
+    docs/quantization.md#backend-llmcompressor). AWQ's scale search is matrix products, which use every thread."""
 
 
 _SCALE_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}

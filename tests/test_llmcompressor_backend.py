@@ -44,7 +44,7 @@ def _check_records(model: torch.nn.Module, ctx, layers: int) -> None:
 
 @pytest.mark.runtime
 def test_llmcompressor_gptq_and_awq_beat_rtn_at_w3() -> None:
-    """Measured (tiny random Llama, 3 blocks, W3 g32 sym): KL rtn 8.2e-4, llmcompressor GPTQ 5.2e-4, AWQ 7.9e-4.
+    """The margin (tiny random Llama, 3 blocks, W3 g32 sym): KL rtn 8.2e-4, llmcompressor GPTQ 5.2e-4, AWQ 7.9e-4.
     AWQ gains little on random weights (no salient channels); it is still below RTN."""
     base = tiny_model("llama", layers=3)
     cal, ev = tokens(16, 64, seed=1), tokens(8, 64, seed=2)
@@ -152,7 +152,7 @@ def test_our_gptq_leaves_the_layer_error_llmcompressors_does_on_the_reference_mo
     algorithm), W4 g64 sym, on block 0 of the reference model (its 7 Linears; the rest stays float),
     calibrated on the same 16 x 256 tokens. Yardstick: the output error each leaves on the float model's
     own inputs to those layers, the sum over calibration tokens of |x (W - Q)^T|^2, GPTQ's objective.
-    Measured (AMD EPYC, 1 thread): ours 1.0005 x theirs over the block, 0.999-1.003 x per layer. The
+    The margin: ours 1.0005 x theirs over the block, 0.999-1.003 x per layer. The
     KL comparison over the whole model (including act_order: false, where ours takes each group's scale
     from the error-updated weights) is `compress bench quant --methods gptq --backends
     compress,llmcompressor` (docs/quantization.md#backend-llmcompressor)."""

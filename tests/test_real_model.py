@@ -127,10 +127,9 @@ def test_gptq_and_awq_beat_rtn_at_w3_on_the_reference_models_first_blocks(smollm
     first three decoder blocks of the reference model (the rest stays float), calibrated on 16 x 256
     tokens: on held-out text, the error the quantized blocks leave in the residual stream after them
     (|h - h_float|^2 / |h_float|^2, the float model's embeddings going in) is at least a quarter below
-    RTN's for GPTQ and for AWQ. Measured (AMD EPYC, 1 thread): GPTQ 0.413, AWQ 0.641 of RTN's 0.107.
-    The same comparison on the whole model, in KL over 32 x 512 held-out tokens after 128 x 512 calibration
-    tokens: `compress bench quant` (docs/benchmarks.md, "GPTQ and AWQ against RTN": at W3 g128 sym GPTQ
-    -64.8%, AWQ -37.8% of RTN's KL)."""
+    RTN's for GPTQ and for AWQ (the margin: GPTQ 0.41, AWQ 0.64 of RTN's error). The same comparison on
+    the whole model, in KL over 32 x 512 held-out tokens after 128 x 512 calibration tokens, is
+    `compress bench quant` (docs/benchmarks.md, "GPTQ and AWQ against RTN")."""
     from compress.quantizers.awq import AWQStage
     from compress.quantizers.configs import AWQConfig, GPTQConfig
     from compress.quantizers.gptq import GPTQStage

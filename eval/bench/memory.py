@@ -60,7 +60,7 @@ def cut_blocks(source: Path, target: Path, blocks: int) -> dict[str, Any]:
     data section in slices of at most 64 MiB, so the copy never holds a tensor, let alone the model.
     Every other file (tokenizer, generation config, chat template) is copied as it is. Returns what
     was kept: {"blocks", "source_blocks", "tensors", "bytes"}."""
-    from compress.inputs import check_json, check_safetensors
+    from compress.inputs import check_json, check_safetensors, safetensors_data_start
 
     source, target = Path(source), Path(target)
     config = check_json(source / "config.json")
@@ -77,13 +77,14 @@ def cut_blocks(source: Path, target: Path, blocks: int) -> dict[str, Any]:
     config["num_hidden_layers"] = blocks
     if isinstance(config.get("layer_types"), list):
         config["layer_types"] = config["layer_types"][:blocks]
-    kept: list[tuple[Path, str, dict[str, Any]]] = []
+    kept: list[tuple[Path, int, str, dict[str, Any]]] = []
     for path in files:
         header = check_safetensors(path)
+        start = safetensors_data_start(path.stat().st_size, header)
         for name, entry in header.items():
             match = BLOCK_INDEX.search(name)
             if name != "__metadata__" and (match is None or int(match.group(1)) < blocks):
-                kept.append((path, name, entry))
+                kept.append((path, start, name, entry))
     with atomic_directory(target, overwrite=True, kind=None) as tmp:  # a scratch copy in our benchmark's folder
         for item in sorted(source.iterdir()):
             if item.is_file() and item.name not in NOT_COPIED and not item.name.endswith(WEIGHT_SUFFIXES):
@@ -93,13 +94,13 @@ def cut_blocks(source: Path, target: Path, blocks: int) -> dict[str, Any]:
     return {"blocks": blocks, "source_blocks": have, "tensors": len(kept), "bytes": total}
 
 
-def _write_safetensors(path: Path, tensors: list[tuple[Path, str, dict[str, Any]]]) -> int:
-    """A safetensors file of ``tensors`` (source file, name, its header entry), each tensor's bytes
-    copied from its source file in slices: 8-byte little-endian header length, the JSON header
-    (padded with spaces to a multiple of 8), then the data in header order."""
+def _write_safetensors(path: Path, tensors: list[tuple[Path, int, str, dict[str, Any]]]) -> int:
+    """A safetensors file of ``tensors`` (source file, where its data section starts, name, its header
+    entry), each tensor's bytes copied from its source file in slices: 8-byte little-endian header
+    length, the JSON header (padded with spaces to a multiple of 8), then the data in header order."""
     header: dict[str, Any] = {}
     offset = 0
-    for _, name, entry in tensors:
+    for _, _, name, entry in tensors:
         size = entry["data_offsets"][1] - entry["data_offsets"][0]
         header[name] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + size]}
         offset += size
@@ -110,11 +111,10 @@ def _write_safetensors(path: Path, tensors: list[tuple[Path, str, dict[str, Any]
         with open(path, "wb") as out:
             out.write(len(raw).to_bytes(8, "little"))
             out.write(raw)
-            for src, _, entry in tensors:
+            for src, start, _, entry in tensors:
                 if src not in sources:
                     sources[src] = open(src, "rb")  # noqa: SIM115 - closed below, one handle per source file
                 f = sources[src]
-                start = 8 + int.from_bytes(_read_exact(f, 0, 8), "little")  # the data section follows the header
                 begin, end = entry["data_offsets"]
                 f.seek(start + begin)
                 left = end - begin
@@ -128,14 +128,6 @@ def _write_safetensors(path: Path, tensors: list[tuple[Path, str, dict[str, Any]
         for f in sources.values():
             f.close()
     return 8 + len(raw) + offset
-
-
-def _read_exact(f: Any, at: int, n: int) -> bytes:
-    f.seek(at)
-    data = f.read(n)
-    if len(data) != n:
-        raise CompressError(f"{f.name}: shorter than its header says (truncated file)")
-    return data
 
 
 # ---------------------------------------------------------------------------- the model folder

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Measured on the reference machine (README "Measured" sections, docs/bench/*.json, out/manifest.json).
+# Measured on the reference machine (docs/benchmarks.md, docs/bench/*.json, the runs' manifest.json).
 REFERENCE = "rough numbers of this project's 2-core CPU (torch 2.13, 2 threads); other machines differ"
 REF_PARAMS = 134_515_008  # SmolLM2-135M
 CPU_FORWARD_FLOPS = 160e9  # quickstart evaluation: 2 models x 32 x 512 tokens in 54 s (2 x params FLOPs/token)
