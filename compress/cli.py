@@ -95,12 +95,14 @@ def _publish_run(loaded: Any, directory: Path, quiet: bool) -> None:
     from compress.mlflow_registry import PublishRefused, publish, resolve_location
     from compress.progress import Reporter
 
-    spec = loaded.recipe.publish
-    if spec is None:
+    publish_cfg = loaded.recipe.publish
+    if publish_cfg is None:
         return
-    location = resolve_location(spec.uri, loaded.base_dir / Path(spec.store).expanduser() if spec.store else None)
+    location = resolve_location(publish_cfg.uri, loaded.base_dir / Path(publish_cfg.store).expanduser() if publish_cfg.store else None)
     try:
-        published = publish(directory, spec.name or loaded.recipe.name, spec.aliases, spec.force, location, Reporter(err, quiet=quiet))
+        published = publish(
+            directory, publish_cfg.name or loaded.recipe.name, publish_cfg.aliases, publish_cfg.force, location, Reporter(err, quiet=quiet)
+        )
     except PublishRefused as exc:
         err.print(f"[bold red]{exc.label}:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return
@@ -379,12 +381,12 @@ def assets_list() -> None:
     from compress.paths import cache_root
 
     out.print(f"cache: {cache_root() / 'assets'}")
-    for name, spec in assets.ASSETS.items():
+    for name, asset in assets.ASSETS.items():
         found = assets.locate(name)
-        out.print(f"[bold]reference:{name}[/] ({spec.kind}, {'cached' if found else 'not cached'})", highlight=False)
-        out.print(f"  {spec.description}\n  origin: {spec.origin}\n  license: {spec.license}", highlight=False)
-        if not spec.by_default:
-            out.print(f"  size: {spec.size}; fetched only when named: compress assets fetch {name}", highlight=False)
+        out.print(f"[bold]reference:{name}[/] ({asset.kind}, {'cached' if found else 'not cached'})", highlight=False)
+        out.print(f"  {asset.description}\n  origin: {asset.origin}\n  license: {asset.license}", highlight=False)
+        if not asset.by_default:
+            out.print(f"  size: {asset.size}; fetched only when named: compress assets fetch {name}", highlight=False)
 
 
 def main() -> None:

@@ -104,7 +104,7 @@ def _save_traceback(exc: BaseException) -> str:
 
 
 def print_summary(report: dict[str, Any], manifest: dict[str, Any]) -> None:
-    """A run's results: each stage's line (its kind's spec says it), the report, and what an export could not do here."""
+    """A run's results: each stage's line (its StageKind says it), the report, and what an export could not do here."""
     from compress.plugins import stage_kind
 
     for stage in manifest["stages"]:

@@ -186,12 +186,12 @@ def bos_prefix(tokenizer: Any) -> list[int]:
     return []
 
 
-def make_chunks(tokenizer: Any, blocks: list[str], spec: TextConfig, role: str, source_label: str) -> Chunks:
+def make_chunks(tokenizer: Any, blocks: list[str], cfg: TextConfig, role: str, source_label: str) -> Chunks:
     prefix = bos_prefix(tokenizer)
-    body = spec.seq_len - len(prefix)
+    body = cfg.seq_len - len(prefix)
     order = list(range(len(blocks)))
-    random.Random(spec.seed).shuffle(order)
-    need = spec.samples * body
+    random.Random(cfg.seed).shuffle(order)
+    need = cfg.samples * body
     stream: list[int] = []
     used = 0
     for i in order:
@@ -202,10 +202,10 @@ def make_chunks(tokenizer: Any, blocks: list[str], spec: TextConfig, role: str, 
     if len(stream) < need:
         have = len(stream) // body
         raise DataError(
-            f"{role} text '{source_label}' yields {len(stream)} tokens ({have} chunks of {spec.seq_len}); "
-            f"{spec.samples} chunks need {need}. Lower data.{role}.samples or seq_len, or add text."
+            f"{role} text '{source_label}' yields {len(stream)} tokens ({have} chunks of {cfg.seq_len}); "
+            f"{cfg.samples} chunks need {need}. Lower data.{role}.samples or seq_len, or add text."
         )
-    rows = [prefix + stream[k * body : (k + 1) * body] for k in range(spec.samples)]
+    rows = [prefix + stream[k * body : (k + 1) * body] for k in range(cfg.samples)]
     tokens = torch.tensor(rows, dtype=torch.int64)
     return Chunks(role, tokens, {"blocks_available": len(blocks), "blocks_used": used, "bos_prefix": prefix})
 
@@ -214,17 +214,17 @@ def make_chunks(tokenizer: Any, blocks: list[str], spec: TextConfig, role: str, 
 class DataPlan:
     """The recipe's text sources, loaded once; chunks are built on request."""
 
-    spec: DataConfig
+    config: DataConfig
     calibration_source: TextSource | None
     evaluation_source: TextSource | None
     shared: set[str]
 
     @classmethod
-    def load(cls, spec: DataConfig, base_dir: Path, reporter: Reporter | None = None) -> DataPlan:
-        cal = spec.calibration and load_source(spec.calibration.source, base_dir, spec.calibration.text_field, reporter)
-        ev = spec.evaluation and load_source(spec.evaluation.source, base_dir, spec.evaluation.text_field, reporter)
+    def load(cls, config: DataConfig, base_dir: Path, reporter: Reporter | None = None) -> DataPlan:
+        cal = config.calibration and load_source(config.calibration.source, base_dir, config.calibration.text_field, reporter)
+        ev = config.evaluation and load_source(config.evaluation.source, base_dir, config.evaluation.text_field, reporter)
         shared = {d.sha256 for d in cal.documents} & {d.sha256 for d in ev.documents} if cal and ev else set()
-        return cls(spec, cal or None, ev or None, shared)
+        return cls(config, cal or None, ev or None, shared)
 
     def tokens(
         self,
@@ -253,10 +253,10 @@ class DataPlan:
             ]
             return torch.cat(parts)
         plan = self
-        calibration = self.spec.calibration
+        calibration = self.config.calibration
         if role == "calibration" and source is not None and (calibration is None or source != calibration.source):
             other = CalibrationConfig(source=source, samples=samples, seq_len=seq_len, seed=seed or 0, text_field=text_field or "text")
-            plan = DataPlan.load(self.spec.model_copy(update={"calibration": other}), base_dir or Path("."), reporter)
+            plan = DataPlan.load(self.config.model_copy(update={"calibration": other}), base_dir or Path("."), reporter)
         reporter = reporter or Reporter(quiet=True)
         with reporter.status(f"tokenizing {samples} x {seq_len} tokens of {role} text"):
             return plan.chunks(role, tokenizer, samples=samples, seq_len=seq_len, seed=seed).tokens
@@ -274,26 +274,26 @@ class DataPlan:
     def chunks(self, role: str, tokenizer: Any, samples: int | None = None, seq_len: int | None = None, seed: int | None = None) -> Chunks:
         """Token chunks of ``role``'s text; ``samples``/``seq_len``/``seed`` override the recipe's
         (long-context evaluation, distillation training text)."""
-        spec: TextConfig | None = getattr(self.spec, role)
+        cfg: TextConfig | None = getattr(self.config, role)
         source: TextSource | None = getattr(self, f"{role}_source")
-        if spec is None or source is None:
+        if cfg is None or source is None:
             raise DataError(f"the recipe has no data.{role} section")
         overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
-        spec = spec.model_copy(update=overrides)
-        blocks = role_blocks(source.documents, self.shared, role, self.spec.holdout)
+        cfg = cfg.model_copy(update=overrides)
+        blocks = role_blocks(source.documents, self.shared, role, self.config.holdout)
         if not blocks:
-            raise DataError(f"no {role} text is left after holding out shared documents (data.holdout={self.spec.holdout})")
-        chunks = make_chunks(tokenizer, blocks, spec, role, spec.source)
+            raise DataError(f"no {role} text is left after holding out shared documents (data.holdout={self.config.holdout})")
+        chunks = make_chunks(tokenizer, blocks, cfg, role, cfg.source)
         chunks.facts = {
             **source.describe,
             **chunks.facts,
-            "samples": spec.samples,
-            "seq_len": spec.seq_len,
-            "seed": spec.seed,
+            "samples": cfg.samples,
+            "seq_len": cfg.seq_len,
+            "seed": cfg.seed,
             "tokens_sha256": chunks.sha256,
             "split": (
                 f"shares {len([d for d in source.documents if d.sha256 in self.shared])} documents with the other role; "
-                f"their blocks are split {self.spec.holdout:.0%} evaluation / {1 - self.spec.holdout:.0%} calibration"
+                f"their blocks are split {self.config.holdout:.0%} evaluation / {1 - self.config.holdout:.0%} calibration"
                 if self.shared
                 else "no documents shared with the other role"
             ),

@@ -7,7 +7,7 @@ What can be gated:
   and every export by its name (each on its format's runtime: GGUF on llama.cpp, ONNX on ONNX Runtime; checkpoint exports hold
   the same records and read the ``compressed`` evaluation). The baseline defaults to the run's
   model source, and the evaluation text to the run's (same holdout split);
-* a file or folder an export format recognizes (its spec's ``recognizes``: a GGUF file for
+* a file or folder an export format recognizes (its ExportFormat's ``recognizes``: a GGUF file for
   llama.cpp, an ONNX Runtime GenAI folder with genai_config.json) or a Hugging Face
   model folder (torch): gated as ``compressed``; accuracy gates need ``--baseline``.
 """
@@ -98,7 +98,7 @@ class Subject:
     kind: str  # artifact | hf | the export format of a bare file or folder
     timed: list[Timed]
     baseline_source: str | None
-    data: dict[str, Any] | None  # the run's data spec (artifact directories)
+    data: dict[str, Any] | None  # the run's data config (artifact directories)
     base_dir: Path
     stand_ins: list[str]  # checkpoint exports that hold the compressed records
     stages: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)  # (label, summary) from the manifest
@@ -197,18 +197,18 @@ def run_gate(
     threads: int | None,
     reporter: Reporter,
 ) -> GateRun:
-    spec = load_gates_file(gates_file)
+    gates_cfg = load_gates_file(gates_file)
     # --device: the device of the gates that take one (latency and memory metrics) and name none
     gates = [
         g.model_copy(update={"device": device}) if device is not None and g.device is None and g.metric in DEVICE_METRICS else g
-        for g in spec.gates
+        for g in gates_cfg.gates
     ]
     subject = inspect(artifact)
     names = {t.name for t in subject.timed} | set(subject.stand_ins) | {"baseline"}
     for i, g in enumerate(gates):
         if g.artifact not in names:
             raise CompressError(f"{gates_file}: gates[{i}].artifact '{g.artifact}' is not in {artifact}; known: {', '.join(sorted(names))}")
-    profiles = load_profiles(list(devices_files), [p.model_dump() for p in spec.devices])
+    profiles = load_profiles(list(devices_files), [p.model_dump() for p in gates_cfg.devices])
     for g in gates:
         if g.device is not None and g.device != LOCAL:
             get_profile(profiles, g.device)  # an unknown name fails here, before any work, with the known names
@@ -218,7 +218,7 @@ def run_gate(
     started = time.perf_counter()
     needs_accuracy = sorted({g.metric for g in gates if g.metric in ACCURACY_METRICS and g.task is None})
     task_gates = [g for g in gates if g.task is not None]
-    time_baseline = baseline_timed(spec.latency, gates)
+    time_baseline = baseline_timed(gates_cfg.latency, gates)
     baseline_source = baseline or subject.baseline_source
     if baseline_source is None and (needs_accuracy or time_baseline or task_gates):
         why = (
@@ -239,10 +239,10 @@ def run_gate(
     prompts = None
     if needs_accuracy:
         assert lm is not None
-        evaluations, eval_facts, prompts = _accuracy(subject, wanted, lm, spec, threads, reporter)
+        evaluations, eval_facts, prompts = _accuracy(subject, wanted, lm, gates_cfg, threads, reporter)
     if task_gates:
         assert lm is not None
-        evaluations += _tasks(subject, task_gates, lm, spec, gates_file.parent, threads, reporter)
+        evaluations += _tasks(subject, task_gates, lm, gates_cfg, gates_file.parent, threads, reporter)
     timed = [t for t in subject.timed if t.name in wanted]
     if time_baseline:
         from compress.steps.load import baseline_directory
@@ -252,14 +252,14 @@ def run_gate(
     host = None
     settings = None
     measured: list[Evaluation] = []
-    if spec.latency is not None:
-        lat = spec.latency
+    if gates_cfg.latency is not None:
+        lat = gates_cfg.latency
         settings = LatencySettings(lat.prompt_tokens, lat.output_tokens, tuple(lat.batch_sizes), lat.warmup, lat.repeats, threads)
         if prompts is None or prompts.shape[1] < lat.prompt_tokens:  # no evaluation text was tokenized: seeded random ids
             prompts = np.random.default_rng(0).integers(10, 256, size=(max(lat.batch_sizes), lat.prompt_tokens))
         measured, host = measure_all(timed, settings, prompts, reporter)
         evaluations += measured
-    devices = wanted_devices(spec.latency, spec.targets, gates)
+    devices = wanted_devices(gates_cfg.latency, gates_cfg.targets, gates)
     if devices:
         evaluations += device_evaluations(profiles, devices, timed, measured, settings, _params(timed))
     compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind in ("accuracy", "task")]
@@ -295,18 +295,18 @@ def _open_forward(target: Any, seq_len: int, threads: int) -> tuple[Any, Any] | 
 
 
 def _accuracy(
-    subject: Subject, wanted: set[str], lm: Any, spec: GatesFile, threads: int, reporter: Reporter
+    subject: Subject, wanted: set[str], lm: Any, gates_cfg: GatesFile, threads: int, reporter: Reporter
 ) -> tuple[list[Evaluation], dict[str, Any], Any]:
     """The baseline and every wanted artifact on the evaluation text, each on its runtime."""
-    if spec.data is not None:
-        data_spec = spec.data
+    if gates_cfg.data is not None:
+        data_cfg = gates_cfg.data
     elif subject.data is not None and subject.data.get("evaluation"):
-        data_spec = DataConfig.model_validate(subject.data)
+        data_cfg = DataConfig.model_validate(subject.data)
     else:
-        data_spec = DataConfig(evaluation=DEFAULT_EVALUATION)
-    if data_spec.evaluation is None:
+        data_cfg = DataConfig(evaluation=DEFAULT_EVALUATION)
+    if data_cfg.evaluation is None:
         raise CompressError("the gates file's data has no evaluation text")
-    chunks = DataPlan.load(data_spec, subject.base_dir, reporter).chunks("evaluation", lm.tokenizer)
+    chunks = DataPlan.load(data_cfg, subject.base_dir, reporter).chunks("evaluation", lm.tokenizer)
     cpu = torch.device("cpu")
     candidates: dict[str, Any] = {}
     closers = []
@@ -323,7 +323,7 @@ def _accuracy(
         if close is not None:
             closers.append(close)
         details[item.name] = {"runtime": target.runtime, "path": target.path}
-    min_context = data_spec.evaluation.min_context
+    min_context = data_cfg.evaluation.min_context
     try:
         metrics = compare(torch_forward(lm.model, cpu), candidates, chunks.tokens, min_context, progress=reporter.track)
     finally:
@@ -340,7 +340,7 @@ def _accuracy(
 
 
 def _tasks(
-    subject: Subject, gates: list[GateConfig], lm: Any, spec: GatesFile, base_dir: Path, threads: int, reporter: Reporter
+    subject: Subject, gates: list[GateConfig], lm: Any, gates_cfg: GatesFile, base_dir: Path, threads: int, reporter: Reporter
 ) -> list[Evaluation]:
     """The tasks the gates name, on every artifact they gate (a checkpoint export on the compressed
     model, whose records it holds) and on the baseline when a gate compares with it, each artifact
@@ -352,9 +352,9 @@ def _tasks(
     from compress.steps.tasks import score_tasks
 
     names = {g.task for g in gates}
-    specs = [t for t in spec.tasks if t.name in names]
-    with reporter.status(f"reading the questions of {len(specs)} task(s)"):
-        data = [load_task(t, base_dir, reporter) for t in specs]
+    tasks = [t for t in gates_cfg.tasks if t.name in names]
+    with reporter.status(f"reading the questions of {len(tasks)} task(s)"):
+        data = [load_task(t, base_dir, reporter) for t in tasks]
     wanted = {"compressed" if g.artifact in subject.stand_ins else g.artifact for g in gates}
     if any(g.threshold_kind in BASELINE_THRESHOLDS for g in gates):
         wanted.add("baseline")
@@ -374,7 +374,7 @@ def _tasks(
                     reporter.warn(f"tasks: {artifact} has no runtime that scores log-likelihoods here; its task accuracy is not measured")
                     continue
                 forward, close = found
-            jobs = [(t, d) for t, d in zip(specs, data, strict=True) if t.artifacts is None or artifact in t.artifacts]
+            jobs = [(t, d) for t, d in zip(tasks, data, strict=True) if t.artifacts is None or artifact in t.artifacts]
             try:
                 evaluations += score_tasks(
                     forward, jobs, files, Path(tmp) / "cache", lm.tokenizer, subject.seed, reporter.track, artifact, runtime, "cpu"

@@ -9,7 +9,7 @@ These checks read only headers and small JSON files, so they are cheap, and they
 * ``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``:
   valid UTF-8 JSON objects (config.json with a ``model_type``, finite numbers and positive sizes:
   ``compress.integrity.check_config_values``);
-* an export format's own files (a GGUF file, an ONNX model): its spec's ``check_input``
+* an export format's own files (a GGUF file, an ONNX model): its ExportFormat's ``check_input``
   (export/<format>/inputs.py), found through compress.plugins.EXPORT_FORMATS.
 """
 

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from compress.eval.reports import runtime_on_device, table_lines
-from compress.export.checkpoint.spec import COMPRESSED_TENSORS  # the format of model/ (compress.artifact.write_model)
+from compress.export.checkpoint.plugin import COMPRESSED_TENSORS  # the format of model/ (compress.artifact.write_model)
 from compress.plugins import EXPORT_FORMATS
 
 COMPRESSED_RUNTIME = "compress (`compress gate`, `load_artifact`) on torch"
@@ -187,10 +187,10 @@ def _data(manifest: dict[str, Any]) -> list[str]:
     data = manifest.get("data") or {}
     rows = []
     for role in ("calibration", "evaluation"):
-        spec = data.get(role)
-        if spec:
-            digest = spec.get("tokens_sha256") or spec.get("documents_sha256") or "not recorded"
-            rows.append([role, _cell(spec.get("source")), f"`{digest[:16]}…`", _data_license(spec.get("source"))])
+        entry = data.get(role)
+        if entry:
+            digest = entry.get("tokens_sha256") or entry.get("documents_sha256") or "not recorded"
+            rows.append([role, _cell(entry.get("source")), f"`{digest[:16]}…`", _data_license(entry.get("source"))])
     if not rows:
         return []
     return ["## Data", ""] + table_lines(["role", "source", "SHA-256", "license"], rows)
@@ -203,9 +203,9 @@ def model_card(manifest: dict[str, Any], report: dict[str, Any], name: str, size
     model = manifest.get("model", {})
     licenses = [f"- Model: {model.get('license') or 'not recorded'} (from {model.get('source', '?')})"]
     for role in ("calibration", "evaluation"):
-        spec = (manifest.get("data") or {}).get(role)
-        if spec:
-            licenses.append(f"- {role.capitalize()} text: {_data_license(spec.get('source'))} (from {spec.get('source')})")
+        entry = (manifest.get("data") or {}).get(role)
+        if entry:
+            licenses.append(f"- {role.capitalize()} text: {_data_license(entry.get('source'))} (from {entry.get('source')})")
     lines = [
         f"# {name}",
         "",

@@ -1,7 +1,7 @@
 """Load the recipe's model: a Hugging Face directory, a cached Hugging Face id, a GGUF file,
 or a reference asset. Never downloads: hub ids resolve from the local cache only.
 
-A file of an export format that can be a model source (a GGUF file: its spec's ``load_source``,
+A file of an export format that can be a model source (a GGUF file: its ExportFormat's ``load_source``,
 export/gguf/source.py) is loaded by that format; quantized checkpoints by our importers
 (export/checkpoint/readers.py).
 """
@@ -52,14 +52,14 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_model(spec: ModelConfig, base_dir: Path, reporter: Reporter | None = None) -> LoadedModel:
+def load_model(model_cfg: ModelConfig, base_dir: Path, reporter: Reporter | None = None) -> LoadedModel:
     reporter = reporter or Reporter()
     _quiet_transformers()
-    source = spec.source
+    source = model_cfg.source
     asset = assets.ensure_reference(source, "model", reporter)
     if asset is not None:
         if asset.hf_directory:
-            loaded = from_hf_dir(asset.path, spec, reporter, kind="huggingface-directory", source=source)
+            loaded = from_hf_dir(asset.path, model_cfg, reporter, kind="huggingface-directory", source=source)
             changed = asset.changed(loaded.facts["files"])  # the digests the loader measured anyway
             if changed:
                 raise AssetError(
@@ -68,26 +68,26 @@ def load_model(spec: ModelConfig, base_dir: Path, reporter: Reporter | None = No
                 )
         else:
             file, fmt = next((f, fmt) for f in asset.files if (fmt := source_format(f)) is not None)
-            loaded = fmt.load_source(file, spec, reporter, from_hf_dir)
+            loaded = fmt.load_source(file, model_cfg, reporter, from_hf_dir)
         loaded.facts.update(source=source, reference_asset=asset.meta["origin"], license=asset.meta["license"])
         return loaded
     path = Path(source).expanduser()
     if not path.is_absolute():
         path = base_dir / path
     if path.is_file() and (fmt := source_format(path)) is not None:
-        return fmt.load_source(path, spec, reporter, from_hf_dir)
+        return fmt.load_source(path, model_cfg, reporter, from_hf_dir)
     if path.is_file():
         raise ModelLoadError(f"model.source {source}: a file must be a .gguf; for Hugging Face models give the directory")
     if path.is_dir():
-        return from_hf_dir(path, spec, reporter, kind="huggingface-directory", source=source)
+        return from_hf_dir(path, model_cfg, reporter, kind="huggingface-directory", source=source)
     if HUB_ID.fullmatch(source):
-        return _from_hub_cache(source, spec, reporter)
+        return _from_hub_cache(source, model_cfg, reporter)
     raise ModelLoadError(
         f"model.source '{source}' is not a directory, a .gguf file, a reference:<name>, or a Hugging Face id (looked for {path})"
     )
 
 
-def _from_hub_cache(repo_id: str, spec: ModelConfig, reporter: Reporter) -> LoadedModel:
+def _from_hub_cache(repo_id: str, model_cfg: ModelConfig, reporter: Reporter) -> LoadedModel:
     from huggingface_hub import constants, snapshot_download
 
     cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read now, not at import
@@ -98,10 +98,10 @@ def _from_hub_cache(repo_id: str, spec: ModelConfig, reporter: Reporter) -> Load
             f"'{repo_id}' is not in the local Hugging Face cache ({cache_dir}). compress never downloads "
             "models at run time: put the model in that cache on a connected machine, or give its directory."
         ) from exc
-    return from_hf_dir(local, spec, reporter, kind="huggingface-cache", source=repo_id)
+    return from_hf_dir(local, model_cfg, reporter, kind="huggingface-cache", source=repo_id)
 
 
-def from_hf_dir(path: Path, spec: ModelConfig, reporter: Reporter, kind: str, source: str) -> LoadedModel:
+def from_hf_dir(path: Path, model_cfg: ModelConfig, reporter: Reporter, kind: str, source: str) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (path / "config.json").is_file():
@@ -111,16 +111,16 @@ def from_hf_dir(path: Path, spec: ModelConfig, reporter: Reporter, kind: str, so
     pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not weights and not pickles:
         raise ModelLoadError(f"{path} has no weight files (*.safetensors)")
-    if not weights and not spec.allow_pickle:
+    if not weights and not model_cfg.allow_pickle:
         raise ModelLoadError(
             f"{path} holds only pickle checkpoints ({pickles[0].name}); loading pickle can run arbitrary code. "
             "Convert it to safetensors, or set model.allow_pickle: true if you trust its origin."
         )
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a config it cannot use
         raise ModelLoadError(f"{path / 'config.json'}: transformers cannot use it ({type(exc).__name__}: {str(exc)[:300]})") from None
-    if getattr(config, "auto_map", None) and not spec.trust_remote_code:
+    if getattr(config, "auto_map", None) and not model_cfg.trust_remote_code:
         raise ModelLoadError(
             f"{path} ships its own Python code (auto_map in config.json). It is not run unless the recipe sets "
             "model.trust_remote_code: true."
@@ -129,11 +129,11 @@ def from_hf_dir(path: Path, spec: ModelConfig, reporter: Reporter, kind: str, so
 
     checkpoint_format = detect_format(path)
     if checkpoint_format is not None:
-        return _from_quantized_dir(path, spec, reporter, kind, source, checkpoint_format.name)
+        return _from_quantized_dir(path, model_cfg, reporter, kind, source, checkpoint_format.name)
     with reporter.status(f"opening model {source} (weights stay on disk; one block at a time is read)"):
         try:
-            model, how = open_streamed(path, config, spec, weights)
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+            model, how = open_streamed(path, config, model_cfg, weights)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True)
         except ModelLoadError:
             raise
         except Exception as exc:  # OSError, ValueError, KeyError, safetensors' and tokenizers' own errors …
@@ -190,24 +190,24 @@ def stream_units(model: Any) -> list[str]:
     return found
 
 
-def open_streamed(path: Path, config: Any, spec: ModelConfig, weights: list[Path]) -> tuple[Any, str]:
+def open_streamed(path: Path, config: Any, model_cfg: ModelConfig, weights: list[Path]) -> tuple[Any, str]:
     """The model built on the meta device (no weights in memory) and streamed from its safetensors
-    files, in ``spec.dtype`` (``auto``: the dtype the checkpoint stores). A checkpoint whose tensor
+    files, in ``model_cfg.dtype`` (``auto``: the dtype the checkpoint stores). A checkpoint whose tensor
     names are not the model's (one transformers converts while loading) is loaded whole once and
     written to the run's overlay, and streamed from there. Returns the model and how it was opened."""
     import torch
 
     from compress import integrity, streaming
 
-    dtype = getattr(torch, stored_dtype(weights) if spec.dtype == "auto" else spec.dtype)
+    dtype = getattr(torch, stored_dtype(weights) if model_cfg.dtype == "auto" else model_cfg.dtype)
     if not weights:  # pickle checkpoints (allow_pickle): no memory map; loaded whole, then streamed from the overlay
-        return _spilled(path, config, spec, dtype, weights), "loaded whole (pickle checkpoint), streamed from the work directory"
+        return _spilled(path, config, model_cfg, dtype, weights), "loaded whole (pickle checkpoint), streamed from the work directory"
     config_path = path / "config.json"
     stored = integrity.stored_entries({file: streaming.safetensors_header(file)[0] for file in weights})
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int):
         integrity.check_block_count(layers, stored, config_path)  # before building: 10⁹ blocks are refused at once
-    model = skeleton(config, dtype, spec.trust_remote_code, config_path)
+    model = skeleton(config, dtype, model_cfg.trust_remote_code, config_path)
     if isinstance(layers, int):
         integrity.check_block_count(layers, stored, config_path, blocks_name(model))
     source = {key: (entry.file, key) for key, entry in stored.items()}
@@ -224,7 +224,7 @@ def open_streamed(path: Path, config: Any, spec: ModelConfig, weights: list[Path
     if absent and set(source) <= set(needed) | set(aliases):  # nothing stored under other names: truly missing
         integrity.refuse_missing(absent, _weights_where(weights), config_path)
     if absent:
-        return _spilled(path, config, spec, dtype, weights), (
+        return _spilled(path, config, model_cfg, dtype, weights), (
             f"loaded whole once (the checkpoint names its tensors differently, e.g. {absent[0]}), streamed from the work directory"
         )
     integrity.check_stored(needed, stored, config.to_dict(), config_path)
@@ -252,7 +252,7 @@ def _weights_where(weights: list[Path]) -> str:
     return str(weights[0]) if len(weights) == 1 else f"the {len(weights)} weight files in {weights[0].parent}"
 
 
-def _spilled(path: Path, config: Any, spec: ModelConfig, dtype: Any, weights: list[Path]) -> Any:
+def _spilled(path: Path, config: Any, model_cfg: ModelConfig, dtype: Any, weights: list[Path]) -> Any:
     """Load through transformers (which renames and converts tensors as the model needs), then write
     every unit to an overlay and stream from it."""
     import torch
@@ -260,7 +260,7 @@ def _spilled(path: Path, config: Any, spec: ModelConfig, dtype: Any, weights: li
     from compress import integrity, streaming
 
     model = integrity.from_pretrained_checked(
-        path, dtype=dtype, trust_remote_code=spec.trust_remote_code, use_safetensors=bool(weights), local_files_only=True
+        path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, use_safetensors=bool(weights), local_files_only=True
     )
     model.eval().requires_grad_(False)
     store = streaming.TensorStore({})
@@ -272,7 +272,7 @@ def _spilled(path: Path, config: Any, spec: ModelConfig, dtype: Any, weights: li
     return model
 
 
-def _from_quantized_dir(path: Path, spec: ModelConfig, reporter: Reporter, kind: str, source: str, fmt: str) -> LoadedModel:
+def _from_quantized_dir(path: Path, model_cfg: ModelConfig, reporter: Reporter, kind: str, source: str, fmt: str) -> LoadedModel:
     """A quantized checkpoint through our importer: records plus their dequantized float model
     (never re-quantized, never through transformers' quantizer backends)."""
     import torch
@@ -280,11 +280,11 @@ def _from_quantized_dir(path: Path, spec: ModelConfig, reporter: Reporter, kind:
 
     from compress.export.checkpoint.readers import import_checkpoint
 
-    dtype = "float32" if spec.dtype == "auto" else spec.dtype  # the records' dequantized values, exactly
+    dtype = "float32" if model_cfg.dtype == "auto" else model_cfg.dtype  # the records' dequantized values, exactly
     with reporter.status(f"importing {fmt} checkpoint {source} (dequantizing its records, {dtype})"):
-        imported = import_checkpoint(path, getattr(torch, dtype), spec.trust_remote_code)
+        imported = import_checkpoint(path, getattr(torch, dtype), model_cfg.trust_remote_code)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"transformers could not load the tokenizer of {path}: {exc}") from exc
     meta = [p for p in (path / "config.json", path / "quantize_config.json") if p.is_file()]

@@ -1,10 +1,10 @@
-"""The spec types of the plugin tables in compress.plugins: what a quantization method and a
-stage kind must say about themselves. Torch-free: a spec names its stage class through a loader
+"""The types of the plugin objects in compress.plugins: what a quantization method and a
+stage kind must say about themselves. Torch-free: a plugin object names its stage class through a loader
 that imports it when a run builds the stage, so reading the tables (``compress validate``,
 ``compress plan``) never imports torch through them.
 
-Kept apart from compress.plugins so that a spec module (quantizers/specs.py, pruning/spec.py, ...)
-can import these types while compress.plugins imports the spec objects.
+Kept apart from compress.plugins so that a plugin module (quantizers/plugin.py, pruning/plugin.py, ...)
+can import these types while compress.plugins imports the plugin objects.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class StageKind:
     """One line for people: what the stage does."""
     streams: bool | Callable[[Any], bool] = False
     """True: the stage works on a streamed model one unit at a time (for ``quantize``: when its
-    method's spec streams); False: the run reads the whole model into memory before the stage; or a
+    method streams); False: the run reads the whole model into memory before the stage; or a
     function of the stage's config saying which (prune: unless it cuts embedding channels)."""
     quantizes_weights: bool = False
     """True: the config is a ``WeightQuantConfig`` (``targets``, ``ignore``, ``scheme()``,

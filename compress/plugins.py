@@ -1,15 +1,15 @@
-"""The plugin tables: explicit dicts from a recipe name to the spec that answers every
+"""The plugin tables: explicit dicts from a recipe name to the plugin object that answers every
 per-kind question (validate, plan, run, export, verify, time, size, model-card text).
 
 Three tables live here: quantization methods (``QUANT_METHODS``), stage kinds
-(``STAGE_KINDS``) and export formats (``EXPORT_FORMATS``). Code asks the spec; it never
+(``STAGE_KINDS``) and export formats (``EXPORT_FORMATS``). Code asks the plugin object; it never
 switches on the name. A name missing from its table is an error that says which names are
 known (in a recipe, a validation error naming the recipe key: the recipe model's stage keys,
 ``quantize:`` union and ``exports`` union are made from these tables, compress.recipe.recipe_model).
-Adding a method, stage kind or format is one module or package (its config, code and spec) and one
+Adding a method, stage kind or format is one module or package (its config, code and plugin object) and one
 entry here; nothing is discovered by walking packages (tests/test_plugin_entries.py).
 
-Torch-free: specs name their implementations through loaders that import them when a run
+Torch-free: plugin objects name their implementations through loaders that import them when a run
 needs them (`compress validate` and `import compress` stay light; tests/test_schema.py checks).
 """
 
@@ -18,17 +18,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.distill.spec import DISTILL
+from compress.distill.plugin import DISTILL
 from compress.errors import CompressError
-from compress.export.checkpoint.spec import COMPRESSED_TENSORS
-from compress.export.checkpoint.spec import GPTQ as GPTQ_CHECKPOINT
+from compress.export.checkpoint.plugin import COMPRESSED_TENSORS
+from compress.export.checkpoint.plugin import GPTQ as GPTQ_CHECKPOINT
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME, ExportFormat
-from compress.export.gguf.spec import GGUF
-from compress.export.onnx.spec import ONNX
-from compress.export.tensorrt.spec import TENSORRT
+from compress.export.gguf.plugin import GGUF
+from compress.export.onnx.plugin import ONNX
+from compress.export.tensorrt.plugin import TENSORRT
 from compress.plugin_types import QuantMethod, StageKind
-from compress.pruning.spec import PRUNE
-from compress.quantizers.specs import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, quantize_kind
+from compress.pruning.plugin import PRUNE
+from compress.quantizers.plugin import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, quantize_kind
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -77,30 +77,30 @@ def _where(label: str) -> str:
 
 
 def quant_method(name: str, label: str = "") -> QuantMethod:
-    """The spec of quantization method ``name``; an unregistered name is a CompressError naming the known ones."""
-    spec = QUANT_METHODS.get(name)
-    if spec is None:
+    """Quantization method ``name``; an unregistered name is a CompressError naming the known ones."""
+    method = QUANT_METHODS.get(name)
+    if method is None:
         raise CompressError(
             f"{_where(label)}quantization method '{name}' is not registered in compress.plugins.QUANT_METHODS; "
             f"known: {', '.join(QUANT_METHODS) or '(none)'}"
         )
-    return spec
+    return method
 
 
 def stage_kind(name: str, label: str = "") -> StageKind:
-    """The spec of stage kind ``name``; an unregistered name is a CompressError naming the known ones."""
-    spec = STAGE_KINDS.get(name)
-    if spec is None:
+    """Stage kind ``name``; an unregistered name is a CompressError naming the known ones."""
+    kind = STAGE_KINDS.get(name)
+    if kind is None:
         raise CompressError(
             f"{_where(label)}stage kind '{name}' is not registered in compress.plugins.STAGE_KINDS; "
             f"known: {', '.join(STAGE_KINDS) or '(none)'}"
         )
-    return spec
+    return kind
 
 
 def stage_streams(stage: Any) -> bool:
     """Whether a recipe stage works on a streamed model one unit at a time (for ``quantize``: when
-    its method's spec streams); else the run reads the whole model into memory before it."""
+    its method streams); else the run reads the whole model into memory before it."""
     kind = stage_kind(stage.kind)
     if kind.quantizes_weights:
         return kind.streams and method_streams(stage.config)
@@ -109,17 +109,17 @@ def stage_streams(stage: Any) -> bool:
 
 def method_streams(config: Any) -> bool:
     """Whether a weight-quantization method's stage with ``config`` works on a streamed model (its
-    spec's ``streams``); else it needs the whole model in memory (e.g. ``backend: llmcompressor``)."""
+    QuantMethod's ``streams``); else it needs the whole model in memory (e.g. ``backend: llmcompressor``)."""
     streams = quant_method(config.method).streams
     return streams(config) if callable(streams) else streams
 
 
 def export_format(name: str) -> ExportFormat:
-    """The spec of export format ``name``; an unregistered name is a CompressError naming the known ones."""
-    spec = EXPORT_FORMATS.get(name)
-    if spec is None:
+    """Export format ``name``; an unregistered name is a CompressError naming the known ones."""
+    fmt = EXPORT_FORMATS.get(name)
+    if fmt is None:
         raise CompressError(f"export format '{name}' is not available; available: {', '.join(EXPORT_FORMATS)}")
-    return spec
+    return fmt
 
 
 def source_format(path: Path) -> ExportFormat | None:

@@ -118,7 +118,7 @@ def stage_model() -> type[StageConfig]:
 
 
 def _tables() -> tuple[tuple, tuple, tuple]:
-    methods = tuple((name, spec.config) for name, spec in QUANT_METHODS.items())
+    methods = tuple((name, method.config) for name, method in QUANT_METHODS.items())
     kinds = tuple((name, kind.config, kind.quantizes_weights) for name, kind in STAGE_KINDS.items())
     formats = tuple((name, fmt.config) for name, fmt in EXPORT_FORMATS.items())
     return methods, kinds, formats

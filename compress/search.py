@@ -45,16 +45,16 @@ class Candidate:
 
 def expand(loaded: LoadedRecipe) -> list[Candidate]:
     """Every combination of the search values as a validated recipe, smallest expected size first."""
-    spec = loaded.recipe.search
-    if spec is None:
+    search = loaded.recipe.search
+    if search is None:
         raise CompressError(f"{loaded.path}: no search block")
     data, lines = parse_yaml(loaded.text, str(loaded.path))
     data.pop("search")
     for item in loaded.overrides:
         apply_override(data, item, lines)
-    keys = list(spec.variants)
+    keys = list(search.variants)
     candidates = []
-    for values in itertools.product(*(spec.variants[k] for k in keys)):
+    for values in itertools.product(*(search.variants[k] for k in keys)):
         overrides = [f"{k}={json.dumps(v)}" for k, v in zip(keys, values, strict=True)]
         variant = copy.deepcopy(data)
         for item in overrides:
@@ -82,7 +82,7 @@ def bits_per_weight(recipe: Recipe) -> float:
 
 
 def _cost(recipe: Recipe) -> int:
-    """Run cheaper methods first among candidates of equal expected size (each method spec's ``cost``)."""
+    """Run cheaper methods first among candidates of equal expected size (each QuantMethod's ``cost``)."""
     return sum(quant_method(st.config.method).cost for st in recipe.stages if stage_kind(st.kind).quantizes_weights)
 
 
@@ -120,8 +120,8 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
     from compress.pipeline import run_recipe
     from compress.schema.report import REPORT_VERSION, Report
 
-    spec = loaded.recipe.search
-    assert spec is not None
+    search = loaded.recipe.search
+    assert search is not None
     candidates = expand(loaded)
     out_dir = Path(out_dir)
     claim_directory(out_dir, SEARCH, overwrite, resume=True)  # a search of ours resumes; anything else as any output
@@ -161,7 +161,7 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
             gates_failed=[g["name"] for g in report["gates"] if not g["passed"]],
         )
         rows.append(row)
-        if spec.stop_at_first_pass and report["passed"]:
+        if search.stop_at_first_pass and report["passed"]:
             break
     for cand in candidates[len(rows) :]:
         rows.append(
@@ -188,7 +188,7 @@ def run_search(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: R
             "candidates": rows,
             "chosen": chosen["name"] if chosen else None,
             "chosen_path": chosen["path"] if chosen else None,
-            "stop_at_first_pass": spec.stop_at_first_pass,
+            "stop_at_first_pass": search.stop_at_first_pass,
             "order": f"expected bits per weight, then method cost ({', '.join(sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost))})",
             "size": "the first export's files, else model/'s weights as a packed checkpoint stores them, MiB",
         },

@@ -8,7 +8,7 @@ The page is generated from ``compress.recipe.recipe_model().model_json_schema()`
 the discriminated unions of quantize methods and export formats): one row per field with its
 dotted key path, type, default and description. Its last section lists the names the plugin
 tables register (compress.plugins: QUANT_METHODS, STAGE_KINDS, EXPORT_FORMATS), one line each
-from the spec's ``description``, since recipe validation looks those names up in the tables and
+from the plugin object's ``description``, since recipe validation looks those names up in the tables and
 the schema does not list them all. tests/test_docs.py regenerates the page in memory and fails
 when the committed file differs.
 """
@@ -247,7 +247,7 @@ NAMES_TITLE = "Names from the plugin tables"
 NAMES_INTRO = (
     "Recipe validation looks these names up in the tables of `compress/plugins.py` (`QUANT_METHODS`, `STAGE_KINDS`, "
     "`EXPORT_FORMATS`); a name missing from its table is an error that lists the known ones. The tables above show the "
-    "fields of the built-in methods and formats. Each line is the spec's `description`."
+    "fields of the built-in methods and formats. Each line is the plugin object's `description`."
 )
 
 
@@ -261,9 +261,9 @@ def plugin_names() -> list[str]:
 
     lines = [f"## {NAMES_TITLE}\n", NAMES_INTRO + "\n"]
     lines += ["### Quantization methods\n", "`stages[].quantize.method`:\n"]
-    lines += [item(name, spec.description) for name, spec in QUANT_METHODS.items()] + [""]
+    lines += [item(name, method.description) for name, method in QUANT_METHODS.items()] + [""]
     lines += ["### Stage kinds\n", "The key of a `stages[]` item:\n"]
-    lines += [item(name, spec.description) for name, spec in STAGE_KINDS.items()] + [""]
+    lines += [item(name, kind.description) for name, kind in STAGE_KINDS.items()] + [""]
     lines += [
         "### Export formats\n",
         "`exports[].format`, and the format and runtime a device profile lists for the export to run there:\n",

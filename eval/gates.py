@@ -30,10 +30,10 @@ class GateResult:
         return asdict(self)
 
 
-def evaluate_gates(specs: list[GateConfig], evaluations: list[Evaluation]) -> list[GateResult]:
+def evaluate_gates(gates: list[GateConfig], evaluations: list[Evaluation]) -> list[GateResult]:
     """Check each gate against the evaluation of its artifact, metric and device (relative gates
     compare with the baseline's value of the same metric)."""
-    return [_check(spec, evaluations) for spec in specs]
+    return [_check(gate, evaluations) for gate in gates]
 
 
 def find_evaluation(
@@ -61,36 +61,36 @@ def _missing(
     )
 
 
-def _check(spec: GateConfig, evaluations: list[Evaluation]) -> GateResult:
-    kind, value_t = spec.threshold_kind, spec.threshold_value
-    ev = find_evaluation(evaluations, spec.artifact, spec.metric, spec.device, spec.task)
+def _check(gate: GateConfig, evaluations: list[Evaluation]) -> GateResult:
+    kind, value_t = gate.threshold_kind, gate.threshold_value
+    ev = find_evaluation(evaluations, gate.artifact, gate.metric, gate.device, gate.task)
     threshold: dict[str, Any] = {"kind": kind, "value": value_t}
-    base = dict(name=spec.display_name, metric=spec.metric, artifact=spec.artifact, on=spec.on)
+    base = dict(name=gate.display_name, metric=gate.metric, artifact=gate.artifact, on=gate.on)
     if ev is None:
-        where = f" on device '{spec.device}'" if spec.device not in (None, LOCAL) else ""
-        where += f" on task '{spec.task}'" if spec.task else ""
-        return _missing(base, threshold, None, spec.device, f"no measurement of {spec.metric} for artifact '{spec.artifact}'{where}")
-    value = float(ev.metrics[spec.metric])
-    what = spec.metric
-    if spec.on != "value":
-        interval = (ev.intervals or {}).get(spec.metric)
+        where = f" on device '{gate.device}'" if gate.device not in (None, LOCAL) else ""
+        where += f" on task '{gate.task}'" if gate.task else ""
+        return _missing(base, threshold, None, gate.device, f"no measurement of {gate.metric} for artifact '{gate.artifact}'{where}")
+    value = float(ev.metrics[gate.metric])
+    what = gate.metric
+    if gate.on != "value":
+        interval = (ev.intervals or {}).get(gate.metric)
         if interval is None:
             return _missing(
                 base,
                 threshold,
                 ev,
                 ev.device,
-                f"{spec.metric} of '{spec.artifact}' has no interval (it needs at least 2 evaluation sequences)",
+                f"{gate.metric} of '{gate.artifact}' has no interval (it needs at least 2 evaluation sequences)",
             )
-        value = float(interval["lower" if spec.on == "lower_95" else "upper"])
-        what = f"{spec.metric} {spec.on} ({interval['level']:.0%} interval over {interval['samples']} samples)"
+        value = float(interval["lower" if gate.on == "lower_95" else "upper"])
+        what = f"{gate.metric} {gate.on} ({interval['level']:.0%} interval over {interval['samples']} samples)"
     if kind in ("max", "min"):
         limit = value_t
     else:
-        reference_ev = find_evaluation(evaluations, "baseline", spec.metric, spec.device, spec.task)
+        reference_ev = find_evaluation(evaluations, "baseline", gate.metric, gate.device, gate.task)
         if reference_ev is None:
-            return _missing(base, threshold, ev, ev.device, f"{kind} needs the baseline's {spec.metric}, which was not measured", value)
-        reference = float(reference_ev.metrics[spec.metric])
+            return _missing(base, threshold, ev, ev.device, f"{kind} needs the baseline's {gate.metric}, which was not measured", value)
+        reference = float(reference_ev.metrics[gate.metric])
         sign = 1 if kind.startswith("max_increase") else -1
         limit = reference * (1 + sign * value_t / 100) if kind.endswith("_pct") else reference + sign * value_t
         threshold["baseline"] = reference
@@ -99,7 +99,7 @@ def _check(spec: GateConfig, evaluations: list[Evaluation]) -> GateResult:
     passed = not math.isnan(value) and (value <= limit if upper else value >= limit)
     relation = "<=" if upper else ">="
     message = f"{what} = {value:.6g} {'meets' if passed else 'violates'} {relation} {limit:.6g}"
-    if METRICS[spec.metric].better == "higher" and upper or METRICS[spec.metric].better == "lower" and not upper:
+    if METRICS[gate.metric].better == "higher" and upper or METRICS[gate.metric].better == "lower" and not upper:
         message += " (note: this bound runs against the metric's better direction)"
     return GateResult(
         **base, value=value, threshold=threshold, passed=passed, source=ev.source, runtime=ev.runtime, device=ev.device, message=message

@@ -36,7 +36,7 @@ def device_name(device: str) -> str:
 
 @functools.cache
 def runtime_build(runtime: str, device: str) -> dict[str, str]:
-    """The runtime's build (its format spec's ``runtime_build``; torch and transformers for the
+    """The runtime's build (its ExportFormat's ``runtime_build``; torch and transformers for the
     in-memory model) and the device, for the evaluation measured on them."""
     formats = [f for f in EXPORT_FORMATS.values() if f.runtime == runtime and f.own_runtime]
     # the in-memory model (torch) and formats without a runtime of their own run in torch + transformers

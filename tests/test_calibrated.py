@@ -344,7 +344,7 @@ def test_awq_scale_search_covers_the_families_it_is_asked_for() -> None:
 
 
 def test_the_plan_counts_one_hessian_per_distinct_input() -> None:
-    from compress.quantizers.specs import distinct_inputs, hessian_products
+    from compress.quantizers.plugin import distinct_inputs, hessian_products
 
     model = tiny_model("llama", layers=2)
     layers = {

@@ -19,7 +19,7 @@ def tokenizer(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def spec(cal: str | None, ev: str | None, **kw) -> DataConfig:
+def data_config(cal: str | None, ev: str | None, **kw) -> DataConfig:
     data = {}
     if cal:
         data["calibration"] = {"source": cal, "samples": kw.get("cal_samples", 8), "seq_len": 64, "seed": kw.get("cal_seed", 0)}
@@ -29,16 +29,16 @@ def spec(cal: str | None, ev: str | None, **kw) -> DataConfig:
 
 
 def test_chunks_are_deterministic_and_seeded(text_dir: Path, tokenizer) -> None:
-    a = DataPlan.load(spec(None, str(text_dir)), Path.cwd()).chunks("evaluation", tokenizer)
-    b = DataPlan.load(spec(None, str(text_dir)), Path.cwd()).chunks("evaluation", tokenizer)
-    c = DataPlan.load(spec(None, str(text_dir), ev_seed=1), Path.cwd()).chunks("evaluation", tokenizer)
+    a = DataPlan.load(data_config(None, str(text_dir)), Path.cwd()).chunks("evaluation", tokenizer)
+    b = DataPlan.load(data_config(None, str(text_dir)), Path.cwd()).chunks("evaluation", tokenizer)
+    c = DataPlan.load(data_config(None, str(text_dir), ev_seed=1), Path.cwd()).chunks("evaluation", tokenizer)
     assert a.tokens.shape == (8, 64)
     assert a.sha256 == b.sha256
     assert a.sha256 != c.sha256
 
 
 def test_calibration_and_evaluation_text_do_not_overlap(text_dir: Path) -> None:
-    plan = DataPlan.load(spec(str(text_dir), str(text_dir)), Path.cwd())
+    plan = DataPlan.load(data_config(str(text_dir), str(text_dir)), Path.cwd())
     assert len(plan.shared) == 3
     docs = plan.evaluation_source.documents
     cal = set(role_blocks(docs, plan.shared, "calibration", 0.2))
@@ -50,15 +50,15 @@ def test_calibration_and_evaluation_text_do_not_overlap(text_dir: Path) -> None:
 
 
 def test_evaluation_chunks_do_not_depend_on_calibration_settings(text_dir: Path, tokenizer) -> None:
-    a = DataPlan.load(spec(str(text_dir), str(text_dir)), Path.cwd()).chunks("evaluation", tokenizer)
-    b = DataPlan.load(spec(str(text_dir), str(text_dir), cal_seed=7, cal_samples=2), Path.cwd()).chunks("evaluation", tokenizer)
+    a = DataPlan.load(data_config(str(text_dir), str(text_dir)), Path.cwd()).chunks("evaluation", tokenizer)
+    b = DataPlan.load(data_config(str(text_dir), str(text_dir), cal_seed=7, cal_samples=2), Path.cwd()).chunks("evaluation", tokenizer)
     assert a.sha256 == b.sha256
 
 
 def test_unshared_documents_are_used_whole(tmp_path: Path, text_dir: Path) -> None:
     other = tmp_path / "other.txt"
     other.write_text(make_text(99, 40))
-    plan = DataPlan.load(spec(str(other), str(text_dir)), Path.cwd())
+    plan = DataPlan.load(data_config(str(other), str(text_dir)), Path.cwd())
     assert plan.shared == set()
     ev = role_blocks(plan.evaluation_source.documents, plan.shared, "evaluation", 0.2)
     assert len(ev) == sum(len(split_blocks(d.text)) for d in plan.evaluation_source.documents)
@@ -101,7 +101,7 @@ def test_missing_and_empty_sources(tmp_path: Path) -> None:
 
 def test_too_little_text_says_what_to_change(tmp_path: Path, tokenizer) -> None:
     (tmp_path / "small.txt").write_text(make_text(1, 3))
-    plan = DataPlan.load(spec(None, str(tmp_path / "small.txt"), ev_samples=500), Path.cwd())
+    plan = DataPlan.load(data_config(None, str(tmp_path / "small.txt"), ev_samples=500), Path.cwd())
     with pytest.raises(DataError, match=r"500 chunks need .* Lower data.evaluation.samples"):
         plan.chunks("evaluation", tokenizer)
 

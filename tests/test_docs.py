@@ -172,15 +172,15 @@ def test_recipe_field_reference_is_fresh() -> None:
 
 def test_recipe_field_reference_lists_the_plugin_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference lists every registered method, stage kind and export format (one line each, from
-    the spec's description) and the device profile names, generated from the tables themselves."""
+    the plugin object's description) and the device profile names, generated from the tables themselves."""
     from compress.plugins import EXPORT_FORMATS, QUANT_METHODS, STAGE_KINDS
     from tests.fake_format import DESCRIPTION, NPZ_ON_NUMPY
     from tests.halfround import HALFROUND
 
     committed = (DOCS / "reference" / "recipe-fields.md").read_text(encoding="utf-8")
     for table in (QUANT_METHODS, STAGE_KINDS, EXPORT_FORMATS):
-        for name, spec in table.items():
-            assert spec.description and f"- `{name}`: {spec.description}" in committed, name
+        for name, entry in table.items():
+            assert entry.description and f"- `{name}`: {entry.description}" in committed, name
     monkeypatch.setitem(QUANT_METHODS, "halfround", HALFROUND)
     monkeypatch.setitem(EXPORT_FORMATS, "npz", NPZ_ON_NUMPY)
     text = _reference_generator().render()

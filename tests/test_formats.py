@@ -466,7 +466,7 @@ def test_pipeline_rejects_an_impossible_export_before_evaluating(tmp_path: Path,
         ("  - format: gptq\n    name: ../up\n", "export name '../up' must be letters"),
     ],
 )
-def test_export_specs_are_validated(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, exports: str, expected: str) -> None:
+def test_export_configs_are_validated(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, exports: str, expected: str) -> None:
     text = recipe_text(tiny_model_dir, text_dir).replace("exports: []\n", "exports:\n" + exports)
     result = run_cli(["validate", write_recipe(tmp_path, text)])
     assert result.exit_code == 2 and expected in result.output, result.output

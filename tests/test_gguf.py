@@ -24,7 +24,7 @@ from compress.export.gguf.check import check_gguf_records
 from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.layout import ARCHITECTURES, GGUFArch, architecture_of, permute_rows, plan_tensors, resolve_type
 from compress.export.gguf.metadata import pre_tokenizer_name
-from compress.export.gguf.spec import GGUF_FILE
+from compress.export.gguf.plugin import GGUF_FILE
 from compress.export.gguf.writer import write_gguf
 from compress.export.parity import compare_tokenizers, parity_corpus, tokenization_mismatches
 from compress.paths import usable_cpus
@@ -399,7 +399,7 @@ def test_records_that_cannot_map_exactly_fail_or_fall_back(tmp_path: Path, token
         architecture_of(model)
 
 
-def test_gguf_export_specs() -> None:
+def test_gguf_export_configs() -> None:
     assert GGUFExportConfig(type="q4_k_m").quantizer == "llama.cpp"
     assert GGUFExportConfig().quantizer == "records" and GGUFExportConfig(type="q4_0", quantizer="llama.cpp").type == "q4_0"
     with pytest.raises(ValueError, match="with quantizer records: expected one of auto, f32"):

@@ -233,10 +233,10 @@ def test_export_type_accepts_llama_cpp_spellings_and_names_what_a_mix_does() -> 
 def test_q6_k_without_a_quantizer_packs_records_on_its_grid_else_asks_llama_cpp(tokenizer) -> None:
     from compress.export.gguf.export import with_records_quantizer
 
-    spec = GGUFExportConfig(type="Q6_K")
+    cfg = GGUFExportConfig(type="Q6_K")
     model = tiny_llama(len(tokenizer), hidden=256, intermediate=512)
-    assert with_records_quantizer(spec, rtn_records(model, "q6_k")).quantizer == "records"
-    assert with_records_quantizer(spec, rtn_records(tiny_llama(len(tokenizer)), "q4_0")).quantizer == "llama.cpp"
+    assert with_records_quantizer(cfg, rtn_records(model, "q6_k")).quantizer == "records"
+    assert with_records_quantizer(cfg, rtn_records(tiny_llama(len(tokenizer)), "q4_0")).quantizer == "llama.cpp"
     assert with_records_quantizer(GGUFExportConfig(type="q6_k", quantizer="llama.cpp"), rtn_records(model, "q6_k")).quantizer == "llama.cpp"
 
 

@@ -35,8 +35,8 @@ LAYER_NAMES = ("schema", "core", "methods/exports", "eval", "app")
 # `gguf_type` against); the record type (QuantizedWeight) is a core type that lives beside the quantizers; the
 # metric math and the Evaluation record are core, since every export's verifier and the repair loop
 # score on them; `compress plan`'s model shapes, packed byte counts, throughputs and formulas
-# (eval/plan/shapes.py, estimates.py) are core too, since every method's and format's spec answers the plan
-# with them; the plugin tables (compress/plugins.py) gather the methods' and formats' specs, and
+# (eval/plan/shapes.py, estimates.py) are core too, since every method's and format's plugin object answers the plan
+# with them; the plugin tables (compress/plugins.py) gather the methods' and formats' plugin objects, and
 # the recipe loader validates against those tables (and the documents' JSON Schemas, the recipe's among
 # them, are generated from its model), so these sit with the methods and exports, as does
 # the artifact (its model/ is written and read by the compressed-tensors format's own code); loading
@@ -172,7 +172,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
 def quantizer_imports_of_exports(known: dict[str, Path]) -> list[str]:
     """Imports of an export module (compress.export.*) by a quantizer module (compress.quantizers.*):
     the quantizers know grids, the exports map them to their files; what a method needs of a file (a
-    size budget's bytes) it asks the format's spec, handed to it by the caller."""
+    size budget's bytes) it asks the ExportFormat, handed to it by the caller."""
     return [
         f"{name} imports {target} at line {line}"
         for name, path in known.items()
@@ -184,7 +184,7 @@ def quantizer_imports_of_exports(known: dict[str, Path]) -> list[str]:
 
 def test_no_quantizer_imports_an_export() -> None:
     found = quantizer_imports_of_exports(modules())
-    assert not found, "quantizers importing exports (ask the format's spec through the caller instead):\n" + "\n".join(found)
+    assert not found, "quantizers importing exports (ask the ExportFormat through the caller instead):\n" + "\n".join(found)
 
 
 def test_the_checker_sees_a_quantizer_importing_an_export(tmp_path: Path) -> None:

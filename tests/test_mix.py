@@ -38,7 +38,7 @@ def test_the_fixed_part_counts_the_biases_of_the_quantized_layers() -> None:
     """Qwen2's q/k/v biases stay F32 beside their quantized weights: they count against the budget
     (missing them put a 1.5B file 0.001 bits/weight over its target)."""
     from compress.export.gguf.config import GGUFExportConfig
-    from compress.export.gguf.spec import GGUF
+    from compress.export.gguf.plugin import GGUF
     from tests.tiny import prunable_model
 
     model = prunable_model("qwen2", layers=2)

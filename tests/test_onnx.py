@@ -97,7 +97,7 @@ def test_builder_node_names_map_to_layers() -> None:
         ob.layer_names("/model/layers.0/attn/mystery_proj/MatMulNBits")
 
 
-def test_onnx_export_specs() -> None:
+def test_onnx_export_configs() -> None:
     assert ONNXExportConfig().precision == "auto" and ONNXExportConfig().accuracy_level == 4
     with pytest.raises(ValueError, match="fp16 on cpu"):
         ONNXExportConfig(precision="fp16")

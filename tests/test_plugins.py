@@ -1,6 +1,6 @@
 """The export-format table (compress.plugins.EXPORT_FORMATS): a format registered through one
 module and one table entry runs end to end, and no code outside a format's own package names a
-format (it asks the format's spec)."""
+format (it asks the format's plugin object, an ExportFormat)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("compress", "eval", "quantizers", "pruning", "distill", "export")
 
 
-# Where format names may be written: each format's own package (the folder of its spec's and its config's
+# Where format names may be written: each format's own package (the folder of its plugin object's and its config's
 # modules, from the table), the table itself, and the torch-free schema.
 def _folder(module: str) -> str:
-    """The repository folder of ``module``'s package (compress.export.gguf.spec -> export/gguf/)."""
+    """The repository folder of ``module``'s package (compress.export.gguf.plugin -> export/gguf/)."""
     package = module.rpartition(".")[0]
     for folder, name in sorted(FOLDERS.items(), key=lambda item: -len(item[1])):
         if package == name or package.startswith(name + "."):
@@ -40,7 +40,7 @@ ALLOWED = (
 OTHER_MEANINGS = {
     ("quantizers/__init__.py", "gptq"),  # the quantization method table
     ("quantizers/gptq.py", "gptq"),  # the method's stage label
-    ("quantizers/specs.py", "gptq"),  # the GPTQ method's spec (QUANT_METHODS)
+    ("quantizers/plugin.py", "gptq"),  # the GPTQ method (QUANT_METHODS)
     ("quantizers/configs.py", "gptq"),  # the GPTQ method's config
     ("quantizers/llmcompressor_backend.py", "gptq"),  # llm-compressor's modifier for the GPTQ method
     ("compress/search.py", "gptq"),  # the search's method cost order
@@ -68,7 +68,7 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
 
 
 def test_no_format_name_outside_its_package() -> None:
-    """Code outside export/<format>/, the table and the schema asks the spec; it never compares with a format's name."""
+    """Code outside export/<format>/, the table and the schema asks the ExportFormat; it never compares with a format's name."""
     names = set(EXPORT_FORMATS)
     found = []
     for folder in SOURCE_DIRS:
@@ -82,8 +82,8 @@ def test_no_format_name_outside_its_package() -> None:
     assert not found, "format names outside their packages (ask compress.plugins.EXPORT_FORMATS instead):\n" + "\n".join(found)
 
 
-def test_every_format_spec_is_consistent() -> None:
-    """Each table entry's key is its spec's name and its config's ``format`` default."""
+def test_every_format_is_consistent() -> None:
+    """Each table entry's key is its ExportFormat's name and its config's ``format`` default."""
     for name, fmt in EXPORT_FORMATS.items():
         assert fmt.name == name and fmt.config.model_fields["format"].default == name
         assert fmt.runtime and fmt.intended_runtimes and fmt.description
@@ -111,7 +111,7 @@ def test_a_format_registered_in_the_table_runs_end_to_end(
     )
     recipe = write_recipe(tmp_path, text)
     assert run_cli(["validate", recipe]).exit_code == 0
-    planned = run_cli(["plan", recipe, "--json", tmp_path / "plan.json"])  # the spec's size estimate
+    planned = run_cli(["plan", recipe, "--json", tmp_path / "plan.json"])  # the format's size estimate
     assert planned.exit_code == 0, planned.output
     (size,) = [r for r in json.loads((tmp_path / "plan.json").read_text())["artifacts"] if r["artifact"] == "packed"]
     assert size["format"] == "hf" and size["basis"] == "codes + float32 scales per group" and size["size_bytes"] > 0

@@ -38,13 +38,13 @@ def halfround_recipe(tmp_path: Path, model: Path, texts: Path) -> Path:
 
 
 def test_tables_match_the_schema() -> None:
-    """The recipe's stage keys are the stage kinds' table, and every built-in method's spec uses its config."""
+    """The recipe's stage keys are the stage kinds' table, and every built-in method's QuantMethod uses its config."""
     assert set(STAGE_KINDS) == set(stage_model().model_fields)
-    assert all(name == spec.name for name, spec in {**QUANT_METHODS, **STAGE_KINDS}.items())
+    assert all(name == entry.name for name, entry in {**QUANT_METHODS, **STAGE_KINDS}.items())
     for name, config in {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig, "llm_int8": LLMInt8Config}.items():
         assert QUANT_METHODS[name].config is config and config.model_fields["method"].default == name
     assert sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost) == ["rtn", "llm_int8", "awq", "gptq"]
-    assert all(issubclass(spec.config, WeightQuantConfig) for spec in [*QUANT_METHODS.values(), HALFROUND])
+    assert all(issubclass(method.config, WeightQuantConfig) for method in [*QUANT_METHODS.values(), HALFROUND])
 
 
 def test_a_method_registered_in_one_entry_runs_end_to_end(

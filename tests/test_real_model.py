@@ -196,8 +196,8 @@ def test_the_prune_stage_cuts_qwen_1_5b_block_by_block_to_a_smaller_dense_model(
 
     if assets.locate(assets.QWEN_CODER) is None:
         pytest.skip(f"reference:{assets.QWEN_CODER} is not fetched (compress assets fetch {assets.QWEN_CODER}; 1.1 GB)")
-    spec = ModelConfig(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16")
-    source, pruned = load_model(spec, ROOT, QUIET), load_model(spec, ROOT, QUIET).model
+    model_cfg = ModelConfig(source=f"reference:{assets.QWEN_CODER}", dtype="bfloat16")
+    source, pruned = load_model(model_cfg, ROOT, QUIET), load_model(model_cfg, ROOT, QUIET).model
     cal, ev = reference_chunks(source.tokenizer, (4, 256), (2, 256))
     held: list[int] = []
     original_resident = streaming.resident

@@ -22,7 +22,7 @@ from compress.schema.recipe import GateConfig, TaskConfig
 from tests.helpers import recipe_text, run_cli, write_recipe
 
 
-def _spec(source: str, **kw: Any) -> TaskConfig:
+def _task(source: str, **kw: Any) -> TaskConfig:
     return TaskConfig(name="t", source=source, **kw)
 
 
@@ -48,13 +48,13 @@ def _questions(path: Path, n: int, seed: int = 0) -> Path:
 
 def test_question_files_are_read_checked_and_sampled(tmp_path: Path) -> None:
     path = _questions(tmp_path / "q.jsonl", 30)
-    data = load_task(_spec(str(path), limit=10, seed=3, num_fewshot=2), tmp_path)
+    data = load_task(_task(str(path), limit=10, seed=3, num_fewshot=2), tmp_path)
     assert len(data.docs) == 10 and len(data.fewshot) == 16 and data.rows == 30
     assert all(0 <= d["answer"] < 4 and len(d["choices"]) == 4 for d in data.docs)
-    again = load_task(_spec(str(path), limit=10, seed=3, num_fewshot=2), tmp_path)
-    other = load_task(_spec(str(path), limit=10, seed=4, num_fewshot=2), tmp_path)
+    again = load_task(_task(str(path), limit=10, seed=3, num_fewshot=2), tmp_path)
+    other = load_task(_task(str(path), limit=10, seed=4, num_fewshot=2), tmp_path)
     assert again.sha256 == data.sha256 and other.sha256 != data.sha256
-    every = load_task(_spec(str(path), limit=None, num_fewshot=3), tmp_path)  # all but the few-shot examples
+    every = load_task(_task(str(path), limit=None, num_fewshot=3), tmp_path)  # all but the few-shot examples
     assert len(every.docs) == 27 and len(every.fewshot) == 3
     evaluated = {json.dumps(d, sort_keys=True) for d in data.docs}
     assert not evaluated & {json.dumps(d, sort_keys=True) for d in data.fewshot}  # few-shot examples are never evaluated
@@ -66,7 +66,7 @@ def test_question_files_are_read_checked_and_sampled(tmp_path: Path) -> None:
         assert doc["answer"] == expected
     csv_file = tmp_path / "q.csv"
     csv_file.write_text('q,a,b,right\n"Two plus two?",four,five,A\n"Sky colour?",green,blue,1\n')
-    mapped = load_task(_spec(str(csv_file), question_field="q", choices_field=["a", "b"], answer_field="right", limit=None), tmp_path)
+    mapped = load_task(_task(str(csv_file), question_field="q", choices_field=["a", "b"], answer_field="right", limit=None), tmp_path)
     assert [d["answer"] for d in mapped.docs] == [0, 1] and mapped.docs[0]["choices"] == ["four", "five"]
 
 
@@ -88,9 +88,9 @@ def test_bad_question_files_name_the_file_row_and_field(tmp_path: Path, content:
     path = tmp_path / f"q{suffix}"
     path.write_text(content)
     with pytest.raises(DataError, match=message.replace("(", r"\(")):
-        load_task(_spec(str(path)), tmp_path)
+        load_task(_task(str(path)), tmp_path)
     with pytest.raises(DataError, match="not found"):
-        load_task(_spec("missing.jsonl"), tmp_path)
+        load_task(_task("missing.jsonl"), tmp_path)
 
 
 def test_recipe_checks_tasks_and_their_gates(tiny_model_dir: Path, text_dir: Path) -> None:
@@ -255,8 +255,8 @@ def test_mmlu_on_the_reference_model_in_torch_and_in_llama_cpp(smollm2, tmp_path
     from compress.eval.tasks import make_lm, run_task
     from compress.export.gguf.runtime import LlamaCppModel
 
-    spec = TaskConfig(name="mmlu", source="reference:mmlu", limit=40)
-    data = load_task(spec, tmp_path)
+    task = TaskConfig(name="mmlu", source="reference:mmlu", limit=40)
+    data = load_task(task, tmp_path)
     assert data.rows == 14042 and len(data.docs) == 40 and all(len(d["choices"]) == 4 and d["subject"] for d in data.docs)
     tok = smollm2.tokenizer
     files = data.write(tmp_path / "data")
@@ -265,11 +265,11 @@ def test_mmlu_on_the_reference_model_in_torch_and_in_llama_cpp(smollm2, tmp_path
         return list(tok(text)["input_ids"])
 
     on_torch = run_task(
-        spec, data, files, tmp_path / "cache", make_lm(torch_forward(smollm2.model, torch.device("cpu")), encode, tok.eos_token_id)
+        task, data, files, tmp_path / "cache", make_lm(torch_forward(smollm2.model, torch.device("cpu")), encode, tok.eos_token_id)
     )
     runtime = LlamaCppModel(Path(smollm2.source_path), n_ctx=2048, threads=usable_cpus())
     try:
-        on_llama = run_task(spec, data, files, tmp_path / "cache", make_lm(runtime.forward, encode, tok.eos_token_id))
+        on_llama = run_task(task, data, files, tmp_path / "cache", make_lm(runtime.forward, encode, tok.eos_token_id))
     finally:
         runtime.close()
     assert on_torch.passes == 40 and on_llama.passes == 40  # the four lettered choices share one sequence

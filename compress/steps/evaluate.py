@@ -53,13 +53,13 @@ def compare_models(
 ) -> list[Evaluation]:
     """The baseline (its forward: cached hidden states) and the compressed model (its forward) on
     the evaluation chunks, with torch on ``device``."""
-    spec = recipe.data.evaluation
-    assert spec is not None
+    evaluation = recipe.data.evaluation
+    assert evaluation is not None
     candidates = {"compressed": compressed} if compressed is not None else {}
-    metrics = compare(baseline, candidates, chunks.tokens, spec.min_context, spec.batch_size, progress=reporter.track)
+    metrics = compare(baseline, candidates, chunks.tokens, evaluation.min_context, evaluation.batch_size, progress=reporter.track)
     if "compressed" not in metrics:  # no stages: the compressed model is the baseline
         metrics["compressed"] = Scores(metrics["baseline"], metrics["baseline"].intervals)
-    details = {"chunks": int(chunks.tokens.shape[0]), "seq_len": spec.seq_len, "min_context": spec.min_context}
+    details = {"chunks": int(chunks.tokens.shape[0]), "seq_len": evaluation.seq_len, "min_context": evaluation.min_context}
     return [
         Evaluation(artifact=name, runtime="torch", device=device.type, metrics=metrics[name], details=details)
         for name in ("baseline", "compressed")
@@ -80,15 +80,15 @@ def evaluate_kv_stage(run: Run, source: Source, staged: Staged) -> tuple[list[Ev
     if cfg.evaluate is None:
         return [], section
     ev = cfg.evaluate
-    spec = run.recipe.data.evaluation
-    assert spec is not None  # the recipe schema requires data.evaluation for an evaluated kv_cache stage
+    evaluation = run.recipe.data.evaluation
+    assert evaluation is not None  # the recipe schema requires data.evaluation for an evaluated kv_cache stage
     with run.reporter.status(f"tokenizing {ev.samples} x {ev.context} tokens of evaluation text for the KV cache"):
         chunks = source.data.chunks("evaluation", source.lm.tokenizer, samples=ev.samples, seq_len=ev.context)
-    result = evaluate_kv(staged.model, scheme, chunks.tokens, spec.min_context, run.device, progress=run.reporter.track)
+    result = evaluate_kv(staged.model, scheme, chunks.tokens, evaluation.min_context, run.device, progress=run.reporter.track)
     details = {
         "chunks": ev.samples,
         "seq_len": ev.context,
-        "min_context": spec.min_context,
+        "min_context": evaluation.min_context,
         **result["decoding"],
         "reference": "the compressed model's full-precision forward (a float cache)",
         "reference_perplexity": result["reference_metrics"]["perplexity"],

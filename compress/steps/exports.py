@@ -1,5 +1,5 @@
 """Step 5: each of the recipe's exports written from the records read back from model/, and verified
-on its own runtime (compress/export/recipe_exports.py asks each format's spec)."""
+on its own runtime (compress/export/recipe_exports.py asks each export's ExportFormat)."""
 
 from __future__ import annotations
 

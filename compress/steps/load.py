@@ -146,7 +146,7 @@ def prepare(loaded: LoadedRecipe, out_dir: Path, overwrite: bool, reporter: Repo
     recipe = loaded.recipe
     rank, world = process_rank()
     if world > 1 and not any(stage_kind(st.kind).trains for st in recipe.stages):
-        trained = ", ".join(name for name, spec in STAGE_KINDS.items() if spec.trains)
+        trained = ", ".join(name for name, kind in STAGE_KINDS.items() if kind.trains)
         raise CompressError(
             f"this run has {world} processes, but only {trained} stages train in several processes; "
             "run it as a single process (compress run …)"
@@ -194,17 +194,17 @@ def load(run: Run) -> Source:
         from compress.eval.tasks import load_task
 
         with run.reporter.status(f"reading the questions of {len(recipe.tasks)} task(s)"):
-            tasks = [load_task(spec, run.base_dir, run.reporter) for spec in recipe.tasks]
+            tasks = [load_task(task, run.base_dir, run.reporter) for task in recipe.tasks]
     return Source(lm, data, eval_chunks, run.reporter, cached, checks=checks, tasks=tasks)
 
 
 def check_latency_fits(recipe: Recipe, config: Any) -> None:
     """The latency block's prompt and output tokens within the model's context length (before the stages)."""
-    spec = recipe.latency
+    latency = recipe.latency
     context = getattr(getattr(config, "text_config", None) or config, "max_position_embeddings", None)
-    if spec is not None and isinstance(context, int) and spec.prompt_tokens + spec.output_tokens > context:
+    if latency is not None and isinstance(context, int) and latency.prompt_tokens + latency.output_tokens > context:
         raise RecipeError(
-            f"latency: prompt_tokens + output_tokens = {spec.prompt_tokens + spec.output_tokens:,}, more than the model's "
+            f"latency: prompt_tokens + output_tokens = {latency.prompt_tokens + latency.output_tokens:,}, more than the model's "
             f"context length ({context:,}, max_position_embeddings); give fewer"
         )
 

@@ -45,8 +45,8 @@ def timed_artifacts(
     runtime exports (llama.cpp on the GGUF file, ONNX Runtime GenAI on the ONNX folder, TensorRT on
     a built engine), and the baseline (torch, on the source model's float directory) when named or
     when a gate compares a latency metric with it."""
-    spec = recipe.latency
-    names = spec.artifacts if spec is not None and spec.artifacts is not None else None
+    latency = recipe.latency
+    names = latency.artifacts if latency is not None and latency.artifacts is not None else None
     by_name = {e["name"]: e for e in exports}
     timed = []
     if baseline_timed(recipe.latency, recipe.gates):
@@ -68,14 +68,16 @@ def performance_evaluations(
 ) -> tuple[list[Evaluation], dict[str, Any] | None]:
     """Latency measured here (the ``latency`` block) and the evaluations for named devices."""
     profiles = load_profiles(extra=[p.model_dump() for p in recipe.devices])
-    spec = recipe.latency
+    latency = recipe.latency
     measured: list[Evaluation] = []
     host = None
     settings = None
-    if spec is not None:
-        settings = LatencySettings(spec.prompt_tokens, spec.output_tokens, tuple(spec.batch_sizes), spec.warmup, spec.repeats, threads)
+    if latency is not None:
+        settings = LatencySettings(
+            latency.prompt_tokens, latency.output_tokens, tuple(latency.batch_sizes), latency.warmup, latency.repeats, threads
+        )
         measured, host = measure_all(
-            timed, settings, latency_prompts(eval_chunks, spec.prompt_tokens, max(spec.batch_sizes), recipe.seed), reporter
+            timed, settings, latency_prompts(eval_chunks, latency.prompt_tokens, max(latency.batch_sizes), recipe.seed), reporter
         )
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return measured + device_evaluations(

@@ -92,9 +92,9 @@ class RecordsOnlyRows(RememberedRows):
 
 
 def build_stages(recipe: Recipe) -> list[Stage]:
-    """One Stage per recipe stage, built by its kind's spec (compress.plugins.STAGE_KINDS); a kind
+    """One Stage per recipe stage, built by its StageKind (compress.plugins.STAGE_KINDS); a kind
     or quantization method missing from the tables is a CompressError naming the known ones."""
-    return [stage_kind(spec.kind, f"stages[{i}]").build(spec.config, f"stages[{i}]") for i, spec in enumerate(recipe.stages)]
+    return [stage_kind(stage.kind, f"stages[{i}]").build(stage.config, f"stages[{i}]") for i, stage in enumerate(recipe.stages)]
 
 
 def size_budget(recipe: Recipe) -> SizeBudget | None:
@@ -150,8 +150,8 @@ def apply(run: Run, source: Source) -> Staged | None:
 
 
 def not_carried(staged: Staged) -> list[str]:
-    """What no export carries of the quantization methods whose records the exports hold (a method
-    spec's ``not_carried``: LLM.int8's activation quantization and decomposition, which no format
+    """What no export carries of the quantization methods whose records the exports hold (a
+    QuantMethod's ``not_carried``: LLM.int8's activation quantization and decomposition, which no format
     holds; a GGUF's llama.cpp evaluation measures the cost)."""
     used = set(staged.ctx.quantized_by.values())
     notes = [

@@ -19,11 +19,11 @@ from compress.steps.load import Run, Source, work_dir_for
 from compress.steps.stages import Staged
 
 
-def scored_artifacts(run: Run, spec: TaskConfig) -> list[str]:
+def scored_artifacts(run: Run, task: TaskConfig) -> list[str]:
     """What a task scores: its ``artifacts``, or baseline, compressed and every export whose format
     has a runtime of its own."""
-    if spec.artifacts is not None:
-        return list(spec.artifacts)
+    if task.artifacts is not None:
+        return list(task.artifacts)
     return ["baseline", "compressed", *(x.name for x in run.recipe.exports if EXPORT_FORMATS[x.format].own_runtime)]
 
 
@@ -37,7 +37,7 @@ def measure(root: Path, run: Run, source: Source, staged: Staged, exported: Expo
         return []
     runtimes = [x.name for x in recipe.exports if EXPORT_FORMATS[x.format].own_runtime]
     wanted = {
-        name: [(spec, data) for spec, data in zip(recipe.tasks, source.tasks, strict=True) if name in scored_artifacts(run, spec)]
+        name: [(task, data) for task, data in zip(recipe.tasks, source.tasks, strict=True) if name in scored_artifacts(run, task)]
         for name in ["baseline", "compressed", *runtimes]
     }
     entries = {e["name"]: e for e in exported.entries}
@@ -84,10 +84,10 @@ def score_tasks(
         return list(tokenizer(text)["input_ids"])
 
     evaluations = []
-    for spec, data in jobs:
-        lm = make_lm(forward, encode, prefix, track, f"{spec.name} on {artifact}")
-        result = run_task(spec, data, files[data.name], cache_dir, lm, seed)
-        evaluations.append(_evaluation(artifact, runtime, device, spec, data, result))
+    for task, data in jobs:
+        lm = make_lm(forward, encode, prefix, track, f"{task.name} on {artifact}")
+        result = run_task(task, data, files[data.name], cache_dir, lm, seed)
+        evaluations.append(_evaluation(artifact, runtime, device, task, data, result))
     return evaluations
 
 
@@ -100,8 +100,8 @@ def _open(
         model = source.baseline if artifact == "baseline" else staged.model
         streaming.to_device(model, run.device)
         return torch_forward(model, run.device), None, "torch", run.device.type
-    spec = next(x for x in run.recipe.exports if x.name == artifact)
-    fmt = EXPORT_FORMATS[spec.format]
+    export = next(x for x in run.recipe.exports if x.name == artifact)
+    fmt = EXPORT_FORMATS[export.format]
     where = fmt.timed_path(root / EXPORTS_DIR / artifact, entry)
     opened = None if where is None else fmt.forward(where[0], TASK_CONTEXT, run.threads)
     if where is None or opened is None:
@@ -110,7 +110,7 @@ def _open(
     return forward, close, fmt.runtime, where[1]
 
 
-def _evaluation(artifact: str, runtime: str, device: str, spec: TaskConfig, data: TaskData, result: Any) -> Evaluation:
+def _evaluation(artifact: str, runtime: str, device: str, task: TaskConfig, data: TaskData, result: Any) -> Evaluation:
     metrics: dict[str, float | int] = {"accuracy": result.accuracy, "questions": result.questions}
     intervals = {"accuracy": interval(result.accuracy, result.stderr, result.questions)}
     if result.stderr is not None:
@@ -122,12 +122,12 @@ def _evaluation(artifact: str, runtime: str, device: str, spec: TaskConfig, data
             metrics["accuracy_norm_stderr"] = result.stderr_norm
     metrics["questions_per_s"] = result.questions / result.seconds if result.seconds > 0 else 0.0
     details = {
-        "task": spec.name,
-        "kind": spec.kind,
-        "format": spec.format if spec.kind == "multiple_choice" else None,
+        "task": task.name,
+        "kind": task.kind,
+        "format": task.format if task.kind == "multiple_choice" else None,
         "source": data.source,
         "questions_sha256": data.sha256,
-        "num_fewshot": spec.num_fewshot,
+        "num_fewshot": task.num_fewshot,
         "seconds": result.seconds,
         "forward_passes": result.passes,
         "truncated": result.truncated,

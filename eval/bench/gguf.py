@@ -164,7 +164,7 @@ def run_gguf_bench(
 ) -> dict[str, Any]:
     gguf_runtime.llama_cpp()  # fail before any work when the binding is missing
     embedding = None if embedding_type == EMBEDDING_AUTO else embedding_type  # auto: each tool's own choice
-    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter, dtype)
+    lm, calibration, evaluation, eval_cfg = load_bench_inputs(model_source, data, threads, reporter, dtype)
     seq_len = int(evaluation.tokens.shape[1])
     files = out_dir / "files"
     files.mkdir(parents=True, exist_ok=True)
@@ -196,7 +196,7 @@ def run_gguf_bench(
         """KL/top-1/perplexity of a file against the F16 reference in llama.cpp, and its decode speed."""
         runtime = gguf_runtime.LlamaCppModel(path, n_ctx=max(seq_len, decode_tokens + 64), threads=threads)
         try:
-            metrics = compare(reference.forward, {name: runtime.forward}, evaluation.tokens, spec.min_context, progress=reporter.track)
+            metrics = compare(reference.forward, {name: runtime.forward}, evaluation.tokens, eval_cfg.min_context, progress=reporter.track)
             return metrics, decode_speed(runtime, prompt, decode_tokens, repeats)
         finally:
             runtime.close()

@@ -89,7 +89,7 @@ def run_kv_bench(
 
     assert data.evaluation is not None
     long_data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": samples, "seq_len": context})})
-    lm, calibration, evaluation, spec = load_bench_inputs(model_source, long_data, threads, reporter)
+    lm, calibration, evaluation, eval_cfg = load_bench_inputs(model_source, long_data, threads, reporter)
     model = streaming.materialize(lm.model).eval()  # decoding token by token: the model stays in memory
     layers, kv_heads, head_dim = kv_geometry(model.config)
     fp16_per_token = float_cache_bytes_per_token(model.config)
@@ -132,7 +132,7 @@ def run_kv_bench(
             scales = calibrate_scales(model, calibration.tokens, cfg, torch.device("cpu"), reporter)
         scheme = KVCacheScheme(cfg, scales, layers)
         start = time.perf_counter()
-        found = evaluate_kv(model, scheme, evaluation.tokens, spec.min_context, torch.device("cpu"), progress=reporter.track)
+        found = evaluate_kv(model, scheme, evaluation.tokens, eval_cfg.min_context, torch.device("cpu"), progress=reporter.track)
         seconds = time.perf_counter() - start
         speed = decode_speed(model, prefill_ids, scheme.new_cache, decode_tokens, repeats)
         mem = found["memory"]

@@ -28,7 +28,7 @@ from typing import Any
 from compress.errors import CompressError
 from compress.fsutil import atomic_directory
 from compress.progress import Reporter
-from compress.quantizers.specs import GPTQ, RTN
+from compress.quantizers.plugin import GPTQ, RTN
 
 MIB = 2**20
 DEFAULT_METHODS = (RTN.name, GPTQ.name)  # the quantization methods (GPTQ is also an export format's name)

@@ -67,7 +67,7 @@ class Candidate:
         who = "builder RTN" if self.source == BUILDER else self.source
         return f"{who} {self.setting.label}" + (", head too" if self.head else "")
 
-    def spec(self, accuracy_level: int, keep_float: list[str] | None = None) -> ONNXExportConfig:
+    def config(self, accuracy_level: int, keep_float: list[str] | None = None) -> ONNXExportConfig:
         s = self.setting
         common: dict[str, Any] = {"name": "candidate", "precision": "int4", "accuracy_level": accuracy_level, "verify": False}
         if self.source == BUILDER:
@@ -102,7 +102,7 @@ def run_onnx_bench(
     from compress.export.onnx.builder import require
 
     require()
-    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
+    lm, calibration, evaluation, eval_cfg = load_bench_inputs(model_source, data, threads, reporter)
     files = out_dir / "files"
     files.mkdir(parents=True, exist_ok=True)
     fp32_dir = files / "fp32"
@@ -142,10 +142,10 @@ def run_onnx_bench(
         if cand.source != BUILDER:
             model, records, seconds = quantize_copy(lm, calibration, cand.source, cand.setting, reporter, head=cand.head)
         with reporter.status(f"building {cand.name} ONNX"):
-            entry = onnx_export.write(directory, cand.spec(accuracy_level, keep_float), model, lm.tokenizer, records)
+            entry = onnx_export.write(directory, cand.config(accuracy_level, keep_float), model, lm.tokenizer, records)
         del model
         session = rt.OrtDecoder(directory / ONNX_FILE, threads)
-        metrics = compare(reference.forward, {cand.name: session.forward}, evaluation.tokens, spec.min_context, progress=reporter.track)
+        metrics = compare(reference.forward, {cand.name: session.forward}, evaluation.tokens, eval_cfg.min_context, progress=reporter.track)
         del session
         speed = decode_speed(directory, prompt, decode_tokens, repeats, threads)
         result["reference"]["metrics"] = metrics["baseline"]

@@ -82,13 +82,13 @@ def run_prune_bench(
     between them, as in a recipe run."""
     repairs = repairs or [({}, distill)]
     device = device or torch.device("cpu")
-    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
+    lm, calibration, evaluation, eval_cfg = load_bench_inputs(model_source, data, threads, reporter)
     streaming.materialize(lm.model, "cpu")  # pruning and training need the whole model in memory
     plan = DataPlan.load(data, Path.cwd(), reporter)
     texts = {"held_out": evaluation.tokens}
     unseen_facts = {}
     for source in unseen:
-        other = EvaluationConfig(source=source, samples=spec.samples, seq_len=spec.seq_len, min_context=spec.min_context)
+        other = EvaluationConfig(source=source, samples=eval_cfg.samples, seq_len=eval_cfg.seq_len, min_context=eval_cfg.min_context)
         chunks = DataPlan.load(DataConfig(evaluation=other), Path.cwd(), reporter).chunks("evaluation", lm.tokenizer)
         label = text_label(source, set(texts))
         texts[label], unseen_facts[label] = chunks.tokens, chunks.facts
@@ -100,7 +100,7 @@ def run_prune_bench(
             m.to(device)
         for name, tokens in texts.items():
             metrics = compare(
-                baseline, {"m": torch_forward(model, device)}, tokens, spec.min_context, spec.batch_size, progress=reporter.track
+                baseline, {"m": torch_forward(model, device)}, tokens, eval_cfg.min_context, eval_cfg.batch_size, progress=reporter.track
             )
             out[name] = {**metrics["m"], "baseline_perplexity": metrics["baseline"]["perplexity"]}
         for m in (lm.model, model):

@@ -82,16 +82,16 @@ def quantize_copy(
 
     if calibration is None:
         raise ValueError(f"{method} needs calibration data")
-    spec = quant_method(method)
+    quant = quant_method(method)
     if budget is not None:
-        config = spec.config(method=method, gguf_target=True)
+        config = quant.config(method=method, gguf_target=True)
     elif setting is None:
-        config = spec.config(method=method, gguf_type=gguf_type)
+        config = quant.config(method=method, gguf_type=gguf_type)
     else:
-        config = spec.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
+        config = quant.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric)
     head_config = None
     if head_type is not None:
-        head_config = spec.config(method=method, gguf_type=head_type, targets=[HEAD], ignore=[])
+        head_config = quant.config(method=method, gguf_type=head_type, targets=[HEAD], ignore=[])
     elif head:
         config = type(config).model_validate({**config.model_dump(exclude_unset=True), "ignore": []})  # validated: AWQ refuses the head
     model = working_copy(lm.model, config)
@@ -99,9 +99,9 @@ def quantize_copy(
     ctx.size_budget = None if budget is None else SizeBudget(budget, export_format(budget.format))
     ctx.sensitivity = sensitivity
     started = time.perf_counter()
-    spec.build(config, "bench").apply(model, ctx)
+    quant.build(config, "bench").apply(model, ctx)
     if head_config is not None:
-        spec.build(head_config, "bench-head").apply(model, ctx)
+        quant.build(head_config, "bench-head").apply(model, ctx)
     return model, ctx.quantized, time.perf_counter() - started
 
 
@@ -118,7 +118,7 @@ def load_bench_inputs(
     model_source: str, data: DataConfig, threads: int, reporter: Reporter, dtype: str = "auto"
 ) -> tuple[Any, Any, Any, Any]:
     """The model (computing in ``dtype``, a recipe's ``model.dtype``), calibration chunks (None without
-    calibration data), evaluation chunks and evaluation spec a benchmark runs on, with torch set to
+    calibration data), evaluation chunks and evaluation config a benchmark runs on, with torch set to
     ``threads``."""
     torch.set_num_threads(threads)
     base_dir = Path.cwd()
@@ -171,7 +171,7 @@ def run_quant_bench(
     """Every method at every setting; a method with a ``backend`` option (gptq, awq) once per entry of
     ``backends`` (default: ours alone), so two implementations are scored side by side on the same data."""
     device = torch.device("cpu")
-    lm, calibration, evaluation, spec = load_bench_inputs(model_source, data, threads, reporter)
+    lm, calibration, evaluation, eval_cfg = load_bench_inputs(model_source, data, threads, reporter)
     baseline = torch_forward(lm.model, device)
     result: dict[str, Any] = {
         "model": {"source": model_source, "sha256": lm.facts["sha256"]},
@@ -187,13 +187,11 @@ def run_quant_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     for setting in settings:
         for method, backend in candidates(methods, backends or [DEFAULT_BACKEND]):
-            method_spec = quant_method(method)
+            quant = quant_method(method)
             options = dict((method_options or {}).get(method, {}))
             if backend is not None:
                 options["backend"] = backend
-            config = method_spec.config(
-                method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric, **options
-            )
+            config = quant.config(method=method, bits=setting.bits, group_size=setting.group_size, symmetric=setting.symmetric, **options)
             if getattr(config, "needs_calibration", False) and calibration is None:
                 raise ValueError(f"{method} needs calibration data")
             name = f"{method_label(method, backend)} {setting.label}"
@@ -202,15 +200,15 @@ def run_quant_bench(
             ctx = RunContext(seed=0, device=device, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)  # type: ignore[union-attr]
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                record = method_spec.build(config, "bench").apply(model, ctx)
+                record = quant.build(config, "bench").apply(model, ctx)
                 seconds = time.perf_counter() - t0
             # Score right away (the baseline is re-run each time) and write, so a stopped run keeps its rows.
             metrics = compare(
                 baseline,
                 {name: torch_forward(model, device)},
                 evaluation.tokens,
-                spec.min_context,
-                spec.batch_size,
+                eval_cfg.min_context,
+                eval_cfg.batch_size,
                 progress=reporter.track,
             )
             del model

@@ -19,22 +19,22 @@ from compress.schema.recipe import ModelConfig, Recipe
 # --------------------------------------------------------------------------- the model's shape
 
 
-def compute_dtype(spec: ModelConfig, config: Any) -> str:
+def compute_dtype(model_cfg: ModelConfig, config: Any) -> str:
     """The recipe's ``model.dtype`` with ``auto`` resolved as the loader resolves it: the dtype the
     model's config records (bfloat16 for most Hugging Face models; float32 for a GGUF source, which
     is converted to float32), float32 when it records none."""
-    if spec.dtype != "auto":
-        return spec.dtype
+    if model_cfg.dtype != "auto":
+        return model_cfg.dtype
     stored = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
     return stored if stored in DTYPE_BYTES else "float32"
 
 
-def model_shape(spec: ModelConfig, base_dir: Path) -> ModelShape:
-    config, origin = source_config(spec, base_dir)
-    return shape_of(config, spec.trust_remote_code, origin)
+def model_shape(model_cfg: ModelConfig, base_dir: Path) -> ModelShape:
+    config, origin = source_config(model_cfg, base_dir)
+    return shape_of(config, model_cfg.trust_remote_code, origin)
 
 
-def source_config(spec: ModelConfig, base_dir: Path) -> tuple[Any, str]:
+def source_config(model_cfg: ModelConfig, base_dir: Path) -> tuple[Any, str]:
     """The model's transformers config, read without loading (or downloading) any weights."""
     from transformers import AutoConfig
 
@@ -42,7 +42,7 @@ def source_config(spec: ModelConfig, base_dir: Path) -> tuple[Any, str]:
     from compress.paths import HUB_ID
     from compress.plugins import source_format
 
-    source = spec.source
+    source = model_cfg.source
     name = assets.parse_reference(source)
     if name is not None:
         if name not in assets.ASSETS or assets.ASSETS[name].kind != "model":
@@ -75,7 +75,7 @@ def source_config(spec: ModelConfig, base_dir: Path) -> tuple[Any, str]:
         )
     check_config_values(check_json(path / "config.json"), path / "config.json")
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a config it cannot use
         raise ModelLoadError(f"transformers could not read {path / 'config.json'}: {type(exc).__name__}: {str(exc)[:300]}") from None
     check_blocks_on_disk(path, getattr(config, "num_hidden_layers", None))
@@ -175,10 +175,10 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
     kv = next((s.config for s in recipe.stages if stage_kind(s.kind).quantizes_kv_cache), None)
     if kv is not None and kv.evaluate is not None:
         add("kv_cache", HF_FORMAT, TORCH_RUNTIME, packed, _kv_element_bytes(kv, shape), f"compressed weights; KV cache {kv.describe()}")
-    for spec in recipe.exports:
-        fmt = EXPORT_FORMATS[spec.format]
+    for export in recipe.exports:
+        fmt = EXPORT_FORMATS[export.format]
         # the (format, runtime) device profiles list for it: a checkpoint is a Hugging Face folder on torch
-        add(spec.name, *fmt.device_names, *fmt.planned_size(spec, shape, records, dtype_bits))
+        add(export.name, *fmt.device_names, *fmt.planned_size(export, shape, records, dtype_bits))
     return rows
 
 

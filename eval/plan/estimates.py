@@ -1,6 +1,6 @@
 """What `compress plan` estimates a stage from: the reference machine's throughputs, the shared
 formulas (a forward pass, its activations, training activations), and the typed inputs and
-output of one stage's estimate. Torch-free, so that method and stage-kind specs (compress.plugins)
+output of one stage's estimate. Torch-free, so that the QuantMethod and StageKind objects (compress.plugins)
 can hold their own formulas; eval/plan/planner.py adds the rows for loading, evaluation and exports.
 
 Every number is an estimate: throughputs measured on this project's reference machine (2 CPU

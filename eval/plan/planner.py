@@ -94,10 +94,10 @@ def stage_estimates(
                 f"a time; {models} model(s) x {ev.samples} x {ev.seq_len} tokens at 2 x params FLOPs/token, ~{CPU_FORWARD_FLOPS / GB:.0f} GFLOPS",
             }
         )
-    for spec, art in zip(recipe.exports, export_rows[len(export_rows) - len(recipe.exports) :], strict=False):  # exports come last
-        fmt = EXPORT_FORMATS[spec.format]
-        tokens = fmt.planned_verify_tokens(spec, ev.samples if ev else 0, ev.seq_len if ev else 0)
-        added, how = fmt.planned_memory_bytes(spec, art["size_bytes"], cur, ev.seq_len if ev else 0)
+    for export, art in zip(recipe.exports, export_rows[len(export_rows) - len(recipe.exports) :], strict=False):  # exports come last
+        fmt = EXPORT_FORMATS[export.format]
+        tokens = fmt.planned_verify_tokens(export, ev.samples if ev else 0, ev.seq_len if ev else 0)
+        added, how = fmt.planned_memory_bytes(export, art["size_bytes"], cur, ev.seq_len if ev else 0)
         if tokens:  # the verifier scores the runtime against the baseline: logits a chunk of positions at a time
             added += 5 * CHUNK_ELEMENTS * 4
             how += ", and the scoring's logits a chunk of positions at a time"
@@ -108,7 +108,7 @@ def stage_estimates(
             peak = held + added
         rows.append(
             {
-                "step": f"export {spec.name} ({spec.format})",
+                "step": f"export {export.name} ({export.format})",
                 "peak_memory_gb": peak / GB,
                 "time_s": EXPORT_BUILD_S * cur.params / REF_PARAMS + _forward_s(cur.params, tokens),
                 "basis": f"the libraries, {where}, and {how}; ~{EXPORT_BUILD_S:.0f} s "

@@ -20,21 +20,21 @@ from compress.schema.exports import EXPORTS_DIR
 EXACTNESS_CHECK = "records identical after reload (codes, scales, zero points, schemes)"
 
 
-def check(spec: Any, model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
+def check(cfg: Any, model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
     if not records:
         raise FormatError(
-            f"a {spec.format} checkpoint packs quantized layers, and no layer is "
+            f"a {cfg.format} checkpoint packs quantized layers, and no layer is "
             "quantized; add a quantize stage, or load a quantized checkpoint as model.source"
         )
-    refuse_gguf_grids(records, spec.format)
-    fmt = CHECKPOINT_FORMATS[spec.format]
+    refuse_gguf_grids(records, cfg.format)
+    fmt = CHECKPOINT_FORMATS[cfg.format]
     if fmt.check is not None:
         fmt.check(model, records)
 
 
 def export(
     directory: Path,
-    spec: Any,
+    cfg: Any,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -43,18 +43,18 @@ def export(
     kv: KVCacheScheme | None,
 ) -> dict[str, Any]:
     """Write the checkpoint to ``directory``, read it back and require the same records; returns the manifest entry."""
-    fmt = CHECKPOINT_FORMATS[spec.format]
+    fmt = CHECKPOINT_FORMATS[cfg.format]
     assert fmt.write is not None, f"{fmt.name} has no writer"  # the recipe schema admits writable formats only
-    with reporter.status(f"{label} writing {spec.format} to {EXPORTS_DIR}/{spec.name} and verifying it"):
+    with reporter.status(f"{label} writing {cfg.format} to {EXPORTS_DIR}/{cfg.name} and verifying it"):
         kv_carried = fmt.write(directory, model, tokenizer, records, kv)
         problems = records_identical(records, read_records(directory, fmt).records)
     if problems:  # a packing bug: the whole artifact is abandoned rather than shipping a wrong checkpoint
         raise FormatError(
-            f"{label} ({spec.name}): reloading the {spec.format} checkpoint does not give the records back: {'; '.join(problems[:5])}"
+            f"{label} ({cfg.name}): reloading the {cfg.format} checkpoint does not give the records back: {'; '.join(problems[:5])}"
         )
     return {
-        "name": spec.name,
-        "format": spec.format,
+        "name": cfg.name,
+        "format": cfg.format,
         "path": None,  # set by recipe_exports.write_exports
         "layers": len(records),
         "verified": True,

@@ -22,7 +22,7 @@ from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.inputs import is_gguf_file
 from compress.export.gguf.layout import HEAD_RECORD, architecture_of, plan_tensors, resolve_type
 from compress.export.gguf.metadata import tokenizer_metadata
-from compress.export.gguf.spec import GGUF_FILE
+from compress.export.gguf.plugin import GGUF_FILE
 from compress.export.gguf.writer import write_gguf
 from compress.export.parity import (
     SAME_WEIGHTS_CHUNKS,
@@ -41,24 +41,24 @@ from compress.streaming import compute_device
 GENERATION_PROMPT = "The quick brown fox"
 
 
-def with_records_quantizer(spec: GGUFExportConfig, records: dict[str, QuantizedWeight]) -> GGUFExportConfig:
-    """The spec with quantizer records where none was named for a type llama.cpp's quantizer also
+def with_records_quantizer(cfg: GGUFExportConfig, records: dict[str, QuantizedWeight]) -> GGUFExportConfig:
+    """The config with quantizer records where none was named for a type llama.cpp's quantizer also
     makes (q2_k, q5_0, q5_1, q6_k) and every record lies on that type's grid (or its fallback's)."""
-    if spec.quantizer != "llama.cpp" or not spec.records_by_default or not records:
-        return spec
-    grid = GRIDS[spec.type]
+    if cfg.quantizer != "llama.cpp" or not cfg.records_by_default or not records:
+        return cfg
+    grid = GRIDS[cfg.type]
     if all(r.scheme.gguf_type == grid.for_width(r.shape[1]).name for r in records.values()):
-        return spec.model_copy(update={"quantizer": "records"})
-    return spec
+        return cfg.model_copy(update={"quantizer": "records"})
+    return cfg
 
 
-def check(spec: GGUFExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+def check(cfg: GGUFExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation) on an export that cannot be made."""
-    spec = with_records_quantizer(spec, records)
+    cfg = with_records_quantizer(cfg, records)
     architecture_of(model)
-    if spec.quantizer == "records":
-        plan_tensors(model, records, resolve_type(spec.type, records), spec.float_type, spec.fallback, not spec.keep_float)
-    if spec.verify:
+    if cfg.quantizer == "records":
+        plan_tensors(model, records, resolve_type(cfg.type, records), cfg.float_type, cfg.fallback, not cfg.keep_float)
+    if cfg.verify:
         gguf_runtime.llama_cpp()
         if not has_eval:
             raise FormatError(
@@ -69,7 +69,7 @@ def check(spec: GGUFExportConfig, model: nn.Module, records: dict[str, Quantized
 
 def export(
     directory: Path,
-    spec: GGUFExportConfig,
+    cfg: GGUFExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -80,27 +80,27 @@ def export(
 ) -> tuple[dict[str, Any], list[Evaluation]]:
     """Write, read back and verify one GGUF export; return its manifest entry and evaluations.
     With a KV-cache scheme, the matching llama.cpp cache types go into ``compress.kv_cache.*`` metadata."""
-    spec = with_records_quantizer(spec, records)
+    cfg = with_records_quantizer(cfg, records)
     directory.mkdir(parents=True, exist_ok=True)
     kv_hint = kv_cache_hint(kv)
     metadata = {f"kv_cache.{k}": v for k, v in kv_hint.items()} if kv_hint else None
     path = directory / GGUF_FILE
     source_gguf = inputs.source if is_gguf_file(inputs.source) else None  # its tokenizer is the truth
-    with reporter.status(f"{label} writing GGUF ({spec.type}, quantizer {spec.quantizer})"):
-        if spec.quantizer == "records":
-            type_name = resolve_type(spec.type, records)
+    with reporter.status(f"{label} writing GGUF ({cfg.type}, quantizer {cfg.quantizer})"):
+        if cfg.quantizer == "records":
+            type_name = resolve_type(cfg.type, records)
             facts = write_gguf(
                 path,
                 model,
                 tokenizer,
                 records,
                 type_name,
-                spec.float_type,
-                spec.fallback,
-                spec.pre_tokenizer,
+                cfg.float_type,
+                cfg.fallback,
+                cfg.pre_tokenizer,
                 metadata,
                 source_gguf,
-                share_head=not spec.keep_float,
+                share_head=not cfg.keep_float,
             )
             problems = check_gguf_records(path, facts["plan"], records)
             if problems:
@@ -108,20 +108,20 @@ def export(
             exact = sum(1 for t in facts["plan"].tensors if t.source == "record")
             shared = facts["plan"].one_table
         else:
-            type_name, shared = spec.type, None
+            type_name, shared = cfg.type, None
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 f16 = Path(tmp) / "f16.gguf"
-                facts = write_gguf(f16, model, tokenizer, records, "f16", None, None, spec.pre_tokenizer, metadata, source_gguf)
-                gguf_runtime.quantize(f16, path, spec.type, inputs.threads, token_embedding_type=spec.float_type)
+                facts = write_gguf(f16, model, tokenizer, records, "f16", None, None, cfg.pre_tokenizer, metadata, source_gguf)
+                gguf_runtime.quantize(f16, path, cfg.type, inputs.threads, token_embedding_type=cfg.float_type)
             exact = 0
             facts["tensor_types"] = stored_type_counts(path)  # what llama.cpp chose, not our F16 input
     facts.pop("plan")
     entry: dict[str, Any] = {
-        "name": spec.name,
+        "name": cfg.name,
         "format": "gguf",
         "path": None,  # set by recipe_exports.write_exports
         "type": type_name,
-        "quantizer": spec.quantizer,
+        "quantizer": cfg.quantizer,
         "layers": len(records),
         "records_exact": exact,
         "fallbacks": facts["fallbacks"],
@@ -140,20 +140,20 @@ def export(
         )
     if kv_hint is not None:
         entry["kv_cache"] = kv_hint
-    if spec.target is not None:
-        entry["target"] = check_target(path, spec, label)
+    if cfg.target is not None:
+        entry["target"] = check_target(path, cfg, label)
     evaluations: list[Evaluation] = []
-    if spec.verify:
+    if cfg.verify:
         # a shared table: the file's embeddings are the head's record, the in-memory model's are float
         embedding = records[HEAD_RECORD].dequantize() if shared is not None else None
         evaluation = verify(
             path,
-            spec,
+            cfg,
             tokenizer,
             inputs,
             reporter,
             label,
-            same_weights=spec.quantizer == "records",
+            same_weights=cfg.quantizer == "records",
             source_gguf=source_gguf,
             embedding=embedding,
         )
@@ -165,10 +165,10 @@ def export(
     return entry, evaluations
 
 
-def check_target(path: Path, spec: GGUFExportConfig, label: str) -> dict[str, Any]:
+def check_target(path: Path, cfg: GGUFExportConfig, label: str) -> dict[str, Any]:
     """The written file against the export's size budget: its tensor bytes, bits per weight (tensor
     bytes x 8 / parameters, as llama.cpp reports them) and file size; over the budget is an error."""
-    target = spec.target
+    target = cfg.target
     assert target is not None
     tensor_bytes, params = tensor_totals(path)
     size = path.stat().st_size
@@ -286,7 +286,7 @@ def check_tokenizer(path: Path, tokenizer: Any, texts: list[str], source_gguf: P
 
 def verify(
     path: Path,
-    spec: GGUFExportConfig,
+    cfg: GGUFExportConfig,
     tokenizer: Any,
     inputs: VerifyInputs,
     reporter: Reporter,
@@ -296,7 +296,7 @@ def verify(
     embedding: torch.Tensor | None = None,
 ) -> Evaluation:
     assert inputs.chunks is not None
-    chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
+    chunks = inputs.chunks if cfg.verify_samples is None else inputs.chunks[: cfg.verify_samples]
     with reporter.status(f"{label} tokenizer parity in llama.cpp"):
         texts = [*parity_corpus(tokenizer), *(tokenizer.decode(row[:128]) for row in chunks[:4])]
         parity = check_tokenizer(path, tokenizer, texts, source_gguf, label)
@@ -320,10 +320,10 @@ def verify(
             kl = float(got["gguf"]["kl_divergence"])
             details["same_weights_kl"] = kl
             details["same_weights_top1"] = float(got["gguf"]["top1_agreement"])
-            if kl > spec.same_weights_max_kl:
+            if kl > cfg.same_weights_max_kl:
                 raise FormatError(
                     f"{label}: llama.cpp on the GGUF differs from our model with the same weights by KL {kl:.4f} "
-                    f"> same_weights_max_kl {spec.same_weights_max_kl}: a layout bug, or set the tolerance higher"
+                    f"> same_weights_max_kl {cfg.same_weights_max_kl}: a layout bug, or set the tolerance higher"
                 )
         metrics = compare(
             inputs.baseline,
@@ -335,4 +335,4 @@ def verify(
         details["sample"] = {"prompt": GENERATION_PROMPT, "greedy": runtime.generate(GENERATION_PROMPT)}
     finally:
         runtime.close()
-    return Evaluation(artifact=spec.name, runtime="llama.cpp", device="cpu", metrics=metrics, details=details)
+    return Evaluation(artifact=cfg.name, runtime="llama.cpp", device="cpu", metrics=metrics, details=details)

@@ -119,11 +119,11 @@ def own_head_type(name: str, record: QuantizedWeight) -> str | None:
     return record.scheme.gguf_type if name == HEAD_RECORD else None
 
 
-def resolve_type(spec_type: str, records: dict[str, QuantizedWeight]) -> str:
+def resolve_type(type_name: str, records: dict[str, QuantizedWeight]) -> str:
     """The block type of an exact export: ``auto`` picks from the records' schemes (a head on a
     GGUF grid of its own keeps its type and does not take part)."""
-    if spec_type != "auto":
-        return spec_type
+    if type_name != "auto":
+        return type_name
     if any(own_head_type(n, r) for n, r in records.items()) and len(records) > 1:
         records = {n: r for n, r in records.items() if not own_head_type(n, r)}
     schemes = {(r.scheme.bits, r.scheme.symmetric) for r in records.values()}

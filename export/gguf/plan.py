@@ -32,13 +32,13 @@ GGUF_BITS = {
 }
 
 
-def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:
-    if spec.target is not None:  # the budget is the size (the stage's choice fills it up to the budget)
-        t = spec.target
+def planned_size(cfg: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:
+    if cfg.target is not None:  # the budget is the size (the stage's choice fills it up to the budget)
+        t = cfg.target
         size = t.bits_per_weight * shape.params / 8 if t.bits_per_weight is not None else t.size_mib * 2**20
         return size, 1.05, f"the target ({t.describe()}): a type per layer chosen to fill it"
-    if spec.quantizer == "llama.cpp":
-        kind, float_type = spec.type, spec.float_type or "q8_0"  # llama.cpp picks the embedding's type itself; q8_0 assumed
+    if cfg.quantizer == "llama.cpp":
+        kind, float_type = cfg.type, cfg.float_type or "q8_0"  # llama.cpp picks the embedding's type itself; q8_0 assumed
         size = uniform_bytes(shape, GGUF_BITS[kind], _single_type_bits(float_type))
         return (
             size,
@@ -48,8 +48,8 @@ def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype
                 f"that are not a multiple of 256 fall back to larger types), embedding {float_type}"
             ),
         )
-    kind = _gguf_type(spec.type, records)
-    float_type = spec.float_type or ("q8_0" if kind.startswith("q") else kind)
+    kind = _gguf_type(cfg.type, records)
+    float_type = cfg.float_type or ("q8_0" if kind.startswith("q") else kind)
     bits = _single_type_bits(kind)
     size = packed_bytes(shape, records, _single_type_bits(float_type), code_bits=bits, scale_bits=0, zero_bits=0)
     return (
@@ -64,13 +64,13 @@ def _single_type_bits(type_name: str) -> float:
     return GRIDS[type_name].bits_per_weight if type_name in GRIDS else GGUF_BITS[type_name]
 
 
-def _gguf_type(spec_type: str, records: dict[str, Record]) -> str:
+def _gguf_type(type_name: str, records: dict[str, Record]) -> str:
     """The export's block type as the GGUF writer resolves it; an ``auto`` the writer would refuse
     (mixed schemes: the run asks for a type) is planned as f16."""
     from compress.errors import FormatError
     from compress.export.gguf.layout import resolve_type
 
     try:
-        return resolve_type(spec_type, records)  # type: ignore[arg-type]  # only .scheme is read
+        return resolve_type(type_name, records)  # type: ignore[arg-type]  # only .scheme is read
     except FormatError:
         return "f16"

@@ -45,7 +45,7 @@ def source_config(path: Path, digest: str | None, source: str) -> tuple[Any, str
         ) from None
 
 
-def load_source(path: Path, spec: ModelConfig, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
+def load_source(path: Path, model_cfg: ModelConfig, reporter: Reporter, load_dir: Callable[..., Any]) -> Any:
     """A GGUF file as the model source: dequantized by transformers once, cached as float safetensors,
     and that folder loaded by ``load_dir`` (compress.models.from_hf_dir: handed in, since the model
     loader sits above the export formats). Returns its LoadedModel."""
@@ -59,7 +59,7 @@ def load_source(path: Path, spec: ModelConfig, reporter: Reporter, load_dir: Cal
             (tmp / CONVERTED_MARKER).write_text(
                 json.dumps({"gguf": str(path), "sha256": digest, "tokenizer_repair": TOKENIZER_REPAIR, "tokenizer": repair}, indent=2)
             )
-    loaded = load_dir(converted, spec.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
+    loaded = load_dir(converted, model_cfg.model_copy(update={"trust_remote_code": False}), reporter, "gguf", str(path))
     model = loaded.model
     if getattr(model.config, "quantization_config", None) is not None:
         # transformers records the GGUF origin as a quantization config and refuses save_pretrained;

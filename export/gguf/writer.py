@@ -132,11 +132,11 @@ def write_metadata_only(path: Path, model: nn.Module, tokenizer: Any, pre_tokeni
     return path.stat().st_size
 
 
-def file_layout(spec: Any, model: nn.Module, tokenizer: Any, quantized: set[str]) -> FileLayout:
+def file_layout(cfg: Any, model: nn.Module, tokenizer: Any, quantized: set[str]) -> FileLayout:
     """What a GGUF file of ``model`` holds besides the Linears in ``quantized`` (a size budget's
     choice): the tensors no quantize stage touches (embeddings, norms, a float head, in the types
     ``plan_tensors`` gives them), every tensor's parameters and the bytes before the tensor data."""
-    plan = plan_tensors(model, {}, "q8_0", spec.float_type, None)
+    plan = plan_tensors(model, {}, "q8_0", cfg.float_type, None)
     weights = {f"{name}.weight" for name in quantized}  # a quantized Linear's bias stays F32 in the file
     fixed = sum(tensor_bytes(t.type_name, t.shape) for t in plan.tensors if t.hf_name not in weights)
     params = sum(math.prod(t.shape) for t in plan.tensors)

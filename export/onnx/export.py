@@ -43,9 +43,9 @@ INT_BITS = {"int4": 4, "int8": 8}
 GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention kernel
 
 
-def resolve(spec: ONNXExportConfig, records: dict[str, QuantizedWeight]) -> tuple[str, str | None]:
+def resolve(cfg: ONNXExportConfig, records: dict[str, QuantizedWeight]) -> tuple[str, str | None]:
     """(precision, quantizer) for this model: auto follows the records' bits."""
-    precision = spec.precision
+    precision = cfg.precision
     if precision == "auto":
         bits = {r.scheme.bits for r in records.values()}
         if not records:
@@ -59,19 +59,19 @@ def resolve(spec: ONNXExportConfig, records: dict[str, QuantizedWeight]) -> tupl
             )
     if precision not in INT_BITS:
         return precision, None
-    return precision, spec.quantizer or ("records" if records else "builder")
+    return precision, cfg.quantizer or ("records" if records else "builder")
 
 
-def check(spec: ONNXExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+def check(cfg: ONNXExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation) on an export that cannot be made."""
     ob.require()
     head_dim = kv_geometry(model.config)[2]
-    if spec.device == "cpu" and head_dim % GQA_HEAD_MULTIPLE:
+    if cfg.device == "cpu" and head_dim % GQA_HEAD_MULTIPLE:
         raise FormatError(
             f"ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of {GQA_HEAD_MULTIPLE}; "
             f"this model's is {head_dim}"
         )
-    precision, quantizer = resolve(spec, records)
+    precision, quantizer = resolve(cfg, records)
     if quantizer == "records":
         refuse_gguf_grids(records, "onnx")
         if not records:
@@ -80,8 +80,8 @@ def check(spec: ONNXExportConfig, model: nn.Module, records: dict[str, Quantized
         if bits != {INT_BITS[precision]}:
             raise FormatError(f"precision {precision} holds {INT_BITS[precision]}-bit records; these have {sorted(bits)} bits")
         mnb.common_block_size(records)
-        tb.check(records, spec.float_tables(precision))
-    if spec.verify and not has_eval:
+        tb.check(records, cfg.float_tables(precision))
+    if cfg.verify and not has_eval:
         raise FormatError(
             "verify: true scores the ONNX model on the evaluation chunks, and the recipe has no data.evaluation; "
             "add it, or set verify: false on the export"
@@ -89,7 +89,7 @@ def check(spec: ONNXExportConfig, model: nn.Module, records: dict[str, Quantized
 
 
 def builder_options(
-    spec: ONNXExportConfig,
+    cfg: ONNXExportConfig,
     precision: str,
     quantizer: str | None,
     records: dict[str, QuantizedWeight],
@@ -103,15 +103,15 @@ def builder_options(
     options: dict[str, Any] = dict(kv_options)
     if precision in INT_BITS:
         if quantizer == "builder":
-            floats = set(spec.float_tables(precision)) | ({"embeddings"} if precision == "int8" else set())
+            floats = set(cfg.float_tables(precision)) | ({"embeddings"} if precision == "int8" else set())
             excluded = [n for n, t in ((ob.HEAD_NODE, "lm_head"), (ob.EMBEDDING_NODE, "embeddings")) if t in floats]
             if excluded:
                 options["nodes_to_exclude"] = excluded
-            if not spec.symmetric and not floats and getattr(model_config, "tie_word_embeddings", False):
+            if not cfg.symmetric and not floats and getattr(model_config, "tie_word_embeddings", False):
                 # onnxruntime-genai 0.18's one table for a tied model reads the float weight's name when the blocks are
                 # asymmetric, and ONNX Runtime refuses the file; unshared, the builder keeps the embedding table float
                 options["shared_embeddings"] = False
-            options.update(block_size=spec.block_size or 32, is_symmetric=spec.symmetric)
+            options.update(block_size=cfg.block_size or 32, is_symmetric=cfg.symmetric)
         else:
             head_quantized = ob.HEAD_LAYER in records
             options["nodes_to_exclude"] = [n for n in ob.FLOAT_NODES if not (head_quantized and n == ob.HEAD_NODE)]
@@ -134,7 +134,7 @@ def _fresh(directory: Path) -> None:
 
 def build(
     directory: Path,
-    spec: ONNXExportConfig,
+    cfg: ONNXExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -142,10 +142,10 @@ def build(
 ) -> tuple[dict[str, Any], Any]:
     """Run the builder into ``directory`` and put our records into the graph. Returns how the weights got
     there and the graph, loaded with its weights for an int precision (the caller proves and saves it)."""
-    precision, quantizer = resolve(spec, records)
-    options = builder_options(spec, precision, quantizer, records, kv_options, model.config)
+    precision, quantizer = resolve(cfg, records)
+    options = builder_options(cfg, precision, quantizer, records, kv_options, model.config)
     log = directory.parent / f".{directory.name}.{BUILDER_LOG}"
-    facts: dict[str, Any] = {"precision": precision, "device": spec.device, "quantizer": quantizer, "builder_options": options}
+    facts: dict[str, Any] = {"precision": precision, "device": cfg.device, "quantizer": quantizer, "builder_options": options}
     graph = None
     with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.src-") as tmp:
         gptq, float_dir = Path(tmp) / "gptq", Path(tmp) / "float"
@@ -153,7 +153,7 @@ def build(
             try:
                 autogptq.write(gptq, model, tokenizer, records)
                 _fresh(directory)
-                ob.run_builder(gptq, directory, precision, spec.device, options, log)
+                ob.run_builder(gptq, directory, precision, cfg.device, options, log)
                 graph = ob.load(directory)
                 problems = ob.compare_records(graph, records)["problems"]
                 if not problems:
@@ -165,7 +165,7 @@ def build(
             if "weights_written_by" not in facts:
                 _save_float(float_dir, model, tokenizer)
                 _fresh(directory)
-                ob.run_builder(float_dir, directory, precision, spec.device, options, log)
+                ob.run_builder(float_dir, directory, precision, cfg.device, options, log)
                 graph = ob.load(directory)
                 facts["nodes_written"] = ob.write_records(graph, records)
                 facts["weights_written_by"] = (
@@ -174,7 +174,7 @@ def build(
         else:
             _save_float(float_dir, model, tokenizer)
             _fresh(directory)
-            ob.run_builder(float_dir, directory, precision, spec.device, options, log)
+            ob.run_builder(float_dir, directory, precision, cfg.device, options, log)
             facts["weights_written_by"] = "onnxruntime-genai's builder" + (" (its own round-to-nearest quantizer)" if quantizer else "")
             if precision in INT_BITS:
                 graph = ob.load(directory)
@@ -184,7 +184,7 @@ def build(
 
 def export(
     directory: Path,
-    spec: ONNXExportConfig,
+    cfg: ONNXExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -195,32 +195,32 @@ def export(
 ) -> tuple[dict[str, Any], list[Evaluation]]:
     """Write, prove and verify one ONNX export; return its manifest entry and evaluations."""
     with reporter.status(f"{label} building ONNX with onnxruntime-genai's builder"):
-        entry, tables = _write(directory, spec, model, tokenizer, records, kv, label)
+        entry, tables = _write(directory, cfg, model, tokenizer, records, kv, label)
     evaluations: list[Evaluation] = []
-    skipped = unverifiable(spec)
-    if spec.verify and skipped:  # said in the manifest and report.json; a gate on the export fails as unmeasured
+    skipped = unverifiable(cfg)
+    if cfg.verify and skipped:  # said in the manifest and report.json; a gate on the export fails as unmeasured
         entry["verification_skipped"] = skipped
-    elif spec.verify:
+    elif cfg.verify:
         assert inputs is not None
-        evaluation = verify(directory, spec, tokenizer, inputs, reporter, label, entry["precision"] in INT_BITS, tables)
+        evaluation = verify(directory, cfg, tokenizer, inputs, reporter, label, entry["precision"] in INT_BITS, tables)
         evaluations.append(evaluation)
         entry["verified"] = True
         entry["check"] += "; verified in ONNX Runtime (tokenizer parity, same-weights KL, metrics vs baseline, GenAI generation)"
     return entry, evaluations
 
 
-def unverifiable(spec: ONNXExportConfig) -> str | None:
+def unverifiable(cfg: ONNXExportConfig) -> str | None:
     """Why this machine cannot run the export, or None: a CUDA build needs ONNX Runtime's CUDA provider."""
     import onnxruntime as ort
 
-    if spec.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+    if cfg.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
         return "built for CUDA and this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu on a machine with an NVIDIA GPU)"
     return None
 
 
 def write(
     directory: Path,
-    spec: ONNXExportConfig,
+    cfg: ONNXExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -229,12 +229,12 @@ def write(
 ) -> dict[str, Any]:
     """Build the export into ``directory``, prove it holds the records, set the shipped accuracy level and
     make its tokenizer.json readable by onnxruntime-extensions; returns the manifest entry."""
-    return _write(directory, spec, model, tokenizer, records, kv, label)[0]
+    return _write(directory, cfg, model, tokenizer, records, kv, label)[0]
 
 
 def _write(
     directory: Path,
-    spec: ONNXExportConfig,
+    cfg: ONNXExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -243,14 +243,14 @@ def _write(
 ) -> tuple[dict[str, Any], tb.Tables]:
     directory.mkdir(parents=True, exist_ok=True)
     scale_file = directory.parent / f".{directory.name}.{KV_SCALE_FILE}"
-    kv_entry, kv_options = kv_cache_options(kv, model.config, scale_file, spec.device)
-    precision, quantizer = resolve(spec, records)
+    kv_entry, kv_options = kv_cache_options(kv, model.config, scale_file, cfg.device)
+    precision, quantizer = resolve(cfg, records)
     tables, file_records = tb.Tables(), records
     if quantizer == "records":
-        tables = tb.plan(model, records, spec.float_tables(precision), INT_BITS[precision], mnb.common_block_size(records))
+        tables = tb.plan(model, records, cfg.float_tables(precision), INT_BITS[precision], mnb.common_block_size(records))
         if tables.head_rounded_here:  # handed over and proven like the others
             file_records = {**records, tb.HEAD: tables.head}
-    facts, graph = build(directory, spec, model, tokenizer, file_records, kv_options)
+    facts, graph = build(directory, cfg, model, tokenizer, file_records, kv_options)
     if scale_file.exists():
         shutil.move(str(scale_file), directory / KV_SCALE_FILE)
     if graph is None:  # a float export: nothing to edit, the op counts need no weights
@@ -268,15 +268,15 @@ def _write(
             problems = proof["problems"] + tb.compare_embeddings(graph, tables)
             if problems:
                 raise FormatError(f"{label}: after the graph edits the ONNX file does not hold the records: {'; '.join(problems[:3])}")
-        ob.set_accuracy_level(graph, spec.accuracy_level)
+        ob.set_accuracy_level(graph, cfg.accuracy_level)
         ob.save(graph, directory)
     files = [directory / ONNX_FILE, directory / ob.DATA_FILE]
     entry: dict[str, Any] = {
-        "name": spec.name,
+        "name": cfg.name,
         "format": "onnx",
         "path": None,  # set by recipe_exports.write_exports
         **facts,
-        "accuracy_level": spec.accuracy_level if facts["precision"] in INT_BITS else None,
+        "accuracy_level": cfg.accuracy_level if facts["precision"] in INT_BITS else None,
         "layers": len(records),
         "records_exact": proof["layers"] if proof else 0,
         "tables": tables.facts or _builder_tables(graph, facts["precision"]),
@@ -369,7 +369,7 @@ def kv_cache_options(
 
 def verify(
     directory: Path,
-    spec: ONNXExportConfig,
+    cfg: ONNXExportConfig,
     tokenizer: Any,
     inputs: VerifyInputs,
     reporter: Reporter,
@@ -380,13 +380,13 @@ def verify(
     from compress.export.onnx import runtime as rt
 
     assert inputs.chunks is not None
-    chunks = inputs.chunks if spec.verify_samples is None else inputs.chunks[: spec.verify_samples]
+    chunks = inputs.chunks if cfg.verify_samples is None else inputs.chunks[: cfg.verify_samples]
     details: dict[str, Any] = {
         "file": ONNX_FILE,
         "chunks": int(chunks.shape[0]),
         "seq_len": int(chunks.shape[1]),
         "min_context": inputs.min_context,
-        "accuracy_level": spec.accuracy_level if quantized else None,
+        "accuracy_level": cfg.accuracy_level if quantized else None,
     }
     texts = [*parity_corpus(tokenizer), *(tokenizer.decode(row[:128]) for row in chunks[:4])]
     with rt.GenAIModel(directory, inputs.threads) as genai:
@@ -419,9 +419,9 @@ def verify(
             None if tables.head is None else tables.head.dequantize(),
         )
     sub = chunks[:SAME_WEIGHTS_CHUNKS]
-    session = rt.OrtDecoder(directory / ONNX_FILE, inputs.threads, spec.device)
+    session = rt.OrtDecoder(directory / ONNX_FILE, inputs.threads, cfg.device)
     candidates = {"shipped": session.forward}
-    level0 = directory / LEVEL0_FILE if quantized and spec.accuracy_level != 0 else None
+    level0 = directory / LEVEL0_FILE if quantized and cfg.accuracy_level != 0 else None
     try:
         if level0 is not None:  # the same file computing in float: initializers stay in model.onnx.data, which it references
             import onnx
@@ -429,7 +429,7 @@ def verify(
             graph = ob.load(directory, with_data=False)
             ob.set_accuracy_level(graph, 0)
             onnx.save_model(graph, str(level0))
-            candidates["level0"] = rt.OrtDecoder(level0, inputs.threads, spec.device).forward
+            candidates["level0"] = rt.OrtDecoder(level0, inputs.threads, cfg.device).forward
         with reporter.status(
             f"{label} same-weights check in ONNX Runtime ({sub.shape[0]} chunks"
             + (", as shipped and at accuracy level 0)" if level0 else ")")
@@ -450,10 +450,10 @@ def verify(
             f"{label}: ONNX Runtime at accuracy level 0 differs from our model with the same weights by KL "
             f"{details['level0_same_weights_kl']:.2e} > {EXACT_MAX_KL}: the graph does not compute our model"
         )
-    if details["same_weights_kl"] > spec.same_weights_max_kl:
+    if details["same_weights_kl"] > cfg.same_weights_max_kl:
         raise FormatError(
-            f"{label}: ONNX Runtime (accuracy level {spec.accuracy_level}) differs from our model with the same "
-            f"weights by KL {details['same_weights_kl']:.4f} > same_weights_max_kl {spec.same_weights_max_kl}"
+            f"{label}: ONNX Runtime (accuracy level {cfg.accuracy_level}) differs from our model with the same "
+            f"weights by KL {details['same_weights_kl']:.4f} > same_weights_max_kl {cfg.same_weights_max_kl}"
         )
     metrics = compare(inputs.baseline, {"onnx": session.forward}, chunks, inputs.min_context, progress=reporter.track)["onnx"]
-    return Evaluation(artifact=spec.name, runtime="onnxruntime", device=spec.device, metrics=metrics, details=details)
+    return Evaluation(artifact=cfg.name, runtime="onnxruntime", device=cfg.device, metrics=metrics, details=details)

@@ -9,21 +9,21 @@ from compress.eval.plan.shapes import ModelShape, Record, linear_weights, only_b
 from compress.export.format import PlannedSize
 
 
-def planned_size(spec: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:
-    float_bits = 32 if spec.device == "cpu" else 16
-    precision = spec.precision
+def planned_size(cfg: Any, shape: ModelShape, records: dict[str, Record], dtype_bits: int) -> PlannedSize:
+    float_bits = 32 if cfg.device == "cpu" else 16
+    precision = cfg.precision
     if precision == "auto":
         precision = {4: "int4", 8: "int8"}.get(only_bits(records), "fp32") if records else "fp32"
     if precision in ("fp32", "fp16"):
         size = shape.params * (32 if precision == "fp32" else 16) // 8
         return size, float_bits / 8, f"every parameter at {precision}"
-    bits, block = (4 if precision == "int4" else 8), spec.block_size or 32
-    floats = spec.float_tables(precision)
+    bits, block = (4 if precision == "int4" else 8), cfg.block_size or 32
+    floats = cfg.float_tables(precision)
     tables = (
         "head " + ("float" if "lm_head" in floats else "quantized") + ", embeddings " + ("float" if "embeddings" in floats else "quantized")
     )
-    if spec.quantizer == "builder" or not records:
-        size = builder_bytes(shape, bits, block, spec.symmetric, float_bits, floats)
+    if cfg.quantizer == "builder" or not records:
+        size = builder_bytes(shape, bits, block, cfg.symmetric, float_bits, floats)
         return size, float_bits / 8, f"builder {precision} blocks of {block}; {tables}; floats at {float_bits} bits"
     size = packed_bytes(shape, with_tables(shape, records, floats), float_bits, code_bits=bits, scale_bits=float_bits)
     return (

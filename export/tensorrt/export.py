@@ -26,11 +26,11 @@ from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
 from compress.quantizers.kv_cache import KVCacheScheme
 
 
-def check(spec: TensorRTExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
+def check(cfg: TensorRTExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation): onnx/onnxruntime/onnxscript present, every record has a Q/DQ form."""
     onnx_builder.require(("onnx", "onnxruntime", "onnxscript"), "the TensorRT-ready ONNX")
     refuse_gguf_grids(records, "tensorrt")
-    if not spec.fp8 and spec.fallback is None:
+    if not cfg.fp8 and cfg.fallback is None:
         for name, record in records.items():
             if onnx_qdq.exact_precision(record.scheme) is None:
                 onnx_qdq.plan_layer(name, record, None)  # raises the FormatError that explains the options
@@ -60,7 +60,7 @@ def converted_model(model: nn.Module, plans: list[onnx_qdq.LayerPlan], dtype: to
 
 def export(
     directory: Path,
-    spec: TensorRTExportConfig,
+    cfg: TensorRTExportConfig,
     model: nn.Module,
     tokenizer: Any,
     records: dict[str, QuantizedWeight],
@@ -71,25 +71,25 @@ def export(
 ) -> tuple[dict[str, Any], list[Evaluation]]:
     assert inputs is not None and inputs.chunks is not None
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = onnx_qdq.GRAPH_DTYPES[spec.dtype]
-    plans = onnx_qdq.plan_layers(records, spec.fallback, spec.fp8, dtype)
+    dtype = onnx_qdq.GRAPH_DTYPES[cfg.dtype]
+    plans = onnx_qdq.plan_layers(records, cfg.fallback, cfg.fp8, dtype)
     with reporter.status(f"{label} exporting the TensorRT-ready Q/DQ ONNX (torch.onnx dynamo)"):
-        facts = onnx_qdq.write_qdq_onnx(directory, model, records, fallback=spec.fallback, dtype=spec.dtype, fp8=spec.fp8, plans=plans)
+        facts = onnx_qdq.write_qdq_onnx(directory, model, records, fallback=cfg.fallback, dtype=cfg.dtype, fp8=cfg.fp8, plans=plans)
     tokenizer.save_pretrained(directory)
-    ids = inputs.chunks[:1, : spec.check_tokens]
+    ids = inputs.chunks[:1, : cfg.check_tokens]
     with reporter.status(f"{label} checking the Q/DQ ONNX on ONNX Runtime CPU ({ids.shape[1]} tokens + 1 decode step)"):
         graph_model = converted_model(inputs.compressed, plans, dtype)
         check_result = onnx_qdq.check_qdq_onnx(directory, graph_model or inputs.compressed, ids)
         if graph_model is not None:  # what the declared fallbacks cost against the records
             facts["conversion_cost"] = onnx_qdq.check_qdq_onnx(directory, inputs.compressed, ids)
             del graph_model
-    if check_result["kl_divergence"] > spec.check_max_kl:
+    if check_result["kl_divergence"] > cfg.check_max_kl:
         raise FormatError(
             f"{label}: ONNX Runtime CPU on the Q/DQ ONNX differs from the model it should compute by KL "
-            f"{check_result['kl_divergence']:.2e} > check_max_kl {spec.check_max_kl}"
+            f"{check_result['kl_divergence']:.2e} > check_max_kl {cfg.check_max_kl}"
         )
     entry: dict[str, Any] = {
-        "name": spec.name,
+        "name": cfg.name,
         "format": "tensorrt",
         "path": None,  # set by recipe_exports.write_exports
         "onnx": facts,
@@ -112,14 +112,14 @@ def export(
         entry["engine"] = {"built": False, "skipped": reason}
         return entry, []
     with reporter.status(f"{label} building the TensorRT engine"):
-        entry["engine"] = {"built": True, **tensorrt.build_engine(directory, directory, spec.engine)}
+        entry["engine"] = {"built": True, **tensorrt.build_engine(directory, directory, cfg.engine)}
     runner = tensorrt.EngineRunner(directory / tensorrt.ENGINE_FILE)
-    chunks = inputs.chunks[: min(len(inputs.chunks), spec.engine.batch.max)]
+    chunks = inputs.chunks[: min(len(inputs.chunks), cfg.engine.batch.max)]
     with reporter.status(f"{label} scoring the evaluation chunks with the TensorRT engine"):
         metrics = compare(inputs.baseline, {"engine": engine_forward(runner)}, chunks, inputs.min_context)["engine"]
     return entry, [
         Evaluation(
-            artifact=spec.name,
+            artifact=cfg.name,
             runtime="tensorrt",
             device=torch.cuda.get_device_name(0),
             metrics=metrics,

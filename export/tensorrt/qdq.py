@@ -14,7 +14,7 @@ name. Afterwards that float initializer is replaced by a quantized one feeding a
 
 * ``int4``: symmetric records with group size 64 or 128, exactly (``code - 8``), blocked DQ with
   ``axis=0`` (the input dimension) and ``block_size`` = group size, scales [n_groups, out], no zero
-  point (TensorRT rejects zero points); a partial last block is allowed by the ONNX spec;
+  point (TensorRT rejects zero points); a partial last block is allowed by the ONNX specification;
 * ``int8``: symmetric 8-bit per-channel records, exactly (``code - 128``), per-axis DQ with
   ``axis=1`` (output channels of the [in, out] operand), scales [out];
 * ``fp8``: requested with ``fp8=True``: float8 e4m3fn from the record's dequantized weight, per

@@ -46,7 +46,7 @@ def shape(text: str) -> tuple[int, int]:
     return int(samples), int(seq_len)
 
 
-def data_spec(cal: str, evaluation: str) -> DataConfig:
+def data_config(cal: str, evaluation: str) -> DataConfig:
     (cs, cl), (es, el) = shape(cal), shape(evaluation)
     return DataConfig(calibration={"source": TEXT, "samples": cs, "seq_len": cl}, evaluation={"source": TEXT, "samples": es, "seq_len": el})
 
@@ -59,7 +59,7 @@ def make(args: argparse.Namespace, reporter: Reporter) -> None:
     out: Path = args.output
     out.mkdir(parents=True, exist_ok=True)
     cand = Candidate.parse(args.candidate)
-    lm, calibration, _, _ = load_bench_inputs(args.model, data_spec(args.cal, "1x64"), args.threads, reporter)
+    lm, calibration, _, _ = load_bench_inputs(args.model, data_config(args.cal, "1x64"), args.threads, reporter)
     tokenizer_from = lm.source_path if is_gguf_file(lm.source_path) else None
     f16 = out / "f16.gguf"
     if not f16.is_file():
@@ -88,13 +88,13 @@ def score(args: argparse.Namespace, reporter: Reporter) -> None:
     from compress.eval.metrics import compare
 
     out: Path = args.output
-    lm, _, evaluation, spec = load_bench_inputs(args.model, data_spec(args.cal, args.eval), args.threads, reporter)
+    lm, _, evaluation, eval_cfg = load_bench_inputs(args.model, data_config(args.cal, args.eval), args.threads, reporter)
     seq_len = int(evaluation.tokens.shape[1])
     reference = gguf_runtime.LlamaCppModel(out / "f16.gguf", n_ctx=seq_len, threads=args.threads)
     names = args.files.split(",") if args.files else [p.name for p in sorted(out.glob("*.gguf")) if p.name != "f16.gguf"]
     runtimes = {name: gguf_runtime.LlamaCppModel(out / name, n_ctx=seq_len, threads=args.threads) for name in names}
     try:  # one pass: the F16 reference runs once per chunk for every candidate
-        metrics = compare(reference.forward, {n: r.forward for n, r in runtimes.items()}, evaluation.tokens, spec.min_context)
+        metrics = compare(reference.forward, {n: r.forward for n, r in runtimes.items()}, evaluation.tokens, eval_cfg.min_context)
     finally:
         reference.close()
         for runtime in runtimes.values():

@@ -87,10 +87,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="head-size-") as tmp:
         for i, (name, (candidate, records, keep_float)) in enumerate(candidates.items()):
             directory = Path(tmp) / str(i)
-            spec = ONNXExportConfig(
+            cfg = ONNXExportConfig(
                 name=f"onnx{i}", precision="int4", quantizer="records", accuracy_level=4, verify=False, keep_float=keep_float
             )
-            entry = onnx_export.write(directory, spec, candidate, source.tokenizer, records)
+            entry = onnx_export.write(directory, cfg, candidate, source.tokenizer, records)
             session = rt.OrtDecoder(directory / ONNX_FILE, args.threads)
             metrics = compare(baseline, {name: session.forward}, ev, MIN_CONTEXT)
             del session

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gguf_grids, beside this script
 
-from gguf_grids import EMBEDDING, MODEL, TEXT, data_spec, shape  # noqa: E402
+from gguf_grids import EMBEDDING, MODEL, TEXT, data_config, shape  # noqa: E402
 
 from compress.context import RunContext  # noqa: E402
 from compress.eval.bench.gguf import llama_cpp_imatrix  # noqa: E402
@@ -49,7 +49,7 @@ OURS, THEIRS = "imatrix.ours.gguf", "imatrix.llama.cpp.gguf"
 
 
 def inputs(args: argparse.Namespace, reporter: Reporter):
-    lm, calibration, _, _ = load_bench_inputs(MODEL, data_spec(args.cal, "1x64"), args.threads, reporter)
+    lm, calibration, _, _ = load_bench_inputs(MODEL, data_config(args.cal, "1x64"), args.threads, reporter)
     f16 = args.output / "f16.gguf"
     if not f16.is_file():
         tokenizer_from = lm.source_path if is_gguf_file(lm.source_path) else None

@@ -1,4 +1,4 @@
-"""The TensorRT export format's spec (torch-free; implementations are imported by its methods)."""
+"""The TensorRT export format's plugin object, an ExportFormat (torch-free; implementations are imported by its methods)."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ class TensorRTFormat(ExportFormat):
         size = tree_size(path)
         return size, 0, size
 
-    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+    def planned_size(self, cfg: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.export.tensorrt.plan import planned_size
 
-        return planned_size(spec, shape, records, dtype_bits)
+        return planned_size(cfg, shape, records, dtype_bits)
 
-    def planned_verify_tokens(self, spec: Any, samples: int, seq_len: int) -> int:
-        return spec.check_tokens
+    def planned_verify_tokens(self, cfg: Any, samples: int, seq_len: int) -> int:
+        return cfg.check_tokens
 
 
 TENSORRT = TensorRTFormat(

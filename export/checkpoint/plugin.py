@@ -1,4 +1,4 @@
-"""The checkpoint export formats' specs: compressed-tensors and AutoGPTQ Hugging Face directories
+"""The checkpoint export formats' plugin objects (ExportFormat): compressed-tensors and AutoGPTQ Hugging Face directories
 (torch-free; implementations are imported by the methods).
 
 A checkpoint export holds exactly the records of the in-memory compressed model (its reader
@@ -22,15 +22,15 @@ class CheckpointFormat(ExportFormat):
 
     size_estimate: str = "compressed_tensors_size"  # the function in export/checkpoint/plan.py
 
-    def check(self, spec: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
+    def check(self, cfg: Any, model: Any, records: dict[str, Any], has_eval: bool) -> None:
         from compress.export.checkpoint import export
 
-        export.check(spec, model, records)
+        export.check(cfg, model, records)
 
     def write(
         self,
         directory: Path,
-        spec: Any,
+        cfg: Any,
         model: Any,
         tokenizer: Any,
         records: dict[str, Any],
@@ -41,15 +41,15 @@ class CheckpointFormat(ExportFormat):
     ) -> tuple[dict[str, Any], list[Any]]:
         from compress.export.checkpoint import export
 
-        return export.export(directory, spec, model, tokenizer, records, reporter, label, kv), []
+        return export.export(directory, cfg, model, tokenizer, records, reporter, label, kv), []
 
     def static_bytes(self, path: Path) -> tuple[int, int, int]:
         raise NotImplementedError(f"{self.name} exports are timed as the compressed model (torch)")
 
-    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+    def planned_size(self, cfg: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.export.checkpoint import plan
 
-        return getattr(plan, self.size_estimate)(spec, shape, records, dtype_bits)
+        return getattr(plan, self.size_estimate)(cfg, shape, records, dtype_bits)
 
 
 COMPRESSED_TENSORS = CheckpointFormat(

@@ -1,4 +1,4 @@
-"""The ONNX export format's spec (torch-free; implementations are imported by its methods)."""
+"""The ONNX export format's plugin object, an ExportFormat (torch-free; implementations are imported by its methods)."""
 
 from __future__ import annotations
 
@@ -64,10 +64,10 @@ class ONNXFormat(ExportFormat):
         check_genai_folder(path, GENAI_CONFIG)
         return path
 
-    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+    def planned_size(self, cfg: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.export.onnx.plan import planned_size
 
-        return planned_size(spec, shape, records, dtype_bits)
+        return planned_size(cfg, shape, records, dtype_bits)
 
 
 ONNX = ONNXFormat(

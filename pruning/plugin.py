@@ -1,4 +1,4 @@
-"""The spec of the ``prune:`` stage kind (compress.plugins.STAGE_KINDS): torch-free; the stage
+"""The plugin object (StageKind) of the ``prune:`` stage kind (compress.plugins.STAGE_KINDS): torch-free; the stage
 (prune.py) is imported when a run builds it."""
 
 from __future__ import annotations

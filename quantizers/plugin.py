@@ -1,9 +1,9 @@
-"""The specs of the quantizers: one QuantMethod per weight-quantization method (rtn.py, gptq.py,
+"""The plugin objects of the quantizers: one QuantMethod per weight-quantization method (rtn.py, gptq.py,
 awq.py, llm_int8.py) and the two stage kinds this package runs (``quantize:`` and ``kv_cache:``).
 
 Torch-free (the stage classes are imported when a run builds its stages), so the tables in
 compress.plugins can be read by `compress validate` and `compress plan` without torch. Each
-method's plan formula sits next to its spec; the shared numbers are in compress.eval.plan.estimates.
+method's plan formula sits next to its QuantMethod; the shared numbers are in compress.eval.plan.estimates.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def _with_sensitivity(step: PlanStep, layers: dict[str, Any], est: Estimate) -> 
 
 
 def quantize_kind(method: Callable[..., QuantMethod]) -> StageKind:
-    """The ``quantize:`` stage kind, which hands each stage to its method's spec. ``method(name, label)``
+    """The ``quantize:`` stage kind, which hands each stage to its method's QuantMethod. ``method(name, label)``
     is compress.plugins.quant_method (the table sits above this module, so it is handed in)."""
 
     def build(config: Any, label: str) -> Any:

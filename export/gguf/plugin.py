@@ -1,4 +1,4 @@
-"""The GGUF export format's spec (torch-free; implementations are imported by its methods)."""
+"""The GGUF export format's plugin object, an ExportFormat (torch-free; implementations are imported by its methods)."""
 
 from __future__ import annotations
 
@@ -70,17 +70,17 @@ class GGUFFormat(ExportFormat):
         check_gguf(path)
         return path
 
-    def load_source(self, path: Path, spec: Any, reporter: Any, load_dir: Any) -> Any:
+    def load_source(self, path: Path, model_cfg: Any, reporter: Any, load_dir: Any) -> Any:
         from compress.export.gguf.source import load_source
 
-        return load_source(path, spec, reporter, load_dir)
+        return load_source(path, model_cfg, reporter, load_dir)
 
     def source_config(self, path: Path, digest: str | None, source: str) -> tuple[Any, str]:
         from compress.export.gguf.source import source_config
 
         return source_config(path, digest, source)
 
-    def planned_memory_bytes(self, spec: Any, size_bytes: float, shape: Any, seq_len: int) -> tuple[float, str]:
+    def planned_memory_bytes(self, cfg: Any, size_bytes: float, shape: Any, seq_len: int) -> tuple[float, str]:
         # Written a tensor at a time; llama.cpp maps the file and, scoring a piece of a row per call,
         # keeps that piece's logits twice (its output buffer and its graph's result).
         from compress.export.gguf.runtime import PIECE_TOKENS
@@ -88,19 +88,19 @@ class GGUFFormat(ExportFormat):
         piece = min(max(seq_len, 1), PIECE_TOKENS)
         logits = 2 * piece * shape.text.vocab_size * 4
         basis = f"the file as llama.cpp maps it and the logits of {piece} tokens twice (float32)"
-        if spec.quantizer == "llama.cpp":  # our F16 file is what llama.cpp's quantizer reads
+        if cfg.quantizer == "llama.cpp":  # our F16 file is what llama.cpp's quantizer reads
             return size_bytes + logits + 2 * shape.params, basis + ", and the F16 file its quantizer reads"
         return size_bytes + logits, basis
 
-    def file_layout(self, spec: Any, model: Any, tokenizer: Any, quantized: set[str]) -> FileLayout:
+    def file_layout(self, cfg: Any, model: Any, tokenizer: Any, quantized: set[str]) -> FileLayout:
         from compress.export.gguf.writer import file_layout
 
-        return file_layout(spec, model, tokenizer, quantized)
+        return file_layout(cfg, model, tokenizer, quantized)
 
-    def planned_size(self, spec: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
+    def planned_size(self, cfg: Any, shape: Any, records: dict[str, Any], dtype_bits: int) -> PlannedSize:
         from compress.export.gguf.plan import planned_size
 
-        return planned_size(spec, shape, records, dtype_bits)
+        return planned_size(cfg, shape, records, dtype_bits)
 
 
 GGUF = GGUFFormat(
