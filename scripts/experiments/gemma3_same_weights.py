@@ -8,6 +8,9 @@ range for:
 - ``ours-f32``: our F32 GGUF of that torch model (no quantization: the layout and metadata alone);
 - each of them again with llama.cpp's KV cache in F32 (``--f32-cache``: flash attention, F32 keys and
   values; llama.cpp's default cache is F16);
+- with ``--emulate``, the source file against torch rounding every matmul's input as llama.cpp does
+  for the weight's type (Q8_0 or Q8_K blocks), and torch against that rounding alone (what 8-bit
+  activations cost on their own);
 
 and the metadata keys of the two files side by side where they differ (``--keys``).
 
@@ -215,6 +218,7 @@ def main() -> None:
                     for handle in handles:
                         handle.remove()
                     report(" torch rounding inputs", kl_by_position(emulated, got))
+                    report(" torch vs torch rounding", kl_by_position(reference, emulated))
         if args.keys:
             key_diff(args.gguf, ours)
 
