@@ -760,3 +760,30 @@ def test_smollm2_recipe_exports_a_verified_gguf(tmp_path: Path) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     assert [(e["type"], e["records_exact"]) for e in manifest["exports"]] == [("q4_0", 210), ("q4_k_m", 0)]
     assert "q4_k" in manifest["exports"][1]["tensor_types"]  # counted in the file llama.cpp wrote
+
+
+def test_a_gemma_gguf_sources_tokenizer_gets_merges_from_the_files_scores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text_dir: Path
+) -> None:
+    """transformers rebuilds a Gemma GGUF's SentencePiece tokenizer as a Unigram on its scores (a BPE
+    without merges once saved): Gemma 3 270M's file tokenized every parity text differently from
+    llama.cpp. The source loader makes the BPE merges from the scores, as llama.cpp joins pieces, and
+    the loaded tokenizer tokenizes as the one the file was written from."""
+    from compress.models import load_model
+    from compress.progress import Reporter
+    from compress.schema.recipe import ModelConfig
+    from tests.tiny import family_tokenizer
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    hf = family_tokenizer("gemma", [p.read_text() for p in sorted(text_dir.glob("*.txt"))])
+    source = tmp_path / "src" / "gemma.gguf"
+    source.parent.mkdir()
+    write_gguf(source, tiny_model("gemma3_text", vocab=len(hf), hidden=64, intermediate=64), hf, {}, "f16")
+    texts = parity_corpus(hf)[:40]
+    plain = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    assert [plain(t)["input_ids"] for t in texts] != [hf(t)["input_ids"] for t in texts]
+    loaded = load_model(ModelConfig(source=str(source)), tmp_path, Reporter(quiet=True))
+    assert [loaded.tokenizer(t)["input_ids"] for t in texts] == [hf(t)["input_ids"] for t in texts]
+    assert any("BPE merges made from the file's" in change for change in loaded.facts["tokenizer"]["changed"])
+    if gguf_runtime.available():
+        assert loaded.facts["tokenizer"]["parity"]["mismatched"] == 0

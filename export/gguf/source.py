@@ -145,7 +145,7 @@ def convert(path: Path, directory: Path, dtype: str, tie_embeddings: bool, repor
     return repair
 
 
-TOKENIZER_REPAIR = 1
+TOKENIZER_REPAIR = 2
 """The version of ``repair_tokenizer``: a cached conversion made by another version is made again."""
 
 
@@ -176,6 +176,8 @@ def repair_tokenizer(tokenizer: Any, path: Path) -> dict[str, Any]:
         elif pre_tokenizer_name({"pre_tokenizer": before}, strict=False) != pre:
             backend.pre_tokenizer = pre_tokenizer_of(known[pre])
             facts["changed"].append(f"pre-tokenizer set to the file's '{pre}'")
+    if facts["model"] == "llama" and gguf.Keys.Tokenizer.SCORES in fields:
+        _repair_sentencepiece(tokenizer, value, facts)
     n_vocab = len(tokenizer)
     for key, field in (("bos", gguf.Keys.Tokenizer.BOS_ID), ("eos", gguf.Keys.Tokenizer.EOS_ID)):
         token_id = value(field)
@@ -186,7 +188,68 @@ def repair_tokenizer(tokenizer: Any, path: Path) -> dict[str, Any]:
         if getattr(tokenizer, f"{key}_token_id") != int(token_id):
             facts["changed"].append(f"{key.upper()} set to the file's {token_id} {text!r} (was {getattr(tokenizer, f'{key}_token')!r})")
             setattr(tokenizer, f"{key}_token", text)
+    for key in ("bos", "eos") if facts["model"] == "llama" else ():  # the flags of a SentencePiece file
+        add = value(gguf.Keys.Tokenizer.ADD_BOS if key == "bos" else gguf.Keys.Tokenizer.ADD_EOS)
+        if add is not None and bool(getattr(tokenizer, f"add_{key}_token", False)) != bool(add):
+            setattr(tokenizer, f"add_{key}_token", bool(add))
+            facts["changed"].append(f"add_{key}_token set to the file's {bool(add)}")
     return facts
+
+
+def _repair_sentencepiece(tokenizer: Any, value: Callable[[str], Any], facts: dict[str, Any]) -> None:
+    """A SentencePiece file (``tokenizer.ggml.model`` ``llama``) rebuilt without BPE merges (Gemma's): the
+    merges made from the file's scores (``spm_bpe``), its control tokens as special tokens and its
+    user-defined ones as added tokens, as llama.cpp matches both in the text before joining pieces."""
+    import gguf
+    from tokenizers import AddedToken
+
+    backend = tokenizer.backend_tokenizer
+    model = json.loads(backend.to_str())["model"]
+    if model.get("type") == "BPE" and model.get("merges"):
+        return
+    tokens, scores = value(gguf.Keys.Tokenizer.LIST), value(gguf.Keys.Tokenizer.SCORES)
+    types = value(gguf.Keys.Tokenizer.TOKEN_TYPE)
+    backend.model = spm_bpe(tokens, scores, types, model)
+    kinds = {gguf.TokenType.CONTROL: True, gguf.TokenType.USER_DEFINED: False}
+    for kind, special in kinds.items():
+        found = [AddedToken(t, normalized=False, special=special) for t, k in zip(tokens, types, strict=True) if k == kind]
+        tokenizer.add_tokens(found, special_tokens=special)
+    facts["changed"].append(
+        f"BPE merges made from the file's {len(tokens)} token scores (the rebuild had none); its control and "
+        "user-defined tokens matched first"
+    )
+
+
+def spm_bpe(tokens: list[str], scores: list[float], types: list[int], rebuilt: dict[str, Any]) -> Any:
+    """The BPE model of a SentencePiece vocabulary (``tokenizer.ggml.model`` ``llama``: tokens, scores,
+    token types), as llama.cpp tokenizes with it: two adjacent pieces join when their join is a token,
+    the join with the highest score first. Every split of a token into two tokens is a merge, ranked by
+    the joined token's score (control, unknown, byte and user-defined tokens are never joined). transformers 5 rebuilds
+    Gemma's GGUF tokenizer as a Unigram on those scores, which saved and loaded again is a BPE without
+    merges (Gemma 3 270M's file: every text of the parity corpus tokenized differently, "▁w or ld" for
+    "▁world"; once saved, every word split into characters). ``rebuilt``: the rebuild's model JSON,
+    whose unknown token, byte fallback and fuse_unk are kept where it has them."""
+    import gguf
+    from tokenizers.models import BPE
+
+    ids = {token: i for i, token in enumerate(tokens)}
+    never = {gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN, gguf.TokenType.BYTE, gguf.TokenType.USER_DEFINED}
+    ranked = []
+    for i, token in enumerate(tokens):
+        if types[i] in never:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[i], i, ids[left], left, right))
+    ranked.sort()
+    return BPE(
+        vocab=ids,
+        merges=[(left, right) for *_, left, right in ranked],
+        unk_token=rebuilt.get("unk_token") or (tokens[rebuilt["unk_id"]] if rebuilt.get("unk_id") is not None else None),
+        byte_fallback=bool(rebuilt.get("byte_fallback", True)),
+        fuse_unk=bool(rebuilt.get("fuse_unk", True)),
+    )
 
 
 def source_parity(tokenizer: Any, path: Path, reporter: Reporter) -> dict[str, Any] | None:
