@@ -6,7 +6,8 @@ Nothing heavy is imported at module level here, so that the handler is in place 
 imports (typer, rich, pydantic, later torch) start. While a command runs, SIGINT raises
 KeyboardInterrupt as Python's own handler does (so ``finally`` blocks and atomic writes clean up;
 compress.cli's ``guarded`` turns it into exit 130); once the command has returned or exited, a
-SIGINT ends the process at once with 130.
+SIGINT ends the process at once with 130, and from the last flush of its output to the exit it is
+held back (the process ends with its result).
 """
 
 from __future__ import annotations
@@ -61,4 +62,11 @@ def run(cli_main: Any = None) -> int | str | None:
 
 
 def main() -> None:
-    sys.exit(run())
+    code = run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The interpreter's shutdown puts SIGINT's default action back (death by signal, exit -2): from the
+    # last line to the exit an interrupt is held back instead, and the process ends with its result.
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    sys.exit(code)

@@ -401,8 +401,10 @@ def test_bench_gguf_fills_llama_cpps_size_with_a_mix_and_plots_both(tmp_path: Pa
     rows = {r["name"]: r for r in run_gguf_bench(out, wide_model_dir, text_dir, "llama.cpp:q4_k_m,gptq:mix@q4_k_m,rtn:mix@4.2")["rows"]}
     theirs, ours, four = rows["llama.cpp Q4_K_M"], rows["gptq mix at the size of llama.cpp's Q4_K_M"], rows["rtn mix at 4.2 bits/weight"]
     assert ours["budget_bits_per_weight"] == theirs["bits_per_weight"]
-    assert theirs["bits_per_weight"] - 0.01 < ours["bits_per_weight"] <= theirs["bits_per_weight"]
-    assert four["bits_per_weight"] <= 4.2 and ours["records_exact"] == 14 and ours["metrics"]["kl_divergence"] > 0
+    # filled up to less than one step of the smallest layer (k_proj, 128 x 256, Q2_K -> Q3_K: 26,624 bits of
+    # the file's ~1.28M parameters, 0.021 bits/weight); 14 Linears and the tied model's one table
+    assert theirs["bits_per_weight"] - 0.021 < ours["bits_per_weight"] <= theirs["bits_per_weight"]
+    assert four["bits_per_weight"] <= 4.2 and ours["records_exact"] == 15 and ours["metrics"]["kl_divergence"] > 0
     assert ours["sensitivity_reused"] is False and four["sensitivity_reused"] is True  # measured once, for the first budget
     # after each mix, llama.cpp's quantizer on the very tensor types it chose: the decode-speed reference
     same = rows["llama.cpp at the type mix of gptq mix at the size of llama.cpp's Q4_K_M"]
