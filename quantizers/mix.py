@@ -273,10 +273,17 @@ class Tables:
     head: str | None = None
     embedding: str | None = None
     tied: bool = False
+    shared: str | None = None
+    """A tied model's token embedding module: the file tensor (token_embd) its one table is."""
 
     @property
     def names(self) -> list[str]:
         return [n for n in (self.head, self.embedding) if n is not None]
+
+    @property
+    def in_file(self) -> list[str]:
+        """The modules whose weights the budget types in the file: the tables, and the embedding a tied one table is."""
+        return self.names + ([self.shared] if self.shared is not None and self.head is not None else [])
 
     @property
     def reads_embedding(self) -> bool:
@@ -295,7 +302,7 @@ def budget_tables(model: nn.Module, taken: set[str]) -> Tables:
         return Tables(head=head[0] if head is not None and head[0] not in taken else None)
     embedding_name = next(n for n, m in model.named_modules() if m is embedding)
     if head is not None and head[1].weight is embedding.weight:
-        return Tables(head=head[0] if head[0] not in taken and embedding_name not in taken else None, tied=True)
+        return Tables(head=head[0] if head[0] not in taken and embedding_name not in taken else None, tied=True, shared=embedding_name)
     return Tables(
         head=head[0] if head is not None and head[0] not in taken else None,
         embedding=embedding_name if embedding_name not in taken else None,
@@ -480,10 +487,7 @@ def choose(
     (``ExportFormat.file_layout``)."""
     target = budget.export.target
     tables = budget_tables(model, set(ctx.quantized) | set(selected)) if target.tables else NO_TABLES
-    in_budget = set(selected) | set(tables.names)
-    if tables.tied and tables.head is not None:  # the one table: the file's token_embd
-        in_budget.add(next(n for n, m in model.named_modules() if m is model.get_input_embeddings()))
-    layout = budget.format.file_layout(budget.export, model, ctx.tokenizer, in_budget)
+    layout = budget.format.file_layout(budget.export, model, ctx.tokenizer, set(selected) | set(tables.in_file))
     fixed, params = layout.fixed_bytes, layout.params
     metadata = layout.metadata_bytes() if target.size_mib is not None else 0
     allowed = budget_bytes(target, params, metadata)

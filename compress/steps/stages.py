@@ -8,7 +8,7 @@ import hashlib
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from compress.plugins import export_format, quant_method, stage_kind, stage_stre
 from compress.quantizers.core import RecordStore
 from compress.schema.recipe import Recipe
 from compress.steps.load import Run, Source, load_teacher, work_dir_for
+
+if TYPE_CHECKING:
+    from compress.plugin_types import QuantMethod
 
 
 @dataclass
@@ -47,18 +50,19 @@ class Staged:
         self._forward.device = torch.device(device)
         return self._forward
 
+    def exported_methods(self) -> list[QuantMethod]:
+        """The quantization methods whose records the exports hold: those of the quantize stages that
+        quantized a layer still in ``ctx.quantized``, in stage order."""
+        used = set(self.ctx.quantized_by.values())
+        return [
+            quant_method(r.method) for i, r in enumerate(self.records) if f"stages[{i}]" in used and stage_kind(r.kind).quantizes_weights
+        ]
+
     def records_forward(self, device: torch.device | str) -> RememberedRows:
         """The forward the exports' same-weights checks compare their runtimes with: the model as the
         exports hold it. That is ``forward`` unless a method used computes more than its records
         carry (LLM.int8's int8 activations): then the model inside each such method's ``records_only``."""
-        used = set(self.ctx.quantized_by.values())
-        loaders = [
-            method.load_records_only
-            for i, r in enumerate(self.records)
-            if f"stages[{i}]" in used
-            and stage_kind(r.kind).quantizes_weights
-            and (method := quant_method(r.method)).load_records_only is not None
-        ]
+        loaders = [method.load_records_only for method in self.exported_methods() if method.load_records_only is not None]
         if not loaders:
             return self.forward(device)
         contexts = list(dict.fromkeys(load() for load in loaders))
@@ -153,12 +157,7 @@ def not_carried(staged: Staged) -> list[str]:
     """What no export carries of the quantization methods whose records the exports hold (a
     QuantMethod's ``not_carried``: LLM.int8's activation quantization and decomposition, which no format
     holds; a GGUF's llama.cpp evaluation measures the cost)."""
-    used = set(staged.ctx.quantized_by.values())
-    notes = [
-        note
-        for i, r in enumerate(staged.records)
-        if f"stages[{i}]" in used and stage_kind(r.kind).quantizes_weights and (note := quant_method(r.method).not_carried)
-    ]
+    notes = [method.not_carried for method in staged.exported_methods() if method.not_carried]
     return list(dict.fromkeys(notes))
 
 

@@ -37,11 +37,8 @@ def floor(model: nn.Module, tokenizer: object, tables: Tables, types: list[str])
     """The smallest file of a budget over ``types``: (bits per weight as llama.cpp counts them, MiB with metadata)."""
     blocks = architecture_of(model).blocks + "."
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(blocks)}
-    in_budget = set(linears) | set(tables.names)
-    if tables.tied and tables.head is not None:
-        in_budget.add(next(n for n, m in model.named_modules() if m is model.get_input_embeddings()))
     cfg = GGUFExportConfig(name="floor", target={"bits_per_weight": 8.0, "types": types, "tables": bool(tables.names)})
-    layout = GGUF.file_layout(cfg, model, tokenizer, in_budget)
+    layout = GGUF.file_layout(cfg, model, tokenizer, set(linears) | set(tables.in_file))
     shapes = {n: tuple(m.weight.shape) for n, m in linears.items()}
     shapes.update({n: tuple(model.get_submodule(n).weight.shape) for n in tables.names})
     least = layout.fixed_bytes + sum(min(layout.tensor_bytes(t, s) for t in candidate_types(s[1], types)) for s in shapes.values())
