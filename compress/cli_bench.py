@@ -370,18 +370,22 @@ def bench_prune(
     "kv",
     "torch CPU threads.",
     ("model", "calibration", "cal_samples", "cal_seq_len", "evaluation", *DECODE),  # evaluation: --samples of --context tokens
-    cal_samples=(16, "Calibration chunks (static-scale schemes only)."),
+    cal_samples=(16, "Calibration chunks (static-scale and fastgen schemes only)."),
     decode_tokens=(32, "Tokens per decode-speed repeat."),
 )
 def bench_kv(
     opts: BenchOptions,
     schemes: str = typer.Option(
         ",".join(("int8", "int4", "int2", "fp8")),
-        help="Comma-separated presets: int8, int8-kivi, int4, int2, fp8, "
-        "fp8-static, int8-static; add overrides after a colon, e.g. 'int4:residual=64' (use ';' between schemes then).",
+        help="Comma-separated presets: int8, int8-kivi, int4, int2, int4-token, fp8, "
+        "fp8-static, int8-static, float; add overrides after a colon, e.g. 'int4:residual=64' (use ';' between schemes then); "
+        "evict=POLICY with its keys adds eviction, e.g. 'float:evict=h2o,budget=512;int4:evict=window,budget=1024'.",
     ),
-    context: int = typer.Option(2048, help="Tokens per evaluation sequence, decoded token by token through the cache."),
+    context: int = typer.Option(2048, help="Tokens per evaluation sequence, decoded through the cache."),
     samples: int = typer.Option(1, help="Evaluation sequences (a recipe's kv_cache stage decodes 32 by default; one gives no interval)."),
+    step: int = typer.Option(1, min=1, help="Tokens per decoding step (1: token by token; more: faster, eviction every step tokens)."),
+    batch: int = typer.Option(1, min=1, help="Sequences decoded through the cache at once."),
+    needles: int = typer.Option(-1, min=-1, help="Needle rows per scheme (-1: 8 for schemes that evict, none otherwise)."),
     decode_prefill: int = typer.Option(1024, help="Prompt tokens in the cache before the decode-speed repeats."),
     memory_gib: str = typer.Option("8,24,80", help="Comma-separated device memory budgets for the memory plan."),
 ) -> None:
@@ -392,8 +396,9 @@ def bench_kv(
     from compress.progress import Reporter
 
     parts = schemes.split(";") if ";" in schemes else schemes.split(",")
+    evaluate = {"context": context, "samples": samples, "step": step, "batch": batch, "needles": None if needles < 0 else needles}
     try:
-        parsed = [parse_scheme(s.strip()) for s in parts if s.strip()]
+        parsed = [parse_scheme(s.strip(), evaluate) for s in parts if s.strip()]
         budgets = [float(b) for b in memory_gib.split(",") if b.strip()]
     except (ValueError, ValidationError) as exc:
         raise CompressError(f"--schemes/--memory-gib: {exc}") from None

@@ -71,14 +71,23 @@ def memory_plan(
 
 @dataclass
 class KVCacheScheme:
-    """What the kv_cache stage leaves for evaluation and export: the config and static scales."""
+    """What the kv_cache stage leaves for evaluation and export: the config, static scales, and with
+    eviction the token tables and fastgen's per-head profile."""
 
     config: KVCacheConfig
     scales: dict[str, torch.Tensor] | None
     num_layers: int
+    tables: Any = None  # compress.quantizers.kv_evict.TokenTables (fastgen)
+    profile: dict[str, torch.Tensor] | None = None  # fastgen: policy / recovered / kept per layer and KV head
 
     def new_cache(self) -> Any:
-        """A fresh :class:`~compress.quantizers.kv_cache_store.QuantizedKVCache` for one generation."""
+        """A fresh cache for one generation: :class:`~compress.quantizers.kv_cache_store.QuantizedKVCache`,
+        or :class:`~compress.quantizers.kv_evict.EvictingKVCache` with eviction."""
+        if self.config.evict is not None:
+            from compress.quantizers.kv_evict import EvictingKVCache
+
+            policy = None if self.profile is None else self.profile["policy"]
+            return EvictingKVCache(self.config, self.num_layers, self.tables, policy, self.scales)
         from compress.quantizers.kv_cache_store import QuantizedKVCache
 
         return QuantizedKVCache(self.config, self.num_layers, self.scales)
@@ -121,7 +130,13 @@ class KVCacheStage:
         summary["bytes_per_token_estimate"] = round(estimate_bytes_per_token(cfg, layers, kv_heads, head_dim), 2)
         summary["fp16_bytes_per_token"] = float_cache_bytes_per_token(model.config)
         summary["runtimes"] = cfg.runtime_support()
-        ctx.kv_cache = KVCacheScheme(cfg, scales, layers)
+        tables, profile = None, None
+        if cfg.evict is not None and cfg.evict.policy == "fastgen":
+            from compress.quantizers.kv_evict import profile_summary
+
+            tables, profile = self._fastgen(model, ctx, layers, kv_heads)
+            summary["fastgen_profile"] = profile_summary(profile)
+        ctx.kv_cache = KVCacheScheme(cfg, scales, layers, tables, profile)
         return StageRecord(
             kind="kv_cache",
             method=f"{cfg.format}{cfg.bits}",
@@ -130,9 +145,34 @@ class KVCacheStage:
             summary=summary,
         )
 
+    def _fastgen(self, model: torch.nn.Module, ctx: RunContext, layers: int, kv_heads: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        """fastgen's token tables and per-head profile (stored in the artifact as PROFILE_FILE)."""
+        from compress.quantizers.kv_evict import PROFILE_FILE, load_profile, profile_heads, token_tables
+
+        ev = self.config.evict
+        assert ev is not None
+        tables = token_tables(ctx.tokenizer, text_config(model.config).vocab_size)
+        if ev.profile is not None:
+            profile = load_profile(ev.profile, layers, kv_heads)
+        else:
+            flat = ctx.calibration().flatten()
+            rows = min(ev.profile_samples, flat.numel() // ev.profile_context)
+            if rows == 0:
+                raise CompressError(
+                    f"{self.label}: evict.profile_context {ev.profile_context} is longer than the calibration text "
+                    f"({flat.numel():,} tokens); lower it or add calibration samples"
+                )
+            tokens = flat[: rows * ev.profile_context].view(rows, ev.profile_context)
+            profile = profile_heads(model, tokens, ev, tables, ctx.device, (layers, kv_heads), ctx.reporter)
+        ctx.files[PROFILE_FILE] = {k: v.contiguous() for k, v in profile.items()}
+        return tables, profile
+
 
 def estimate_bytes_per_token(cfg: KVCacheConfig, layers: int, kv_heads: int, head_dim: int) -> float:
-    """Average stored bytes per token once the window has been flushed (window excluded)."""
+    """Average stored bytes per token once the window has been flushed (window excluded; eviction not
+    counted: what it keeps depends on the context)."""
+    if cfg.format == "float":
+        return layers * kv_heads * 2 * head_dim * 2.0
     data = head_dim * cfg.bits / 8
     per = {}
     for name, axis in (("k", cfg.key_axis), ("v", cfg.value_axis)):

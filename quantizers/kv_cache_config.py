@@ -33,15 +33,94 @@ class KVEvalConfig(Strict):
     batch: int = Field(8, ge=1, description="Sequences decoded through the cache at once.")
     step: int = Field(1, ge=1, description="Tokens fed per decoding step after the prefill (1 = token by token).")
     prefill: int = Field(0, ge=0, description="Tokens fed in the first step (0 = start decoding from the first token).")
+    needles: int | None = Field(
+        None,
+        ge=0,
+        description="Needle-in-a-haystack rows: a number placed early in an evaluation sequence and asked for at its end, "
+        "scored through the cache and through the float forward (needle_recall). null: 8 with evict, 0 without.",
+    )
+    needle_depth: float = Field(0.1, ge=0, lt=0.9, description="Where the needle goes, as a share of the context.")
+
+    def needle_rows(self, evicting: bool) -> int:
+        return (8 if evicting else 0) if self.needles is None else self.needles
 
 
-class KVCacheConfig(BaseStageConfig):
-    """`kv_cache: {bits, format, key_axis, value_axis, group_size, residual, static_scales, ...}`."""
+EVICT_POLICIES = ("window", "h2o", "snapkv", "fastgen")
+
+
+class EvictConfig(Strict):
+    """`kv_cache.evict: {policy, budget, sink, window, ...}`: which cached tokens each KV head keeps."""
 
     model_config = ConfigDict(extra="forbid")
 
-    bits: Literal[8, 4, 2] = Field(8, description="Bits per stored key/value element (fp8 format: 8).")
-    format: Literal["int", "fp8"] = Field("int", description="int: integer codes with scales; fp8: float8 e4m3 with scales.")
+    policy: Literal["window", "h2o", "snapkv", "fastgen"] = Field(
+        description="window: the first `sink` tokens and the most recent ones (StreamingLLM); h2o: the tokens that received the "
+        "most attention so far (heavy hitters) plus the recent `window`; snapkv: the tokens the most recent ~`observe` queries "
+        "attend to, max-pooled over `pool` neighbours, plus the recent `window`; fastgen: a policy per KV head profiled on the "
+        "calibration text (FastGen): the cheapest of special, +punctuation, +frequent, +local, full that recovers `recovery` "
+        "of the head's attention."
+    )
+    budget: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens each KV head keeps (window, h2o, snapkv): the cache never holds more, so at a context of C tokens it "
+        "holds budget/C of a full cache. fastgen has no fixed budget (its knob is `recovery`).",
+    )
+    sink: int = Field(4, ge=0, description="The first tokens of the sequence, always kept (attention sinks; fastgen's 'special' tokens).")
+    window: int = Field(32, ge=0, description="The most recent tokens, always kept by h2o and snapkv.")
+    observe: int = Field(32, ge=1, description="snapkv: the queries whose attention scores the cached tokens (an exponential window).")
+    pool: int = Field(7, ge=1, description="snapkv: max-pooling width over neighbouring kept tokens (odd).")
+    recovery: float = Field(
+        0.95, gt=0, le=1, description="fastgen: share of each head's attention its policy must keep (the paper's threshold T)."
+    )
+    local: float = Field(0.3, gt=0, le=1, description="fastgen: the local window, as a share of the tokens seen.")
+    frequent: float = Field(0.3, gt=0, le=1, description="fastgen: the heavy hitters kept, as a share of the tokens seen.")
+    profile_samples: int = Field(4, ge=1, description="fastgen: calibration sequences the per-head profile is measured on.")
+    profile_context: int = Field(1024, ge=16, le=8192, description="fastgen: tokens per profiling sequence.")
+    profile: str | None = Field(
+        None,
+        description="fastgen: reuse a stored profile (an artifact folder or its kv_cache/evict_profile.safetensors) instead of "
+        "profiling; it is checked against the model's layers and KV heads.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvictConfig:
+        if self.policy == "fastgen":
+            if self.budget is not None:
+                raise ValueError("evict.budget: fastgen keeps what each head's profile needs; set evict.recovery instead of a budget")
+        elif self.budget is None:
+            raise ValueError(f"evict.budget: the {self.policy} policy keeps a fixed number of tokens per KV head; set evict.budget")
+        elif self.policy != "window" and self.sink + self.window >= self.budget:
+            raise ValueError(
+                f"evict.budget {self.budget} leaves no room for the {self.policy} policy's chosen tokens next to "
+                f"sink {self.sink} + window {self.window}; raise the budget or lower sink/window"
+            )
+        elif self.sink >= self.budget:
+            raise ValueError(f"evict.sink {self.sink} fills the whole budget {self.budget}")
+        if self.pool % 2 == 0:
+            raise ValueError(f"evict.pool {self.pool} must be odd (a window centred on each token)")
+        if self.profile is not None and self.policy != "fastgen":
+            raise ValueError("evict.profile is a fastgen per-head profile; the other policies need none")
+        return self
+
+    def describe(self) -> str:
+        if self.policy == "fastgen":
+            return f"fastgen eviction (recovery {self.recovery:g}, local {self.local:g}, frequent {self.frequent:g}, sink {self.sink})"
+        extra = "" if self.policy == "window" else f", window {self.window}"
+        return f"{self.policy} eviction to {self.budget} tokens per KV head (sink {self.sink}{extra})"
+
+
+class KVCacheConfig(BaseStageConfig):
+    """`kv_cache: {bits, format, key_axis, value_axis, group_size, residual, static_scales, evict, ...}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bits: Literal[16, 8, 4, 2] = Field(8, description="Bits per stored key/value element (fp8 format: 8; float format: 16).")
+    format: Literal["int", "fp8", "float"] = Field(
+        "int",
+        description="int: integer codes with scales; fp8: float8 e4m3 with scales; float: unquantized float16 "
+        "(with `evict`: eviction alone).",
+    )
     key_axis: Literal["channel", "token"] = Field(
         "channel", description="channel: one scale per head channel over a block of `residual` tokens (KIVI); token: per token."
     )
@@ -56,6 +135,9 @@ class KVCacheConfig(BaseStageConfig):
         False, description="Calibrate one scale per layer and KV head on the calibration text instead of storing scales."
     )
     calibration_samples: int | None = Field(None, ge=1, description="Calibration chunks for static scales (default: all).")
+    evict: EvictConfig | None = Field(
+        None, description="Evict cached tokens (a policy per KV head) beside or instead of quantizing them; null keeps every token."
+    )
     evaluate: KVEvalConfig | None = Field(
         default_factory=KVEvalConfig, description="Long-context evaluation through the cache; null to skip."
     )
@@ -69,6 +151,9 @@ class KVCacheConfig(BaseStageConfig):
             raise ValueError(f"stages {kv_stages} are all kv_cache stages; a recipe has at most one")
         if self.static_scales and recipe.data.calibration is None:
             raise ValueError(f"{label} (kv_cache) calibrates static scales and needs data.calibration")
+        ev = self.evict
+        if ev is not None and ev.policy == "fastgen" and ev.profile is None and recipe.data.calibration is None:
+            raise ValueError(f"{label} (kv_cache) profiles fastgen's per-head policies on data.calibration; add it or set evict.profile")
         if self.evaluate is None:
             return set()
         if recipe.data.evaluation is None:
@@ -81,10 +166,26 @@ class KVCacheConfig(BaseStageConfig):
                 )
         return {KV_CACHE_ARTIFACT}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _float_bits(cls, data: Any) -> Any:
+        """`format: float` alone means float16 (bits 16)."""
+        if isinstance(data, dict) and data.get("format") == "float" and "bits" not in data:
+            return {**data, "bits": 16}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> KVCacheConfig:
         if self.format == "fp8" and self.bits != 8:
             raise ValueError("format fp8 stores 8 bits; set bits: 8")
+        if (self.format == "float") != (self.bits == 16):
+            raise ValueError("bits 16 is the float format (unquantized float16): set format: float and bits: 16 together")
+        if self.format == "float" and self.evict is None:
+            raise ValueError("format float stores the cache unquantized; without evict this stage changes nothing (set evict)")
+        if self.format == "float" and self.static_scales:
+            raise ValueError("format float has no scales; drop static_scales")
+        if self.evict is not None:
+            self._check_evict(self.evict)
         if self.residual % 4:
             raise ValueError("residual must be a multiple of 4 (2-bit codes pack 4 tokens to a byte in per-channel blocks)")
         if self.residual == 0 and "channel" in (self.key_axis, self.value_axis):
@@ -95,6 +196,23 @@ class KVCacheConfig(BaseStageConfig):
             raise ValueError("static scales are symmetric (absmax); drop `symmetric: false`")
         return self
 
+    def _check_evict(self, ev: EvictConfig) -> None:
+        if self.format != "float" and ev.budget is not None and self.residual and ev.budget <= ev.sink + self.residual:
+            raise ValueError(
+                f"evict.budget {ev.budget} must exceed sink {ev.sink} + residual {self.residual}: the full-precision window "
+                "(up to `residual` tokens) is never evicted and counts against the budget"
+            )
+        context = self.evaluate.context if self.evaluate else None
+        if context is not None:
+            if ev.budget is not None and ev.budget >= context:
+                raise ValueError(
+                    f"evict.budget {ev.budget} >= evaluate.context {context}: nothing would be evicted; lower the budget or raise the context"
+                )
+            if ev.window >= context:
+                raise ValueError(f"evict.window {ev.window} >= evaluate.context {context}: the window alone would keep every token")
+            if ev.sink >= context:
+                raise ValueError(f"evict.sink {ev.sink} >= evaluate.context {context}: the sink alone would keep every token")
+
     @property
     def is_symmetric(self) -> bool:
         if self.format == "fp8" or self.static_scales:
@@ -102,14 +220,33 @@ class KVCacheConfig(BaseStageConfig):
         return self.bits == 8 if self.symmetric is None else self.symmetric
 
     def describe(self) -> str:
+        evict = f", {self.evict.describe()}" if self.evict else ""
+        if self.format == "float":
+            return f"float16{evict}"
         kind = "fp8 e4m3" if self.format == "fp8" else f"int{self.bits} {'sym' if self.is_symmetric else 'asym'}"
         scales = "static scales" if self.static_scales else f"K per {self.key_axis}, V per {self.value_axis}"
-        return f"{kind}, {scales}, residual {self.residual}"
+        return f"{kind}, {scales}, residual {self.residual}{evict}"
 
     def runtime_support(self) -> dict[str, dict[str, Any]]:
         """What each deployment runtime can hold of this scheme (for the manifest and report)."""
+        out = self._quantization_support()
+        if self.evict is not None:
+            for name, entry in out.items():
+                entry["eviction"] = {
+                    "supported": False,
+                    "why": f"{name} has no per-head eviction policy in its cache: the {self.evict.policy} policy runs in the torch "
+                    "path here and is a measured recommendation for serving stacks that implement it",
+                }
+        return out
+
+    def _quantization_support(self) -> dict[str, dict[str, Any]]:
         key = (self.format, self.bits)
         out: dict[str, dict[str, Any]] = {}
+        if self.format == "float":
+            for name in ("llama.cpp", "vllm", "onnxruntime-genai"):
+                out[name] = {"supported": True, "note": "float16 keys and values: the runtime's default cache"}
+            out["llama.cpp"].update(type_k="f16", type_v="f16")
+            return out
         cache_type = LLAMA_CPP_CACHE_TYPES.get(key)
         if cache_type:
             out["llama.cpp"] = {

@@ -184,6 +184,38 @@ def test_bench_kv_cli_rejects_unknown_scheme(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "unknown KV scheme 'int3'" in result.output
 
 
+def test_bench_kv_cli_compares_eviction_quantization_and_both(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    out = tmp_path / "kv"
+    schemes = "int4-token:group_size=8;float:evict=h2o,budget=48,window=8;int4-token:group_size=8,evict=window,budget=48;"
+    schemes += "float:evict=fastgen,recovery=0.5,profile_context=32"
+    args = ["--calibration", str(text_dir), "--evaluation", str(text_dir), "--cal-samples", "2", "--cal-seq-len", "64"]
+    args += ["--context", "96", "--samples", "2", "--step", "4", "--needles", "1", "--schemes", schemes]
+    args += ["--decode-tokens", "2", "--decode-prefill", "8", "--repeats", "1", "--memory-gib", "1", "--threads", "1"]
+    result = run_cli(["bench", "kv", "-o", out, "--model", str(tiny_model_dir), *args])
+    assert result.exit_code == 0, result.output
+    rows = {r["name"].split(":")[0] + ":" + r["family"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert (
+        list(rows) == ["int4-token:quantization", "float:eviction", "int4-token:eviction + quantization", "float:eviction"]
+        or len(rows) == 3
+    )
+    saved = json.loads((out / "results.json").read_text())["rows"]
+    h2o, both = saved[1], saved[2]
+    assert h2o["memory"]["compression_vs_fp16"] == 2.0 and h2o["decoding"]["step"] == 4  # 48 of 96 tokens, float16
+    assert both["memory"]["compression_vs_fp16"] == pytest.approx(2.0 * saved[0]["memory"]["compression_vs_fp16"])
+    assert all(r["needles"]["needles"] == 1 for r in saved)  # --needles: every scheme, quantization alone too
+    assert sum(saved[3]["fastgen_profile"]["heads_per_policy"].values()) == 2 * 2
+    assert "intervals" in h2o and (out / "kl-vs-kv-memory.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("schemes", "message"),
+    [("float:budget=8", "name the policy with evict=POLICY"), ("float:evict=h2o,budget=0", "budget"), ("float", "without evict")],
+)
+def test_bench_kv_cli_rejects_bad_eviction(tmp_path: Path, schemes: str, message: str) -> None:
+    result = run_cli(["bench", "kv", "-o", tmp_path, "--schemes", schemes])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_bench_prune_cli_prunes_repairs_and_scores_both_texts(tmp_path: Path, trained_tiny_dir: Path, text_dir: Path) -> None:
     out = tmp_path / "prune"
     unseen = tmp_path / "unseen.txt"

@@ -186,7 +186,7 @@ def test_memory_plan_counts_what_fits() -> None:
         ({"format": "fp8", "bits": 4}, "format fp8 stores 8 bits"),
         ({"residual": 0}, "per-channel groups span a block"),
         ({"bits": 4, "static_scales": True}, "below 8 bits use dynamic scales"),
-        ({"bits": 3}, "Input should be 8, 4 or 2"),
+        ({"bits": 3}, "Input should be 16, 8, 4 or 2"),
         ({"bits": 8, "colour": 1}, "Extra inputs are not permitted"),
     ],
 )

@@ -38,6 +38,14 @@ METRICS: dict[str, MetricInfo] = {
         "MoE experts the router sent fewer calibration tokens than their stage's moe.min_tokens", "lower", False
     ),
     "min_expert_tokens": MetricInfo("fewest calibration tokens the router sent to any MoE expert", "higher", False),
+    # The kv_cache stage's cache (quantizers/kv_cache*.py, kv_evict.py), measured by decoding through it (eval/kv_eval.py).
+    "kv_bytes_per_token": MetricInfo("KV-cache bytes held per token of context at the end of the evaluation sequences", "lower", False),
+    "kv_compression": MetricInfo("times less KV-cache memory than a float16 cache holds for the same tokens", "higher", False),
+    "needle_recall": MetricInfo(
+        "share of needles (a number placed early in the context) whose every token is the top-1 when asked for at the end",
+        "higher",
+        False,
+    ),
     # Task accuracy through lm-evaluation-harness (eval/tasks.py), per task (a gate names it with `task:`).
     "accuracy": MetricInfo("share of a task's questions answered right, percent (lm-eval's acc)", "higher", True),
     "accuracy_norm": MetricInfo(
@@ -60,6 +68,7 @@ LATENCY_METRICS = (
 )
 CALIBRATION_METRICS = ("experts_under_min", "min_expert_tokens")  # of the compressed model, from its stage records
 TASK_METRICS = ("accuracy", "accuracy_norm")
+KV_METRICS = ("kv_bytes_per_token", "kv_compression", "needle_recall")  # of the kv_cache artifact only
 INTERVAL_METRICS = ("perplexity", "kl_divergence", "top1_agreement", *TASK_METRICS)  # with a 95% interval (compress/eval/metrics.py)
 GATE_BOUNDS = ("value", "lower_95", "upper_95")  # what a gate compares: the value, or an end of its interval
 DEVICE_METRICS = (*LATENCY_METRICS, "memory_fraction", "size_mb")  # the metrics a gate may ask of a named device

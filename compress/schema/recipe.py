@@ -24,7 +24,7 @@ from pydantic import (
 from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.exports import BaseExportConfig
-from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
+from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, KV_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
 from compress.schema.quantize import WeightQuantConfig
 
 SCHEMA_VERSION = 1
@@ -211,6 +211,12 @@ class GateConfig(Strict):
                 raise ValueError(f"{given[0]} compares with the baseline, which is not meaningful for {self.metric}; use max or min")
             if self.artifact == "baseline":
                 raise ValueError(f"{given[0]} compares an artifact with the baseline; it cannot gate the baseline itself")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_metric(self) -> GateConfig:
+        if self.metric in KV_METRICS and self.artifact != "kv_cache":
+            raise ValueError(f"{self.metric} is measured on the kv_cache artifact (a kv_cache stage's evaluation); set artifact: kv_cache")
         return self
 
     @model_validator(mode="after")

@@ -84,7 +84,9 @@ def evaluate_kv_stage(run: Run, source: Source, staged: Staged) -> tuple[list[Ev
     assert evaluation is not None  # the recipe schema requires data.evaluation for an evaluated kv_cache stage
     with run.reporter.status(f"tokenizing {ev.samples} x {ev.context} tokens of evaluation text for the KV cache"):
         chunks = source.data.chunks("evaluation", source.lm.tokenizer, samples=ev.samples, seq_len=ev.context)
-    result = evaluate_kv(staged.model, scheme, chunks.tokens, evaluation.min_context, run.device, progress=run.reporter.track)
+    result = evaluate_kv(
+        staged.model, scheme, chunks.tokens, evaluation.min_context, run.device, progress=run.reporter.track, tokenizer=source.lm.tokenizer
+    )
     details = {
         "chunks": ev.samples,
         "seq_len": ev.context,
@@ -93,6 +95,7 @@ def evaluate_kv_stage(run: Run, source: Source, staged: Staged) -> tuple[list[Ev
         "reference": "the compressed model's full-precision forward (a float cache)",
         "reference_perplexity": result["reference_metrics"]["perplexity"],
         "memory": result["memory"],
+        **({"needles": result["needles"]} if result["needles"] else {}),
         "tokens_sha256": chunks.facts["tokens_sha256"],
     }
     section["memory"] = result["memory"]

@@ -2,13 +2,17 @@
 
 For each scheme: measured cache bytes (data + scales + full-precision window) after decoding
 ``context`` tokens, against what an fp16 cache holds; KL divergence / top-1 / perplexity of
-token-by-token decoding through the quantized cache against the full-precision forward; decode
-speed (median of repeats) against transformers' DynamicCache in the same run; and a memory plan:
-the longest context and largest batch that fit a device budget with and without the scheme.
+decoding through the quantized or evicting cache (``step`` tokens a forward call, 1 = token by
+token) against the full-precision forward; with eviction, the needle recall through the cache and
+the bytes' peak and mean; decode speed (median of repeats) against transformers' DynamicCache in the
+same run; a memory plan: the longest context and largest batch that fit a device budget with and
+without the scheme; and a plot of KL against KV memory, one series per family (eviction alone,
+quantization alone, both).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -23,7 +27,8 @@ from compress.eval.bench.quant import load_bench_inputs, write_results
 from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token, kv_geometry, memory_plan
-from compress.quantizers.kv_cache_config import KVCacheConfig
+from compress.quantizers.kv_cache_config import EvictConfig, KVCacheConfig
+from compress.quantizers.kv_evict import EvictingKVCache, evicting_attention_on, profile_summary
 from compress.schema.recipe import DataConfig
 
 # Named schemes for the benchmark (any other is given as a recipe-style override, see parse_scheme).
@@ -36,39 +41,70 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fp8-static": {"format": "fp8", "bits": 8, "key_axis": "token", "residual": 0, "static_scales": True},
     "int8-static": {"bits": 8, "key_axis": "token", "residual": 0, "static_scales": True},
 }
+PRESETS["float"] = {"format": "float"}  # eviction alone: give evict=POLICY
+PRESETS["int4-token"] = {"bits": 4, "key_axis": "token", "residual": 0, "group_size": 32}  # every token quantized as it arrives
 DEFAULT_SCHEMES = ("int8", "int4", "int2", "fp8")
+EVICT_KEYS = {name for name in EvictConfig.model_fields if name != "policy"}
 
 
-def parse_scheme(text: str) -> tuple[str, KVCacheConfig]:
-    """``int4`` (a preset) or ``int4:residual=64,group_size=32`` (a preset with overrides)."""
+def parse_scheme(text: str, evaluate: dict[str, Any] | None = None) -> tuple[str, KVCacheConfig]:
+    """``int4`` (a preset) or ``int4:residual=64,group_size=32`` (a preset with overrides);
+    ``evict=POLICY`` and the eviction keys (budget, sink, window, recovery, ...) add eviction, e.g.
+    ``float:evict=h2o,budget=512`` or ``int4:evict=window,budget=1024``. ``evaluate``: the
+    KVEvalConfig fields the scheme is scored with (its checks against the context apply)."""
     import yaml
 
     name, _, rest = text.partition(":")
     if name not in PRESETS:
         raise ValueError(f"unknown KV scheme '{name}'; known: {', '.join(PRESETS)}")
     fields = dict(PRESETS[name])
+    evict: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"'{item}' in '{text}': expected KEY=VALUE")
-        fields[key.strip()] = yaml.safe_load(value)
-    return text, KVCacheConfig(**fields, evaluate=None)
+        key = key.strip()
+        if key == "evict":
+            evict["policy"] = value.strip()
+        elif key in EVICT_KEYS:
+            evict[key] = yaml.safe_load(value)
+        else:
+            fields[key] = yaml.safe_load(value)
+    if evict and "policy" not in evict:
+        raise ValueError(f"'{text}': {', '.join(sorted(evict))} set eviction options; name the policy with evict=POLICY")
+    if evict:
+        fields["evict"] = evict
+    return text, KVCacheConfig(**fields, evaluate=evaluate)
+
+
+def family(cfg: KVCacheConfig) -> str:
+    """The plot's series: eviction alone, quantization alone, or both."""
+    if cfg.evict is None:
+        return "quantization"
+    return "eviction" if cfg.format == "float" else "eviction + quantization"
 
 
 @torch.no_grad()
 def decode_speed(model: torch.nn.Module, ids: torch.Tensor, new_cache: Any, tokens: int, repeats: int) -> float:
-    """Median tokens/s of ``tokens`` greedy single-token steps after a prefill of ``ids`` [1, n]."""
+    """Median tokens/s of ``tokens`` greedy single-token steps after a prefill of ``ids`` [1, n]
+    (an evicting cache decodes under its own attention, eviction included in the time)."""
     rates = []
     for _ in range(repeats):
         cache = new_cache()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(tokens):
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-        rates.append(tokens / (time.perf_counter() - start))
+        evicting = isinstance(cache, EvictingKVCache)
+        with evicting_attention_on(model, cache) if evicting else contextlib.nullcontext():
+            nxt = _greedy_step(model, cache, ids)
+            start = time.perf_counter()
+            for _ in range(tokens):
+                nxt = _greedy_step(model, cache, nxt)
+            rates.append(tokens / (time.perf_counter() - start))
     return statistics.median(rates)
+
+
+def _greedy_step(model: torch.nn.Module, cache: Any, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(cache, EvictingKVCache):
+        cache.set_tokens(ids)
+    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
 
 def run_kv_bench(
@@ -130,9 +166,12 @@ def run_kv_bench(
             from compress.quantizers.kv_cache_store import calibrate_scales
 
             scales = calibrate_scales(model, calibration.tokens, cfg, torch.device("cpu"), reporter)
-        scheme = KVCacheScheme(cfg, scales, layers)
+        tables, profile = fastgen_inputs(model, lm.tokenizer, calibration, cfg, (layers, kv_heads), reporter)
+        scheme = KVCacheScheme(cfg, scales, layers, tables, profile)
         start = time.perf_counter()
-        found = evaluate_kv(model, scheme, evaluation.tokens, eval_cfg.min_context, torch.device("cpu"), progress=reporter.track)
+        found = evaluate_kv(
+            model, scheme, evaluation.tokens, eval_cfg.min_context, torch.device("cpu"), progress=reporter.track, tokenizer=lm.tokenizer
+        )
         seconds = time.perf_counter() - start
         speed = decode_speed(model, prefill_ids, scheme.new_cache, decode_tokens, repeats)
         mem = found["memory"]
@@ -140,11 +179,16 @@ def run_kv_bench(
         result["rows"].append(
             {
                 "name": name,
+                "family": family(cfg),
                 "describe": cfg.describe(),
                 "config": cfg.model_dump(mode="json", exclude={"evaluate"}),
+                "decoding": found["decoding"],
                 "metrics": found["metrics"],
+                "intervals": found["metrics"].intervals,
                 "reference_metrics": found["reference_metrics"],
                 "memory": mem,
+                **({"needles": found["needles"]} if found["needles"] else {}),
+                **({"fastgen_profile": profile_summary(profile)} if profile else {}),
                 "evaluate_seconds": round(seconds, 1),
                 "decode_tokens_per_s": speed,
                 "decode_speed_vs_reference": speed / reference_speed,
@@ -158,7 +202,70 @@ def run_kv_bench(
         "not counted; contexts beyond the model's max_position_embeddings are capacity, not usable context"
     )
     write_results(out_dir, result, markdown_table(result))
+    plot_kl_vs_memory(result, out_dir / "kl-vs-kv-memory.png")
     return result
+
+
+def fastgen_inputs(
+    model: torch.nn.Module, tokenizer: Any, calibration: Any, cfg: KVCacheConfig, geometry: tuple[int, int], reporter: Reporter
+) -> tuple[Any, dict[str, torch.Tensor] | None]:
+    """fastgen's token tables and its per-head profile on the calibration text (None, None for other schemes)."""
+    ev = cfg.evict
+    if ev is None or ev.policy != "fastgen":
+        return None, None
+    from compress.quantizers.kv_cache import text_config
+    from compress.quantizers.kv_evict import load_profile, profile_heads, token_tables
+
+    tables = token_tables(tokenizer, text_config(model.config).vocab_size)
+    if ev.profile is not None:
+        return tables, load_profile(ev.profile, *geometry)
+    if calibration is None:
+        raise ValueError("fastgen profiles its heads on calibration text; give --calibration")
+    flat = calibration.tokens.flatten()
+    rows = min(ev.profile_samples, flat.numel() // ev.profile_context)
+    if rows == 0:
+        raise ValueError(f"profile_context {ev.profile_context} is longer than the calibration text ({flat.numel():,} tokens)")
+    tokens = flat[: rows * ev.profile_context].view(rows, ev.profile_context)
+    return tables, profile_heads(model, tokens, ev, tables, torch.device("cpu"), geometry, reporter)
+
+
+FAMILY_MARKERS = (("quantization", "s-"), ("eviction", "o-"), ("eviction + quantization", "^-"))
+
+
+def plot_kl_vs_memory(result: dict[str, Any], path: Path) -> Path | None:
+    """KL against how many times less KV memory than fp16 each scheme holds at the context, one series per family."""
+    from compress.eval.reports import pyplot, save_figure
+
+    rows = [r for r in result["rows"] if r["metrics"].get("kl_divergence", 0) > 0]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    try:
+        for name, marker in FAMILY_MARKERS:
+            mine = sorted((r for r in rows if r.get("family", "quantization") == name), key=lambda r: r["memory"]["compression_vs_fp16"])
+            if mine:
+                ax.plot(
+                    [r["memory"]["compression_vs_fp16"] for r in mine], [r["metrics"]["kl_divergence"] for r in mine], marker, label=name
+                )
+        for r in rows:
+            ax.annotate(
+                r["name"],
+                (r["memory"]["compression_vs_fp16"], r["metrics"]["kl_divergence"]),
+                textcoords="offset points",
+                xytext=(4, 3),
+                fontsize=6,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"times less KV memory than fp16 at {result['context']:,} tokens")
+        ax.set_ylabel("KL vs the float cache (nats/token)")
+        ax.set_title(f"{result['model']['source']}: KV-cache schemes, KL against memory")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -167,15 +274,22 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"Context {result['context']:,} tokens; {result['threads']} threads; fp16 cache {ref['bytes_per_token']:,} bytes/token; "
         f"DynamicCache decode {ref['decode_tokens_per_s']:.1f} tokens/s (prefill {ref['decode']['prefill']}, median of {ref['decode']['repeats']}).",
         "",
-        "| scheme | layout | bytes/token | vs fp16 | KL | top-1 | perplexity (float cache) | tokens | decode tokens/s (vs DynamicCache) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scheme | layout | bytes/token | vs fp16 (mean) | KL [95%] | top-1 | perplexity (float cache) | needles (float cache) | tokens | decode tokens/s (vs DynamicCache) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         m, mem = r["metrics"], r["memory"]
+        kl = r.get("intervals", {}).get("kl_divergence")
+        kl_text = f"{m['kl_divergence']:.5f}" + (f" [{kl['lower']:.5f}, {kl['upper']:.5f}]" if kl else "")
+        mean = f" ({mem['mean_compression_vs_fp16']:.2f}x)" if "mean_compression_vs_fp16" in mem else ""
+        needles = r.get("needles")
+        needle_text = (
+            f"{needles['needle_recall']:.0%} ({needles['needle_recall_float_cache']:.0%}) of {needles['needles']}" if needles else "—"
+        )
         lines.append(
-            f"| {r['name']} | {r['describe']} | {mem['bytes_per_token']:,.1f} | {mem['compression_vs_fp16']:.2f}x | "
-            f"{m['kl_divergence']:.5f} | {m['top1_agreement']:.2%} | {m['perplexity']:.3f} ({r['reference_metrics']['perplexity']:.3f}) | "
-            f"{m['tokens_scored']:,} | "
+            f"| {r['name']} | {r['describe']} | {mem['bytes_per_token']:,.1f} | {mem['compression_vs_fp16']:.2f}x{mean} | "
+            f"{kl_text} | {m['top1_agreement']:.2%} | {m['perplexity']:.3f} ({r['reference_metrics']['perplexity']:.3f}) | "
+            f"{needle_text} | {m['tokens_scored']:,} | "
             f"{r['decode_tokens_per_s']:.1f} ({r['decode_speed_vs_reference']:.2f}x) |"
         )
     plan = result.get("memory_plan")

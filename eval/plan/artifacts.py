@@ -144,7 +144,7 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
     dtype_bits = 8 * DTYPE_BYTES[dtype_name]
     rows = []
 
-    def add(name: str, fmt: str, runtime: str, size: int, kv_bytes: float, basis: str) -> None:
+    def add(name: str, fmt: str, runtime: str, size: int, kv_bytes: float, basis: str, kv_budget: int | None = None) -> None:
         params = source.params if name == "baseline" else shape.params
         rows.append(
             {
@@ -154,6 +154,7 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
                 "size_bytes": size,
                 "bits_per_param": round(8 * size / params, 3),
                 "kv_bytes_per_element": kv_bytes,
+                **({"kv_budget_tokens": kv_budget} if kv_budget else {}),
                 "basis": basis,
             }
         )
@@ -174,7 +175,19 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
     )
     kv = next((s.config for s in recipe.stages if stage_kind(s.kind).quantizes_kv_cache), None)
     if kv is not None and kv.evaluate is not None:
-        add("kv_cache", HF_FORMAT, TORCH_RUNTIME, packed, _kv_element_bytes(kv, shape), f"compressed weights; KV cache {kv.describe()}")
+        budget = kv.evict.budget if kv.evict is not None else None
+        note = (
+            "; fastgen keeps what each head's profile needs: counted as a full cache" if kv.evict and kv.evict.policy == "fastgen" else ""
+        )
+        add(
+            "kv_cache",
+            HF_FORMAT,
+            TORCH_RUNTIME,
+            packed,
+            _kv_element_bytes(kv, shape),
+            f"compressed weights; KV cache {kv.describe()}{note}",
+            budget,
+        )
     for export in recipe.exports:
         fmt = EXPORT_FORMATS[export.format]
         # the (format, runtime) device profiles list for it: a checkpoint is a Hugging Face folder on torch
@@ -184,6 +197,8 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
 
 def _kv_element_bytes(kv: Any, shape: ModelShape) -> float:
     """Bytes per cached K/V element of a kv_cache scheme: codes + fp16 scale (+ zero) per group."""
+    if kv.format == "float":
+        return 2.0
     if kv.static_scales:
         return kv.bits / 8
     head_dim = int(getattr(shape.text, "head_dim", None) or shape.text.hidden_size // shape.text.num_attention_heads)

@@ -176,6 +176,8 @@ def plan_recipe(
         for art in arts:
             s = shape if art["artifact"] == "baseline" else final
             per_token = kv_bytes_per_token(s.config, art["kv_bytes_per_element"])
+            if art.get("kv_budget_tokens"):  # eviction: a head never holds more than its budget, whatever the context
+                per_token = int(round(per_token * min(1.0, art["kv_budget_tokens"] / ctx)))
             fit = fit_check(dev, art["size_bytes"], per_token, ctx, n)
             lat = estimate_latency(dev, art["size_bytes"], per_token, s.params, prompt, output, n)
             fits.append(
