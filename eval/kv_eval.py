@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from compress import streaming
+from compress.errors import CompressError
 from compress.eval.metrics import Forward, HiddenStates, compare, torch_forward, with_head
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token
 from compress.quantizers.kv_cache_store import cache_bytes
@@ -86,7 +87,10 @@ def needle_rows(tokenizer: Any, chunks: torch.Tensor, count: int, depth: float, 
         at = int(depth * length)
         room = length - len(needle) - len(asked)
         if room <= at:
-            raise ValueError(f"a needle row needs more than {len(needle) + len(asked) + at} tokens of context; it has {length}")
+            raise CompressError(
+                f"kv_cache.evaluate.needles: a needle row needs more than {len(needle) + len(asked) + at} tokens; "
+                f"evaluate.context is {length} (raise it, lower needle_depth, or set needles: 0)"
+            )
         ids = filler[:at] + needle + filler[at:room] + asked
         rows.append(ids)
         answers.append(slice(length - len(answer), length))

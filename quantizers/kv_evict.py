@@ -103,7 +103,8 @@ def entry_bytes(cfg: KVCacheConfig, head_dim: int) -> tuple[float, float, float]
 
 @dataclass
 class StepTokens:
-    """What every layer of one cache needs about the tokens of the current step: their flags and positions."""
+    """Shared by the layers of one cache: the current step's token flags, and the bytes held per
+    sequence (with the tokens seen) after each step."""
 
     flags: torch.Tensor | None = None  # uint8 [B, q]
     held: list[float] = field(default_factory=list)  # bytes held per sequence after each step

@@ -229,6 +229,8 @@ def test_needle_rows_place_the_number_early_and_ask_for_it_at_the_end(tokenizer)
         number = tokenizer.decode(row[at]).strip()
         assert number.isdigit() and len(number) == 5 and text.endswith(f"The secret number is {number}")
         assert text.index(f"The secret number is {number}.") < len(text) // 2
+    with pytest.raises(CompressError, match="kv_cache.evaluate.needles: a needle row needs more than"):
+        needle_rows(tokenizer, chunks[:, :24], 1, depth=0.25)
 
 
 # --------------------------------------------------------------------------- the recipe stage
