@@ -97,13 +97,14 @@ def needle_rows(tokenizer: Any, chunks: torch.Tensor, count: int, depth: float, 
     return torch.tensor(rows, dtype=chunks.dtype), answers
 
 
-def recalled(out: HiddenStates, rows: torch.Tensor, answers: list[slice]) -> list[bool]:
-    """Per row: whether every answer token is the top-1 of the position before it."""
+def recalled(out: HiddenStates, rows: torch.Tensor, answers: list[slice]) -> list[tuple[int, int]]:
+    """Per row: (answer tokens that are the top-1 of the position before them, answer tokens)."""
     found = []
     with out.hold():
         for r, at in enumerate(answers):
             logits = out.logits(r, slice(at.start - 1, at.stop - 1))
-            found.append(bool((logits.argmax(-1).cpu() == rows[r, at]).all()))
+            hits = (logits.argmax(-1).cpu() == rows[r, at]).sum()
+            found.append((int(hits), at.stop - at.start))
     return found
 
 
@@ -115,7 +116,8 @@ def needle_recall(
     device: torch.device,
     progress: Callable | None = None,
 ) -> dict[str, Any]:
-    """needle_recall through the cache and through the float forward (the same rows)."""
+    """needle_recall (needles whose every token is the top-1) and needle_token_recall (the share of the
+    numbers' tokens that are) through the cache and through the float forward, on the same rows."""
     ev = scheme.config.evaluate
     assert ev is not None
     count = ev.needle_rows(scheme.config.evict is not None)
@@ -128,8 +130,10 @@ def needle_recall(
         through += recalled(cached(batch), batch, at)
         reference += recalled(full(batch), batch, at)
     return {
-        "needle_recall": sum(through) / count,
-        "needle_recall_float_cache": sum(reference) / count,
+        "needle_recall": sum(hits == n for hits, n in through) / count,
+        "needle_recall_float_cache": sum(hits == n for hits, n in reference) / count,
+        "needle_token_recall": sum(hits for hits, _ in through) / sum(n for _, n in through),
+        "needle_token_recall_float_cache": sum(hits for hits, _ in reference) / sum(n for _, n in reference),
         "needles": count,
         "needle_depth": ev.needle_depth,
         "needle_context": int(rows.shape[1]),

@@ -56,6 +56,8 @@ SHORTER: dict[str, list[str]] = {
     "gguf-budget.yaml": ["data.evaluation.samples=8"],
     "llm-int8.yaml": ["data.calibration.samples=8", "data.evaluation.samples=8"],
     "latency-gates.yaml": ["data.evaluation.samples=8"],
+    "search.yaml": ["data.evaluation.samples=4"],
+    "kv-evict.yaml": ["stages.0.kv_cache.evaluate.samples=8", "stages.0.kv_cache.evaluate.step=16", "stages.0.kv_cache.evaluate.needles=2"],
 }
 
 

@@ -261,6 +261,8 @@ def test_recipe_with_fastgen_stores_its_profile_and_a_second_run_reuses_it(tmp_p
     kv = next(e for e in report["evaluations"] if e["artifact"] == "kv_cache")
     assert {"kv_compression", "kv_bytes_per_token", "needle_recall"} <= set(kv["metrics"])
     assert kv["details"]["needles"]["needles"] == 2 and kv["details"]["memory"]["context"] == 96
+    needles = kv["details"]["needles"]
+    assert 0 <= needles["needle_token_recall"] <= 1 and needles["needle_recall"] <= needles["needle_token_recall"]
     assert [g["passed"] for g in report["gates"]] == [True, True, False]
     manifest = json.loads((out / "manifest.json").read_text())
     assert PROFILE_FILE in manifest["files"]
