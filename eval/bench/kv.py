@@ -283,9 +283,11 @@ def markdown_table(result: dict[str, Any]) -> str:
         kl_text = f"{m['kl_divergence']:.5f}" + (f" [{kl['lower']:.5f}, {kl['upper']:.5f}]" if kl else "")
         mean = f" ({mem['mean_compression_vs_fp16']:.2f}x)" if "mean_compression_vs_fp16" in mem else ""
         needles = r.get("needles")
-        needle_text = (
-            f"{needles['needle_recall']:.0%} ({needles['needle_recall_float_cache']:.0%}) of {needles['needles']}" if needles else "—"
-        )
+        needle_text = "—"
+        if needles:
+            needle_text = f"{needles['needle_recall']:.0%} ({needles['needle_recall_float_cache']:.0%}) of {needles['needles']}"
+            if "needle_token_recall" in needles:
+                needle_text += f"; tokens {needles['needle_token_recall']:.0%} ({needles['needle_token_recall_float_cache']:.0%})"
         lines.append(
             f"| {r['name']} | {r['describe']} | {mem['bytes_per_token']:,.1f} | {mem['compression_vs_fp16']:.2f}x{mean} | "
             f"{kl_text} | {m['top1_agreement']:.2%} | {m['perplexity']:.3f} ({r['reference_metrics']['perplexity']:.3f}) | "
