@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.eval.plan.estimates import Estimate, PlanStep, forward_s
+from compress.eval.plan.estimates import Estimate, PlanStep
 from compress.plugin_types import StageKind
 from compress.quantizers.rotate.config import RotateConfig, check_family, describe
 
@@ -21,18 +21,24 @@ def _unties(shape: Any, config: RotateConfig) -> bool:
     return config.residual and bool(getattr(shape.text, "tie_word_embeddings", False))
 
 
+ROTATE_FLOPS = 10e9
+"""Float64 FLOPs per second the stage reaches, products and dtype conversions together: SmolLM2-135M (width
+576, tied) rotated in 21 s and 33 s (hadamard, random) on the project's 2-core machine under load (the script in docs/rotate.md,
+"Tolerance")."""
+
+
 def _estimate(step: PlanStep) -> Estimate:
     cfg, t = step.config, step.shape.text
     check_family(cfg, getattr(t, "model_type", None), "")
     table = t.vocab_size * t.hidden_size
-    head = table * step.dtype_bytes if _unties(step.shape, cfg) else 0
-    mem = step.held_bytes + head + 2 * table * 8  # the untied head, and the largest matrix and its product in float64
+    untied = table if _unties(step.shape, cfg) else 0
+    mem = step.held_bytes + untied * step.dtype_bytes + 2 * table * 8  # the untied head, the largest matrix and its product in float64
     width = t.hidden_size if cfg.residual else (getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads)
     basis = (
-        "the model in memory" + (", its untied output head" if head else "") + " and the largest matrix twice in float64; "
-        f"every turned weight times a {width} x {width} matrix in float64 (like a forward pass of {width} tokens, at half the rate)"
+        "the model in memory" + (", its untied output head" if untied else "") + " and the largest matrix twice in float64; "
+        f"every turned weight times a {width} x {width} matrix (2 x width FLOPs a weight) at ~{ROTATE_FLOPS / 1e9:.0f} GFLOPS in float64"
     )
-    return Estimate(mem, 2 * forward_s(step.shape.params, width), basis)
+    return Estimate(mem, 2 * (step.shape.params + untied) * width / ROTATE_FLOPS, basis)
 
 
 def _plan_shape(shape: Any, config: RotateConfig) -> Any:
