@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from compress import rotation
+
 __all__ = ["float_reference", "grid_share", "ongrid_blocks"]
 
 FAMILIES = ("llama", "qwen2")
@@ -54,8 +56,8 @@ def float_reference(model: Any, *, untie: bool, seed: int = 0, spread: float = 2
     with torch.no_grad():
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            _fold_norm(layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj))
-            _fold_norm(layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))
+            rotation.fold_norm(layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj))
+            rotation.fold_norm(layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))
             s = scales(kv_heads * head_dim)
             _scale_rows(attn.v_proj, s)
             per_query = s.view(kv_heads, 1, head_dim).expand(kv_heads, heads // kv_heads, head_dim).reshape(-1)
@@ -65,21 +67,12 @@ def float_reference(model: Any, *, untie: bool, seed: int = 0, spread: float = 2
             _scale_columns(mlp.down_proj, 1 / s)
         facts: dict[str, Any] = {"seed": seed, "channel_scale_spread": spread, "tied": not untie}
         if untie:
-            _untie(model)
-            _fold_norm(model.model.norm, (model.lm_head,))
+            rotation.untie(model)
+            rotation.fold_norm(model.model.norm, (model.lm_head,))
             q = _near_identity_rotation(config.hidden_size, angle, generator)
-            _rotate(model, q)
+            rotation.rotate_residual(model, q)
             facts["rotation_angle"] = angle
     return facts
-
-
-def _fold_norm(norm: Any, readers: tuple[Any, ...]) -> None:
-    import torch
-
-    weight = norm.weight.detach().to(torch.float64)
-    for linear in readers:
-        linear.weight.copy_((linear.weight.to(torch.float64) * weight).to(linear.weight.dtype))
-    norm.weight.fill_(1.0)
 
 
 def _scale_rows(linear: Any, s: Any) -> None:
@@ -96,41 +89,11 @@ def _scale_columns(linear: Any, s: Any) -> None:
     linear.weight.copy_((linear.weight.to(torch.float64) * s[None, :]).to(linear.weight.dtype))
 
 
-def _untie(model: Any) -> None:
-    import torch
-
-    embedding = model.model.embed_tokens.weight
-    model.lm_head.weight = torch.nn.Parameter(embedding.detach().clone())
-    model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
-
-
 def _near_identity_rotation(width: int, angle: float, generator: Any) -> Any:
     import torch
 
     a = torch.randn(width, width, generator=generator, dtype=torch.float64) / math.sqrt(width)
     return torch.linalg.matrix_exp(angle * (a - a.T) / math.sqrt(2))
-
-
-def _rotate(model: Any, q: Any) -> None:
-    """The residual stream x becomes x @ q: writers W -> q^T W, readers W -> W q, the embedding E -> E q."""
-    import torch
-
-    def turn(param: Any, left: bool) -> None:
-        w = param.to(torch.float64)
-        param.copy_((q.T @ w if left else w @ q).to(param.dtype))
-
-    turn(model.model.embed_tokens.weight, left=False)
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for reader in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            turn(reader.weight, left=False)
-        for writer in (attn.o_proj, mlp.down_proj):
-            turn(writer.weight, left=True)
-            if writer.bias is not None:
-                writer.bias.copy_((writer.bias.to(torch.float64) @ q).to(writer.bias.dtype))
-    turn(model.lm_head.weight, left=False)
 
 
 def ongrid_blocks(weight: Any, block: int, levels: int = 64, tolerance: float = 2e-3) -> Any:

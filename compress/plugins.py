@@ -29,6 +29,7 @@ from compress.export.tensorrt.plugin import TENSORRT
 from compress.plugin_types import QuantMethod, StageKind
 from compress.pruning.plugin import PRUNE
 from compress.quantizers.plugin import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, quantize_kind
+from compress.quantizers.rotate.plugin import ROTATE
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -57,6 +58,7 @@ STAGE_KINDS: dict[str, StageKind] = {
     "distill": DISTILL,  # distill/distill.py
     "quantize": quantize_kind(lambda name, label="": quant_method(name, label)),  # quantizers/: the method chosen in QUANT_METHODS
     "kv_cache": KV_CACHE,  # quantizers/kv_cache.py
+    "rotate": ROTATE,  # quantizers/rotate/
 }
 """A ``stages:`` item's key -> its StageKind (stage, plan estimate and shape, console summary)."""
 
