@@ -146,24 +146,16 @@ class KVCacheStage:
         )
 
     def _fastgen(self, model: torch.nn.Module, ctx: RunContext, layers: int, kv_heads: int) -> tuple[Any, dict[str, torch.Tensor]]:
-        """fastgen's token tables and per-head profile (stored in the artifact as PROFILE_FILE)."""
-        from compress.quantizers.kv_evict import PROFILE_FILE, load_profile, profile_heads, token_tables
+        """fastgen's token tables and per-head profile, stored in the artifact as PROFILE_FILE."""
+        from compress.quantizers.kv_evict import PROFILE_FILE, fastgen_inputs
 
         ev = self.config.evict
         assert ev is not None
-        tables = token_tables(ctx.tokenizer, text_config(model.config).vocab_size)
-        if ev.profile is not None:
-            profile = load_profile(ev.profile, layers, kv_heads)
-        else:
-            flat = ctx.calibration().flatten()
-            rows = min(ev.profile_samples, flat.numel() // ev.profile_context)
-            if rows == 0:
-                raise CompressError(
-                    f"{self.label}: evict.profile_context {ev.profile_context} is longer than the calibration text "
-                    f"({flat.numel():,} tokens); lower it or add calibration samples"
-                )
-            tokens = flat[: rows * ev.profile_context].view(rows, ev.profile_context)
-            profile = profile_heads(model, tokens, ev, tables, ctx.device, (layers, kv_heads), ctx.reporter)
+        calibration = ctx.calibration() if ev.profile is None else None
+        try:
+            tables, profile = fastgen_inputs(model, ctx.tokenizer, calibration, ev, (layers, kv_heads), ctx.device, ctx.reporter)
+        except CompressError as e:
+            raise CompressError(f"{self.label}: {e}") from None
         ctx.files[PROFILE_FILE] = {k: v.contiguous() for k, v in profile.items()}
         return tables, profile
 

@@ -562,6 +562,34 @@ def profile_heads(
     return {"policy": choice.to(torch.int8), "recovered": recovered.float(), "kept": kept.float()}
 
 
+def fastgen_inputs(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    calibration: torch.Tensor | None,
+    ev: EvictConfig,
+    geometry: tuple[int, int],
+    device: torch.device,
+    reporter: Any = None,
+) -> tuple[TokenTables, dict[str, torch.Tensor]]:
+    """fastgen's token tables and per-head profile: ``ev.profile`` loaded and checked, or measured on
+    ``ev.profile_samples`` rows of ``ev.profile_context`` tokens cut from the calibration tokens."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    tables = token_tables(tokenizer, config.vocab_size)
+    if ev.profile is not None:
+        return tables, load_profile(ev.profile, *geometry)
+    if calibration is None:
+        raise CompressError("evict: fastgen profiles its heads on calibration text; give some, or set evict.profile")
+    flat = calibration.flatten()
+    rows = min(ev.profile_samples, flat.numel() // ev.profile_context)
+    if rows == 0:
+        raise CompressError(
+            f"evict.profile_context {ev.profile_context} is longer than the calibration text ({flat.numel():,} tokens); "
+            "lower it or add calibration samples"
+        )
+    tokens = flat[: rows * ev.profile_context].view(rows, ev.profile_context)
+    return tables, profile_heads(model, tokens, ev, tables, device, geometry, reporter)
+
+
 # --------------------------------------------------------------------------- the stored profile
 
 

@@ -28,7 +28,7 @@ from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
 from compress.quantizers.kv_cache import KVCacheScheme, float_cache_bytes_per_token, kv_geometry, memory_plan
 from compress.quantizers.kv_cache_config import EvictConfig, KVCacheConfig
-from compress.quantizers.kv_evict import EvictingKVCache, evicting_attention_on, profile_summary
+from compress.quantizers.kv_evict import EvictingKVCache, evicting_attention_on, fastgen_inputs, profile_summary
 from compress.schema.recipe import DataConfig
 
 # Named schemes for the benchmark (any other is given as a recipe-style override, see parse_scheme).
@@ -166,7 +166,10 @@ def run_kv_bench(
             from compress.quantizers.kv_cache_store import calibrate_scales
 
             scales = calibrate_scales(model, calibration.tokens, cfg, torch.device("cpu"), reporter)
-        tables, profile = fastgen_inputs(model, lm.tokenizer, calibration, cfg, (layers, kv_heads), reporter)
+        tables, profile = None, None
+        if cfg.evict is not None and cfg.evict.policy == "fastgen":
+            cal = None if calibration is None else calibration.tokens
+            tables, profile = fastgen_inputs(model, lm.tokenizer, cal, cfg.evict, (layers, kv_heads), torch.device("cpu"), reporter)
         scheme = KVCacheScheme(cfg, scales, layers, tables, profile)
         start = time.perf_counter()
         found = evaluate_kv(
@@ -204,29 +207,6 @@ def run_kv_bench(
     write_results(out_dir, result, markdown_table(result))
     plot_kl_vs_memory(result, out_dir / "kl-vs-kv-memory.png")
     return result
-
-
-def fastgen_inputs(
-    model: torch.nn.Module, tokenizer: Any, calibration: Any, cfg: KVCacheConfig, geometry: tuple[int, int], reporter: Reporter
-) -> tuple[Any, dict[str, torch.Tensor] | None]:
-    """fastgen's token tables and its per-head profile on the calibration text (None, None for other schemes)."""
-    ev = cfg.evict
-    if ev is None or ev.policy != "fastgen":
-        return None, None
-    from compress.quantizers.kv_cache import text_config
-    from compress.quantizers.kv_evict import load_profile, profile_heads, token_tables
-
-    tables = token_tables(tokenizer, text_config(model.config).vocab_size)
-    if ev.profile is not None:
-        return tables, load_profile(ev.profile, *geometry)
-    if calibration is None:
-        raise ValueError("fastgen profiles its heads on calibration text; give --calibration")
-    flat = calibration.tokens.flatten()
-    rows = min(ev.profile_samples, flat.numel() // ev.profile_context)
-    if rows == 0:
-        raise ValueError(f"profile_context {ev.profile_context} is longer than the calibration text ({flat.numel():,} tokens)")
-    tokens = flat[: rows * ev.profile_context].view(rows, ev.profile_context)
-    return tables, profile_heads(model, tokens, ev, tables, torch.device("cpu"), geometry, reporter)
 
 
 FAMILY_MARKERS = (("quantization", "s-"), ("eviction", "o-"), ("eviction + quantization", "^-"))
