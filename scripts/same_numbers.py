@@ -62,13 +62,17 @@ SHORTER: dict[str, list[str]] = {
 
 
 def run_one(compress: str, recipe: Path, out: Path, overrides: list[str], log: Path) -> tuple[int, float]:
-    """One `compress run` of the recipe into out; its output goes to log. Returns (exit code, seconds)."""
-    cmd = [compress, "run", str(recipe), "-o", str(out), "--overwrite", "--quiet"]
+    """One `compress run` of the recipe into out; its output goes to log. Returns (exit code, seconds).
+    It runs in out's parent folder, not here: the workers a run starts with `python -m compress...`
+    (latency, multi-process distillation) put their working directory first on sys.path, so in a
+    checkout they would import that checkout's compress/ instead of the install's."""
+    out = out.resolve()
+    cmd = [compress, "run", str(recipe.resolve()), "-o", str(out), "--overwrite", "--quiet"]
     for item in overrides:
         cmd += ["--set", item]
     start = time.perf_counter()
     with log.open("w") as fh:
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False).returncode
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False, cwd=out.parent).returncode
     return rc, time.perf_counter() - start
 
 
