@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from compress.calibration_checks import CalibrationChecker
+    from compress.distill.draft import Draft
     from compress.export.format import ExportFormat
     from compress.progress import Reporter
     from compress.quantizers.core import QuantizedWeight
@@ -68,6 +69,8 @@ class RunContext:
     """Which stage (e.g. ``stages[0]``) quantized each module."""
     kv_cache: KVCacheScheme | None = None
     """The KV-cache scheme a ``kv_cache`` stage set (evaluation decodes through it; exporters record it)."""
+    draft: Draft | None = None
+    """The draft model a ``draft`` stage made (compress/steps/draft.py writes and measures it)."""
     text: Callable[[str, int, int, str | list[str] | None, int | None, str | None], torch.Tensor] | None = None
     """``text(role, samples, seq_len, source, seed, text_field)``: token chunks of the calibration
     ("calibration", optionally from other ``source``s, still kept apart from the evaluation

@@ -18,7 +18,7 @@ from compress.fsutil import atomic_directory
 from compress.marker import ARTIFACT
 from compress.progress import Reporter
 from compress.recipe import LoadedRecipe
-from compress.steps import evaluate, exports, load, performance, report, stages, tasks, write
+from compress.steps import draft, evaluate, exports, load, performance, report, stages, tasks, write
 
 
 @dataclass
@@ -68,6 +68,10 @@ def _run(run: load.Run, loaded: LoadedRecipe, overwrite: bool, step_summary: boo
             write.write_model_files(root, run, source, staged)
         exported = exports.write(root, run, source, staged)  # each export verified on its own runtime
         evaluations += exported.evaluations
+        drafted = draft.write(root, run, source, staged)  # a draft stage's draft beside the target (draft/)
+        evaluations += draft.measure(root, run, source, staged, exported, drafted)  # the pair on each runtime
+        if drafted is not None:
+            manifest["draft"] = drafted
         evaluations += tasks.measure(root, run, source, staged, exported)  # lm-eval tasks on each artifact's runtime
         host = None
         if performance.wanted(run.recipe):

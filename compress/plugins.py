@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.distill.plugin import DISTILL
+from compress.distill.plugin import DISTILL, DRAFT
 from compress.errors import CompressError
 from compress.export.checkpoint.plugin import COMPRESSED_TENSORS
 from compress.export.checkpoint.plugin import GPTQ as GPTQ_CHECKPOINT
@@ -59,6 +59,7 @@ STAGE_KINDS: dict[str, StageKind] = {
     "quantize": quantize_kind(lambda name, label="": quant_method(name, label)),  # quantizers/: the method chosen in QUANT_METHODS
     "kv_cache": KV_CACHE,  # quantizers/kv_cache.py
     "rotate": ROTATE,  # quantizers/rotate/
+    "draft": DRAFT,  # distill/draft.py (its files and measurements: compress/steps/draft.py)
 }
 """A ``stages:`` item's key -> its StageKind (stage, plan estimate and shape, console summary)."""
 

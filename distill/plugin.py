@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from compress.distill.config import DistillConfig
+from compress.distill.draft_config import DraftConfig
 from compress.eval.plan.estimates import DISTILL_TOKENS_PER_S, REF_PARAMS, Estimate, PlanStep, training_bytes
 from compress.plugin_types import StageKind
 
@@ -54,6 +55,58 @@ DISTILL = StageKind(
     estimate=_estimate,
     summary=_summary,
     description="distillation repair: the student trained toward a teacher's logits (and hidden states) on calibration text",
+    trains=True,
+    keeps_checkpoints=True,
+)
+
+
+def _build_draft(config: Any, label: str) -> Any:
+    from compress.distill.draft import DraftStage
+
+    return DraftStage(config, label)
+
+
+def _estimate_draft(step: PlanStep) -> Estimate:
+    """The target stays in memory; the draft is a copy of it, pruned (one importance pass over the
+    calibration text), then trained as a distill stage on the draft's shape with the target teaching."""
+    from dataclasses import replace
+
+    from compress.pruning.plugin import PRUNE, pruned_shape
+
+    cfg = step.config
+    small = pruned_shape(step.shape, cfg.prune)
+    prune = PRUNE.estimate(replace(step, config=cfg.prune, held_bytes=step.held_bytes + step.shape.params * step.dtype_bytes))
+    mem, seconds = prune.memory_bytes, prune.seconds
+    basis = f"the target + a copy pruned to {small.params:,} parameters ({small.params / step.shape.params:.0%}): {prune.basis}"
+    if cfg.distill is not None:
+        held = step.held_bytes + small.params * step.dtype_bytes
+        train = _estimate(replace(step, config=cfg.distill, shape=small, held_bytes=held))
+        mem, seconds = max(mem, train.memory_bytes), seconds + train.seconds
+        basis += f"; then {train.basis}"
+    return Estimate(mem, seconds, basis)
+
+
+def _summary_draft(stage: dict[str, Any], report: dict[str, Any]) -> str:
+    s = stage["summary"]
+    shape = s["shape"]
+    line = (
+        f"{stage['label']} draft: {s['parameters']:,} parameters ({s['share']:.1%} of the target's {s['target_parameters']:,}); "
+        f"{shape['num_hidden_layers']} blocks, hidden {shape['hidden_size']}, MLP {shape['intermediate_size']}"
+    )
+    distilled = s["steps"].get("distill")
+    if distilled:
+        d = distilled["summary"]
+        line += f"; KL to the target {d['before']['kl_divergence']:.4f} → {d['after']['kl_divergence']:.4f}"
+    return line + f"; {stage['duration_s']:.0f}s"
+
+
+DRAFT = StageKind(
+    name="draft",
+    config=DraftConfig,
+    build=_build_draft,
+    estimate=_estimate_draft,
+    summary=_summary_draft,
+    description="a draft model for speculative decoding: the target pruned, trained toward the target, written beside it",
     trains=True,
     keeps_checkpoints=True,
 )

@@ -266,6 +266,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
         if any(e.get("intervals") for e in accuracy):
             lines += ["In brackets: the 95% interval (a percentile bootstrap over the evaluation sequences).", ""]
     lines += _task_lines([e for e in evaluations if _kind(e) == "task"])
+    lines += _draft_lines([e for e in evaluations if _kind(e) == "draft"])
     latency = [e for e in evaluations if _kind(e) == "latency"]
     if latency:
         lines += ["### Latency", ""]
@@ -323,6 +324,43 @@ def _task_lines(tasks: list[dict[str, Any]]) -> list[str]:
         ],
     )
     return lines + ["Accuracy in percent; in brackets its 95% interval (± 1.96 × lm-eval's standard error).", ""]
+
+
+def _draft_lines(drafts: list[dict[str, Any]]) -> list[str]:
+    """A draft stage's pair on each runtime: greedy speculative decoding at the best k."""
+    if not drafts:
+        return []
+    lines = ["### Speculative decoding", ""]
+    lines += table_lines(
+        [
+            "Artifact",
+            "Runtime / device",
+            "Draft share",
+            "Best k",
+            "Tokens / target pass",
+            "Accepted / pass",
+            "Speed-up",
+            "Greedy identical",
+        ],
+        [
+            [
+                e["artifact"],
+                runtime_on_device(e),
+                _percent(e["metrics"].get("draft_share")),
+                _fmt(e["metrics"].get("best_k")),
+                _fmt(e["metrics"].get("tokens_per_pass"), 3),
+                _with_interval(e, "draft_acceptance", lambda v: _fmt(v, 3)),
+                _with_interval(e, "speculative_speedup", lambda v: _fmt(v, 3)),
+                _percent(e["metrics"].get("draft_greedy_identical")),
+            ]
+            for e in drafts
+        ],
+    )
+    return lines + [
+        "Greedy decoding at the k with the highest speed-up over the target alone on the same runtime and prompts; "
+        "in brackets the 95% interval over prompts. Every k and temperature: report.json's details.",
+        "",
+    ]
 
 
 def _build_lines(evaluations: list[dict[str, Any]]) -> list[str]:

@@ -23,7 +23,6 @@ prompt processing excluded, against the target alone decoding one token per call
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,7 +69,9 @@ class TorchDecoder:
         with torch.inference_mode():
             tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
             positions = torch.arange(n_past, n_past + len(ids), device=self.device)[None]
-            out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True, position_ids=positions, cache_position=positions[0])
+            out = self.model(
+                input_ids=tokens, past_key_values=self.cache, use_cache=True, position_ids=positions, cache_position=positions[0]
+            )
             logits = out.logits[0] if every_position else out.logits[0, -1:]
         return logits.float().cpu().numpy()
 
@@ -104,7 +105,9 @@ def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator | Non
     return int(rng.choice(len(p), p=p)), p
 
 
-def target_alone(target: Decoder, prompt: Sequence[int], max_new: int, temperature: float = 0.0, seed: int = 0, stop: int | None = None) -> Generation:
+def target_alone(
+    target: Decoder, prompt: Sequence[int], max_new: int, temperature: float = 0.0, seed: int = 0, stop: int | None = None
+) -> Generation:
     """The target decoding one token per call (the baseline): greedy when ``temperature`` is 0. As in
     :func:`speculative`, the prompt's last token is decoded inside the timed part."""
     if not prompt:
@@ -222,18 +225,6 @@ def speculative(
 # --------------------------------------------------------------------------- a sweep and its numbers
 
 
-def mean_interval(values: Sequence[float], seed: int = 0) -> dict[str, Any]:
-    """The mean of ``values`` with its 95% percentile-bootstrap interval over them (prompts)."""
-    arr = np.asarray(values, dtype=np.float64)
-    found: dict[str, Any] = {"mean": float(arr.mean()) if len(arr) else float("nan"), "samples": len(arr)}
-    if len(arr) >= 2:
-        idx = np.random.default_rng(seed).integers(0, len(arr), size=(BOOTSTRAP_RESAMPLES, len(arr)))
-        draws = arr[idx].mean(axis=1)
-        tail = (1 - INTERVAL_LEVEL) / 2 * 100
-        found.update(lower=float(np.percentile(draws, tail)), upper=float(np.percentile(draws, 100 - tail)), level=INTERVAL_LEVEL)
-    return found
-
-
 def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], seed: int = 0) -> dict[str, Any]:
     """sum(numerators) / sum(denominators) with its 95% bootstrap interval over the pairs (prompts)."""
     num, den = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
@@ -255,9 +246,7 @@ def summarize(alone: list[Generation], paired: list[Generation], k: int, greedy:
     reached = np.sum([g.reached for g in paired], axis=0)
     kept = np.sum([g.kept for g in paired], axis=0)
     accepted_mean = ratio_interval([sum(g.accepted) for g in paired], rounds)
-    speedup = ratio_interval(
-        [a.seconds / max(len(a.tokens), 1) for a in alone], [p.seconds / max(len(p.tokens), 1) for p in paired]
-    )
+    speedup = ratio_interval([a.seconds / max(len(a.tokens), 1) for a in alone], [p.seconds / max(len(p.tokens), 1) for p in paired])
     row: dict[str, Any] = {
         "k": k,
         "mode": "greedy" if greedy else "sampled",
@@ -297,20 +286,18 @@ def sweep(
     track: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every (draft, k, temperature) cell over ``prompts``; the target alone is decoded once per prompt
-    and temperature (same seed per prompt, so a sampled baseline draws like the paired run would)."""
+    and temperature. ``track`` is called after each cell with a line saying what it measured."""
     rows = []
     for temperature in temperatures:
         alone = [target_alone(target, p, max_new, temperature, seed=i, stop=stop) for i, p in enumerate(prompts)]
         for name, draft in drafts.items():
             for k in ks:
-                if track is not None:
-                    track(f"{name} k={k} t={temperature:g}")
                 paired = [speculative(target, draft, p, max_new, k, temperature, seed=i, stop=stop) for i, p in enumerate(prompts)]
                 row = summarize(alone, paired, k, temperature == 0)
                 rows.append({"draft": name, "temperature": temperature, **row})
+                if track is not None:
+                    track(
+                        f"{name} k={k} t={temperature:g}: {row['tokens_per_pass']['mean']:.2f} tokens a pass, "
+                        f"speed-up {row['speedup']['mean']:.2f}x"
+                    )
     return rows
-
-
-def median_speed(gens: list[Generation]) -> float:
-    """Median tokens/s over generations (for a console line)."""
-    return statistics.median(len(g.tokens) / g.seconds for g in gens if g.seconds > 0)

@@ -72,7 +72,7 @@ class StageRecord(Closed):
     """What one stage did: its expanded config, its time and a summary."""
 
     label: str = Field(description="stages[i]")
-    kind: str = Field(description="prune, distill, quantize or kv_cache")
+    kind: str = Field(description="A stage kind: prune, distill, quantize, kv_cache, rotate or draft")
     method: str
     config: dict[str, Any]
     duration_s: float
@@ -134,6 +134,9 @@ class Manifest(Closed):
     stages: list[StageRecord]
     quantization: Quantization
     kv_cache: dict[str, Any] | SkipJsonSchema[None] = Field(None, description="The KV cache stage's scheme, runtimes and memory.")
+    draft: dict[str, Any] | SkipJsonSchema[None] = Field(
+        None, description="A draft stage's draft: its folder and GGUF under draft/, its size and shape, the tokenizer files it shares."
+    )
     exports: list[ManifestExport] | SkipJsonSchema[None] = None
     timings: dict[str, float] | SkipJsonSchema[None] = Field(None, description="Seconds per phase.")
     files: dict[str, Sha256] | SkipJsonSchema[None] = Field(

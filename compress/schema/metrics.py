@@ -46,6 +46,15 @@ METRICS: dict[str, MetricInfo] = {
         "higher",
         False,
     ),
+    # A draft stage's target + draft pair (distill/draft.py), measured by speculative decoding against the
+    # target alone on held-apart prompts (eval/speculative.py); greedy decoding at the best k.
+    "draft_acceptance": MetricInfo("draft tokens the target accepts per target pass (mean, greedy, at the best k)", "higher", False),
+    "speculative_speedup": MetricInfo(
+        "decode speed of the target with the draft / the target alone on the same runtime (greedy, at the best k)", "higher", False
+    ),
+    "draft_greedy_identical": MetricInfo(
+        "share of prompts whose greedy output with the draft equals the target's own, token for token (the worst k)", "higher", False
+    ),
     # Task accuracy through lm-evaluation-harness (eval/tasks.py), per task (a gate names it with `task:`).
     "accuracy": MetricInfo("share of a task's questions answered right, percent (lm-eval's acc)", "higher", True),
     "accuracy_norm": MetricInfo(
@@ -69,6 +78,14 @@ LATENCY_METRICS = (
 CALIBRATION_METRICS = ("experts_under_min", "min_expert_tokens")  # of the compressed model, from its stage records
 TASK_METRICS = ("accuracy", "accuracy_norm")
 KV_METRICS = ("kv_bytes_per_token", "kv_compression", "needle_recall")  # of the kv_cache artifact only
-INTERVAL_METRICS = ("perplexity", "kl_divergence", "top1_agreement", *TASK_METRICS)  # with a 95% interval (compress/eval/metrics.py)
+DRAFT_METRICS = ("draft_acceptance", "speculative_speedup", "draft_greedy_identical")  # of the draft artifacts only
+INTERVAL_METRICS = (
+    "perplexity",
+    "kl_divergence",
+    "top1_agreement",
+    *TASK_METRICS,
+    "draft_acceptance",
+    "speculative_speedup",
+)  # with a 95% interval (compress/eval/metrics.py)
 GATE_BOUNDS = ("value", "lower_95", "upper_95")  # what a gate compares: the value, or an end of its interval
 DEVICE_METRICS = (*LATENCY_METRICS, "memory_fraction", "size_mb")  # the metrics a gate may ask of a named device

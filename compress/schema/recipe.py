@@ -24,7 +24,7 @@ from pydantic import (
 from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.exports import BaseExportConfig
-from compress.schema.metrics import DEVICE_METRICS, INTERVAL_METRICS, KV_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
+from compress.schema.metrics import DEVICE_METRICS, DRAFT_METRICS, INTERVAL_METRICS, KV_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
 from compress.schema.quantize import WeightQuantConfig
 
 SCHEMA_VERSION = 1
@@ -217,6 +217,12 @@ class GateConfig(Strict):
     def _kv_metric(self) -> GateConfig:
         if self.metric in KV_METRICS and self.artifact != "kv_cache":
             raise ValueError(f"{self.metric} is measured on the kv_cache artifact (a kv_cache stage's evaluation); set artifact: kv_cache")
+        return self
+
+    @model_validator(mode="after")
+    def _draft_metric(self) -> GateConfig:
+        if self.metric in DRAFT_METRICS and not (self.artifact == "draft" or self.artifact.startswith("draft-")):
+            raise ValueError(f"{self.metric} is measured on a draft stage's pair; set artifact: draft (torch) or draft-<gguf export>")
         return self
 
     @model_validator(mode="after")

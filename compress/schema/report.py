@@ -20,7 +20,7 @@ REPORT_VERSION = 5
 
 SOURCES = ("measured", "estimated")  # where an evaluation's numbers came from
 GATE_SOURCES = (*SOURCES, "missing")  # a gate can also find no measurement at all
-EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache", "calibration", "task")
+EVALUATION_KINDS = ("accuracy", "latency", "memory", "kv_cache", "calibration", "task", "draft")
 THRESHOLD_KINDS = (
     "max",
     "min",
@@ -39,7 +39,7 @@ Metrics = TypeAliasType("Metrics", dict[str, Number])
 
 Source = Literal["measured", "estimated"]
 GateSource = Literal["measured", "estimated", "missing"]
-EvaluationKind = Literal["accuracy", "latency", "memory", "kv_cache", "calibration", "task"]
+EvaluationKind = Literal["accuracy", "latency", "memory", "kv_cache", "calibration", "task", "draft"]
 ThresholdKind = Literal["max", "min", "max_increase", "max_decrease", "max_increase_pct", "max_decrease_pct"]
 GateBound = Literal["value", "lower_95", "upper_95"]
 
