@@ -70,7 +70,9 @@ class TorchDecoder:
         with torch.inference_mode():
             tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
             positions = torch.arange(n_past, n_past + len(ids), device=self.device)[None]
-            out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True, position_ids=positions, cache_position=positions[0])
+            out = self.model(
+                input_ids=tokens, past_key_values=self.cache, use_cache=True, position_ids=positions, cache_position=positions[0]
+            )
             logits = out.logits[0] if every_position else out.logits[0, -1:]
         return logits.float().cpu().numpy()
 
@@ -104,7 +106,9 @@ def _pick(logits: np.ndarray, temperature: float, rng: np.random.Generator | Non
     return int(rng.choice(len(p), p=p)), p
 
 
-def target_alone(target: Decoder, prompt: Sequence[int], max_new: int, temperature: float = 0.0, seed: int = 0, stop: int | None = None) -> Generation:
+def target_alone(
+    target: Decoder, prompt: Sequence[int], max_new: int, temperature: float = 0.0, seed: int = 0, stop: int | None = None
+) -> Generation:
     """The target decoding one token per call (the baseline): greedy when ``temperature`` is 0. As in
     :func:`speculative`, the prompt's last token is decoded inside the timed part."""
     if not prompt:
@@ -255,9 +259,7 @@ def summarize(alone: list[Generation], paired: list[Generation], k: int, greedy:
     reached = np.sum([g.reached for g in paired], axis=0)
     kept = np.sum([g.kept for g in paired], axis=0)
     accepted_mean = ratio_interval([sum(g.accepted) for g in paired], rounds)
-    speedup = ratio_interval(
-        [a.seconds / max(len(a.tokens), 1) for a in alone], [p.seconds / max(len(p.tokens), 1) for p in paired]
-    )
+    speedup = ratio_interval([a.seconds / max(len(a.tokens), 1) for a in alone], [p.seconds / max(len(p.tokens), 1) for p in paired])
     row: dict[str, Any] = {
         "k": k,
         "mode": "greedy" if greedy else "sampled",
