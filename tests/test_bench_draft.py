@@ -152,7 +152,8 @@ def test_cli_measures_file_and_cut_drafts_in_llama_cpp(tmp_path: Path, target_gg
     names = [d["name"] for d in saved["drafts"]]
     assert names == [str(target_gguf), "cut 1 of 3 blocks"]
     cut = saved["drafts"][1]
-    assert cut["blocks"] == 1 and 0 < cut["size_share"] < 1 and 0 < cut["parameter_share"] < 1 and cut["decode_tokens_per_s"] > 0
+    assert cut["kind"] == "cut" and cut["blocks"] == 1 and cut["decode_tokens_per_s"] > 0
+    assert 0 < cut["size_share"] < 1 and 0 < cut["parameter_share"] < 1
     rows = saved["rows"]
     assert len(rows) == 2 * 2 * 2  # drafts x k x temperatures
     for r in rows:

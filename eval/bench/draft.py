@@ -222,6 +222,7 @@ def run_draft_bench(
     import torch
 
     from compress.data import DataPlan
+    from compress.documents import library_versions
     from compress.export.gguf import runtime as gguf_runtime
     from compress.schema.recipe import DataConfig
 
@@ -256,16 +257,18 @@ def run_draft_bench(
             target.facts["blocks"] = total
             for d in draft_sources:
                 models.append(load_gguf(Path(d).expanduser(), d, n_ctx, threads))
+                models[-1].facts["kind"] = "file"
             for n in cuts:
                 with reporter.status(f"cutting the target to its first {n} blocks"):
                     made.append(cut_gguf(path, files / f"cut-{n}.gguf", n))
                 models.append(load_gguf(made[-1], f"cut {n} of {total} blocks", n_ctx, threads))
-                models[-1].facts["blocks"] = n
+                models[-1].facts.update(kind="cut", blocks=n)
         else:
             target, tokenizer = load_torch(target_source, "target", reporter)
             models.append(target)
             for d in draft_sources:
                 models.append(load_torch(d, d, reporter)[0])
+                models[-1].facts["kind"] = "folder"
         drafts = models[1:]
         for d in drafts:
             if d.decoder.n_vocab != target.decoder.n_vocab:
@@ -303,7 +306,7 @@ def run_draft_bench(
             "host": platform.platform(),
             "cpu_count": os.cpu_count(),
             "llama_cpp": gguf_runtime.library_build() if gguf_target else None,
-            "torch": None if gguf_target else torch.__version__,
+            "libraries": library_versions(),
             "rows": [],
         }
         out_dir.mkdir(parents=True, exist_ok=True)
