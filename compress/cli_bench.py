@@ -450,13 +450,15 @@ def bench_memory(
 
 
 def _numbers(text: str, parse: Callable[[str], Any], option: str, least: float) -> list[Any]:
-    """Comma-separated numbers, each at least ``least``; else an input error naming ``option``."""
+    """Comma-separated numbers, each at least ``least`` and given once; else an input error naming ``option``."""
     try:
         values = [parse(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise CompressError(f"{option} '{text}': expected comma-separated numbers") from None
     if any(v < least for v in values):
         raise CompressError(f"{option} '{text}': each value must be at least {least:g}")
+    if len(set(values)) < len(values):
+        raise CompressError(f"{option} '{text}': a value is given more than once")
     return values
 
 

@@ -188,6 +188,7 @@ def test_cli_measures_a_transformers_pair(tmp_path: Path, tiny_model_dir: Path, 
         (("--cut", "1", "--temperatures", "-1"), "--temperatures '-1'"),
         ((), "--drafts / --cut"),
         (("--drafts", "missing.gguf"), "--drafts missing.gguf: no such file"),
+        (("--cut", "1,1"), "--cut '1,1'"),
     ],
 )
 def test_cli_refuses_bad_options(tmp_path: Path, target_gguf: Path, text_dir: Path, extra: tuple[str, ...], message: str) -> None:
@@ -204,6 +205,8 @@ def test_cli_refuses_a_missing_target_and_a_draft_on_another_runtime(
     assert result.exit_code == 2 and f"--drafts {tiny_model_dir}" in result.output, result.output
     result = run_cli(bench_args(tmp_path / "c", tiny_model_dir, text_dir, "--cut", "1"))
     assert result.exit_code == 2 and "--cut" in result.output and "GGUF target" in result.output, result.output
+    result = run_cli(bench_args(tmp_path / "d", target_gguf, text_dir, "--drafts", f"{target_gguf},{target_gguf}"))
+    assert result.exit_code == 2 and "--drafts" in result.output and "more than once" in result.output, result.output
 
 
 @needs_llama_cpp

@@ -238,9 +238,11 @@ def run_draft_bench(
             raise CompressError(f"--drafts {d}: a draft runs on the target's runtime, so it must be {want}")
     if cuts and not gguf_target:
         raise CompressError("--cut: cuts are made from a GGUF target; give --target a .gguf file")
+    twice = sorted({d for d in draft_sources if draft_sources.count(d) > 1})
+    if twice:
+        raise CompressError(f"--drafts {', '.join(twice)}: given more than once")
     n_ctx = prompt_tokens + max_new + max(ks) + 8
     files = out_dir / "files"
-    files.mkdir(parents=True, exist_ok=True)
     made: list[Path] = []
     models: list[Model] = []
     torch.set_num_threads(threads)
@@ -258,6 +260,8 @@ def run_draft_bench(
             for d in draft_sources:
                 models.append(load_gguf(Path(d).expanduser(), d, n_ctx, threads))
                 models[-1].facts["kind"] = "file"
+            if cuts:
+                files.mkdir(parents=True, exist_ok=True)
             for n in cuts:
                 with reporter.status(f"cutting the target to its first {n} blocks"):
                     made.append(cut_gguf(path, files / f"cut-{n}.gguf", n))
@@ -311,19 +315,20 @@ def run_draft_bench(
         }
         out_dir.mkdir(parents=True, exist_ok=True)
         write_results(out_dir, result, markdown_table(result))
-        found = sweep(
-            target.decoder,
-            {d.name: d.decoder for d in drafts},
-            prompt_ids,
-            ks,
-            max_new,
-            temperatures,
-            stop=None,
-            track=lambda cell: reporter.info(cell),
-        )
-        result["rows"] = mark_best(found)
-        write_results(out_dir, result, markdown_table(result))
-        plot_speedup(result, out_dir / PLOT)
+        for temperature in temperatures:  # one sweep a temperature (the target alone decoded once for each): a stopped run keeps those done
+            found = sweep(
+                target.decoder,
+                {d.name: d.decoder for d in drafts},
+                prompt_ids,
+                ks,
+                max_new,
+                [temperature],
+                stop=None,
+                track=lambda cell: reporter.info(cell),
+            )
+            result["rows"] = mark_best(result["rows"] + found)
+            write_results(out_dir, result, markdown_table(result))
+            plot_speedup(result, out_dir / PLOT)
         return result
     finally:
         for m in models:
