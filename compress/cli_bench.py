@@ -449,6 +449,70 @@ def bench_memory(
     opts.results(markdown_table(result))
 
 
+def _numbers(text: str, parse: Callable[[str], Any], option: str, least: float) -> list[Any]:
+    """Comma-separated numbers, each at least ``least`` and given once; else an input error naming ``option``."""
+    try:
+        values = [parse(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CompressError(f"{option} '{text}': expected comma-separated numbers") from None
+    if any(v < least for v in values):
+        raise CompressError(f"{option} '{text}': each value must be at least {least:g}")
+    if len(set(values)) < len(values):
+        raise CompressError(f"{option} '{text}': a value is given more than once")
+    return values
+
+
+@bench_command("draft", "llama.cpp threads (n_threads) and torch CPU threads.", ("evaluation", "repeats"))
+def bench_draft(
+    opts: BenchOptions,
+    target: str = typer.Option(
+        ..., help="The target: a GGUF file (run in llama.cpp), or a Hugging Face folder or reference:NAME (run in transformers)."
+    ),
+    drafts: str = typer.Option("", help="Comma-separated drafts on the target's runtime: GGUF files, or Hugging Face folders."),
+    cut: str = typer.Option(
+        "",
+        help="Comma-separated block counts N: a draft made from the GGUF target by keeping its first N blocks "
+        "(tensors copied as they are), the no-training baseline.",
+    ),
+    k: str = typer.Option("2,4,6,8", "--k", help="Comma-separated draft tokens proposed per target pass (each at least 1)."),
+    temperatures: str = typer.Option("0,0.8", help="Comma-separated sampling temperatures; 0 is greedy."),
+    prompts: int = typer.Option(16, min=1, help="Prompts: the first --prompt-tokens tokens of this many evaluation chunks."),
+    prompt_tokens: int = typer.Option(128, min=2, help="Tokens per prompt."),
+    max_new: int = typer.Option(64, min=1, help="Tokens generated per prompt."),
+    keep_files: bool = typer.Option(False, help="Keep the cut drafts under OUTPUT/files."),
+) -> None:
+    """Drafts for speculative decoding against the target alone: acceptance per target pass and position, speed-up, greedy identity, draft cost."""
+    from compress.eval.bench.draft import markdown_table, run_draft_bench
+    from compress.progress import Reporter
+
+    ks = _numbers(k, int, "--k", 1)
+    temps = _numbers(temperatures, float, "--temperatures", 0)
+    cuts = _numbers(cut, int, "--cut", 1)
+    names = [d.strip() for d in drafts.split(",") if d.strip()]
+    if not ks or not temps:
+        raise CompressError("--k and --temperatures need at least one value each")
+    if not names and not cuts:
+        raise CompressError("--drafts / --cut: give at least one draft (a file or folder, or a cut of the target)")
+    opts.claim()
+    result = run_draft_bench(
+        target,
+        names,
+        cuts,
+        opts.evaluation,
+        opts.output,
+        opts.threads,
+        Reporter(err),
+        ks,
+        temps,
+        prompts,
+        prompt_tokens,
+        max_new,
+        opts.repeats,
+        keep_files,
+    )
+    opts.results(markdown_table(result))
+
+
 @bench_command("latency", "Threads per runtime.", ())
 def bench_latency(
     opts: BenchOptions,

@@ -25,6 +25,7 @@ from typing import Any
 
 from compress.documents import library_versions
 from compress.eval.bench.pairs import equal_bytes_pairs, pairs_table
+from compress.eval.bench.plots import Series, plot_series
 from compress.eval.bench.quant import Setting, load_bench_inputs, quantize_copy, write_results
 from compress.eval.metrics import compare
 from compress.export.gguf import runtime as gguf_runtime
@@ -376,33 +377,20 @@ def plot_kl_vs_size(
     kl_label: str = "KL vs F16 in llama.cpp (nats/token)",
 ) -> Path | None:
     """KL against file size, one series per tool chain (a log scale for KL), each point named."""
-    from compress.eval.reports import pyplot, save_figure
-
     rows = [r for r in result["rows"] if r["metrics"].get("kl_divergence", 0) > 0]
     if not rows:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    try:
-        for chain, marker in chains:
-            mine = sorted((r for r in rows if (chain_of or tool_chain)(r) == chain), key=lambda r: r["size_bytes"])
-            if mine:
-                ax.plot([r["size_bytes"] / 2**20 for r in mine], [r["metrics"]["kl_divergence"] for r in mine], marker, label=chain)
-        for r in rows:
-            label = r["name"].replace("llama.cpp at the type mix of ", "")
-            label = label.replace("gptq mix at the size of llama.cpp's ", "mix @ ").replace(" with its imatrix", " + imatrix")
-            ax.annotate(
-                label, (r["size_bytes"] / 2**20, r["metrics"]["kl_divergence"]), textcoords="offset points", xytext=(4, 3), fontsize=7
-            )
-        ax.set_yscale("log")
-        ax.set_xlabel("file size (MiB)")
-        ax.set_ylabel(kl_label)
-        ax.set_title(f"{result['model']['source']}: {files}, KL against size")
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    series = []
+    for chain, marker in chains:
+        mine = sorted((r for r in rows if (chain_of or tool_chain)(r) == chain), key=lambda r: r["size_bytes"])
+        series.append(Series(chain, marker, [r["size_bytes"] / 2**20 for r in mine], [r["metrics"]["kl_divergence"] for r in mine]))
+    notes = []
+    for r in rows:
+        label = r["name"].replace("llama.cpp at the type mix of ", "")
+        label = label.replace("gptq mix at the size of llama.cpp's ", "mix @ ").replace(" with its imatrix", " + imatrix")
+        notes.append((label, r["size_bytes"] / 2**20, r["metrics"]["kl_divergence"]))
+    title = f"{result['model']['source']}: {files}, KL against size"
+    return plot_series(path, series, notes, "file size (MiB)", kl_label, title, yscale={"value": "log"})
 
 
 def markdown_table(result: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from compress import streaming
+from compress.eval.bench.plots import Series, plot_series
 from compress.eval.bench.quant import load_bench_inputs, write_results
 from compress.eval.kv_eval import evaluate_kv
 from compress.progress import Reporter
@@ -214,38 +215,27 @@ FAMILY_MARKERS = (("quantization", "s-"), ("eviction", "o-"), ("eviction + quant
 
 def plot_kl_vs_memory(result: dict[str, Any], path: Path) -> Path | None:
     """KL against how many times less KV memory than fp16 each scheme holds at the context, one series per family."""
-    from compress.eval.reports import pyplot, save_figure
-
     rows = [r for r in result["rows"] if r["metrics"].get("kl_divergence", 0) > 0]
     if not rows:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    try:
-        for name, marker in FAMILY_MARKERS:
-            mine = sorted((r for r in rows if r.get("family", "quantization") == name), key=lambda r: r["memory"]["compression_vs_fp16"])
-            if mine:
-                ax.plot(
-                    [r["memory"]["compression_vs_fp16"] for r in mine], [r["metrics"]["kl_divergence"] for r in mine], marker, label=name
-                )
-        for r in rows:
-            ax.annotate(
-                r["name"],
-                (r["memory"]["compression_vs_fp16"], r["metrics"]["kl_divergence"]),
-                textcoords="offset points",
-                xytext=(4, 3),
-                fontsize=6,
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(f"times less KV memory than fp16 at {result['context']:,} tokens")
-        ax.set_ylabel("KL vs the float cache (nats/token)")
-        ax.set_title(f"{result['model']['source']}: KV-cache schemes, KL against memory")
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    series = []
+    for name, marker in FAMILY_MARKERS:
+        mine = sorted((r for r in rows if r.get("family", "quantization") == name), key=lambda r: r["memory"]["compression_vs_fp16"])
+        series.append(
+            Series(name, marker, [r["memory"]["compression_vs_fp16"] for r in mine], [r["metrics"]["kl_divergence"] for r in mine])
+        )
+    notes = [(r["name"], r["memory"]["compression_vs_fp16"], r["metrics"]["kl_divergence"]) for r in rows]
+    return plot_series(
+        path,
+        series,
+        notes,
+        f"times less KV memory than fp16 at {result['context']:,} tokens",
+        "KL vs the float cache (nats/token)",
+        f"{result['model']['source']}: KV-cache schemes, KL against memory",
+        note_size=6,
+        xscale={"value": "log", "base": 2},
+        yscale={"value": "log"},
+    )
 
 
 def markdown_table(result: dict[str, Any]) -> str:
