@@ -91,8 +91,9 @@ def artifact_size(directory: Path, recipe: Recipe) -> int:
     Without exports, an estimate from the bits: each quantized layer at its bits per weight with
     scales and zero points (the manifest's stage records), the float tensors as stored (model/ of an
     artifact before the packed layout kept one byte per code; the estimate ranks both alike)."""
-    from compress.eval.latency import SAFETENSORS_ITEMSIZE, float_entries
+    from compress.eval.latency import float_entries
     from compress.fsutil import tree_size
+    from compress.inputs import SAFETENSORS_ITEMSIZE
 
     if recipe.exports:
         return tree_size(directory / "exports" / recipe.exports[0].name)

@@ -38,7 +38,7 @@ import numpy as np
 from compress.errors import CompressError
 from compress.export.format import TORCH_RUNTIME, Runner
 from compress.fsutil import tree_size
-from compress.inputs import check_safetensors
+from compress.inputs import SAFETENSORS_ITEMSIZE, check_safetensors
 from compress.paths import usable_cpus
 from compress.plugins import runtime_formats
 
@@ -259,9 +259,6 @@ def parameter_count(target: Target) -> int | None:
     if target.runtime == TORCH_RUNTIME:
         return sum(numel for _, numel, _ in float_entries(path)) + sum(o * i for o, i in quantized_shapes(path).values())
     return runtime_formats()[target.runtime].parameter_count(path)
-
-
-SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 
 
 def _load(target: Target, settings: LatencySettings) -> Runner:

@@ -114,7 +114,7 @@ def target_alone(
         raise CompressError("decoding needs a prompt of at least one token")
     rng = None if temperature == 0 else np.random.default_rng(seed)
     seq = list(prompt)
-    _prefill(target, seq[:-1])
+    prefill(target, seq[:-1])
     out: list[int] = []
     started = time.perf_counter()
     logits = target.decode(seq[-1:], len(seq) - 1, every_position=False)[0]
@@ -127,7 +127,7 @@ def target_alone(
     return Generation(out, time.perf_counter() - started)
 
 
-def _prefill(model: Decoder, ids: Sequence[int], piece: int = 128) -> None:
+def prefill(model: Decoder, ids: Sequence[int], piece: int = 128) -> None:
     """Decode ``ids`` into the model's empty cache, ``piece`` tokens a call (nothing when empty)."""
     ids = list(ids)
     for start in range(0, len(ids), piece):
@@ -154,8 +154,8 @@ def speculative(
         raise CompressError("speculative decoding needs a prompt of at least one token")
     rng = None if temperature == 0 else np.random.default_rng(seed)
     seq = list(prompt)
-    _prefill(target, seq[:-1])  # both caches hold all but the prompt's last token
-    _prefill(draft, seq[:-1])
+    prefill(target, seq[:-1])  # both caches hold all but the prompt's last token
+    prefill(draft, seq[:-1])
     t_done = d_done = len(seq) - 1  # tokens each model's cache holds validly (a prefix of seq)
     made: list[int] = []
     gen = Generation([], 0.0, reached=[0] * k, kept=[0] * k)
@@ -301,3 +301,45 @@ def sweep(
                         f"speed-up {row['speedup']['mean']:.2f}x"
                     )
     return rows
+
+
+def transformers_assisted(target: Any, draft: Any, prompts: list[list[int]], max_new: int, k: int) -> dict[str, Any]:
+    """transformers' own assisted generation, as its users call it: ``target.generate(ids,
+    assistant_model=draft)``, greedy, ``k`` draft tokens a round (constant schedule, no confidence
+    cut-off), against ``target.generate(ids)`` alone on the same prompts, each timed whole (prompt
+    included). Returns the speed-up (interval over prompts) and the prompts whose outputs are equal."""
+    import torch
+
+    config = draft.generation_config
+    saved = (config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold)
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = k, "constant", 0.0
+    device = next(target.parameters()).device
+    pad = target.generation_config.pad_token_id
+    if pad is None:
+        pad = target.generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, list) else pad
+    alone, paired, same = [], [], 0
+    try:
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            kwargs = {"max_new_tokens": max_new, "min_new_tokens": max_new, "do_sample": False, "pad_token_id": pad}
+            kwargs["attention_mask"] = torch.ones_like(ids)
+            with torch.inference_mode():
+                started = time.perf_counter()
+                a = target.generate(ids, **kwargs)
+                middle = time.perf_counter()
+                b = target.generate(ids, assistant_model=draft, **kwargs)
+                ended = time.perf_counter()
+            alone.append(middle - started)
+            paired.append(ended - middle)
+            same += a[0, len(prompt) :].tolist() == b[0, len(prompt) :].tolist()
+    finally:
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule, config.assistant_confidence_threshold = saved
+    return {
+        "engine": "transformers generate(assistant_model=)",
+        "k": k,
+        "mode": "greedy",
+        "speedup": ratio_interval(alone, paired),
+        "greedy_identical": same,
+        "prompts": len(prompts),
+    }

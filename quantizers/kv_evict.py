@@ -245,11 +245,11 @@ class EvictingKVLayer(DynamicLayer):
     def _priority(self) -> tuple[torch.Tensor, int]:
         """Each store entry's claim to stay ([B, H, N], -inf: evict) and how many a head may keep."""
         ev, seen = self.ev, self.seen
+        if ev.policy == "fastgen":
+            return self._fastgen_priority(), self.s_pos.shape[-1]
         pos, valid = self.s_pos, self.s_valid
         inf = torch.tensor(float("inf"), device=self.device)
         sink = pos < ev.sink
-        if ev.policy == "fastgen":
-            return self._fastgen_priority(), self.s_pos.shape[-1]
         keep = max(0, ev.budget - self.w_k.shape[-2])  # the window counts against the budget
         if ev.policy == "window":
             score = pos.float()

@@ -190,6 +190,8 @@ def test_distillation_makes_the_draft_agree_with_the_target_more_often(trained_t
         result = run(recipe, tmp_path / name)
         e = draft_evaluations(result)["draft"]
         assert e.metrics["draft_greedy_identical"] == 1.0 and not (tmp_path / name / "draft/draft.gguf").exists()
+        [assisted] = e.details["transformers_generate"]  # transformers' own generate(assistant_model=) on the same prompts
+        assert assisted["k"] == 3 and assisted["greedy_identical"] == assisted["prompts"] == 3
         accepted[name] = np.mean([c["accepted_per_pass"]["mean"] for c in e.details["cells"]])
     assert accepted["distilled"] > accepted["pruned"] + 0.3, accepted
 

@@ -24,7 +24,7 @@ from compress.distill.draft import Draft
 from compress.distill.draft_config import DRAFT_ARTIFACT, draft_artifact
 from compress.errors import CompressError, FormatError
 from compress.eval.metrics import INTERVAL_LEVEL
-from compress.eval.speculative import TorchDecoder, sweep
+from compress.eval.speculative import TorchDecoder, sweep, transformers_assisted
 from compress.export.gguf.config import GGUFExportConfig
 from compress.plugins import EXPORT_FORMATS
 from compress.schema.exports import EXPORTS_DIR
@@ -128,7 +128,11 @@ def measure(root: Path, run: Run, source: Source, staged: Staged, exported: Expo
         draft.model.to(run.device)
         with run.timed("draft_torch_s"):
             cells = _sweep(TorchDecoder(staged.model), TorchDecoder(draft.model), prompts, cfg, run, f"{draft.label} torch")
-        found.append(_evaluation(DRAFT_ARTIFACT, "torch", run.device.type, cells, draft))
+            with run.reporter.status(f"{draft.label} (draft): transformers' assisted generation at k = {', '.join(map(str, cfg.k))}"):
+                assisted = [transformers_assisted(staged.model, draft.model, prompts, cfg.max_new, k) for k in cfg.k]
+        evaluation = _evaluation(DRAFT_ARTIFACT, "torch", run.device.type, cells, draft)
+        evaluation.details["transformers_generate"] = assisted
+        found.append(evaluation)
         draft.model.to("cpu")
     if "llama.cpp" in cfg.runtimes:
         found += _llama_cpp(root, run, exported, draft, written, prompts, context, cfg)

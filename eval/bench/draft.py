@@ -32,7 +32,7 @@ from typing import Any
 from compress.errors import CompressError
 from compress.eval.bench.plots import Series, plot_series
 from compress.eval.bench.quant import write_results
-from compress.eval.speculative import Decoder, _prefill, sweep, target_alone
+from compress.eval.speculative import Decoder, prefill, sweep, target_alone
 from compress.progress import Reporter
 
 PLOT = "speedup-vs-draft.png"
@@ -182,7 +182,7 @@ def verify_cost(decoder: Decoder, prompt: list[int], ks: list[int], repeats: int
     """Per k: the median time of decoding k + 1 tokens in one call over that of one token, both after
     ``prompt`` is in the cache (each call drops what the previous one added). About 1: checking k
     proposals costs the target no more than one token; about k + 1: no better than one at a time."""
-    _prefill(decoder, prompt)
+    prefill(decoder, prompt)
     ids = [prompt[i % len(prompt)] for i in range(max(ks) + 1)]
 
     def seconds(n: int) -> float:
