@@ -25,7 +25,8 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.distill.distill import DistillStage
 from compress.distill.draft_config import DraftConfig
-from compress.errors import CompressError
+from compress.errors import CompressError, FormatError
+from compress.export.gguf.layout import architecture_of
 from compress.pruning.prune import PruneStage, parameters
 from compress.quantizers.plugin import GPTQ, RTN
 
@@ -91,6 +92,11 @@ class DraftStage:
                 f"{label}.prune: the draft keeps {draft_params:,} parameters, {draft_params / target_params:.0%} of the target's "
                 f"{target_params:,}; {label}.max_share allows {cfg.max_share:.0%} (prune more: fewer layers, a narrower hidden or MLP)"
             )
+        if cfg.gguf:  # before training: a draft llama.cpp cannot load is refused now, not after the distillation
+            try:
+                architecture_of(draft)
+            except FormatError as exc:
+                raise CompressError(f"{label}.prune: the draft cannot be written as GGUF (draft.gguf: true): {exc}") from None
         sub.applied.append("prune")
         if cfg.distill is not None:
             steps["distill"] = DistillStage(cfg.distill, f"{label}.distill").apply(draft, sub).to_json()

@@ -787,3 +787,19 @@ def test_a_gemma_gguf_sources_tokenizer_gets_merges_from_the_files_scores(
     assert any("BPE merges made from the file's" in change for change in loaded.facts["tokenizer"]["changed"])
     if gguf_runtime.available():
         assert loaded.facts["tokenizer"]["parity"]["mismatched"] == 0
+
+
+def test_a_qwen2_whose_queries_are_not_as_wide_as_its_hidden_size_is_refused_for_llama_cpp() -> None:
+    """llama.cpp's qwen2 graph makes queries n_embd wide (it loads no other width): heads and hidden
+    channels pruned apart cannot be a qwen2 GGUF, and say so before anything is written; llama's can."""
+    wide = tiny_model("qwen2", vocab=300, hidden=64, intermediate=128, positions=64, heads=4, kv_heads=1, head_dim=32)
+    with pytest.raises(FormatError, match=r"queries as wide as the hidden size \(64\); this model's are 4 heads x 32 = 128 wide"):
+        architecture_of(wide)
+    assert (
+        architecture_of(tiny_model("qwen2", vocab=300, hidden=64, intermediate=128, positions=64, heads=2, kv_heads=1, head_dim=32)).name
+        == "qwen2"
+    )
+    assert (
+        architecture_of(tiny_model("llama", vocab=300, hidden=64, intermediate=128, positions=64, heads=4, kv_heads=1, head_dim=32)).name
+        == "llama"
+    )

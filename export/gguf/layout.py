@@ -33,13 +33,17 @@ class GGUFArch:
     # The family's own keys (soft-capping, sliding windows) as {GGUFWriter method: value}, after checking
     # that llama.cpp's graph for the family computes what this config does (FormatError naming the key).
     family_keys: Callable[[Any, str], dict[str, Any]] | None = None
+    # llama.cpp's graph for the family makes queries as wide as the hidden size (its qwen2 reads no head
+    # width from the file), so a model whose heads x head_dim differs (heads or hidden channels pruned
+    # apart) cannot be written as this family.
+    queries_as_wide_as_hidden: bool = False
 
 
 # transformers model_type -> llama.cpp architecture. Add an entry (and its test) to support more.
 ARCHITECTURES: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", permute_qk=True),
     "mistral": GGUFArch("llama", permute_qk=True),
-    "qwen2": GGUFArch("qwen2", permute_qk=False),
+    "qwen2": GGUFArch("qwen2", permute_qk=False, queries_as_wide_as_hidden=True),
     "qwen3": GGUFArch("qwen3", permute_qk=False),
     "gemma2": GGUFArch("gemma2", permute_qk=False, family_keys=gemma_keys),
     "gemma3_text": GGUFArch("gemma3", permute_qk=False, family_keys=gemma_keys),
@@ -101,7 +105,18 @@ def architecture_of(model: nn.Module) -> GGUFArch:
             f"GGUF export does not know the architecture '{model_type}'; known: {', '.join(sorted(ARCHITECTURES))}. "
             "Add an entry to ARCHITECTURES in export/gguf/layout.py (llama.cpp's architecture name and whether Q/K rows are permuted) with a test"
         )
-    return ARCHITECTURES[model_type]
+    arch = ARCHITECTURES[model_type]
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    width = heads * int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    if arch.queries_as_wide_as_hidden and width != cfg.hidden_size:
+        raise FormatError(
+            f"llama.cpp's {arch.name} makes queries as wide as the hidden size ({cfg.hidden_size}); this model's are "
+            f"{heads} heads x {width // heads} = {width} wide (heads and hidden channels pruned apart), which no {arch.name} "
+            f"GGUF can hold. Prune them together: hidden {{size: {width}}} with these heads, or heads down to "
+            f"{cfg.hidden_size // (width // heads)} with this hidden size"
+        )
+    return arch
 
 
 def tensor_names(model: nn.Module) -> Any:
