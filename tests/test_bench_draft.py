@@ -219,3 +219,16 @@ def test_cli_refuses_a_cut_of_every_block_and_a_draft_with_another_vocabulary(tm
     write_gguf(other_path, tiny_model("llama", vocab=len(other)), other, {}, "f32")
     result = run_cli(bench_args(tmp_path / "b", target_gguf, text_dir, "--drafts", str(other_path)))
     assert result.exit_code == 2 and f"--drafts {other_path}" in result.output and "vocabulary" in result.output, result.output
+
+
+def test_acceptance_needed_solves_the_cost_model() -> None:
+    """The per-position acceptance a at which (1 - a^(k+1)) / (1 - a) tokens a round pay for a round's
+    cost (verify + k x draft cost) times the goal; None when k + 1 tokens a round would not."""
+    from compress.eval.bench.draft import acceptance_needed
+
+    a = acceptance_needed(1.0, 0.0, 4, 1.5)  # free verification and a free draft: 1.5 tokens a round
+    assert a is not None and abs(sum(a**i for i in range(5)) - 1.5) < 1e-3
+    a = acceptance_needed(1.6, 0.1, 3, 1.5)
+    assert a is not None and abs(sum(a**i for i in range(4)) - 1.5 * (1.6 + 0.3)) < 1e-3
+    assert acceptance_needed(1.0, 0.0, 2, 1.0) == 0.0  # break-even with nothing accepted
+    assert acceptance_needed(3.0, 0.1, 4, 1.5) is None  # 1.5 x 3.4 = 5.1 tokens a round: more than k + 1

@@ -293,6 +293,13 @@ def run_draft_bench(
                 d.facts["parameter_share"] = round(d.facts["parameters"] / target.facts["parameters"], 4)
                 if d.facts["size_bytes"] and target.facts["size_bytes"]:
                     d.facts["size_share"] = round(d.facts["size_bytes"] / target.facts["size_bytes"], 4)
+                d.facts["acceptance_needed"] = {
+                    str(k): {
+                        f"{goal:g}x": acceptance_needed(target.facts["verify_cost"][str(k)], d.facts["cost_vs_target"], k, goal)
+                        for goal in SPEEDUP_GOALS
+                    }
+                    for k in ks
+                }
         result: dict[str, Any] = {
             "target": {"source": target_source, "runtime": "llama.cpp" if gguf_target else "transformers", **target.facts},
             "drafts": [{"name": d.name, **d.facts} for d in drafts],
@@ -338,6 +345,27 @@ def run_draft_bench(
                 p.unlink(missing_ok=True)
 
 
+SPEEDUP_GOALS = (1.0, 1.5)
+
+
+def acceptance_needed(verify: float, cost: float, k: int, goal: float) -> float | None:
+    """The per-position acceptance a draft needs for a speed-up of ``goal`` at ``k``, from the costs alone:
+    a round costs the target ``verify`` (its k + 1-token call over one token) plus ``k`` draft steps of
+    ``cost`` target steps each, and yields (1 - a^(k+1)) / (1 - a) tokens when every position is kept with
+    probability a. None when even a = 1 (k + 1 tokens a round) falls short."""
+    need = goal * (verify + k * cost)
+    if need > k + 1:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):  # tokens a round grow with a: bisect
+        mid = (low + high) / 2
+        if sum(mid**i for i in range(k + 1)) < need:
+            low = mid
+        else:
+            high = mid
+    return round(high, 3)
+
+
 def mark_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``best: true`` on the row of the highest speed-up of each draft and temperature."""
     best: dict[tuple[str, float], dict[str, Any]] = {}
@@ -372,14 +400,19 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{s['max_new']} new tokens each; {result['threads']} threads.",
         f"Target's time to verify k + 1 tokens in one call / one token: {cost or '—'}.",
         "",
-        "| draft | parameters (share) | file, MiB (share) | decode tokens/s alone | cost vs target |",
-        "|---|---|---|---|---|",
+        "| draft | parameters (share) | file, MiB (share) | decode tokens/s alone | cost vs target | "
+        "acceptance needed for 1x / 1.5x, by k |",
+        "|---|---|---|---|---|---|",
     ]
     for d in result["drafts"]:
         size = f"{d['size_bytes'] / 2**20:.1f} ({d['size_share']:.1%})" if "size_share" in d else "—"
+        needed = "; ".join(
+            f"k={k}: " + " / ".join("—" if a is None else f"{a:.2f}" for a in goals.values())
+            for k, goals in d.get("acceptance_needed", {}).items()
+        )
         lines.append(
             f"| {d['name']} | {d['parameters']:,} ({d['parameter_share']:.1%}) | {size} | "
-            f"{d.get('decode_tokens_per_s', 0):.1f} | {d.get('cost_vs_target', 0):.3f} |"
+            f"{d.get('decode_tokens_per_s', 0):.1f} | {d.get('cost_vs_target', 0):.3f} | {needed or '—'} |"
         )
     lines += [
         "",
