@@ -88,6 +88,8 @@ class Generation:
     """Per draft position 1..k: rounds in which the position was checked (every earlier one kept)."""
     kept: list[int] = field(default_factory=list)
     """Per draft position 1..k: rounds in which it was kept."""
+    margins: list[float] = field(default_factory=list)
+    """The target alone: its top-1 logit minus its top-2 at each generated token (how near a tie each was)."""
 
 
 def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
@@ -118,13 +120,16 @@ def target_alone(
     out: list[int] = []
     started = time.perf_counter()
     logits = target.decode(seq[-1:], len(seq) - 1, every_position=False)[0]
+    margins: list[float] = []
     while len(out) < max_new:
         tok, _ = _pick(logits, temperature, rng)
         out.append(tok)
+        top2 = np.partition(logits, -2)[-2:]
+        margins.append(float(top2[1] - top2[0]))
         if tok == stop or len(out) == max_new:
             break
         logits = target.decode([tok], len(seq) + len(out) - 1, every_position=False)[0]
-    return Generation(out, time.perf_counter() - started)
+    return Generation(out, time.perf_counter() - started, margins=margins)
 
 
 def prefill(model: Decoder, ids: Sequence[int], piece: int = 128) -> None:
@@ -265,6 +270,11 @@ def summarize(alone: list[Generation], paired: list[Generation], k: int, greedy:
         diverged = [_first_difference(a.tokens, p.tokens) for a, p in zip(alone, paired, strict=True)]
         row["greedy_identical"] = int(sum(same))
         row["first_differences"] = [d for d in diverged if d is not None]
+        # how near a tie the target alone was where each output first differed: a runtime that computes
+        # a batch of tokens slightly differently from one token at a time flips only near-ties
+        row["first_difference_margins"] = [
+            round(a.margins[d], 4) for a, d in zip(alone, diverged, strict=True) if d is not None and d < len(a.margins)
+        ]
     return row
 
 
@@ -343,3 +353,19 @@ def transformers_assisted(target: Any, draft: Any, prompts: list[list[int]], max
         "greedy_identical": same,
         "prompts": len(prompts),
     }
+
+
+def batch_difference(model: Decoder, prompt: Sequence[int], tokens: int) -> dict[str, float]:
+    """How differently the runtime computes ``tokens`` positions in one call and one call each, after
+    ``prompt``: the largest and the mean absolute logit difference. Verification decodes a batch and
+    the target alone one token at a time, so greedy outputs can part where the target's top two logits
+    are closer than this (llama.cpp's CPU kernels for a batch are not its one-token kernels)."""
+    ids = list(prompt)
+    if len(ids) <= tokens:
+        raise CompressError(f"a prompt of {len(ids)} tokens is too short to compare {tokens} positions")
+    head, tail = ids[:-tokens], ids[-tokens:]
+    prefill(model, head)
+    batched = np.array(model.decode(tail, len(head), every_position=True))
+    single = np.array([np.array(model.decode([t], len(head) + i, every_position=False)[0]) for i, t in enumerate(tail)])
+    diff = np.abs(batched - single)
+    return {"positions": tokens, "max": float(diff.max()), "mean": float(diff.mean())}

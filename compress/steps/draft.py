@@ -24,7 +24,7 @@ from compress.distill.draft import Draft
 from compress.distill.draft_config import DRAFT_ARTIFACT, draft_artifact
 from compress.errors import CompressError, FormatError
 from compress.eval.metrics import INTERVAL_LEVEL
-from compress.eval.speculative import TorchDecoder, sweep, transformers_assisted
+from compress.eval.speculative import TorchDecoder, batch_difference, sweep, transformers_assisted
 from compress.export.gguf.config import GGUFExportConfig
 from compress.plugins import EXPORT_FORMATS
 from compress.schema.exports import EXPORTS_DIR
@@ -167,10 +167,13 @@ def _llama_cpp(
                 )
             with run.timed(f"draft_{export.name}_s"):
                 cells = _sweep(target, small, prompts, cfg, run, f"{draft.label} llama.cpp ({export.name})")
+                noise = batch_difference(target, prompts[0], max(cfg.k) + 1)
         finally:
             small.close()
             target.close()
-        found.append(_evaluation(draft_artifact(export.name), "llama.cpp", where[1], cells, draft))
+        evaluation = _evaluation(draft_artifact(export.name), "llama.cpp", where[1], cells, draft)
+        evaluation.details["batched_logit_difference"] = noise
+        found.append(evaluation)
     return found
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from compress.errors import CompressError
 from compress.eval.bench.plots import Series, plot_series
 from compress.eval.bench.quant import write_results
-from compress.eval.speculative import Decoder, prefill, sweep, target_alone
+from compress.eval.speculative import Decoder, batch_difference, prefill, sweep, target_alone
 from compress.progress import Reporter
 
 PLOT = "speedup-vs-draft.png"
@@ -287,6 +287,7 @@ def run_draft_bench(
         with reporter.status("timing the target and each draft alone"):
             target.facts["decode_tokens_per_s"] = round(decode_speed(target.decoder, prompt_ids[0], max_new, repeats), 2)
             target.facts["verify_cost"] = verify_cost(target.decoder, prompt_ids[0], ks, repeats)
+            target.facts["batched_logit_difference"] = batch_difference(target.decoder, prompt_ids[0], max(ks) + 1)
             for d in drafts:
                 d.facts["decode_tokens_per_s"] = round(decode_speed(d.decoder, prompt_ids[0], max_new, repeats), 2)
                 d.facts["cost_vs_target"] = round(target.facts["decode_tokens_per_s"] / d.facts["decode_tokens_per_s"], 4)
@@ -399,6 +400,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{t.get('decode_tokens_per_s', 0):.1f} tokens/s alone); {s['prompts']} prompts of {s['prompt_tokens']} tokens, "
         f"{s['max_new']} new tokens each; {result['threads']} threads.",
         f"Target's time to verify k + 1 tokens in one call / one token: {cost or '—'}.",
+        _batch_line(t.get("batched_logit_difference")),
         "",
         "| draft | parameters (share) | file, MiB (share) | decode tokens/s alone | cost vs target | "
         "acceptance needed for 1x / 1.5x, by k |",
@@ -426,13 +428,23 @@ def markdown_table(result: dict[str, Any]) -> str:
         identical = "—"
         if "greedy_identical" in r:
             firsts = ", ".join(str(i) for i in r["first_differences"])
-            identical = f"{r['greedy_identical']}/{r['prompts']}" + (f" ({firsts})" if firsts else "")
+            margins = ", ".join(f"{m:.3f}" for m in r.get("first_difference_margins", []))
+            identical = f"{r['greedy_identical']}/{r['prompts']}" + (f" (at {firsts}; top-2 margins {margins})" if firsts else "")
         lines.append(
             f"| {r['draft']} | {r['k']} | {r['temperature']:g} | {_interval(r['tokens_per_pass'])} | "
             f"{_interval(r['accepted_per_pass'])} | {positions} | {speedup} | "
             f"{r['tokens_per_s']['mean']:.1f} ({r['target_tokens_per_s']['mean']:.1f}) | {identical} |"
         )
     return "\n".join(lines)
+
+
+def _batch_line(found: dict[str, Any] | None) -> str:
+    if not found:
+        return ""
+    return (
+        f"Its logits for {found['positions']} tokens decoded in one call differ from one call each by up to {found['max']:.4f} "
+        f"(mean {found['mean']:.5f}): greedy outputs can part where its top two logits are closer."
+    )
 
 
 def plot_speedup(result: dict[str, Any], path: Path) -> Path | None:
