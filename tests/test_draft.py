@@ -176,6 +176,10 @@ def test_a_draft_stage_writes_a_distilled_quantized_draft_beside_the_target_and_
     assert found["draft-gguf"].metrics["draft_acceptance"] > 0.5 and result.passed
     summary = (out / "summary.md").read_text()
     assert "### Speculative decoding" in summary and "draft-gguf" in summary
+    # `compress plan` sizes the draft's GGUF from the config alone, within 10% of the file written
+    assert run_cli(["plan", recipe, "--json", tmp_path / "plan.json"]).exit_code == 0
+    [planned] = [a for a in json.loads((tmp_path / "plan.json").read_text())["artifacts"] if a["artifact"] == "draft"]
+    assert abs(planned["size_bytes"] / entry["llama_cpp_file"]["bytes"] - 1) < 0.1, (planned, entry["llama_cpp_file"])
     # the target's records are the recipe's quantize stage's alone: the draft's stay in the draft
     assert {layer["stage"] for layer in result.manifest["quantization"]["layers"].values()} == {"stages[0]"}
 

@@ -222,3 +222,49 @@ def test_the_prune_stage_cuts_qwen_1_5b_block_by_block_to_a_smaller_dense_model(
     # measured: KL 1.46, top-1 34.6% (8 blocks and a quarter of the MLP, no repair); the bounds catch a cut
     # model that no longer predicts like its source
     assert scores["pruned"]["kl_divergence"] < 2.5 and scores["pruned"]["top1_agreement"] > 0.25, scores["pruned"]
+
+
+@pytest.mark.minutes(2)
+def test_a_draft_for_the_reference_model_is_distilled_exported_and_measured_in_llama_cpp(tmp_path: Path) -> None:
+    """The draft stage on SmolLM2: 6 of 30 blocks and half the MLP cut from the 4-bit target, 24 steps of
+    distillation toward it, quantized, written as GGUF beside the target's Q4_0 export and decoded with
+    it in llama.cpp (the torch path: tests/test_draft.py). The numbers on the larger model are docs/draft.md's."""
+    from compress.pipeline import run_recipe
+    from compress.recipe import load_recipe
+
+    recipe = tmp_path / "draft.yaml"
+    recipe.write_text(
+        """\
+version: 1
+model: {source: reference:smollm2-135m}
+data:
+  calibration: {source: reference:shakespeare, samples: 8, seq_len: 128}
+  evaluation: {source: reference:shakespeare, samples: 4, seq_len: 128, min_context: 16}
+stages:
+  - quantize: {method: rtn, bits: 4, group_size: 32}
+  - draft:
+      prune: {layers: {size: 6}, mlp: 0.5}
+      distill: {steps: 24, batch_size: 2, seq_len: 128, lr: 3.0e-4, warmup_steps: 2, eval: {every: 24, samples: 2}}
+      quantize: {method: rtn, bits: 4, group_size: 32}
+      max_share: 0.4
+      evaluate: {prompts: 3, prompt_tokens: 32, max_new: 16, k: [2], temperatures: [0], runtimes: [llama.cpp]}
+exports:
+  - {format: gguf, type: q4_0, name: gguf}
+gates:
+  - {artifact: draft-gguf, metric: draft_acceptance, min: 0.05}
+"""
+    )
+    result = run_recipe(load_recipe(recipe), tmp_path / "out", reporter=QUIET)
+    entry = result.manifest["draft"]
+    assert entry["shape"]["num_hidden_layers"] == 6 and entry["target_shape"]["num_hidden_layers"] == 30
+    assert 0.2 < entry["share"] < 0.4 and entry["llama_cpp_file"]["records_exact"] == entry["quantized_layers"] > 0
+    assert "tokenizer.json" in entry["tokenizer_files_identical"]
+    distilled = result.manifest["stages"][1]["summary"]["steps"]["distill"]["summary"]
+    assert distilled["after"]["kl_divergence"] < distilled["before"]["kl_divergence"]
+    found = {e.artifact: e for e in result.evaluations if e.kind == "draft"}
+    assert set(found) == {"draft-gguf"}
+    gguf = found["draft-gguf"]
+    assert gguf.metrics["draft_acceptance"] > 0.05 and result.passed, gguf.metrics
+    [cell] = gguf.details["cells"]
+    assert len(cell["first_difference_margins"]) == cell["prompts"] - cell["greedy_identical"]
+    assert gguf.details["batched_logit_difference"]["max"] >= 0

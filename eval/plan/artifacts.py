@@ -8,12 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from compress.distill.draft_config import DraftConfig
 from compress.errors import CompressError, ModelLoadError
 from compress.eval.plan.shapes import DTYPE_BYTES, ModelShape, Record, packed_bytes, shape_of
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME
+from compress.export.gguf.plugin import GGUF
 from compress.inputs import check_blocks_on_disk, check_json
 from compress.integrity import check_config_values
 from compress.plugins import EXPORT_FORMATS, stage_kind
+from compress.pruning.plugin import pruned_shape
 from compress.schema.recipe import ModelConfig, Recipe
 
 # --------------------------------------------------------------------------- the model's shape
@@ -144,8 +147,10 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
     dtype_bits = 8 * DTYPE_BYTES[dtype_name]
     rows = []
 
-    def add(name: str, fmt: str, runtime: str, size: int, kv_bytes: float, basis: str, kv_budget: int | None = None) -> None:
-        params = source.params if name == "baseline" else shape.params
+    def add(
+        name: str, fmt: str, runtime: str, size: int, kv_bytes: float, basis: str, kv_budget: int | None = None, params: int | None = None
+    ) -> None:
+        params = params or (source.params if name == "baseline" else shape.params)
         rows.append(
             {
                 "artifact": name,
@@ -192,6 +197,28 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
         fmt = EXPORT_FORMATS[export.format]
         # the (format, runtime) device profiles list for it: a checkpoint is a Hugging Face folder on torch
         add(export.name, *fmt.device_names, *fmt.planned_size(export, shape, records, dtype_bits))
+    draft = next((s.config for s in recipe.stages if isinstance(s.config, DraftConfig)), None)
+    if draft is not None:
+        small = pruned_shape(shape, draft.prune)
+        q = draft.quantize
+        table = (
+            small.text.vocab_size * small.text.hidden_size
+        )  # the (tied) token table: Q8_0 beside 4-bit records, as the GGUF export stores it
+        if q is None:
+            size, what = small.params * 2, "float16"
+        else:
+            bits = q.bits + 16 / (q.group_size or small.text.hidden_size)
+            size = (small.params - table) * bits / 8 + table * 34 / 32
+            what = f"{q.bits}-bit codes + a float16 scale per {q.group_size or 'row'}, the token table at Q8_0"
+        add(
+            "draft",
+            *(GGUF.device_names if draft.gguf else (HF_FORMAT, TORCH_RUNTIME)),
+            int(size),
+            dtype_bits / 8,
+            f"the draft's {small.params:,} parameters ({small.params / shape.params:.1%} of the target's) at {what}; "
+            "draft/model holds them again in float",
+            params=small.params,
+        )
     return rows
 
 
