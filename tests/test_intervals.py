@@ -88,7 +88,7 @@ def test_a_gate_on_the_upper_bound_fails_where_the_value_passes() -> None:
 def test_a_bound_on_a_metric_without_an_interval_is_refused(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     with pytest.raises(
         ValueError,
-        match="on: upper_95 needs an interval, which only perplexity, kl_divergence, top1_agreement, accuracy, accuracy_norm have",
+        match="on: upper_95 needs an interval, which only perplexity, kl_divergence, top1_agreement, accuracy, accuracy_norm, draft_acceptance, speculative_speedup have",
     ):
         GateConfig(metric="tpot_ms", max=10, on="upper_95")
     text = recipe_text(tiny_model_dir, text_dir, gates="  - metric: kl_divergence\n    on: upper_99\n    max: 1")

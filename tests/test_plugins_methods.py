@@ -136,12 +136,12 @@ def test_stage_kind_missing_from_the_table_is_an_error(tmp_path: Path, tiny_mode
     loaded = load_recipe(recipe)
     with _removed(STAGE_KINDS, "quantize"):
         with pytest.raises(
-            CompressError, match=r"stages\[0\]: stage kind 'quantize' is not registered .*; known: prune, distill, kv_cache, rotate"
+            CompressError, match=r"stages\[0\]: stage kind 'quantize' is not registered .*; known: prune, distill, kv_cache, rotate, draft"
         ):
             build_stages(loaded.recipe)
         result = run_cli(["plan", recipe, "--device", "local"])  # the recipe's stage keys are the table's: refused on validation
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "stages[0].quantize: unknown key 'quantize' (allowed: prune, distill, kv_cache, rotate)" in result.output, result.output
+    assert "stages[0].quantize: unknown key 'quantize' (allowed: prune, distill, kv_cache, rotate, draft)" in result.output, result.output
 
 
 CAL = {"source": "t", "samples": 2, "seq_len": 16}
