@@ -12,6 +12,7 @@ import pytest
 
 from compress.eval.speculative import speculative, summarize, sweep, target_alone
 from tests.helpers import run_cli
+from tests.test_pruning import prune_recipe
 
 
 class Bigram:
@@ -106,18 +107,10 @@ def test_summary_counts_acceptance_by_position_and_the_speedup() -> None:
 
 
 def draft_recipe(model: Path, texts: Path, draft: str, exports: str = "[]", gates: str = "[]", extra_stage: str = "") -> str:
-    return f"""\
-version: 1
-model: {{source: {model}}}
-data:
-  calibration: {{source: {texts}, samples: 8, seq_len: 64}}
-  evaluation: {{source: {texts}, samples: 4, seq_len: 64, min_context: 8}}
-stages:
-  - quantize: {{method: rtn, bits: 4, group_size: 32}}
-{extra_stage}  - draft:
-{draft}exports: {exports}
-gates: {gates}
-"""
+    """The prune tests' recipe (8 x 64 calibration, 4 x 64 evaluation) with an RTN W4 target and a draft stage."""
+    return prune_recipe(
+        model, texts, f"  - quantize: {{method: rtn, bits: 4, group_size: 32}}\n{extra_stage}  - draft:\n{draft}", exports, gates
+    )
 
 
 DRAFT = """\
