@@ -1,8 +1,9 @@
 """After the exports: a draft stage's draft written beside the target (``draft/``) and the pair measured
 by speculative decoding on each runtime (compress/eval/speculative.py).
 
-``draft/model/``: a Hugging Face folder (transformers' assisted generation, ``assistant_model=``) with
-the target's tokenizer files, checked byte for byte against ``model/``'s. ``draft/draft.gguf``: the
+``draft/model/``: written as the target's ``model/`` is (compressed-tensors with a quantized draft's
+records packed and read back identical, else float; transformers' assisted generation,
+``assistant_model=``), with the target's tokenizer files, checked byte for byte against ``model/``'s. ``draft/draft.gguf``: the
 draft for llama.cpp's speculative decoding (``--model-draft``), its quantized records packed exactly,
 the tokenizer written as the target's GGUF export writes it; read back in llama.cpp, whose vocabulary
 must be the target's.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from compress import streaming
+from compress.artifact import MODEL_DIR, write_model
 from compress.distill.draft import Draft
 from compress.distill.draft_config import DRAFT_ARTIFACT, draft_artifact
 from compress.errors import CompressError, FormatError
@@ -33,7 +35,6 @@ from compress.steps.load import Run, Source
 from compress.steps.stages import Staged
 
 DRAFT_DIR = "draft"
-DRAFT_MODEL_DIR = "model"
 DRAFT_GGUF = "draft.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -44,15 +45,14 @@ def write(root: Path, run: Run, source: Source, staged: Staged) -> dict[str, Any
     if draft is None:
         return None
     folder = root / DRAFT_DIR
-    model_dir = folder / DRAFT_MODEL_DIR
     tokenizer = source.lm.tokenizer
     with run.reporter.status(f"{draft.label} (draft): writing the draft to {folder}"):
-        draft.model.save_pretrained(model_dir, safe_serialization=True)
-        tokenizer.save_pretrained(model_dir)
-        shared = _same_tokenizer_files(root / "model", model_dir, draft.label)
+        # as model/ is written: a quantized draft's records packed as compressed-tensors and read back identical
+        write_model(folder, draft.model, tokenizer, draft.records)
+        shared = _same_tokenizer_files(root / MODEL_DIR, folder / MODEL_DIR, draft.label)
         entry: dict[str, Any] = {
             "stage": draft.label,
-            "model": f"{DRAFT_DIR}/{DRAFT_MODEL_DIR}",
+            "model": f"{DRAFT_DIR}/{MODEL_DIR}",
             "tokenizer_files_identical": shared,
             **draft.facts,
         }
