@@ -60,6 +60,15 @@ class DraftEval(Strict):
             raise ValueError(f"k: each is the number of draft tokens a round, from 1 to 32; got {bad}")
         return sorted(set(v))
 
+    @model_validator(mode="after")
+    def _prompt_holds_a_round(self) -> DraftEval:
+        if self.prompt_tokens <= max(self.k) + 1:
+            raise ValueError(
+                f"prompt_tokens ({self.prompt_tokens}) must be longer than the largest k + 1 ({max(self.k) + 1}): the runtime's "
+                "batched-vs-one-token logits are compared on the prompt's last k + 1 tokens"
+            )
+        return self
+
     @field_validator("temperatures")
     @classmethod
     def _temperatures(cls, v: list[float]) -> list[float]:

@@ -200,6 +200,12 @@ def test_distillation_makes_the_draft_agree_with_the_target_more_often(trained_t
         (DRAFT.replace("temperatures: [0]", "temperatures: [-1]"), "", "[]", "temperatures"),
         (DRAFT.replace("max_share: 0.6", "max_share: 1.5"), "", "[]", "max_share"),
         (
+            DRAFT.replace("prompt_tokens: 16", "prompt_tokens: 4"),
+            "",
+            "[]",
+            "evaluate: .*prompt_tokens \\(4\\) must be longer than the largest k \\+ 1 \\(5\\)",
+        ),
+        (
             DRAFT.replace("prompt_tokens: 16", "prompt_tokens: 100"),
             "",
             "[]",
