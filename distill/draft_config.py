@@ -15,21 +15,12 @@ from compress.export.gguf.config import GGUFExportConfig
 from compress.pruning.config import PruneConfig
 from compress.quantizers.configs import GPTQConfig, RTNConfig
 from compress.schema.base import BaseStageConfig, Strict
-
-DRAFT_ARTIFACT = "draft"
-"""The target and its draft decoding together in torch (the models as the run leaves them in memory)."""
-DRAFT_RUNTIME_PREFIX = "draft-"
-"""``draft-<export>``: the pair on an export's runtime (a GGUF export and the draft's GGUF in llama.cpp)."""
-DRAFT_RUNTIMES = ("torch", "llama.cpp")
+from compress.schema.metrics import DRAFT_ARTIFACT, draft_artifact, is_draft_artifact
 
 
-def draft_artifact(export_name: str) -> str:
-    """The artifact name of the target's export ``export_name`` decoding with the draft on its runtime."""
-    return f"{DRAFT_RUNTIME_PREFIX}{export_name}"
-
-
-def is_draft_artifact(name: str) -> bool:
-    return name == DRAFT_ARTIFACT or name.startswith(DRAFT_RUNTIME_PREFIX)
+def gguf_exports(exports: list[Any]) -> list[Any]:
+    """The recipe's GGUF exports: each is paired with the draft's GGUF in llama.cpp."""
+    return [x for x in exports if isinstance(x, GGUFExportConfig)]
 
 
 class DraftEval(Strict):
@@ -139,5 +130,5 @@ class DraftConfig(BaseStageConfig):
                 raise ValueError(f"gates[{i}]: draft metrics are measured against the target alone in the stage; use max or min")
         known = {DRAFT_ARTIFACT} if "torch" in self.evaluate.runtimes else set()
         if "llama.cpp" in self.evaluate.runtimes and self.gguf:
-            known |= {draft_artifact(x.name) for x in recipe.exports if isinstance(x, GGUFExportConfig)}
+            known |= {draft_artifact(x.name) for x in gguf_exports(recipe.exports)}
         return known

@@ -67,16 +67,18 @@ def bootstrap_intervals(
         "kl_divergence": kl[idx].sum(axis=1) / count,
         "top1_agreement": agree[idx].sum(axis=1) / count,
     }
+    return {name: percentile_interval(values, n) for name, values in draws.items()}
+
+
+def percentile_interval(draws: np.ndarray, samples: int, method: str = INTERVAL_METHOD) -> dict[str, Any]:
+    """The 95% percentile interval of bootstrap ``draws`` of a metric over ``samples`` units (sequences, prompts)."""
     tail = (1 - INTERVAL_LEVEL) / 2 * 100
     return {
-        name: {
-            "lower": float(np.percentile(values, tail)),
-            "upper": float(np.percentile(values, 100 - tail)),
-            "level": INTERVAL_LEVEL,
-            "method": INTERVAL_METHOD,
-            "samples": n,
-        }
-        for name, values in draws.items()
+        "lower": float(np.percentile(draws, tail)),
+        "upper": float(np.percentile(draws, 100 - tail)),
+        "level": INTERVAL_LEVEL,
+        "method": method,
+        "samples": samples,
     }
 
 

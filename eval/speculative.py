@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from compress.errors import CompressError
-from compress.eval.metrics import BOOTSTRAP_RESAMPLES, INTERVAL_LEVEL
+from compress.eval.metrics import BOOTSTRAP_RESAMPLES, percentile_interval
 
 
 class Decoder(Protocol):
@@ -230,15 +230,17 @@ def speculative(
 # --------------------------------------------------------------------------- a sweep and its numbers
 
 
+PROMPT_INTERVALS = f"percentile bootstrap over prompts, {BOOTSTRAP_RESAMPLES} resamples"
+
+
 def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], seed: int = 0) -> dict[str, Any]:
-    """sum(numerators) / sum(denominators) with its 95% bootstrap interval over the pairs (prompts)."""
+    """sum(numerators) / sum(denominators) as ``mean``, with its 95% bootstrap interval over the pairs
+    (prompts) beside it when there are two or more: an Evaluation interval plus the ``mean``."""
     num, den = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
     found: dict[str, Any] = {"mean": float(num.sum() / den.sum()) if len(num) else float("nan"), "samples": len(num)}
     if len(num) >= 2:
         idx = np.random.default_rng(seed).integers(0, len(num), size=(BOOTSTRAP_RESAMPLES, len(num)))
-        draws = num[idx].sum(axis=1) / den[idx].sum(axis=1)
-        tail = (1 - INTERVAL_LEVEL) / 2 * 100
-        found.update(lower=float(np.percentile(draws, tail)), upper=float(np.percentile(draws, 100 - tail)), level=INTERVAL_LEVEL)
+        found.update(percentile_interval(num[idx].sum(axis=1) / den[idx].sum(axis=1), len(num), PROMPT_INTERVALS))
     return found
 
 

@@ -79,6 +79,22 @@ CALIBRATION_METRICS = ("experts_under_min", "min_expert_tokens")  # of the compr
 TASK_METRICS = ("accuracy", "accuracy_norm")
 KV_METRICS = ("kv_bytes_per_token", "kv_compression", "needle_recall")  # of the kv_cache artifact only
 DRAFT_METRICS = ("draft_acceptance", "speculative_speedup", "draft_greedy_identical")  # of the draft artifacts only
+DRAFT_ARTIFACT = "draft"
+"""A draft stage's target and draft decoding together in torch (the models as the run leaves them in memory)."""
+DRAFT_RUNTIME_PREFIX = "draft-"
+"""``draft-<export>``: the pair on an export's runtime (a GGUF export and the draft's GGUF in llama.cpp)."""
+
+
+def draft_artifact(export_name: str) -> str:
+    """The artifact name of the target's export ``export_name`` decoding with the draft on its runtime."""
+    return f"{DRAFT_RUNTIME_PREFIX}{export_name}"
+
+
+def is_draft_artifact(name: str) -> bool:
+    """Whether a gate's artifact is a draft stage's pair (torch or an export's runtime)."""
+    return name == DRAFT_ARTIFACT or name.startswith(DRAFT_RUNTIME_PREFIX)
+
+
 INTERVAL_METRICS = (
     "perplexity",
     "kl_divergence",

@@ -24,7 +24,16 @@ from pydantic import (
 from compress.schema.base import Seed, Source, Strict, not_a_bool
 from compress.schema.devices import DeviceProfile
 from compress.schema.exports import BaseExportConfig
-from compress.schema.metrics import DEVICE_METRICS, DRAFT_METRICS, INTERVAL_METRICS, KV_METRICS, LATENCY_METRICS, METRICS, TASK_METRICS
+from compress.schema.metrics import (
+    DEVICE_METRICS,
+    DRAFT_METRICS,
+    INTERVAL_METRICS,
+    KV_METRICS,
+    LATENCY_METRICS,
+    METRICS,
+    TASK_METRICS,
+    is_draft_artifact,
+)
 from compress.schema.quantize import WeightQuantConfig
 
 SCHEMA_VERSION = 1
@@ -221,7 +230,7 @@ class GateConfig(Strict):
 
     @model_validator(mode="after")
     def _draft_metric(self) -> GateConfig:
-        if self.metric in DRAFT_METRICS and not (self.artifact == "draft" or self.artifact.startswith("draft-")):
+        if self.metric in DRAFT_METRICS and not is_draft_artifact(self.artifact):
             raise ValueError(f"{self.metric} is measured on a draft stage's pair; set artifact: draft (torch) or draft-<gguf export>")
         return self
 

@@ -23,13 +23,12 @@ from typing import Any
 from compress import streaming
 from compress.artifact import MODEL_DIR, write_model
 from compress.distill.draft import Draft
-from compress.distill.draft_config import DRAFT_ARTIFACT, draft_artifact
+from compress.distill.draft_config import gguf_exports
 from compress.errors import CompressError, FormatError
-from compress.eval.metrics import INTERVAL_LEVEL
 from compress.eval.speculative import TorchDecoder, batch_difference, sweep, transformers_assisted
-from compress.export.gguf.config import GGUFExportConfig
 from compress.plugins import EXPORT_FORMATS
 from compress.schema.exports import EXPORTS_DIR
+from compress.schema.metrics import DRAFT_ARTIFACT, draft_artifact
 from compress.steps.exports import Exported
 from compress.steps.load import Run, Source
 from compress.steps.stages import Staged
@@ -146,7 +145,7 @@ def _llama_cpp(
 
     gguf_path = root / written["llama_cpp_file"]["path"] if written and "llama_cpp_file" in written else None
     entries = {e["name"]: e for e in exported.entries}
-    targets = [x for x in run.recipe.exports if isinstance(x, GGUFExportConfig)]
+    targets = gguf_exports(run.recipe.exports)
     if gguf_path is None or not targets:
         run.reporter.warn(
             f"{draft.label} (draft): no GGUF export of the target (or draft.gguf: false); the pair is not measured in llama.cpp"
@@ -190,15 +189,8 @@ def best_greedy(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _interval(found: dict[str, Any]) -> dict[str, Any] | None:
-    if "lower" not in found:
-        return None
-    return {
-        "lower": found["lower"],
-        "upper": found["upper"],
-        "level": INTERVAL_LEVEL,
-        "method": "percentile bootstrap over prompts",
-        "samples": found["samples"],
-    }
+    """A ratio_interval's Evaluation interval (without its ``mean``), or None for a single prompt."""
+    return {k: v for k, v in found.items() if k != "mean"} if "lower" in found else None
 
 
 def _evaluation(artifact: str, runtime: str, device: str, cells: list[dict[str, Any]], draft: Draft) -> Any:

@@ -12,11 +12,13 @@ from compress.distill.draft_config import DraftConfig
 from compress.errors import CompressError, ModelLoadError
 from compress.eval.plan.shapes import DTYPE_BYTES, ModelShape, Record, packed_bytes, shape_of
 from compress.export.format import HF_FORMAT, TORCH_RUNTIME
+from compress.export.gguf.config import GGUFExportConfig
 from compress.export.gguf.plugin import GGUF
 from compress.inputs import check_blocks_on_disk, check_json
 from compress.integrity import check_config_values
 from compress.plugins import EXPORT_FORMATS, stage_kind
 from compress.pruning.plugin import pruned_shape
+from compress.schema.metrics import DRAFT_ARTIFACT
 from compress.schema.recipe import ModelConfig, Recipe
 
 # --------------------------------------------------------------------------- the model's shape
@@ -116,17 +118,21 @@ def check_group_sizes(recipe: Recipe, shape: ModelShape) -> None:
 
 
 def quantized_layers(recipe: Recipe, shape: ModelShape) -> dict[str, Record]:
-    from compress.quantizers.targets import select_linears
-
-    emb = shape.model.get_input_embeddings().weight
     records: dict[str, Record] = {}
     for stage in recipe.stages:
         if stage_kind(stage.kind).quantizes_weights:
-            chosen, _ = select_linears(shape.model, stage.config.targets, stage.config.ignore)
             scheme = _budget_scheme(recipe) if getattr(stage.config, "gguf_target", False) else stage.config.scheme()
-            for name, m in chosen:
-                records[name] = Record(m.out_features, m.in_features, scheme, m.weight is emb)
+            records.update(stage_records(shape, stage.config, scheme))
     return records
+
+
+def stage_records(shape: ModelShape, config: Any, scheme: Any) -> dict[str, Record]:
+    """The plan records of the Linear layers a weight-quantization ``config`` selects in ``shape``, on ``scheme``."""
+    from compress.quantizers.targets import select_linears
+
+    emb = shape.model.get_input_embeddings().weight
+    chosen, _ = select_linears(shape.model, config.targets, config.ignore)
+    return {name: Record(m.out_features, m.in_features, scheme, m.weight is emb) for name, m in chosen}
 
 
 def _budget_scheme(recipe: Recipe) -> Any:
@@ -198,27 +204,18 @@ def artifacts(recipe: Recipe, source: ModelShape, shape: ModelShape, records: di
         # the (format, runtime) device profiles list for it: a checkpoint is a Hugging Face folder on torch
         add(export.name, *fmt.device_names, *fmt.planned_size(export, shape, records, dtype_bits))
     draft = next((s.config for s in recipe.stages if isinstance(s.config, DraftConfig)), None)
-    if draft is not None:
+    if draft is not None:  # the draft's own file, sized as its format sizes an export of it
         small = pruned_shape(shape, draft.prune)
-        q = draft.quantize
-        table = (
-            small.text.vocab_size * small.text.hidden_size
-        )  # the (tied) token table: Q8_0 beside 4-bit records, as the GGUF export stores it
-        if q is None:
-            size, what = small.params * 2, "float16"
-        else:
-            bits = q.bits + 16 / (q.group_size or small.text.hidden_size)
-            size = (small.params - table) * bits / 8 + table * 34 / 32
-            what = f"{q.bits}-bit codes + a float16 scale per {q.group_size or 'row'}, the token table at Q8_0"
-        add(
-            "draft",
-            *(GGUF.device_names if draft.gguf else (HF_FORMAT, TORCH_RUNTIME)),
-            int(size),
-            dtype_bits / 8,
-            f"the draft's {small.params:,} parameters ({small.params / shape.params:.1%} of the target's) at {what}; "
-            "draft/model holds them again in float",
-            params=small.params,
-        )
+        draft_records = {} if draft.quantize is None else stage_records(small, draft.quantize, draft.quantize.scheme())
+        if draft.gguf:
+            where = GGUF.device_names
+            size, kv_bytes, basis = GGUF.planned_size(GGUFExportConfig(name=DRAFT_ARTIFACT), small, draft_records, dtype_bits)
+        else:  # draft/model alone, written as model/ is
+            where = (HF_FORMAT, TORCH_RUNTIME)
+            size, kv_bytes = packed_bytes(small, draft_records, dtype_bits), dtype_bits / 8
+            basis = f"draft/model: records packed, the rest at {dtype_name}"
+        share = f"the draft's {small.params:,} parameters ({small.params / shape.params:.1%} of the target's): "
+        add(DRAFT_ARTIFACT, *where, int(size), kv_bytes, share + basis, params=small.params)
     return rows
 
 
