@@ -47,7 +47,7 @@ SHORTER: dict[str, list[str]] = {
         "stages.1.distill.eval.every=4",
         "data.calibration.samples=16",
     ],
-    "qwen-1.5b-gptq.yaml": ["data.calibration.samples=8", "data.evaluation.samples=2"],
+    "qwen-1.5b-gptq.yaml": ["data.calibration.samples=18", "data.evaluation.samples=2"],  # 18 x 512 > 8,960 down_proj columns
     "qwen-1.5b-rtn.yaml": ["data.evaluation.samples=2"],
     "qwen-1.5b-prune-distill.yaml": ["data.calibration.samples=8", "data.evaluation.samples=2", "stages.1.distill.steps=4"],
     "kv-cache.yaml": ["stages.0.kv_cache.evaluate.samples=8", "stages.0.kv_cache.evaluate.context=512"],
@@ -84,11 +84,19 @@ def main() -> int:
     parser.add_argument("--recipe", action="append", type=Path, help="a recipe (repeatable; default: every recipes/*.yaml)")
     parser.add_argument("--full", action="store_true", help="run the recipes as written (no SHORTER overrides)")
     parser.add_argument("--rel", default="0", help="relative tolerance for compare_metrics.py (default 0: identical)")
+    parser.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more override for every recipe, both installs (repeatable), e.g. model.source=a cut copy of the model",
+    )
     args = parser.parse_args()
     recipes = args.recipe or sorted((ROOT / "recipes").glob("*.yaml"))
     worst = 0
     for recipe in recipes:
-        overrides = [] if args.full else SHORTER.get(recipe.name, [])
+        overrides = ([] if args.full else SHORTER.get(recipe.name, [])) + args.extra
         where = args.output / recipe.stem
         where.mkdir(parents=True, exist_ok=True)
         codes = {}
