@@ -166,6 +166,8 @@ def test_recipe_end_to_end_exports_int_quantized_w8a8_read_back_by_compressed_te
     from safetensors.torch import load_file
 
     from compress.artifact import load_artifact
+    from compress.errors import FormatError
+    from compress.export.checkpoint.readers import import_checkpoint
 
     recipe = w8a8_recipe(
         tmp_path,
@@ -206,6 +208,9 @@ def test_recipe_end_to_end_exports_int_quantized_w8a8_read_back_by_compressed_te
         weight = IntQuantizationCompressor.decompress(stored, group)["weight"]
         assert torch.equal(weight, record.dequantize(torch.float16)), name
         assert torch.equal(stored["weight"].to(torch.int16) + 128, record.codes.to(torch.int16)), name
+    # as a model source it is refused: a float model with weight records would not quantize the activations
+    with pytest.raises(FormatError, match="quantize the input activations"):
+        import_checkpoint(folder, torch.float32)
     # the smoothed norms are the checkpoint's: the in-memory model's, as written to model/
     model_norms = load_file(str(out / "model" / "model.safetensors"))
     norm = "model.layers.0.input_layernorm.weight"
