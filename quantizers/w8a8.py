@@ -27,6 +27,7 @@ Pure math first, the module next, the stage last.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -137,9 +138,15 @@ def smoothing_mappings(arch: Architecture) -> tuple[AWQMapping, ...]:
 
 
 def smooth(
-    model: nn.Module, chosen: dict[str, nn.Linear], absmax: dict[str, torch.Tensor], alpha: float, label: str
+    model: nn.Module,
+    chosen: dict[str, nn.Linear],
+    absmax: dict[str, torch.Tensor],
+    alpha: float,
+    label: str,
+    quantized: Collection[str] = (),
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Fold SmoothQuant's scales into every group of ``chosen`` Linears the architecture allows, in place.
+    """Fold SmoothQuant's scales into every group of ``chosen`` Linears the architecture allows, in place
+    (never into a Linear in ``quantized``: an earlier stage's record must stay its weight).
     Returns per Linear what it was smoothed by (scale range), and per group that was not, why."""
     arch = _architecture(model, label)
     smoothed: dict[str, dict[str, Any]] = {}
@@ -153,6 +160,9 @@ def smooth(
                 linears = [chosen.get(n) for n in names]
                 if any(lin is None for lin in linears):
                     skipped[prefix + mapping.prev] = "not smoothed: not every Linear it feeds is quantized by this stage"
+                    continue
+                if prefix + mapping.prev in quantized:
+                    skipped[prefix + mapping.prev] = "not smoothed: it was quantized by an earlier stage"
                     continue
                 if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:  # GQA: v_proj -> o_proj
                     (reader,) = linears
@@ -221,7 +231,7 @@ class W8A8Stage:
                 ctx.reporter,
                 f"{label} w8a8 calibrating ({calibration.shape[0]} x {calibration.shape[1]} tokens)",
             )
-            smoothed, skipped = smooth(model, dict(chosen), absmax, cfg.smoothing.alpha, label)
+            smoothed, skipped = smooth(model, dict(chosen), absmax, cfg.smoothing.alpha, label, ctx.quantized)
         layers: dict[str, dict[str, Any]] = {}
         for name, module in ctx.reporter.track(chosen, f"{label} w8a8 {scheme.describe()}, int8 activations per token"):
             record = quantize_weight_int8(module.weight.detach().to(ctx.device), scheme)

@@ -131,6 +131,24 @@ def test_smoothquant_flattens_outliers_and_beats_plain_w8a8() -> None:
     assert stages["smooth"].layers["model.layers.0.self_attn.o_proj"]["smoothed_by"] == "model.layers.0.self_attn.v_proj"
 
 
+def test_a_layer_quantized_by_an_earlier_stage_is_not_rescaled() -> None:
+    """v_proj quantized by RTN first: w8a8 leaves its rows (its record) alone, so o_proj and q/k/v go unsmoothed."""
+    from compress.quantizers.configs import RTNConfig
+    from compress.quantizers.rtn import RTNStage
+
+    model = outlier_model(kv_heads=2)
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: tokens(1))
+    RTNStage(RTNConfig(bits=8, group_size=None, targets=["v_proj"]), "stages[0]").apply(model, ctx)
+    record = W8A8Stage(W8A8Config(ignore=["lm_head", "v_proj"]), "stages[1]").apply(model, ctx)
+    skipped = record.summary["smoothing"]["skipped"]
+    assert skipped["model.layers.0.self_attn.v_proj"] == "not smoothed: it was quantized by an earlier stage"
+    assert skipped["model.layers.0.input_layernorm"].startswith("not smoothed: not every Linear")
+    assert record.summary["smoothing"]["layers"] == 2 * 2  # gate and up of both blocks
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn.v_proj"
+        assert torch.equal(model.get_submodule(name).weight, ctx.quantized[name].dequantize())
+
+
 def test_unsupported_architecture_is_refused_naming_the_key() -> None:
     from compress.errors import CompressError
 
