@@ -28,7 +28,7 @@ from compress.export.onnx.plugin import ONNX
 from compress.export.tensorrt.plugin import TENSORRT
 from compress.plugin_types import QuantMethod, StageKind
 from compress.pruning.plugin import PRUNE
-from compress.quantizers.plugin import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, quantize_kind
+from compress.quantizers.plugin import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, W8A8, quantize_kind
 from compress.quantizers.rotate.plugin import ROTATE
 
 __all__ = [
@@ -50,6 +50,7 @@ QUANT_METHODS: dict[str, QuantMethod] = {
     "gptq": GPTQ,  # quantizers/gptq.py
     "awq": AWQ,  # quantizers/awq.py
     "llm_int8": LLM_INT8,  # quantizers/llm_int8.py
+    "w8a8": W8A8,  # quantizers/w8a8.py
 }
 """``quantize: {method: <name>}`` -> its QuantMethod (config model, stage, plan estimate, search cost)."""
 

@@ -15,6 +15,7 @@ class Strategy:
     GROUP = "group"
     CHANNEL = "channel"
     TENSOR = "tensor"
+    TOKEN = "token"
 
 
 def weight_args(scheme: QuantScheme) -> dict[str, Any]:
@@ -28,3 +29,16 @@ def weight_args(scheme: QuantScheme) -> dict[str, Any]:
         "dynamic": False,
         "actorder": None,
     }
+
+
+TOKEN_INT8_ACTIVATIONS: dict[str, Any] = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": Strategy.TOKEN,
+    "group_size": None,
+    "dynamic": True,
+    "actorder": None,
+}
+"""Dynamic per-token symmetric int8 activations, the ``input_activations`` of compressed-tensors' W8A8 preset
+(``PRESET_SCHEMES["W8A8"]``): what a w8a8 stage's layers compute with (quantizers/w8a8.py)."""

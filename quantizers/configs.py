@@ -6,7 +6,7 @@ layer selection (QuantScheme, WeightQuantConfig) are in compress.schema.quantize
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -140,20 +140,13 @@ Kernel = Literal["auto", "torch", "bitsandbytes"]
 ResolvedKernel = Literal["torch", "bitsandbytes"]  # what "auto" becomes on a device
 
 
-class LLMInt8Config(WeightQuantConfig):
-    """`quantize: {method: llm_int8, threshold, batch_size, targets, ignore}`; the scheme is fixed."""
+class Int8ChannelConfig(WeightQuantConfig):
+    """The fixed scheme of the int8 weight-and-activation methods (llm_int8, w8a8): int8 codes in [-127, 127],
+    one absmax scale per output row; and the int8 GEMM they compute with."""
 
-    method: Literal["llm_int8"] = "llm_int8"
-    bits: int = Field(8, description="Fixed at 8 for llm_int8 (int8 weight codes).")
-    group_size: int | None = Field(None, description="Fixed at null for llm_int8 (one scale per output row).")
-    symmetric: bool = Field(True, description="Fixed at true for llm_int8 (absmax scaling, codes in [-127, 127]).")
-    threshold: float = Field(
-        6.0,
-        gt=0,
-        allow_inf_nan=True,
-        description="llm_int8: input features where any |x| reaches this value are computed in float; "
-        "the rest in int8. .inf disables the decomposition (plain int8 weights and activations).",
-    )
+    bits: int = Field(8, description="Fixed at 8 (int8 weight codes).")
+    group_size: int | None = Field(None, description="Fixed at null (one scale per output row).")
+    symmetric: bool = Field(True, description="Fixed at true (absmax scaling, codes in [-127, 127]).")
     batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass.")
     kernel: Kernel = Field(
         "auto",
@@ -161,18 +154,24 @@ class LLMInt8Config(WeightQuantConfig):
         "torch._int_mm otherwise; torch: always torch; bitsandbytes: always bitsandbytes (its CPU kernels off CUDA).",
     )
 
+    @classmethod
+    def _name(cls) -> str:
+        return cls.model_fields["method"].default
+
     @field_validator("gguf_type", "gguf_target")
     @classmethod
     def _no_gguf_type(cls, v: str | bool | None, info: ValidationInfo) -> str | bool | None:
         if v:
-            raise ValueError(f"llm_int8 has a fixed int8 scheme; {info.field_name} applies to methods rtn and gptq")
+            raise ValueError(f"{cls._name()} has a fixed int8 scheme; {info.field_name} applies to methods rtn and gptq")
         return v
 
     @field_validator("bits")
     @classmethod
     def _bits_8(cls, v: int) -> int:
         if v != 8:
-            raise ValueError(f"llm_int8 stores weights as int8, so bits must be 8 (got {v}); for fewer bits use method rtn, gptq or awq")
+            raise ValueError(
+                f"{cls._name()} stores weights as int8, so bits must be 8 (got {v}); for fewer bits use method rtn, gptq or awq"
+            )
         return v
 
     @field_validator("group_size")
@@ -180,7 +179,7 @@ class LLMInt8Config(WeightQuantConfig):
     def _per_row(cls, v: int | None) -> int | None:
         if v is not None:
             raise ValueError(
-                f"llm_int8 uses one scale per output row, so group_size must be null (got {v}); "
+                f"{cls._name()} uses one scale per output row, so group_size must be null (got {v}); "
                 "for grouped int8 use method rtn with bits: 8"
             )
         return v
@@ -189,11 +188,64 @@ class LLMInt8Config(WeightQuantConfig):
     @classmethod
     def _symmetric(cls, v: bool) -> bool:
         if not v:
-            raise ValueError("llm_int8 is absmax (symmetric) quantization, so symmetric must be true")
+            raise ValueError(f"{cls._name()} is absmax (symmetric) quantization, so symmetric must be true")
         return v
+
+
+class LLMInt8Config(Int8ChannelConfig):
+    """`quantize: {method: llm_int8, threshold, batch_size, targets, ignore}`; the scheme is fixed."""
+
+    method: Literal["llm_int8"] = "llm_int8"
+    threshold: float = Field(
+        6.0,
+        gt=0,
+        allow_inf_nan=True,
+        description="llm_int8: input features where any |x| reaches this value are computed in float; "
+        "the rest in int8. .inf disables the decomposition (plain int8 weights and activations).",
+    )
 
     @property
     def needs_calibration(self) -> bool:
         """Calibration finds the outlier features whose float columns are kept; with
         ``threshold: .inf`` there are none, so plain W8A8 needs no calibration data."""
         return math.isfinite(self.threshold)
+
+
+class SmoothingConfig(Strict):
+    """SmoothQuant's scale migration (Xiao et al. 2023) before w8a8 quantizes: ``w8a8.smoothing``."""
+
+    alpha: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Migration strength: s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) per input channel j; "
+        "0 leaves the activations as they are, 1 moves all of their range into the weights.",
+    )
+
+
+class W8A8Config(Int8ChannelConfig):
+    """`quantize: {method: w8a8, smoothing: {alpha} | null, batch_size, kernel, targets, ignore}`; the scheme is fixed."""
+
+    method: Literal["w8a8"] = "w8a8"
+    smoothing: SmoothingConfig | None = Field(
+        default_factory=SmoothingConfig,
+        description="SmoothQuant scale migration from the activations into the weights, calibrated on "
+        "data.calibration and folded into the preceding norms (docs/w8a8.md); null: plain W8A8, no calibration.",
+    )
+
+    @property
+    def needs_calibration(self) -> bool:
+        """The smoothing scales come from the calibration inputs' per-channel maxima."""
+        return self.smoothing is not None
+
+    def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
+        """Every export must hold the int8 activation quantization, or the file would be another model."""
+        for i, export in enumerate(recipe.exports):
+            if not export.holds_activation_quantization:
+                raise ValueError(
+                    f"exports[{i}] (format {export.format}): {label} (w8a8) quantizes activations to int8 per token at run "
+                    f"time, and a {export.format} export cannot hold activation quantization (it would run the int8 weights "
+                    "on float activations, another model); export compressed-tensors (int-quantized W8A8), or use "
+                    "method llm_int8 / rtn for weight-only int8 exports"
+                )
+        return set()

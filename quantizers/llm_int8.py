@@ -45,7 +45,7 @@ from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.progress import Reporter
 from compress.quantizers.apply import install_record, select_or_fail, summarize
-from compress.quantizers.configs import Kernel, LLMInt8Config, ResolvedKernel
+from compress.quantizers.configs import Int8ChannelConfig, Kernel, LLMInt8Config, ResolvedKernel
 from compress.quantizers.core import QuantizedWeight, round_scale, scale_torch_dtype
 from compress.quantizers.sequential import StopForward, peak_memory_mb
 from compress.schema.quantize import QuantScheme
@@ -324,6 +324,24 @@ def collect_input_absmax(
     return {name: s.cpu() for name, s in stats.items()}
 
 
+def start_int8_stage(
+    model: nn.Module, cfg: Int8ChannelConfig, ctx: RunContext, label: str
+) -> tuple[ResolvedKernel, list[tuple[str, nn.Linear]], list[str]]:
+    """What an int8 weight-and-activation stage (llm_int8, w8a8) checks first: its GEMM (failing early when
+    bitsandbytes is asked for and missing), the Linears it selects (none quantized before) and the unused
+    ignore patterns; the device's peak memory counted from here."""
+    kernel = resolve_kernel(cfg.kernel, ctx.device)
+    chosen, unused_ignore = select_or_fail(model, cfg, label)
+    already = [n for n, _ in chosen if n in ctx.quantized]
+    if already:
+        raise CompressError(
+            f"{label}: layer {already[0]} was already quantized by {ctx.quantized_by[already[0]]}; quantize each layer once."
+        )
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    return kernel, chosen, unused_ignore
+
+
 class LLMInt8Stage:
     """The recipe step ``quantize: {method: llm_int8, ...}``."""
 
@@ -335,15 +353,7 @@ class LLMInt8Stage:
         start = time.perf_counter()
         cfg, label = self.config, self.label
         scheme = cfg.scheme()
-        kernel = resolve_kernel(cfg.kernel, ctx.device)  # fails early when bitsandbytes is asked for and missing
-        chosen, unused_ignore = select_or_fail(model, cfg, label)
-        already = [n for n, _ in chosen if n in ctx.quantized]
-        if already:
-            raise CompressError(
-                f"{label}: layer {already[0]} was already quantized by {ctx.quantized_by[already[0]]}; quantize each layer once."
-            )
-        if ctx.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(ctx.device)
+        kernel, chosen, unused_ignore = start_int8_stage(model, cfg, ctx, label)
         if cfg.needs_calibration:
             tokens = ctx.calibration()
             absmax = collect_input_absmax(

@@ -1,5 +1,5 @@
 """The plugin objects of the quantizers: one QuantMethod per weight-quantization method (rtn.py, gptq.py,
-awq.py, llm_int8.py) and the two stage kinds this package runs (``quantize:`` and ``kv_cache:``).
+awq.py, llm_int8.py, w8a8.py) and the two stage kinds this package runs (``quantize:`` and ``kv_cache:``).
 
 Torch-free (the stage classes are imported when a run builds its stages), so the tables in
 compress.plugins can be read by `compress validate` and `compress plan` without torch. Each
@@ -25,7 +25,7 @@ from compress.eval.plan.estimates import (
     largest_unit_bytes,
 )
 from compress.plugin_types import QuantMethod, StageKind
-from compress.quantizers.configs import AWQConfig, GPTQConfig, LLMInt8Config, RTNConfig
+from compress.quantizers.configs import AWQConfig, GPTQConfig, LLMInt8Config, RTNConfig, W8A8Config
 from compress.quantizers.kv_cache_config import KVCacheConfig
 from compress.schema.quantize import SENSITIVITY_SAMPLES, WeightQuantConfig
 
@@ -225,6 +225,34 @@ LLM_INT8 = QuantMethod(
         "its runtime computes with them and its own activations"
     ),
     load_records_only=_llm_int8_records_only,
+)
+
+
+# --------------------------------------------------------------------------- w8a8
+
+
+def _w8a8_stage() -> type:
+    from compress.quantizers.w8a8 import W8A8Stage
+
+    return W8A8Stage
+
+
+def _w8a8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    # with smoothing, LLM.int8's: one pass for the per-channel input maxima, then rounding
+    if step.config.smoothing is not None:
+        return _llm_int8_estimate(step, layers)
+    seconds = _weights(layers) / RTN_WEIGHTS_PER_S
+    return Estimate(step.held_bytes, seconds, f"rounding only (smoothing: null); ~{RTN_WEIGHTS_PER_S:.0e} weights/s")
+
+
+W8A8 = QuantMethod(
+    name="w8a8",
+    config=W8A8Config,
+    load_stage=_w8a8_stage,
+    estimate=_w8a8_estimate,
+    cost=1,
+    description="W8A8 int8: per-channel int8 weights and dynamic per-token int8 activations, after SmoothQuant's "
+    "scale migration (smoothing: {alpha}) unless smoothing: null",
 )
 
 

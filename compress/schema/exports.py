@@ -29,6 +29,9 @@ class BaseExportConfig(Strict):
     own_runtime: ClassVar[bool] = False
     """Runs on a runtime of its own (verified and timed there; ``latency.artifacts`` may name it);
     False: a checkpoint holding the compressed records, gated on the ``compressed`` evaluation."""
+    holds_activation_quantization: ClassVar[bool] = False
+    """The format records int8 activation quantization (per-token dynamic scales) beside the weights, so a
+    method that quantizes activations (``w8a8``) may export to it; the others refuse it at validation."""
 
     name: str | None = Field(
         None,

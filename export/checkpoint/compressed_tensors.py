@@ -16,6 +16,14 @@ and our files are loaded by transformers in tests/test_formats.py):
 
 Dequantization is ``(q - zq) * scale`` with signed q and zq, equal to our ``(code - zero) * scale``.
 
+Layers a ``w8a8`` stage quantized (their module declares ``input_activations``: dynamic per-token int8)
+are written as compressed-tensors' ``int-quantized`` W8A8, the layout of llm-compressor's ``W8A8`` preset:
+``<layer>.weight`` int8 [out, in] (the signed code ``q``), ``<layer>.weight_scale`` [out, 1], and the config
+group's ``input_activations`` (int8, token, dynamic, symmetric), which vLLM runs as an int8 GEMM.
+The artifact's own model/ holds their weights as pack-quantized (``write`` without ``activations``),
+so that our reader imports it as weights; an exported int-quantized W8A8 checkpoint is read back exactly
+(``read``) but refused as a model source (its activation quantization would be lost: readers.py).
+
 Limits: compressed-tensors' group dequantization requires ``in_features % group_size == 0`` (it
 has no partial last group); bits are 2, 4 or 8, the widths whose layout every release agrees on
 (releases before the dense packer padded each word, so a 3-, 5-, 6- or 7-bit file would read
@@ -38,12 +46,11 @@ from compress.export.checkpoint.hf_checkpoint import (
     ImportedRecords,
     build_record,
     layers_with,
-    packed_tensors,
     scale_dtype_name,
     write_checkpoint,
 )
 from compress.export.packing import pack_int32, unpack_int32
-from compress.quantizers.compressed_tensors_args import LINEAR_TARGET, Strategy, weight_args
+from compress.quantizers.compressed_tensors_args import LINEAR_TARGET, TOKEN_INT8_ACTIVATIONS, Strategy, weight_args
 from compress.quantizers.core import QuantizedWeight
 from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.patterns import regex_match
@@ -51,6 +58,8 @@ from compress.schema.quantize import QuantScheme
 
 METHOD = "compressed-tensors"
 PACK_FORMAT = "pack-quantized"
+INT_FORMAT = "int-quantized"  # int8 weights stored as int8, with quantized input activations (W8A8)
+MIXED_FORMAT = "mixed-precision"  # the checkpoint's format when its config groups use different ones
 STATUS_COMPRESSED = "compressed"
 SUPPORTED_BITS = (2, 4, 8)
 REGEX_PREFIX = "re:"
@@ -61,6 +70,7 @@ class Key:
     """Per-layer tensor suffixes and config keys."""
 
     PACKED = "weight_packed"
+    WEIGHT = "weight"  # int-quantized: the int8 codes themselves
     SCALE = "weight_scale"
     ZERO = "weight_zero_point"
     SHAPE = "weight_shape"
@@ -71,6 +81,8 @@ class Key:
     IGNORE = "ignore"
     TARGETS = "targets"
     WEIGHTS = "weights"
+    INPUTS = "input_activations"
+    OUTPUTS = "output_activations"
 
 
 # --------------------------------------------------------------------------- pure conversion
@@ -87,6 +99,34 @@ def pack_record(record: QuantizedWeight) -> dict[str, torch.Tensor]:
     if not s.symmetric:
         out[Key.ZERO] = pack_int32(record.zero_point, s.bits, dim=0)
     return out
+
+
+def pack_int_record(record: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """An 8-bit symmetric record as int-quantized tensors: the signed codes as int8 and the scales."""
+    q = record.codes.to(torch.int16) - record.zero_point.to(torch.int16)
+    return {Key.WEIGHT: q.to(torch.int8), Key.SCALE: record.scale.clone()}
+
+
+def unpack_int_record(tensors: dict[str, torch.Tensor], weights: dict[str, Any], where: str) -> QuantizedWeight:
+    """A record from one int-quantized layer's ``weight`` (int8) and ``weight_scale`` (per channel, symmetric)."""
+    q, scale = tensors[Key.WEIGHT], tensors[Key.SCALE]
+    if q.dtype != torch.int8 or q.dim() != 2 or weights.get("strategy") != Strategy.CHANNEL or not weights.get("symmetric", True):
+        raise FormatError(f"{where}: int-quantized layers are read as int8 per-channel symmetric weights")
+    if tuple(scale.shape) != (q.shape[0], 1):
+        raise FormatError(f"{where}: {Key.SCALE} has shape {tuple(scale.shape)}, expected {(q.shape[0], 1)}")
+    scheme = QuantScheme(bits=8, group_size=None, symmetric=True, scale_dtype=scale_dtype_name(scale, where))
+    zero = torch.full((q.shape[0], 1), scheme.symmetric_zero, dtype=torch.int32)
+    return build_record(q.to(torch.int32) + scheme.symmetric_zero, scale, zero, scheme, where)
+
+
+def activation_args(model: nn.Module, records: dict[str, QuantizedWeight]) -> dict[str, dict[str, Any]]:
+    """The ``input_activations`` each quantized layer's module declares (a w8a8 layer), by layer name."""
+    found = {}
+    for name in records:
+        args = getattr(model.get_submodule(name), Key.INPUTS, None)
+        if args is not None:
+            found[name] = dict(args)
+    return found
 
 
 def unpack_record(tensors: dict[str, torch.Tensor], weights: dict[str, Any], where: str) -> QuantizedWeight:
@@ -155,27 +195,44 @@ def check(model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
         )
 
 
-def quantization_config(model: nn.Module, records: dict[str, QuantizedWeight]) -> dict[str, Any]:
-    """config.json ``quantization_config``: one config group per scheme; float Linears in ``ignore``."""
-    by_scheme: dict[str, tuple[QuantScheme, list[str]]] = {}
+def check_activations(records: dict[str, QuantizedWeight], activations: dict[str, dict[str, Any]]) -> None:
+    """Raise FormatError unless every layer with quantized activations is the int-quantized W8A8 layout."""
+    for name, args in activations.items():
+        s = records[name].scheme
+        if args != TOKEN_INT8_ACTIVATIONS or (s.bits, s.group_size, s.symmetric, s.block_grid) != (8, None, True, None):
+            raise FormatError(
+                f"compressed-tensors export: layer {name} quantizes its activations as {args} with {s.describe()} weights; "
+                "int-quantized is written for int8 per-channel symmetric weights with dynamic per-token int8 activations"
+            )
+
+
+def quantization_config(
+    model: nn.Module, records: dict[str, QuantizedWeight], activations: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """config.json ``quantization_config``: one config group per scheme (and activation scheme: layers in
+    ``activations`` are int-quantized W8A8); float Linears in ``ignore``."""
+    activations = activations or {}
+    by_scheme: dict[str, tuple[QuantScheme, dict[str, Any] | None, list[str]]] = {}
     for name, rec in records.items():
-        key = repr(sorted(weight_args(rec.scheme).items()))
-        by_scheme.setdefault(key, (rec.scheme, []))[1].append(name)
+        inputs = activations.get(name)
+        key = repr((sorted(weight_args(rec.scheme).items()), sorted((inputs or {}).items())))
+        by_scheme.setdefault(key, (rec.scheme, inputs, []))[2].append(name)
     single = len(by_scheme) == 1
     groups = {
         f"group_{i}": {
             Key.TARGETS: [LINEAR_TARGET] if single else sorted(names),
             Key.WEIGHTS: weight_args(scheme),
-            "input_activations": None,
-            "output_activations": None,
-            Key.FORMAT: PACK_FORMAT,
+            Key.INPUTS: inputs,
+            Key.OUTPUTS: None,
+            Key.FORMAT: PACK_FORMAT if inputs is None else INT_FORMAT,
         }
-        for i, (scheme, names) in enumerate(by_scheme.values())
+        for i, (scheme, inputs, names) in enumerate(by_scheme.values())
     }
+    formats = {g[Key.FORMAT] for g in groups.values()}
     floats = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in records]
     return {
         QUANT_METHOD: METHOD,
-        Key.FORMAT: PACK_FORMAT,
+        Key.FORMAT: formats.pop() if len(formats) == 1 else MIXED_FORMAT,
         Key.STATUS: STATUS_COMPRESSED,
         Key.GROUPS: groups,
         Key.IGNORE: floats,
@@ -227,42 +284,83 @@ def kv_cache_tensors(model: nn.Module, kv: KVCacheScheme) -> tuple[dict[str, Any
 
 
 def write(
-    directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], kv: KVCacheScheme | None = None
+    directory: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    records: dict[str, QuantizedWeight],
+    kv: KVCacheScheme | None = None,
+    activations: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any] | None:
-    """Write a pack-quantized HF directory that transformers (with compressed-tensors) and vLLM load;
-    with a KV scheme, also its ``kv_cache_scheme`` and scales. Returns what was carried of the KV scheme."""
+    """Write a pack-quantized HF directory that transformers (with compressed-tensors) and vLLM load, the
+    layers in ``activations`` int-quantized W8A8; with a KV scheme, also its ``kv_cache_scheme`` and
+    scales. Returns what was carried of the KV scheme."""
     check(model, records)
-    qcfg = quantization_config(model, records)
+    activations = activations or {}
+    check_activations(records, activations)
+    qcfg = quantization_config(model, records, activations)
     carried = None
     kv_tensors: dict[str, torch.Tensor] = {}
     if kv is not None:
         qcfg["kv_cache_scheme"], kv_tensors, carried = kv_cache_tensors(model, kv)
-    write_checkpoint(directory, model, tokenizer, records, itertools.chain(packed_tensors(records, pack_record), kv_tensors.items()), qcfg)
+
+    def pack(name: str) -> dict[str, torch.Tensor]:
+        return (pack_int_record if name in activations else pack_record)(records[name])
+
+    layers = ((f"{name}.{suffix}", t) for name in records for suffix, t in pack(name).items())
+    write_checkpoint(directory, model, tokenizer, records, itertools.chain(layers, kv_tensors.items()), qcfg)
     return carried
+
+
+def write_export(
+    directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, QuantizedWeight], kv: KVCacheScheme | None = None
+) -> dict[str, Any] | None:
+    """The ``compressed-tensors`` export: ``write`` with the activation quantization the model's layers declare."""
+    return write(directory, model, tokenizer, records, kv, activation_args(model, records))
+
+
+def check_export(model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
+    check(model, records)
+    check_activations(records, activation_args(model, records))
 
 
 # --------------------------------------------------------------------------- reader
 
 
 def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> ImportedRecords:
-    """Records of every ``<layer>.weight_packed`` in a pack-quantized checkpoint."""
+    """Records of every ``<layer>.weight_packed`` in a pack-quantized checkpoint, and of every int8
+    ``<layer>.weight`` of an int-quantized W8A8 group (its input activations in ``facts``)."""
     status = qcfg.get(Key.STATUS)
     if status != STATUS_COMPRESSED:
         raise FormatError(f"{where}: quantization_status is '{status}'; only '{STATUS_COMPRESSED}' checkpoints hold packed weights")
     groups = qcfg.get(Key.GROUPS) or {}
     for gname, group in groups.items():
         fmt = group.get(Key.FORMAT) or qcfg.get(Key.FORMAT)
-        if fmt != PACK_FORMAT:
-            raise FormatError(f"{where}: config group {gname} has format '{fmt}'; compress reads '{PACK_FORMAT}' only")
+        if fmt not in (PACK_FORMAT, INT_FORMAT):
+            raise FormatError(f"{where}: config group {gname} has format '{fmt}'; compress reads '{PACK_FORMAT}' and '{INT_FORMAT}'")
         weights = group.get(Key.WEIGHTS) or {}
         if weights.get("type", "int") != "int" or int(weights.get("num_bits", 0)) not in SUPPORTED_BITS:
             raise FormatError(
                 f"{where}: config group {gname} stores {weights.get('type')} {weights.get('num_bits')}-bit weights; "
                 f"compress reads int weights of {', '.join(map(str, SUPPORTED_BITS))} bits"
             )
-        if group.get("input_activations") or group.get("output_activations"):
-            raise FormatError(f"{where}: config group {gname} also quantizes activations, which weight records cannot carry")
+        inputs = group.get(Key.INPUTS)
+        if group.get(Key.OUTPUTS) or (inputs and (fmt != INT_FORMAT or _token_int8(inputs) is None)):
+            raise FormatError(
+                f"{where}: config group {gname} quantizes activations other than an int-quantized group's dynamic "
+                "per-token int8 inputs, which compress does not read"
+            )
     found = ImportedRecords(records={})
+    int_groups = {g for g, group in groups.items() if (group.get(Key.FORMAT) or qcfg.get(Key.FORMAT)) == INT_FORMAT}
+    for name in layers_with(tensors, Key.SCALE) if int_groups else []:
+        if f"{name}.{Key.PACKED}" in tensors:
+            continue
+        label = f"{where}: layer {name}"
+        group = groups[_group_of(name, groups, label)]
+        if group not in (groups[g] for g in int_groups) or f"{name}.{Key.WEIGHT}" not in tensors:
+            raise FormatError(f"{label}: {Key.SCALE} without {Key.PACKED} outside an {INT_FORMAT} group")
+        layer = {s: tensors[f"{name}.{s}"] for s in (Key.WEIGHT, Key.SCALE)}
+        found.records[name] = unpack_int_record(layer, group[Key.WEIGHTS], label)
+        found.consumed.update(f"{name}.{s}" for s in layer)
     for name in layers_with(tensors, Key.PACKED):
         label = f"{where}: layer {name}"
         weights = groups[_group_of(name, groups, label)][Key.WEIGHTS]
@@ -277,10 +375,17 @@ def read(qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> 
         "format": METHOD,
         "pack_format": PACK_FORMAT,
         "config_groups": sorted(groups),
+        "input_activations": {g: groups[g][Key.INPUTS] for g in sorted(groups) if groups[g].get(Key.INPUTS)},
         "kv_cache_scheme": qcfg.get("kv_cache_scheme"),
         "kv_cache_scales": len(kv_scales),
     }
     return found
+
+
+def _token_int8(args: dict[str, Any]) -> dict[str, Any] | None:
+    """``args`` when they are dynamic per-token symmetric int8 (the W8A8 preset's input activations), else None."""
+    keys = ("num_bits", "type", "symmetric", "strategy", "dynamic")
+    return args if all(args.get(k) == TOKEN_INT8_ACTIVATIONS[k] for k in keys) else None
 
 
 def _target_matches(expression: str, name: str, where: str) -> bool:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -14,7 +14,10 @@ GPTQ = "gptq"
 
 
 class CompressedTensorsExportConfig(BaseExportConfig):
-    """compressed-tensors pack-quantized HF directory (transformers with compressed-tensors, vLLM)."""
+    """compressed-tensors pack-quantized HF directory (transformers with compressed-tensors, vLLM); int-quantized
+    W8A8 (int8 weights, dynamic per-token int8 activations) for layers a w8a8 stage quantized."""
+
+    holds_activation_quantization: ClassVar[bool] = True
 
     format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMAT_DOC)
 

@@ -48,7 +48,11 @@ class CheckpointFormat:
 
 CHECKPOINT_FORMATS: dict[str, CheckpointFormat] = {
     compressed_tensors.METHOD: CheckpointFormat(
-        compressed_tensors.METHOD, compressed_tensors.METHOD, compressed_tensors.read, compressed_tensors.write, compressed_tensors.check
+        compressed_tensors.METHOD,
+        compressed_tensors.METHOD,
+        compressed_tensors.read,
+        compressed_tensors.write_export,
+        compressed_tensors.check_export,
     ),
     autogptq.METHOD: CheckpointFormat(autogptq.METHOD, autogptq.METHOD, autogptq.read, autogptq.write, autogptq.check),
     autoawq.METHOD: CheckpointFormat(autoawq.METHOD, autoawq.METHOD, autoawq.read),
@@ -101,6 +105,12 @@ def import_checkpoint(directory: Path, dtype: torch.dtype, trust_remote_code: bo
         raise FormatError(f"{directory / CONFIG_FILE} has no quantization_config: not a quantized checkpoint")
     tensors = read_tensors(directory)
     found = _read(directory, fmt, tensors)
+    if found.facts.get("input_activations"):
+        raise FormatError(
+            f"{directory}: config groups {', '.join(found.facts['input_activations'])} quantize the input activations "
+            "(int8 per token, W8A8), which a float model with weight records would not compute; load the checkpoint "
+            "with vLLM, or quantize its float source with method w8a8"
+        )
     model = import_float_model(directory, tensors, found, dtype, trust_remote_code)
     schemes = Counter(r.scheme.describe() + f" ({r.scheme.scale_dtype} scales)" for r in found.records.values())
     facts = {
