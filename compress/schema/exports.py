@@ -29,6 +29,9 @@ class BaseExportConfig(Strict):
     own_runtime: ClassVar[bool] = False
     """Runs on a runtime of its own (verified and timed there; ``latency.artifacts`` may name it);
     False: a checkpoint holding the compressed records, gated on the ``compressed`` evaluation."""
+    fp8_refusal: ClassVar[str | None] = "it holds integer weight codes only"
+    """Why the format cannot hold the FP8 layers of a ``quantize: {method: fp8}`` stage (the recipe is
+    refused naming the export), or None when it writes them (quantizers/fp8_config.py)."""
 
     name: str | None = Field(
         None,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -17,6 +17,7 @@ class CompressedTensorsExportConfig(BaseExportConfig):
     """compressed-tensors pack-quantized HF directory (transformers with compressed-tensors, vLLM)."""
 
     format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMAT_DOC)
+    fp8_refusal: ClassVar[str | None] = None  # FP8 layers are written float-quantized (fp8_checkpoint.py)
 
 
 class GPTQExportConfig(BaseExportConfig):

@@ -71,6 +71,7 @@ class TensorRTExportConfig(BaseExportConfig):
     checked on ONNX Runtime CPU, and a TensorRT engine built from it where TensorRT and a GPU exist."""
 
     own_runtime: ClassVar[bool] = True
+    fp8_refusal: ClassVar[str | None] = "the TensorRT export builds its Q/DQ network for int8 and int4 weights only"
 
     format: Literal["tensorrt"] = Field("tensorrt", description=FORMAT_DOC)
     dtype: Literal["float16", "float32"] = Field(
