@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -200,6 +200,22 @@ class FP8Linear(nn.Linear):
 def fp8_records(model: nn.Module) -> dict[str, FP8Weight]:
     """The FP8 records of ``model``'s FP8Linear layers, by module name (on the CPU)."""
     return {name: m.record.cpu() for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+
+
+def load_fp8_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: list[dict[str, Any]]) -> list[str]:
+    """Make the layers of an artifact's RECORDS_FILE ``tensors`` FP8Linear layers of ``model`` again, with
+    the weights layout and activations of the manifest's stage that wrote it; returns their names."""
+    stage = next((s for s in stages if (s.get("summary") or {}).get("records_file") == RECORDS_FILE), None)
+    if stage is None:
+        raise ValueError(f"no stage of the manifest wrote {RECORDS_FILE}")
+    cfg = FP8Config.model_validate(stage["config"])
+    names = sorted(k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale"))
+    for name in names:
+        layer = model.get_submodule(name)
+        if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != tuple(tensors[f"{name}.weight"].shape):
+            raise ValueError(f"{name} is no Linear of the record's shape")
+        swap_module(model, name, FP8Linear(layer, FP8Weight.from_tensors(tensors, name, cfg.weights), cfg.activations))
+    return names
 
 
 def fp8_activations(model: nn.Module) -> Activations:

@@ -231,6 +231,16 @@ def test_recipe_runs_end_to_end_and_exports_float_quantized_exactly(tmp_path: Pa
                 assert torch.equal(tensors[f"{name}.input_scale"], records[f"{name}.input_scale"])
             deq = FloatQuantizationCompressor.decompress({"weight": w, "weight_scale": s}, parsed)["weight"]
             assert torch.equal(deq, FP8Weight(w, s, "channel").dequantize())
+        # `compress gate` on the artifact rebuilds the FP8 layers from fp8/records.safetensors: the run's numbers again
+        gates_file = tmp_path / f"gates-{acts}.yaml"
+        gates_file.write_text("gates:\n" + gates)
+        result = run_cli(["gate", out, "--gates", gates_file, "-o", tmp_path / f"gate-{acts}", "-q"])
+        assert result.exit_code == 0, result.output
+        again = json.loads((tmp_path / f"gate-{acts}" / "report.json").read_text())
+        kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in again["evaluations"] if e["kind"] == "accuracy"}
+        run_kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in report["evaluations"] if e["kind"] == "accuracy"}
+        assert kl["compressed-tensors"] == kl["compressed"] == pytest.approx(run_kl["compressed"], rel=1e-4, abs=1e-7)
+        assert kl["compressed"] > 1e-5  # the FP8 model, not the float source
 
 
 def test_block_weights_and_kv_cache_fp8_together(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
