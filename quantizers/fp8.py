@@ -158,9 +158,13 @@ def quantize_input(x: torch.Tensor, activations: Activations, layout: Layout, in
     return (to_e4m3(padded / scale).to(torch.float32) * scale).reshape(tokens, n * group)[:, :width]
 
 
-def fp8_linear(x: torch.Tensor, record: FP8Weight, activations: Activations, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y = x Wᵀ + b`` as the FP8 runtime computes it (float32 [tokens, out]) for ``x`` [tokens, in]."""
-    y = quantize_input(x.to(torch.float32), activations, record.layout, record.input_scale) @ record.dequantize().t()
+def fp8_linear(
+    x: torch.Tensor, record: FP8Weight, activations: Activations, bias: torch.Tensor | None, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``y = x Wᵀ + b`` as the FP8 runtime computes it (float32 [tokens, out]) for ``x`` [tokens, in];
+    ``weight``: ``record.dequantize()`` when the caller holds it already."""
+    weight = record.dequantize() if weight is None else weight
+    y = quantize_input(x.to(torch.float32), activations, record.layout, record.input_scale) @ weight.t()
     return y if bias is None else y + bias.to(torch.float32)
 
 
@@ -190,7 +194,9 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = fp8_linear(flat, self.record, self.activations, self.bias)
+        # a float32 model's weight is the record's dequantized weight itself (the same product, not rounded again)
+        held = self.weight if self.weight.dtype == torch.float32 else None
+        y = fp8_linear(flat, self.record, self.activations, self.bias, held)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

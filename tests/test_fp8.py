@@ -4,6 +4,7 @@ refusals at validation and the plan's sizes."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -116,6 +117,10 @@ def test_linear_equals_a_hand_computation() -> None:
             expect = (xq @ w.t() + linear.bias).reshape(2, 5, 48)
             with torch.no_grad():
                 assert torch.equal(layer(x), expect), (layout, activations)
+                # a bfloat16 model: the weight it holds is rounded, so the layer dequantizes its record
+                half = FP8Linear(copy.deepcopy(linear).to(torch.bfloat16), record, activations)
+                assert torch.equal(half(x.to(torch.bfloat16)), half(x.to(torch.bfloat16).to(torch.float32)).to(torch.bfloat16))
+                assert torch.equal(half(flat), xq @ w.t() + half.bias.to(torch.float32))
     # static: one scale for the layer
     record = quantize_weight_fp8(linear.weight.detach(), "channel", torch.tensor([0.02]))
     xq = to_e4m3(flat / 0.02).to(torch.float32) * 0.02

@@ -50,7 +50,9 @@ def main() -> None:
         same_w += torch.equal(w.view(torch.uint8), r.weight.view(torch.uint8))
         same_s += torch.equal(s.to(torch.float32).reshape(r.scale.shape), r.scale)
         worst = max(worst, int((w.view(torch.uint8) != r.weight.view(torch.uint8)).sum()))
-    print(f"{len(records)} layers: float8 weights identical in {same_w}, scales identical in {same_s}; most differing weights in a layer: {worst}")
+    print(
+        f"{len(records)} layers: float8 weights identical in {same_w}, scales identical in {same_s}; most differing weights in a layer: {worst}"
+    )
     print(f"their scale dtype: {theirs[next(iter(records)) + '.weight_scale'].dtype}")
 
 
