@@ -31,9 +31,10 @@ def _fp8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
         return calibrated_estimate(step, layers, seconds, how, 0, "one absmax per input feature")
     widest = max((r.out_f * r.in_f for r in layers.values()), default=0)
     return Estimate(
-        step.held_bytes + 5 * widest,  # the largest layer's float32 work copy and float8 weight
+        step.held_bytes + weights + 8 * widest,  # every layer's float8 weight kept; the largest layer's float32 work copies
         rounding,
-        f"the libraries + the model + the largest layer's float32 copy and float8 weight; ~{RTN_WEIGHTS_PER_S:.0e} weights/s",
+        f"the libraries + the model + a byte a quantized weight (the float8 weights the layers keep) + the largest layer's "
+        f"float32 copies; ~{RTN_WEIGHTS_PER_S:.0e} weights/s",
     )
 
 
