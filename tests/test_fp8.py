@@ -23,6 +23,7 @@ from compress.quantizers.fp8 import (
     FP8Linear,
     FP8Stage,
     FP8Weight,
+    fp8_records,
     quantize_input,
     quantize_weight_fp8,
     to_e4m3,
@@ -325,3 +326,23 @@ def test_plan_sizes_fp8(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) ->
     quantized = layers * sum(o * n for o, n in shapes)
     fp8_bytes = layers * sum(o * n + 4 * o for o, n in shapes)
     assert ct["size_bytes"] == fp8_bytes + (plan["model"]["parameters"] - quantized) * 4
+
+
+@pytest.mark.parametrize(("weights", "activations"), [("channel", "dynamic"), ("channel", "static"), ("block", "dynamic"), ("block", None)])
+def test_config_format_is_what_compressed_tensors_infers(weights: str, activations: str | None) -> None:
+    """Each config group's format is the one compressed-tensors 0.19 infers for its scheme (float-quantized
+    with inputs, naive-quantized for weight-only FP8), and the group parses as its QuantizationScheme."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from compress.export.checkpoint.fp8_checkpoint import quantization_config
+    from tests.tiny import tiny_model
+
+    model = tiny_model(vocab=300, hidden=64, intermediate=128)
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: tokens)
+    FP8Stage(FP8Config(weights=weights, activations=activations), "stages[0]").apply(model, ctx)
+    qcfg = quantization_config(model, fp8_records(model), activations)
+    scheme = QuantizationConfig.model_validate(qcfg).config_groups["group_0"]
+    assert qcfg["format"] == qcfg["config_groups"]["group_0"]["format"] == infer_module_format(torch.nn.Linear, scheme).value
+    assert (scheme.input_activations is None) == (activations is None)

@@ -33,6 +33,9 @@ from compress.quantizers.fp8_config import BLOCK
 from compress.quantizers.kv_cache import KVCacheScheme
 
 FLOAT_FORMAT = "float-quantized"
+NAIVE_FORMAT = "naive-quantized"
+"""Weight-only FP8 (``activations: null``): what compressed-tensors 0.19 infers for float8 weights without
+input activations (its float-quantized compressor requires them; the naive one is the same code)."""
 INPUT_ACTIVATIONS = "input_activations"
 INPUT_SCALE = "input_scale"
 EXACTNESS_CHECK = (
@@ -62,19 +65,20 @@ def input_args(activations: Activations, layout: Layout) -> dict[str, Any] | Non
 def quantization_config(model: nn.Module, records: dict[str, FP8Weight], activations: Activations) -> dict[str, Any]:
     """config.json ``quantization_config``: one group per weight layout, every other Linear in ``ignore``."""
     layouts = sorted({r.layout for r in records.values()})
+    fmt = NAIVE_FORMAT if activations is None else FLOAT_FORMAT
     groups = {
         f"group_{i}": {
             Key.TARGETS: [LINEAR_TARGET] if len(layouts) == 1 else sorted(n for n, r in records.items() if r.layout == layout),
             Key.WEIGHTS: weight_args(layout),
             INPUT_ACTIVATIONS: input_args(activations, layout),
             "output_activations": None,
-            Key.FORMAT: FLOAT_FORMAT,
+            Key.FORMAT: fmt,
         }
         for i, layout in enumerate(layouts)
     }
     return {
         QUANT_METHOD: METHOD,
-        Key.FORMAT: FLOAT_FORMAT,
+        Key.FORMAT: fmt,
         Key.STATUS: STATUS_COMPRESSED,
         Key.GROUPS: groups,
         Key.IGNORE: [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in records],
