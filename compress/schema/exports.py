@@ -32,6 +32,9 @@ class BaseExportConfig(Strict):
     holds_activation_quantization: ClassVar[bool] = False
     """The format records int8 activation quantization (per-token dynamic scales) beside the weights, so a
     method that quantizes activations (``w8a8``) may export to it; the others refuse it at validation."""
+    fp8_refusal: ClassVar[str | None] = "it holds integer weight codes only"
+    """Why the format cannot hold the FP8 layers of a ``quantize: {method: fp8}`` stage (the recipe is
+    refused naming the export), or None when it writes them (quantizers/fp8_config.py)."""
 
     name: str | None = Field(
         None,

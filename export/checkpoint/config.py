@@ -20,6 +20,7 @@ class CompressedTensorsExportConfig(BaseExportConfig):
     holds_activation_quantization: ClassVar[bool] = True
 
     format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMAT_DOC)
+    fp8_refusal: ClassVar[str | None] = None  # FP8 layers are written float-quantized (fp8_checkpoint.py)
 
 
 class GPTQExportConfig(BaseExportConfig):
