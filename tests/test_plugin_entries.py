@@ -36,7 +36,7 @@ def test_unregistered_names_are_refused_with_the_known_ones(tmp_path: Path, tiny
     result = run_cli(["validate", _recipe(tmp_path, tiny_model_dir, text_dir)])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     flat = " ".join(result.output.split())
-    assert "stages[0].quantize: unknown quantization method 'halfround'; known: rtn, gptq, awq, llm_int8, w8a8" in flat, flat
+    assert "stages[0].quantize: unknown quantization method 'halfround'; known: rtn, gptq, awq, llm_int8, w8a8, fp8" in flat, flat
     assert "exports[0]: export format 'npz' is not available; available: compressed-tensors, gptq, gguf, onnx, tensorrt" in flat
 
 
@@ -46,7 +46,7 @@ def test_a_new_method_and_format_run_end_to_end(registered: None, tmp_path: Path
 
     # a misspelt name is refused with the table's names, the new ones among them
     for method, fmt, expected in [
-        ("halfroud", "npz", "unknown quantization method 'halfroud'; known: rtn, gptq, awq, llm_int8, w8a8, halfround"),
+        ("halfroud", "npz", "unknown quantization method 'halfroud'; known: rtn, gptq, awq, llm_int8, w8a8, fp8, halfround"),
         ("halfround", "nzp", "export format 'nzp' is not available; available: compressed-tensors, gptq, gguf, onnx, tensorrt, npz"),
     ]:
         result = run_cli(["validate", _recipe(tmp_path, tiny_model_dir, text_dir, method, fmt)])

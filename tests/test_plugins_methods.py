@@ -44,7 +44,7 @@ def test_tables_match_the_schema() -> None:
     builtin = {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig, "llm_int8": LLMInt8Config, "w8a8": W8A8Config}
     for name, config in builtin.items():
         assert QUANT_METHODS[name].config is config and config.model_fields["method"].default == name
-    assert sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost) == ["rtn", "llm_int8", "w8a8", "awq", "gptq"]
+    assert sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost) == ["rtn", "llm_int8", "w8a8", "fp8", "awq", "gptq"]
     assert all(issubclass(method.config, WeightQuantConfig) for method in [*QUANT_METHODS.values(), HALFROUND])
 
 
@@ -99,7 +99,7 @@ def test_unregistered_method_is_a_validation_error(tmp_path: Path, tiny_model_di
     recipe = halfround_recipe(tmp_path, tiny_model_dir, text_dir)
     result = run_cli(["validate", recipe])
     assert result.exit_code == 2
-    assert "stages[0].quantize: unknown quantization method 'halfround'; known: rtn, gptq, awq, llm_int8, w8a8" in result.output
+    assert "stages[0].quantize: unknown quantization method 'halfround'; known: rtn, gptq, awq, llm_int8, w8a8, fp8" in result.output
     assert "Traceback" not in result.output
 
 
