@@ -103,12 +103,20 @@ def quantize_each_layer(
             for name, module in members:
                 record = quantize(module.weight.detach().to(ctx.device), scheme_of(name))
                 layers[name] = install_record(model, name, module, record, ctx, label)
+    return quantize_record(
+        cfg, start, {**summarize(layers, unused_ignore, cfg.summary_scheme()), **({"gguf_mix": mix} if mix else {})}, layers
+    )
+
+
+def quantize_record(cfg: Any, started: float, summary: dict, layers: dict, method: str | None = None) -> StageRecord:
+    """The StageRecord of a ``quantize`` stage that began at ``time.perf_counter()`` == ``started``: its method
+    (``cfg.method`` unless given), its config as JSON, the duration, the summary and the per-layer facts."""
     return StageRecord(
         kind="quantize",
-        method=cfg.method,
+        method=method or cfg.method,
         config=cfg.model_dump(mode="json"),
-        duration_s=time.perf_counter() - start,
-        summary={**summarize(layers, unused_ignore, cfg.summary_scheme()), **({"gguf_mix": mix} if mix else {})},
+        duration_s=time.perf_counter() - started,
+        summary=summary,
         layers=layers,
     )
 

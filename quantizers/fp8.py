@@ -32,7 +32,7 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import select_or_fail, summarize
+from compress.quantizers.apply import quantize_record, select_or_fail, summarize
 from compress.quantizers.core import FP8_MAX, sqnr_db
 from compress.quantizers.fp8_config import BLOCK, FP8Config
 from compress.quantizers.llm_int8 import collect_input_absmax, swap_module
@@ -300,11 +300,4 @@ class FP8Stage:
         )
         if cfg.activations == "static":
             summary.update(calibration_tokens=cal_tokens, peak_memory_mb=round(peak_memory_mb(ctx.device), 1))
-        return StageRecord(
-            kind="quantize",
-            method=cfg.method,
-            config=cfg.model_dump(mode="json"),
-            duration_s=time.perf_counter() - start,
-            summary=summary,
-            layers=layers,
-        )
+        return quantize_record(cfg, start, summary, layers)

@@ -44,7 +44,7 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.progress import Reporter
-from compress.quantizers.apply import install_record, select_or_fail, summarize
+from compress.quantizers.apply import install_record, quantize_record, select_or_fail, summarize
 from compress.quantizers.configs import Int8ChannelConfig, Kernel, LLMInt8Config, ResolvedKernel
 from compress.quantizers.core import QuantizedWeight, round_scale, scale_torch_dtype
 from compress.quantizers.sequential import StopForward, peak_memory_mb
@@ -396,14 +396,7 @@ class LLMInt8Stage:
             outlier_indices=indices,  # only layers with 1..SHORT_INDEX_LIST calibrated outliers
             outlier_fp16_bytes=extra_bytes,
         )
-        return StageRecord(
-            kind="quantize",
-            method=cfg.method,
-            config=cfg.model_dump(mode="json"),
-            duration_s=time.perf_counter() - start,
-            summary=summary,
-            layers=layers,
-        )
+        return quantize_record(cfg, start, summary, layers)
 
 
 def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:

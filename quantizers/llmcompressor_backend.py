@@ -41,7 +41,7 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError, FormatError
 from compress.experts import expert_view
-from compress.quantizers.apply import install_record, summarize
+from compress.quantizers.apply import install_record, quantize_record, summarize
 from compress.quantizers.compressed_tensors_args import LINEAR_TARGET, weight_args
 from compress.quantizers.core import QuantizedWeight, one_cpu_thread, scale_torch_dtype
 from compress.quantizers.sequential import peak_memory_mb, select_block_linears
@@ -320,11 +320,4 @@ def apply_llmcompressor(model: nn.Module, ctx: RunContext, cfg: GPTQConfig | AWQ
         float_tensors_taken=taken,
         not_mapped=not_mapped(cfg),
     )
-    return StageRecord(
-        kind="quantize",
-        method=cfg.method,
-        config=cfg.model_dump(mode="json"),
-        duration_s=time.perf_counter() - start,
-        summary=summary,
-        layers=layer_info,
-    )
+    return quantize_record(cfg, start, summary, layer_info)

@@ -30,7 +30,7 @@ from compress import streaming
 from compress.calibration_checks import check_finite, check_layer_errors
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import select_or_fail, summarize
+from compress.quantizers.apply import quantize_record, select_or_fail, summarize
 from compress.quantizers.arch import Architecture, architecture_of, decoder_blocks, output_head, submodule
 from compress.quantizers.configs import MoECalibration
 from compress.quantizers.moe import calibration_rows, coverage_summary, expert_linears, experts_as_linears
@@ -281,11 +281,4 @@ def run_layerwise(
             rows = calibration_rows(coverage, name)
             if rows is not None:
                 info["calibration_tokens"] = rows
-    return StageRecord(
-        kind="quantize",
-        method=method,
-        config=cfg.model_dump(mode="json"),
-        duration_s=time.perf_counter() - start,
-        summary=summary,
-        layers=layer_info,
-    )
+    return quantize_record(cfg, start, summary, layer_info, method=method)

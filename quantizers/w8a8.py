@@ -35,7 +35,7 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import install_record, summarize
+from compress.quantizers.apply import install_record, quantize_record, summarize
 from compress.quantizers.arch import Architecture, AWQMapping, architecture_of, decoder_blocks
 from compress.quantizers.awq import fold_scales
 from compress.quantizers.compressed_tensors_args import TOKEN_INT8_ACTIVATIONS
@@ -246,11 +246,4 @@ class W8A8Stage:
             calibration_tokens=tokens,
             peak_memory_mb=round(peak_memory_mb(ctx.device), 1),
         )
-        return StageRecord(
-            kind="quantize",
-            method=cfg.method,
-            config=cfg.model_dump(mode="json"),
-            duration_s=time.perf_counter() - start,
-            summary=summary,
-            layers=layers,
-        )
+        return quantize_record(cfg, start, summary, layers)
