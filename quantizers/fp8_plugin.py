@@ -13,7 +13,7 @@ from typing import Any
 from compress.eval.plan.estimates import RTN_WEIGHTS_PER_S, Estimate, PlanStep, forward_s
 from compress.plugin_types import QuantMethod
 from compress.quantizers.fp8_config import FP8Config
-from compress.quantizers.plugin import calibrated_estimate
+from compress.quantizers.plugin import calibrated_estimate, layer_weights
 
 
 def _fp8_stage() -> type:
@@ -23,7 +23,7 @@ def _fp8_stage() -> type:
 
 
 def _fp8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
-    weights = sum(r.out_f * r.in_f for r in layers.values())
+    weights = layer_weights(layers)
     rounding = weights / RTN_WEIGHTS_PER_S
     if step.config.activations == "static":  # one forward to find each layer's input absmax, then rounding
         seconds = forward_s(step.shape.params, step.cal_tokens) + rounding

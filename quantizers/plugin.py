@@ -32,7 +32,7 @@ from compress.schema.quantize import SENSITIVITY_SAMPLES, WeightQuantConfig
 # --------------------------------------------------------------------------- shared plan formulas
 
 
-def _weights(layers: dict[str, Any]) -> int:
+def layer_weights(layers: dict[str, Any]) -> int:
     return sum(r.out_f * r.in_f for r in layers.values())
 
 
@@ -102,7 +102,7 @@ def _rtn_stage() -> type:
 
 
 def _rtn_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
-    weights = _weights(layers)
+    weights = layer_weights(layers)
     widest = max((r.out_f * r.in_f for r in layers.values()), default=0)
     return Estimate(
         step.held_bytes + 6 * widest,  # the largest layer's float32 work copy and uint8 codes
@@ -132,7 +132,7 @@ def _gptq_stage() -> type:
 
 
 def _gptq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
-    weights = _weights(layers)
+    weights = layer_weights(layers)
     products = sum(hessian_products(w) for w in distinct_inputs(layers).values())
     seconds = forward_s(weights, step.cal_tokens) + 2 * products * step.cal_tokens / CPU_FORWARD_FLOPS
     how = (
@@ -166,7 +166,7 @@ def _awq_stage() -> type:
 
 
 def _awq_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
-    cfg, weights = step.config, _weights(layers)
+    cfg, weights = step.config, layer_weights(layers)
     seconds = forward_s(weights, step.cal_tokens) + 1.25 * cfg.grid * forward_s(weights, cfg.search_tokens)
     how = (
         f"forward over {step.cal_tokens:,} calibration tokens + {cfg.grid} scale candidates x "
@@ -208,7 +208,7 @@ def _llm_int8_records_only() -> Any:
 
 def _llm_int8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     # one pass to find outlier columns, then rounding
-    seconds = forward_s(step.shape.params, step.cal_tokens) + _weights(layers) / RTN_WEIGHTS_PER_S
+    seconds = forward_s(step.shape.params, step.cal_tokens) + layer_weights(layers) / RTN_WEIGHTS_PER_S
     how = f"one forward over {step.cal_tokens:,} calibration tokens, then rounding"
     return calibrated_estimate(step, layers, seconds, how, 0, "per-column maxima")  # one vector per Linear
 
@@ -241,7 +241,7 @@ def _w8a8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     # with smoothing, LLM.int8's: one pass for the per-channel input maxima, then rounding
     if step.config.smoothing is not None:
         return _llm_int8_estimate(step, layers)
-    seconds = _weights(layers) / RTN_WEIGHTS_PER_S
+    seconds = layer_weights(layers) / RTN_WEIGHTS_PER_S
     return Estimate(step.held_bytes, seconds, f"rounding only (smoothing: null); ~{RTN_WEIGHTS_PER_S:.0e} weights/s")
 
 
