@@ -129,6 +129,44 @@ def test_linear_equals_a_hand_computation() -> None:
     assert float(xq.abs().max()) <= FP8_MAX * 0.02 + 1e-6  # inputs beyond 448 x scale saturate
 
 
+def kernel_and_simulation(device: str, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's own FP8 GEMM (``torch._scaled_mm``, one float32 scale a token and an output channel) on
+    ``device``, and the stage's simulation of it (``FP8Linear``, weights channel, activations dynamic),
+    for the same record and input: a [64, 256] x [256, 96] product with a few large input channels."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(256, 96, bias=False)
+    x = torch.randn(64, 256)
+    x[:, [7, 100]] *= 30
+    record = quantize_weight_fp8(linear.weight.detach(), "channel")
+    with torch.no_grad():
+        simulated = FP8Linear(linear, record, "dynamic")(x)
+    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    a, w = to_e4m3(x / scale).to(device), record.weight.to(device)
+    kernel = torch._scaled_mm(a, w.t(), scale_a=scale.to(device), scale_b=record.scale.reshape(1, -1).to(device), out_dtype=out_dtype)
+    return kernel.float().cpu(), simulated
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="this torch has no _scaled_mm")
+def test_linear_is_what_torchs_fp8_gemm_computes_on_the_cpu() -> None:
+    """The simulation is the runtime's product, not an approximation of it: torch's CPU FP8 GEMM gives
+    the same float32 result (up to the order of the float32 sums: 1e-6 of the largest output)."""
+    kernel, simulated = kernel_and_simulation("cpu", torch.float32)
+    assert float((kernel - simulated).abs().max()) <= 1e-6 * float(simulated.abs().max())
+
+
+@pytest.mark.runtime
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="no CUDA device with FP8 tensor cores (compute capability 8.9+; CI has none; run where a GPU is lent)",
+)
+def test_linear_is_what_the_cuda_fp8_gemm_computes() -> None:
+    """On an FP8 GPU (Ada, Hopper, Blackwell) cuBLASLt's row-wise-scaled GEMM, bfloat16 out as vLLM's
+    FP8 Linear returns, equals the simulation to bfloat16's rounding (2^-8 of the largest output,
+    with the accumulation's order on top: 2^-7)."""
+    kernel, simulated = kernel_and_simulation("cuda", torch.bfloat16)
+    assert float((kernel - simulated).abs().max()) <= 2.0**-7 * float(simulated.abs().max())
+
+
 def test_config_fixes_the_scheme() -> None:
     cfg = FP8Config()
     assert (cfg.bits, cfg.group_size, cfg.scale_dtype, cfg.weights, cfg.activations, cfg.needs_calibration) == (

@@ -87,6 +87,22 @@ def test_linear_equals_the_hand_integer_computation() -> None:
     assert y.shape == (3, 7, 40) and y.dtype == torch.float32
 
 
+@pytest.mark.runtime
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (CI has none; run where a GPU is lent)")
+def test_cuda_layer_equals_the_cpu_layer() -> None:
+    """On a GPU the int8 product runs in ``torch._int_mm`` (exact int32 sums), so the layer's output is the
+    CPU layer's up to the float32 scaling's rounding."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96)
+    x = torch.randn(64, 256) * 3
+    x[:, [3, 50]] *= 20
+    layer = W8A8Linear(linear, quantize_weight_int8(linear.weight), "torch")
+    with torch.no_grad():
+        cpu = layer(x)
+        gpu = copy.deepcopy(layer).cuda()(x.cuda()).cpu()
+    assert torch.allclose(gpu, cpu, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- smoothing
 
 
