@@ -1,13 +1,18 @@
-"""W8A8 plain vs W8A8 SmoothQuant vs LLM.int8() on one model, on the same text, scored in one pass.
+"""W8A8 plain vs W8A8 SmoothQuant vs LLM.int8() (and FP8 W8A8 with ``--fp8``) on one model, on the same text.
 
     python scripts/experiments/w8a8_smoothquant.py                       # recipes/w8a8-smoothquant.yaml's model and data
     python scripts/experiments/w8a8_smoothquant.py --alphas 0.5,0.8 --threads 2
+    python scripts/experiments/w8a8_smoothquant.py --fp8 --model reference:qwen2.5-coder-1.5b-float-untied \
+        --samples 8 --calibration-samples 16                             # issue 55's Qwen rows
 
 The model and data (calibration text, and the evaluation text held apart from it) are those of
 ``recipes/w8a8-smoothquant.yaml``. Each candidate is quantized from the same float model by the stage a
 recipe runs (``method: w8a8`` with ``smoothing: null`` and each alpha; ``method: llm_int8`` at threshold
-6.0) and scored against the float model in one ``compare`` pass: KL divergence, top-1 agreement and
-perplexity with their 95% bootstrap intervals over the evaluation sequences. Prints a Markdown table.
+6.0; ``--fp8``: ``method: fp8`` with channel and with block weights, dynamic inputs) and scored against
+the float model on the same evaluation sequences: KL divergence, top-1 agreement and perplexity with
+their 95% bootstrap intervals. One candidate is in memory at a time (a 1.5B model's float32 copy is
+6 GB), each scored in a ``compare`` pass of its own beside the float model, whose perplexity is the
+same in every pass. Prints a Markdown table.
 (`compress bench quant` scores one configuration per method, so it cannot put plain and smoothed W8A8
 side by side.)
 """
@@ -29,6 +34,8 @@ from compress.eval.bench.quant import load_bench_inputs, working_copy  # noqa: E
 from compress.eval.metrics import compare, torch_forward  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.configs import LLMInt8Config, SmoothingConfig, W8A8Config  # noqa: E402
+from compress.quantizers.fp8 import FP8Stage  # noqa: E402
+from compress.quantizers.fp8_config import FP8Config  # noqa: E402
 from compress.quantizers.llm_int8 import LLMInt8Stage  # noqa: E402
 from compress.quantizers.w8a8 import W8A8Stage  # noqa: E402
 from compress.recipe import load_recipe  # noqa: E402
@@ -36,8 +43,12 @@ from compress.recipe import load_recipe  # noqa: E402
 RECIPE = ROOT / "recipes" / "w8a8-smoothquant.yaml"
 
 
-def stages(alphas: list[float]) -> dict[str, object]:
-    found: dict[str, object] = {"W8A8 plain (smoothing: null)": W8A8Stage(W8A8Config(smoothing=None), "w8a8")}
+def stages(alphas: list[float], fp8: bool) -> dict[str, object]:
+    found: dict[str, object] = {}
+    if fp8:
+        for weights in ("channel", "block"):
+            found[f"FP8 W8A8, {weights} weights, dynamic inputs"] = FP8Stage(FP8Config(weights=weights, activations="dynamic"), "fp8")
+    found["W8A8 plain (smoothing: null)"] = W8A8Stage(W8A8Config(smoothing=None), "w8a8")
     for alpha in alphas:
         found[f"W8A8 SmoothQuant alpha {alpha:g}"] = W8A8Stage(W8A8Config(smoothing=SmoothingConfig(alpha=alpha)), "w8a8")
     found["LLM.int8() threshold 6.0"] = LLMInt8Stage(LLMInt8Config(threshold=6.0), "llm_int8")
@@ -50,28 +61,37 @@ def interval(scores: dict, metric: str, digits: int) -> str:
     return value if ci is None else f"{value} [{ci['lower']:.{digits}f}, {ci['upper']:.{digits}f}]"
 
 
-def main(alphas: list[float], threads: int) -> None:
+def main(alphas: list[float], threads: int, fp8: bool, model: str | None, samples: int | None, calibration_samples: int | None) -> None:
     recipe = load_recipe(RECIPE).recipe
+    data = recipe.data
+    if samples is not None:
+        data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": samples})})
+    if calibration_samples is not None:
+        data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": calibration_samples})})
+    source = model or recipe.model.source
     reporter = Reporter(quiet=True)
-    lm, calibration, evaluation, eval_cfg = load_bench_inputs(recipe.model.source, recipe.data, threads, reporter, recipe.model.dtype)
+    lm, calibration, evaluation, eval_cfg = load_bench_inputs(source, data, threads, reporter, recipe.model.dtype)
     cpu = torch.device("cpu")
-    candidates, seconds = {}, {}
-    for name, stage in stages(alphas).items():
-        model = working_copy(lm.model, stage.config)  # read whole: neither stage streams
+    baseline = torch_forward(lm.model, cpu)
+    scores, seconds = {}, {}
+    for name, stage in stages(alphas, fp8).items():
+        quantized = working_copy(lm.model, stage.config)  # read whole: no stage here streams
         ctx = RunContext(seed=0, device=cpu, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
         started = time.perf_counter()
-        stage.apply(model, ctx)
+        stage.apply(quantized, ctx)
         seconds[name] = time.perf_counter() - started
-        candidates[name] = torch_forward(model, cpu)
         print(f"quantized {name} in {seconds[name]:.1f} s", flush=True)
-    scores = compare(torch_forward(lm.model, cpu), candidates, evaluation.tokens, eval_cfg.min_context, eval_cfg.batch_size)
+        found = compare(baseline, {name: torch_forward(quantized, cpu)}, evaluation.tokens, eval_cfg.min_context, eval_cfg.batch_size)
+        scores[name], scores["baseline"] = found[name], found["baseline"]
+        print(f"scored {name}: KL {interval(found[name], 'kl_divergence', 5)}", flush=True)
+        del quantized, found
     n, length = evaluation.tokens.shape
-    print(f"\n{recipe.model.source}; calibration {calibration.tokens.shape[0]} x {calibration.tokens.shape[1]} tokens; ")
+    print(f"\n{source}; calibration {calibration.tokens.shape[0]} x {calibration.tokens.shape[1]} tokens; ")
     print(f"evaluation {n} x {length} tokens (held apart), min_context {eval_cfg.min_context}; {threads} threads")
     print(f"float perplexity {interval(scores['baseline'], 'perplexity', 3)}\n")
     print("| candidate | KL divergence [95% interval] | top-1 agreement | perplexity | quantize, s |")
     print("|---|---|---|---|---|")
-    for name in candidates:
+    for name in seconds:
         s = scores[name]
         print(
             f"| {name} | {interval(s, 'kl_divergence', 5)} | {interval(s, 'top1_agreement', 4)} | "
@@ -83,5 +103,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--alphas", default="0.5", help="Comma-separated SmoothQuant alphas, each a row.")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fp8", action="store_true", help="Add FP8 W8A8 rows (channel and block weights, dynamic inputs).")
+    parser.add_argument("--model", help="Another model source than the recipe's, e.g. reference:qwen2.5-coder-1.5b-float-untied.")
+    parser.add_argument("--samples", type=int, help="Evaluation sequences (the recipe's: 32).")
+    parser.add_argument("--calibration-samples", type=int, help="Calibration sequences (the recipe's: 32).")
     args = parser.parse_args()
-    main([float(a) for a in args.alphas.split(",")], args.threads)
+    main([float(a) for a in args.alphas.split(",")], args.threads, args.fp8, args.model, args.samples, args.calibration_samples)
