@@ -64,7 +64,8 @@ def main(args: argparse.Namespace) -> None:
     cpu = torch.device("cpu")
     baseline = torch_forward(lm.model, cpu)
     groups = [None if g == "channel" else int(g) for g in args.groups.split(",")]
-    chains = {name: chain for group in groups for name, chain in candidates(group, args.gptq).items()}
+    chains = {"hadamard rotation alone (no quantization: its KL is the rotation's float32 rounding)": [ROTATE]} if args.check else {}
+    chains.update({name: chain for group in groups for name, chain in candidates(group, args.gptq).items()})
     scores, seconds = {}, {}
     for name, chain in chains.items():
         model = copy.deepcopy(lm.model)
@@ -103,4 +104,5 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=32, help="Evaluation sequences.")
     parser.add_argument("--calibration-samples", type=int, default=128, help="Calibration sequences (GPTQ).")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--check", action="store_true", help="First a row with the rotation alone: its KL must be ~0.")
     main(parser.parse_args())
