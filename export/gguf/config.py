@@ -102,7 +102,9 @@ class GGUFExportConfig(BaseExportConfig):
     """A GGUF file for llama.cpp (exports/<name>/model.gguf), verified in llama.cpp."""
 
     own_runtime: ClassVar[bool] = True
-    fp8_refusal: ClassVar[str | None] = "llama.cpp has no FP8 (E4M3) tensor type, so a GGUF file cannot hold these weights"
+    float_refusals: ClassVar[dict[str, str | None]] = {
+        "fp8": "llama.cpp has no FP8 (E4M3) tensor type, so a GGUF file cannot hold these weights",
+    }
 
     format: Literal["gguf"] = Field("gguf", description=FORMAT_DOC)
     type: str = Field(
