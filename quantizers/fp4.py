@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.quantizers.apply import quantize_record, select_or_fail, summarize
 from compress.quantizers.core import FP8_MAX, sqnr_db
-from compress.quantizers.fp4_config import GROUP, Format, FP4Config
+from compress.quantizers.fp4_config import GROUP, SCALE_DTYPE, Format, FP4Config, FP4Scheme
 from compress.quantizers.llm_int8 import swap_module
 
 E4M3 = torch.float8_e4m3fn
@@ -152,6 +153,17 @@ class FP4Weight:
     @property
     def group(self) -> int:
         return GROUP[self.format]
+
+    @property
+    def scheme(self) -> FP4Scheme:
+        return FP4Scheme(bits=4, group_size=self.group, symmetric=True, scale_dtype=SCALE_DTYPE[self.format])
+
+    plain = False
+    """Not on a plain integer grid (exporters that read ``QuantizedWeight.plain``: its values are ``dequantize()``)."""
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FP4Weight:
+        """The record with ``fn`` (a permutation of rows) applied to the rows of its codes and scales."""
+        return FP4Weight(self.format, fn(self.packed), fn(self.scale), self.global_scale)
 
     def codes(self) -> torch.Tensor:
         """uint8 [out, in] 4-bit codes."""

@@ -39,8 +39,12 @@ class FP4Scheme(QuantScheme):
     def tensor_scale_bits(self) -> int:
         return 32 if self.scale_dtype == SCALE_DTYPE["nvfp4"] else 0
 
+    @property
+    def format(self) -> Format:
+        return "nvfp4" if self.tensor_scale_bits else "mxfp4"
+
     def describe(self) -> str:
-        return f"{'NVFP4' if self.tensor_scale_bits else 'MXFP4'} g{self.group_size}"
+        return f"{self.format.upper()} g{self.group_size}"
 
 
 class FP4Config(WeightQuantConfig):

@@ -307,3 +307,50 @@ def test_plan_sizes_fp4(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, fm
     quantized = layers * sum(o * n for o, n in shapes)
     global_bits = 32 * 7 * layers if fmt == "nvfp4" else 0
     assert ct["size_bytes"] == int((quantized * bits + global_bits + (plan["model"]["parameters"] - quantized) * 32) / 8)
+
+
+# --------------------------------------------------------------------------- GGUF (MXFP4 blocks; NVFP4 refused)
+
+
+def test_mxfp4_blocks_read_back_exactly_with_gguf_py() -> None:
+    """pack_mxfp4's bytes, decoded by gguf-py's own MXFP4 dequantizer, are the record's values bit for bit
+    (zero groups, E = 0's subnormal scale and saturated values included)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from compress.export.gguf.blocks import pack_mxfp4, record_problem
+
+    w = _weight()
+    w[9] = 1e-39  # a subnormal group: E = 0
+    record = quantize_weight_fp4(w, "mxfp4")
+    assert int(record.scale[9, 0]) == 0
+    data = pack_mxfp4(record)
+    assert data.shape == (48, 4 * 17) and data.dtype == np.uint8
+    got = quants.dequantize(data, GGMLQuantizationType.MXFP4).reshape(48, 128)
+    assert np.array_equal(got, record.dequantize().numpy())
+    assert record_problem(record, "mxfp4") is None
+    assert "not Q4_0 blocks" in record_problem(record, "q4_0")
+    assert "not MXFP4 blocks" in record_problem(quantize_weight_fp4(w, "nvfp4"), "mxfp4")
+
+
+def test_mxfp4_recipe_exports_gguf_exactly_and_runs_in_llama_cpp(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """fp4 mxfp4 -> GGUF (type auto: MXFP4 blocks), read back bit for bit with gguf-py, run in llama.cpp: the
+    same-weights KL against the in-memory FP4 model passes."""
+    pytest.importorskip("llama_cpp")
+    text = recipe_text(tiny_model_dir, text_dir).replace(RTN, "      method: fp4\n      format: mxfp4\n")
+    text = text.replace("exports: []\n", "exports:\n  - format: gguf\n")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    entry = json.loads((out / "manifest.json").read_text())["exports"][0]
+    assert entry["type"] == "mxfp4" and entry["records_exact"] == 14 and entry["verified"], entry
+    assert entry["tensor_types"]["mxfp4 (record)"] == 14  # the plan, and the file as gguf-py reads it:
+    assert sum(t == "mxfp4" for t in entry["tensor_type_of"].values()) == 14 and entry["tensor_type_of"]["blk.0.attn_q.weight"] == "mxfp4"
+    assert "bit-exact" in entry["check"] and "same-weights KL" in entry["check"]
+
+
+def test_nvfp4_gguf_is_refused_naming_the_export(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    text = recipe_text(tiny_model_dir, text_dir).replace(RTN, "      method: fp4\n").replace("exports: []\n", "exports:\n  - format: gguf\n")
+    result = run_cli(["validate", write_recipe(tmp_path, text)])
+    assert result.exit_code == 2 and "exports[0]" in result.output and "Traceback" not in result.output, result.output
+    assert "NVFP4 block" in result.output and "global scale" in " ".join(result.output.split()), result.output
