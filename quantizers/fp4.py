@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -276,7 +277,96 @@ def load_fp4_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: 
     return names
 
 
+# --------------------------------------------------------------------------- GPTQ on the FP4 grid
+
+
+def e2m1_nearest_numpy(x: np.ndarray) -> np.ndarray:
+    """NumPy's ``e2m1_values(e2m1_codes(x))``: the nearest E2M1 value with ``x``'s sign (GPTQ's column loop on the CPU)."""
+    a = np.abs(x)
+    index = (a > 0.25).astype(np.intp) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
+    return np.copysign(E2M1_NUMPY[index], x)
+
+
+E2M1_NUMPY = np.array(E2M1_VALUES, dtype=np.float32)
+
+
+class FP4Grid:
+    """The FP4 grid of one weight for quantizers/gptq.py's column loop, its scales fixed from the original
+    weight before any column is rounded (GPTQ's static groups): ``GridParams``' attributes (``unit``, the
+    effective ``scale`` with zero ``zero`` and ``offset`` [out, in/group]), value rounding (``nearest``,
+    ``nearest_numpy``) and the record of the rounded values (``record``)."""
+
+    def __init__(self, weight: torch.Tensor, fmt: Format) -> None:
+        self.format = fmt
+        self.unit = GROUP[fmt]
+        self.stored, self.global_scale = fp4_scales(weight, fmt)
+        self.scale = effective_scales(self.stored, self.global_scale)
+        self.zero = torch.zeros_like(self.scale)
+        self.offset = torch.zeros_like(self.scale)
+        self.scheme = FP4Config(format=fmt).scheme()
+
+    def fix_all(self, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """Nothing to do: the scales were fixed from the original weight."""
+
+    def fix(self, index: int, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """Nothing to do: the scales were fixed from the original weight."""
+
+    @staticmethod
+    def nearest(x: torch.Tensor) -> torch.Tensor:
+        return e2m1_values(e2m1_codes(x))
+
+    nearest_numpy = staticmethod(e2m1_nearest_numpy)
+
+    def record(self, values: torch.Tensor) -> FP4Weight:
+        """The record of ``values`` [out, in], E2M1 values (what the column loop kept of each weight / scale)."""
+        return FP4Weight(
+            self.format, pack(e2m1_codes(values.cpu())), self.stored.cpu(), None if self.global_scale is None else self.global_scale.cpu()
+        )
+
+
 # --------------------------------------------------------------------------- the stage
+
+
+def install_fp4(model: nn.Module, name: str, module: nn.Linear, record: FP4Weight, ctx: RunContext, label: str) -> dict[str, Any]:
+    """Replace Linear ``name`` with an FP4Linear of ``record`` (a new Parameter: a tied weight is untied); its summary."""
+    original = module.weight.detach()
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
+    swap_module(model, name, FP4Linear(module, record))
+    ctx.quantized_by[name] = label
+    sqnr = sqnr_db(original, record.dequantize().to(original.device))
+    return {
+        "shape": list(record.shape),
+        "sqnr_db": round(sqnr, 3),
+        "relative_error": float(f"{0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10):.4g}"),
+        "bits_per_weight": round(record.bits_per_weight, 4),
+        **({"untied_from": tied} if tied else {}),
+    }
+
+
+def _fp4_gptq_stage() -> type:
+    """GPTQ's layer-wise stage with each layer rounded on the FP4 grid and installed as an FP4Linear."""
+    from compress.quantizers.gptq import GPTQStage, gptq_quantize
+
+    class FP4GPTQStage(GPTQStage):
+        def quantize_layer(
+            self, model: nn.Module, ctx: RunContext, name: str, module: nn.Linear, box: list[torch.Tensor], scheme: Any
+        ) -> dict[str, Any]:
+            cfg = self.config
+            grid = FP4Grid(module.weight.detach().to(torch.float32), cfg.format)
+            record, info = gptq_quantize(
+                module.weight,
+                box,
+                scheme,
+                cfg.dampening,
+                cfg.block_size,
+                cfg.act_order,
+                sub_block=self.sub_block,
+                numpy_columns=self.numpy_columns,
+                grid=grid,
+            )
+            return {**install_fp4(model, name, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
+
+    return FP4GPTQStage
 
 
 class FP4Stage:
@@ -299,26 +389,14 @@ class FP4Stage:
                 f"{label}: {cfg.format} scales groups of {GROUP[cfg.format]} inputs, and layer {ragged[0]} has "
                 f"{model.get_submodule(ragged[0]).in_features}; add it to `ignore`"
             )
-        layers: dict[str, dict] = {}
-        records: dict[str, torch.Tensor] = {}
-        for name, module in ctx.reporter.track(chosen, f"{label} fp4 {cfg.describe_scheme()}"):
-            original = module.weight.detach()
-            record = quantize_weight_fp4(original.to(ctx.device), cfg.format).cpu()
-            tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
-            swap_module(model, name, FP4Linear(module, record))  # a new Parameter: a tied weight is untied
-            sqnr = sqnr_db(original, record.dequantize())
-            layers[name] = {
-                "shape": list(record.shape),
-                "sqnr_db": round(sqnr, 3),
-                "relative_error": float(f"{0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10):.4g}"),
-                "bits_per_weight": round(record.bits_per_weight, 4),
-                **({"untied_from": tied} if tied else {}),
-            }
-            records.update(record.tensors(name))
-            ctx.quantized_by[name] = label
-        ctx.files[RECORDS_FILE] = records
-        summary = summarize(layers, unused_ignore, None)
-        summary.update(
+        if cfg.algorithm == "gptq":
+            record = replace(_fp4_gptq_stage()(cfg, label).apply(model, ctx), method=cfg.method)  # run_layerwise names it gptq
+        else:
+            record = self._rtn(model, ctx, chosen, unused_ignore, start)
+        ctx.files[RECORDS_FILE] = {
+            k: t for name, r in fp4_records(model).items() if name in record.layers for k, t in r.tensors(name).items()
+        }
+        record.summary.update(
             scheme=cfg.scheme().model_dump(mode="json"),
             weights={
                 "nvfp4": "E2M1, float8 E4M3 scale per 16 weights, float32 global scale per tensor",
@@ -327,4 +405,14 @@ class FP4Stage:
             activations="float (weight-only FP4)",
             records_file=RECORDS_FILE,
         )
-        return quantize_record(cfg, start, summary, layers)
+        return record
+
+    def _rtn(
+        self, model: nn.Module, ctx: RunContext, chosen: list[tuple[str, nn.Linear]], unused_ignore: list[str], start: float
+    ) -> StageRecord:
+        cfg, label = self.config, self.label
+        layers: dict[str, dict] = {}
+        for name, module in ctx.reporter.track(chosen, f"{label} fp4 {cfg.describe_scheme()}"):
+            record = quantize_weight_fp4(module.weight.detach().to(ctx.device), cfg.format).cpu()
+            layers[name] = install_fp4(model, name, module, record, ctx, label)
+        return quantize_record(cfg, start, summarize(layers, unused_ignore, None), layers)

@@ -9,7 +9,7 @@ out or given the format's values.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -48,7 +48,8 @@ class FP4Scheme(QuantScheme):
 
 
 class FP4Config(WeightQuantConfig):
-    """`quantize: {method: fp4, format, targets, ignore}`: NVFP4 or MXFP4 weights (W4A16), round to nearest."""
+    """`quantize: {method: fp4, format, algorithm, targets, ignore}`: NVFP4 or MXFP4 weights (W4A16), rounded to
+    nearest (rtn) or with GPTQ's error feedback on the FP4 grid (gptq; dampening, block_size, act_order, batch_size)."""
 
     method: Literal["fp4"] = "fp4"
     format: Format = Field(
@@ -57,6 +58,18 @@ class FP4Config(WeightQuantConfig):
         "tensor (NVIDIA Blackwell's NVFP4, llm-compressor's NVFP4A16); mxfp4: E2M1 values, one E8M0 (power-of-two) "
         "scale per 32 weights (OCP MXFP4, llm-compressor's MXFP4A16).",
     )
+    algorithm: Literal["rtn", "gptq"] = Field(
+        "rtn",
+        description="rtn: each weight to its nearest E2M1 value; gptq: GPTQ (Hessian of each layer's inputs over "
+        "data.calibration), each rounding error pushed onto the columns not yet rounded, on the FP4 grid with every "
+        "group's scale fixed from the original weights first (quantizers/gptq.py's column loop).",
+    )
+    dampening: float = Field(0.01, gt=0, lt=1, description="gptq: added to the Hessian diagonal, as a share of its mean.")
+    block_size: int = Field(128, ge=1, description="gptq: columns updated together (lazy batch updates).")
+    act_order: bool = Field(True, description="gptq: visit columns by decreasing Hessian diagonal (the scales stay fixed).")
+    batch_size: int = Field(8, ge=1, description="gptq: calibration chunks per forward pass.")
+    backend: ClassVar[str] = "compress"  # GPTQStage's question: fp4's gptq is ours
+    calibration_hint: ClassVar[str] = " (algorithm: gptq accumulates each layer's input Hessian)"
     bits: int = Field(4, description="Fixed at 4 for fp4 (E2M1 values: 1 sign, 2 exponent, 1 mantissa bit).")
     group_size: int | None = Field(
         None, description="Fixed by the format for fp4 (nvfp4: 16, mxfp4: 32); leave it out or give the format's value."
@@ -101,6 +114,10 @@ class FP4Config(WeightQuantConfig):
             )
         return {**data, "group_size": GROUP[fmt]}
 
+    @property
+    def needs_calibration(self) -> bool:
+        return self.algorithm == "gptq"
+
     def scheme(self) -> FP4Scheme:
         return FP4Scheme(bits=4, group_size=GROUP[self.format], symmetric=True, scale_dtype=SCALE_DTYPE[self.format])
 
@@ -110,7 +127,7 @@ class FP4Config(WeightQuantConfig):
         return self.format
 
     def describe_scheme(self) -> str:
-        return f"{self.format.upper()} weights (E2M1, group {self.group_size})"
+        return f"{self.format.upper()} weights (E2M1, group {self.group_size}, {self.algorithm})"
 
     def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
         """Refuses exports that cannot hold this format and other weight-quantizing stages (one scheme family a checkpoint)."""

@@ -12,7 +12,7 @@ from typing import Any
 from compress.eval.plan.estimates import RTN_WEIGHTS_PER_S, Estimate, PlanStep
 from compress.plugin_types import QuantMethod
 from compress.quantizers.fp4_config import FP4Config
-from compress.quantizers.plugin import layer_weights
+from compress.quantizers.plugin import GPTQ, layer_weights
 
 
 def _fp4_stage() -> type:
@@ -22,6 +22,8 @@ def _fp4_stage() -> type:
 
 
 def _fp4_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    if step.config.algorithm == "gptq":  # the same Hessians, solves and column loop as method gptq
+        return GPTQ.estimate(step, layers)
     weights = layer_weights(layers)
     widest = max((r.out_f * r.in_f for r in layers.values()), default=0)
     return Estimate(
@@ -38,5 +40,6 @@ FP4 = QuantMethod(
     load_stage=_fp4_stage,
     estimate=_fp4_estimate,
     cost=1,
-    description="NVFP4 (E2M1, float8 E4M3 scale per 16, float32 per tensor) or MXFP4 (E2M1, E8M0 scale per 32) weights",
+    description="NVFP4 (E2M1, float8 E4M3 scale per 16, float32 per tensor) or MXFP4 (E2M1, E8M0 scale per 32) weights, "
+    "rounded to nearest or with GPTQ's error feedback on the FP4 grid",
 )
