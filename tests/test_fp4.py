@@ -399,3 +399,21 @@ def test_gptq_stage_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: P
     no_cal = text[: text.index("  calibration:")] + text[text.index("  evaluation:") :]
     result = run_cli(["validate", write_recipe(tmp_path, no_cal, "nocal.yaml")])
     assert result.exit_code == 2 and "needs data.calibration" in result.output, result.output
+
+
+def test_plan_sizes_mxfp4_gguf(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """compress plan: a GGUF export of mxfp4 records is MXFP4 blocks (4.25 bits a weight), the other matrices Q8_0 as written."""
+    from transformers import AutoConfig
+
+    text = recipe_text(tiny_model_dir, text_dir).replace(RTN, "      method: fp4\n      format: mxfp4\n")
+    text = text.replace("exports: []\n", "exports:\n  - format: gguf\n")
+    result = run_cli(["plan", write_recipe(tmp_path, text), "--json", tmp_path / "plan.json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    gguf = next(a for a in plan["artifacts"] if a["artifact"] == "gguf")
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    quantized = layers * sum(o * n for o, n in [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)])
+    assert "mxfp4" in gguf["basis"] and "q8_0" in gguf["basis"], gguf
+    assert gguf["size_bytes"] == int((quantized * 4.25 + (plan["model"]["parameters"] - quantized) * 8.5) / 8)
