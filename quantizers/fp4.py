@@ -389,7 +389,7 @@ class FP4Stage:
                 f"{label}: {cfg.format} scales groups of {GROUP[cfg.format]} inputs, and layer {ragged[0]} has "
                 f"{model.get_submodule(ragged[0]).in_features}; add it to `ignore`"
             )
-        if cfg.algorithm == "gptq":
+        if cfg.uses_gptq:
             record = replace(_fp4_gptq_stage()(cfg, label).apply(model, ctx), method=cfg.method)  # run_layerwise names it gptq
         else:
             record = self._rtn(model, ctx, chosen, unused_ignore, start)

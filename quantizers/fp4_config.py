@@ -116,6 +116,11 @@ class FP4Config(WeightQuantConfig):
 
     @property
     def needs_calibration(self) -> bool:
+        return self.uses_gptq
+
+    @property
+    def uses_gptq(self) -> bool:
+        """``algorithm: gptq``: calibrated, layer-wise (quantizers/gptq.py's stage)."""
         return self.algorithm == "gptq"
 
     def scheme(self) -> FP4Scheme:

@@ -22,7 +22,7 @@ def _fp4_stage() -> type:
 
 
 def _fp4_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
-    if step.config.algorithm == "gptq":  # the same Hessians, solves and column loop as method gptq
+    if step.config.uses_gptq:  # the same Hessians, solves and column loop as method gptq
         return GPTQ.estimate(step, layers)
     weights = layer_weights(layers)
     widest = max((r.out_f * r.in_f for r in layers.values()), default=0)
