@@ -345,25 +345,13 @@ def install_fp4(model: nn.Module, name: str, module: nn.Linear, record: FP4Weigh
 
 def _fp4_gptq_stage() -> type:
     """GPTQ's layer-wise stage with each layer rounded on the FP4 grid and installed as an FP4Linear."""
-    from compress.quantizers.gptq import GPTQStage, gptq_quantize
+    from compress.quantizers.gptq import GPTQStage
 
     class FP4GPTQStage(GPTQStage):
         def quantize_layer(
             self, model: nn.Module, ctx: RunContext, name: str, module: nn.Linear, box: list[torch.Tensor], scheme: Any
         ) -> dict[str, Any]:
-            cfg = self.config
-            grid = FP4Grid(module.weight.detach().to(torch.float32), cfg.format)
-            record, info = gptq_quantize(
-                module.weight,
-                box,
-                scheme,
-                cfg.dampening,
-                cfg.block_size,
-                cfg.act_order,
-                sub_block=self.sub_block,
-                numpy_columns=self.numpy_columns,
-                grid=grid,
-            )
+            record, info = self.solve(module.weight, box, scheme, FP4Grid(module.weight.detach().to(torch.float32), self.config.format))
             return {**install_fp4(model, name, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
 
     return FP4GPTQStage

@@ -318,9 +318,14 @@ class GPTQStage:
         self, model: torch.nn.Module, ctx: RunContext, name: str, module: torch.nn.Linear, box: list[torch.Tensor], scheme: QuantScheme
     ) -> dict[str, Any]:
         """Quantize layer ``name`` with its Hessian (in ``box``, emptied) and install its record; its summary."""
+        record, info = self.solve(module.weight, box, scheme)
+        return {**install_record(model, name, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
+
+    def solve(self, weight: torch.Tensor, box: list[torch.Tensor], scheme: QuantScheme, grid: Any = None) -> tuple[Any, dict[str, float]]:
+        """``gptq_quantize`` with this stage's settings (``grid``: a float grid, see there)."""
         cfg = self.config
-        record, info = gptq_quantize(
-            module.weight,
+        return gptq_quantize(
+            weight,
             box,
             scheme,
             cfg.dampening,
@@ -328,8 +333,8 @@ class GPTQStage:
             cfg.act_order,
             sub_block=self.sub_block,
             numpy_columns=self.numpy_columns,
+            grid=grid,
         )
-        return {**install_record(model, name, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
 
     def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
         cfg = self.config

@@ -289,23 +289,28 @@ def test_bad_keys_exit_2_naming_the_key(tmp_path: Path, tiny_model_dir: Path, te
     assert result.exit_code == 2 and "quantizes weights too" in result.output, result.output
 
 
+def _quantized_weights(tiny_model_dir: Path) -> tuple[int, int]:
+    """(weights, matrices) of the tiny model's Linear layers inside its decoder blocks (what fp4 quantizes by default)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
+    return layers * sum(o * n for o, n in shapes), layers * len(shapes)
+
+
 @pytest.mark.parametrize(("fmt", "bits"), [("nvfp4", 4.5), ("mxfp4", 4.25)])
 def test_plan_sizes_fp4(tmp_path: Path, tiny_model_dir: Path, text_dir: Path, fmt: str, bits: float) -> None:
     """compress plan: 4 bits a weight + an 8-bit scale a group (+ nvfp4's float32 a tensor), the rest at the model dtype."""
-    from transformers import AutoConfig
-
     text = recipe_text(tiny_model_dir, text_dir).replace(RTN, f"      method: fp4\n      format: {fmt}\n")
     text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n")
     result = run_cli(["plan", write_recipe(tmp_path, text), "--json", tmp_path / "plan.json"])
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "plan.json").read_text())
     ct = next(a for a in plan["artifacts"] if a["artifact"] == "compressed-tensors")
-    cfg = AutoConfig.from_pretrained(tiny_model_dir)
-    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
-    quantized = layers * sum(o * n for o, n in shapes)
-    global_bits = 32 * 7 * layers if fmt == "nvfp4" else 0
+    quantized, matrices = _quantized_weights(tiny_model_dir)
+    global_bits = 32 * matrices if fmt == "nvfp4" else 0
     assert ct["size_bytes"] == int((quantized * bits + global_bits + (plan["model"]["parameters"] - quantized) * 32) / 8)
 
 
@@ -403,17 +408,12 @@ def test_gptq_stage_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: P
 
 def test_plan_sizes_mxfp4_gguf(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
     """compress plan: a GGUF export of mxfp4 records is MXFP4 blocks (4.25 bits a weight), the other matrices Q8_0 as written."""
-    from transformers import AutoConfig
-
     text = recipe_text(tiny_model_dir, text_dir).replace(RTN, "      method: fp4\n      format: mxfp4\n")
     text = text.replace("exports: []\n", "exports:\n  - format: gguf\n")
     result = run_cli(["plan", write_recipe(tmp_path, text), "--json", tmp_path / "plan.json"])
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "plan.json").read_text())
     gguf = next(a for a in plan["artifacts"] if a["artifact"] == "gguf")
-    cfg = AutoConfig.from_pretrained(tiny_model_dir)
-    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-    quantized = layers * sum(o * n for o, n in [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)])
+    quantized, _ = _quantized_weights(tiny_model_dir)
     assert "mxfp4" in gguf["basis"] and "q8_0" in gguf["basis"], gguf
     assert gguf["size_bytes"] == int((quantized * 4.25 + (plan["model"]["parameters"] - quantized) * 8.5) / 8)
