@@ -20,10 +20,12 @@ Layout (written atomically by the pipeline)::
         The experts of a fused mixture-of-experts block (compress/experts.py) are always stored here:
         pack-quantized targets Linear layers, and model.safetensors holds the fused ``gate_up_proj`` /
         ``down_proj`` parameters with every expert's dequantized weights.
-    fp8/records.safetensors
+    fp8/records.safetensors, fp4/records.safetensors
         only after a ``quantize: {method: fp8}`` stage: its FP8 records (float8 weights, float32 scales,
-        static input scales; quantizers/fp8.py), which are no QuantizedWeight records. model/ holds
-        those layers' dequantized weights as float Linears; ``load_artifact`` makes them FP8 layers again.
+        static input scales; quantizers/fp8.py); after ``{method: fp4}``: its FP4 records (packed E2M1
+        codes, group scales, NVFP4's global scale; quantizers/fp4.py). They are no QuantizedWeight
+        records. model/ holds those layers' dequantized weights as float Linears; ``load_artifact``
+        makes them FP8 / FP4 layers again.
 
 manifest.json ``quantization`` names the layout (``weights_format``: WEIGHTS_FORMAT) and, per
 quantized layer, its scheme and where it is stored (``stored_as``). The records read back from
@@ -207,28 +209,30 @@ def load_artifact(directory: str | Path, dtype: torch.dtype | None = None) -> tu
     if hasattr(config, "quantization_config"):  # records are dequantized here: a float model for transformers
         del config.quantization_config
     model = assemble_model(config, floats, records, dtype or getattr(torch, dtype_name), f"{directory}: {MODEL_DIR}/")
-    _load_fp8(directory, model)
+    _load_float_grid_layers(directory, model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tokenizer, records
 
 
-def _load_fp8(directory: Path, model: nn.Module) -> None:
-    """FP8 layers (quantizers/fp8.py) from the artifact's FP8 records file: model/ holds them as float
-    Linears, the records file their float8 weights and scales, the manifest how their inputs are quantized."""
+def _load_float_grid_layers(directory: Path, model: nn.Module) -> None:
+    """FP8 and FP4 layers (quantizers/fp8.py, fp4.py) from the artifact's records files: model/ holds them as
+    float Linears, the records file their codes and scales, the manifest the stage's config (format, inputs)."""
     from safetensors.torch import load_file
 
-    from compress.quantizers.fp8 import RECORDS_FILE, load_fp8_layers
+    from compress.quantizers import fp4, fp8
 
-    path = directory / RECORDS_FILE
-    if not path.is_file():
-        return
-    check_safetensors(path)
-    try:
-        load_fp8_layers(model, load_file(str(path)), check_json(directory / "manifest.json").get("stages") or [])
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise ArtifactError(
-            f"{path}: its FP8 records do not fit the model and manifest ({type(exc).__name__}: {str(exc)[:200]}); run the recipe again"
-        ) from None
+    for kind, records_file, load_layers in (("FP8", fp8.RECORDS_FILE, fp8.load_fp8_layers), ("FP4", fp4.RECORDS_FILE, fp4.load_fp4_layers)):
+        path = directory / records_file
+        if not path.is_file():
+            continue
+        check_safetensors(path)
+        try:
+            load_layers(model, load_file(str(path)), check_json(directory / "manifest.json").get("stages") or [])
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ArtifactError(
+                f"{path}: its {kind} records do not fit the model and manifest ({type(exc).__name__}: {str(exc)[:200]}); "
+                "run the recipe again"
+            ) from None
 
 
 def _manifest_facts(directory: Path) -> tuple[str, dict[str, QuantScheme], str]:

@@ -28,6 +28,7 @@ from compress.export.onnx.plugin import ONNX
 from compress.export.tensorrt.plugin import TENSORRT
 from compress.plugin_types import QuantMethod, StageKind
 from compress.pruning.plugin import PRUNE
+from compress.quantizers.fp4_plugin import FP4
 from compress.quantizers.fp8_plugin import FP8
 from compress.quantizers.plugin import AWQ, GPTQ, KV_CACHE, LLM_INT8, RTN, W8A8, quantize_kind
 from compress.quantizers.rotate.plugin import ROTATE
@@ -53,6 +54,7 @@ QUANT_METHODS: dict[str, QuantMethod] = {
     "llm_int8": LLM_INT8,  # quantizers/llm_int8.py
     "w8a8": W8A8,  # quantizers/w8a8.py
     "fp8": FP8,  # quantizers/fp8.py
+    "fp4": FP4,  # quantizers/fp4.py
 }
 """``quantize: {method: <name>}`` -> its QuantMethod (config model, stage, plan estimate, search cost)."""
 

@@ -89,9 +89,9 @@ class FP8Config(WeightQuantConfig):
     def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
         """Refuses exports that cannot hold FP8 and other weight-quantizing stages (one scheme family a checkpoint)."""
         for i, export in enumerate(recipe.exports):
-            if export.fp8_refusal is not None:
+            if (why := export.float_refusal("fp8")) is not None:
                 raise ValueError(
-                    f"exports[{i}] ({export.name}): format {export.format} cannot hold the fp8 stage {label}: {export.fp8_refusal}; "
+                    f"exports[{i}] ({export.name}): format {export.format} cannot hold the fp8 stage {label}: {why}; "
                     "export compressed-tensors (float-quantized, what vLLM loads)"
                 )
         others = [

@@ -25,7 +25,7 @@ from compress.context import RunContext, StageRecord
 from compress.quantizers.apply import install_record
 from compress.quantizers.arch import Architecture
 from compress.quantizers.configs import GPTQConfig
-from compress.quantizers.core import QuantizedWeight, one_cpu_thread
+from compress.quantizers.core import one_cpu_thread
 from compress.quantizers.grid_search import GridParams, nonzero_divisor
 from compress.quantizers.mix import layer_schemes
 from compress.quantizers.sequential import BlockJob, run_layerwise, select_block_linears
@@ -184,7 +184,8 @@ def gptq_quantize(
     *,
     sub_block: int = 16,
     numpy_columns: bool = True,
-) -> tuple[QuantizedWeight, dict[str, float]]:
+    grid: Any = None,
+) -> tuple[Any, dict[str, float]]:
     """Quantize ``weight`` [out, in] with GPTQ given its input Hessian [in, in]. A Hessian handed over
     in a one-element list (``[h]``) is taken out of it and overwritten, so no copy of it is kept
     (the stage's way: a down_proj Hessian is 321 MB); a bare tensor is left as it is.
@@ -192,12 +193,16 @@ def gptq_quantize(
     ``sub_block``: the columns whose rounding errors reach each other eagerly inside a block of
     ``block_size``, as in the two-level blocking of GPTQ's lazy batch updates. ``numpy_columns``: on
     CPU, run the column loop on NumPy views of the torch tensors (False: torch's own ops, which CUDA
-    always uses). Both change speed, not the sums; scripts/experiments/gptq_columns.py times them."""
+    always uses). Both change speed, not the sums; scripts/experiments/gptq_columns.py times them.
+
+    ``grid``: a grid of float values with its group scales fixed already (quantizers/fp4.py's ``FP4Grid``:
+    ``GridParams``' attributes, ``nearest`` / ``nearest_numpy`` value rounding, ``record(values)``), which
+    replaces the integer grid of ``scheme``; the result is its record."""
     box = hessian if isinstance(hessian, list) else [hessian.to(torch.float32).clone()]
     if isinstance(hessian, list) and box[0].dtype != torch.float32:
         box[0] = box[0].to(torch.float32)
     del hessian
-    return _gptq(weight, box, scheme, dampening, block_size, act_order, sub_block, numpy_columns)
+    return _gptq(weight, box, scheme, dampening, block_size, act_order, sub_block, numpy_columns, grid)
 
 
 def _gptq(
@@ -209,7 +214,8 @@ def _gptq(
     act_order: bool,
     sub_block: int,
     numpy_columns: bool,
-) -> tuple[QuantizedWeight, dict[str, float]]:
+    grid: Any = None,
+) -> tuple[Any, dict[str, float]]:
     w = weight.detach().to(torch.float32).clone()
     h = box.pop()
     out_f, in_f = w.shape
@@ -221,7 +227,7 @@ def _gptq(
 
     # Each unit's (group's; a K-quant super-block's) parameters are fixed to the values the record
     # (and a GGUF file) holds before any of its columns is rounded: the error feedback sees that grid.
-    params = GridParams(out_f, in_f, scheme, w.device)
+    params = GridParams(out_f, in_f, scheme, w.device) if grid is None else grid
     unit = params.unit
     importance = torch.diag(h).clone()  # the columns' weight in each unit's range search (a GGUF grid's)
     if act_order:  # static groups from the original weights, then columns by decreasing diag(H)
@@ -251,6 +257,8 @@ def _gptq(
     cpu = wt.device.type == "cpu"
     columns = one_cpu_thread if cpu else nullcontext
     ops = _NUMPY_OPS if cpu and numpy_columns else _TORCH_OPS
+    if grid is not None:  # a float grid: q is the nearest of its values (no zero point, nothing to clamp)
+        ops = ops._replace(round=grid.nearest_numpy if ops is _NUMPY_OPS else grid.nearest, clamp=lambda q, _hi: q)
     view, qmax = ops.view, float(params.scheme.qmax)
     wt_x, codes_x, hinv_x = view(wt), view(codes_t), view(hinv)
     err_buffer, diff_buffer = (torch.empty(min(block_size, in_f), out_f, device=wt.device) for _ in range(2))
@@ -294,7 +302,8 @@ def _gptq(
 
 
 class GPTQStage:
-    """The recipe step ``quantize: {method: gptq, ...}``: layer-wise over the decoder blocks."""
+    """The recipe step ``quantize: {method: gptq, ...}``: layer-wise over the decoder blocks. A method on
+    another grid overrides ``quantize_layer`` (quantizers/fp4.py)."""
 
     def __init__(
         self, config: GPTQConfig, label: str, *, sub_block: int = 16, numpy_columns: bool = True, hessian_strip: int = HESSIAN_STRIP
@@ -304,6 +313,28 @@ class GPTQStage:
         self.sub_block = sub_block  # gptq_quantize's column-loop tunables (speed only)
         self.numpy_columns = numpy_columns
         self.hessian_strip = hessian_strip  # rows per strip of the shared Hessians' upper triangle (memory/speed only)
+
+    def quantize_layer(
+        self, model: torch.nn.Module, ctx: RunContext, name: str, module: torch.nn.Linear, box: list[torch.Tensor], scheme: QuantScheme
+    ) -> dict[str, Any]:
+        """Quantize layer ``name`` with its Hessian (in ``box``, emptied) and install its record; its summary."""
+        record, info = self.solve(module.weight, box, scheme)
+        return {**install_record(model, name, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
+
+    def solve(self, weight: torch.Tensor, box: list[torch.Tensor], scheme: QuantScheme, grid: Any = None) -> tuple[Any, dict[str, float]]:
+        """``gptq_quantize`` with this stage's settings (``grid``: a float grid, see there)."""
+        cfg = self.config
+        return gptq_quantize(
+            weight,
+            box,
+            scheme,
+            cfg.dampening,
+            cfg.block_size,
+            cfg.act_order,
+            sub_block=self.sub_block,
+            numpy_columns=self.numpy_columns,
+            grid=grid,
+        )
 
     def apply(self, model: torch.nn.Module, ctx: RunContext) -> StageRecord:
         cfg = self.config
@@ -362,20 +393,7 @@ class GPTQStage:
                 else:  # the last linear sharing a Hessian takes it, the others a copy
                     box = [hessians[owner].clone() if left[owner] else hessians.pop(owner)]
                 full = job.prefix + name
-                record, info = gptq_quantize(
-                    module.weight,
-                    box,
-                    scheme_of(full),
-                    cfg.dampening,
-                    cfg.block_size,
-                    cfg.act_order,
-                    sub_block=self.sub_block,
-                    numpy_columns=self.numpy_columns,
-                )
-                job.layer_info[full] = {
-                    **install_record(model, full, module, record, ctx, self.label),
-                    **{k: round(v, 6) for k, v in info.items()},
-                }
+                job.layer_info[full] = self.quantize_layer(model, ctx, full, module, box, scheme_of(full))
 
         extra = {"gguf_mix": mix} if mix else None
         return run_layerwise(model, ctx, cfg, self.label, "gptq", process, cfg.batch_size, extra, quantizes_head=True)

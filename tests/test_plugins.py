@@ -42,6 +42,7 @@ OTHER_MEANINGS = {
     ("quantizers/gptq.py", "gptq"),  # the method's stage label
     ("quantizers/plugin.py", "gptq"),  # the GPTQ method (QUANT_METHODS)
     ("quantizers/configs.py", "gptq"),  # the GPTQ method's config
+    ("quantizers/fp4_config.py", "gptq"),  # the fp4 method's `algorithm: gptq`
     ("quantizers/llmcompressor_backend.py", "gptq"),  # llm-compressor's modifier for the GPTQ method
     ("compress/search.py", "gptq"),  # the search's method cost order
     ("eval/plan/planner.py", "gptq"),  # the GPTQ method's time estimate

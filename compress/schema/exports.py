@@ -22,6 +22,7 @@ from compress.schema.base import Strict
 EXPORTS_DIR = "exports"
 RESERVED_NAMES = ("baseline", "compressed")  # the in-memory artifacts gates already know
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+INTEGER_ONLY = "it holds integer weight codes only"
 FORMAT_DOC = "The export format: a name in compress.plugins.EXPORT_FORMATS (the formats' table)."
 
 
@@ -32,9 +33,15 @@ class BaseExportConfig(Strict):
     holds_activation_quantization: ClassVar[bool] = False
     """The format records int8 activation quantization (per-token dynamic scales) beside the weights, so a
     method that quantizes activations (``w8a8``) may export to it; the others refuse it at validation."""
-    fp8_refusal: ClassVar[str | None] = "it holds integer weight codes only"
-    """Why the format cannot hold the FP8 layers of a ``quantize: {method: fp8}`` stage (the recipe is
-    refused naming the export), or None when it writes them (quantizers/fp8_config.py)."""
+    float_refusals: ClassVar[dict[str, str | None]] = {}
+    """Why the format cannot hold the layers of a float-grid quantize stage, by the stage's grid (``fp8``:
+    quantizers/fp8_config.py; ``nvfp4``, ``mxfp4``: quantizers/fp4_config.py), or None where it writes them;
+    a grid not named is refused with INTEGER_ONLY. The recipe is refused naming the export."""
+
+    @classmethod
+    def float_refusal(cls, grid: str) -> str | None:
+        """Why the format cannot hold layers on float grid ``grid`` (``float_refusals``), or None."""
+        return cls.float_refusals.get(grid, INTEGER_ONLY)
 
     name: str | None = Field(
         None,

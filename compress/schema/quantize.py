@@ -75,6 +75,16 @@ class QuantScheme(Strict):
         return v
 
     @property
+    def scale_bits(self) -> int:
+        """Bits of one stored group scale."""
+        return 32 if self.scale_dtype == "float32" else 16
+
+    @property
+    def tensor_scale_bits(self) -> int:
+        """Bits stored once per weight matrix beside the group scales (fp4's NVFP4 global scale; 0 here)."""
+        return 0
+
+    @property
     def qmax(self) -> int:
         return 2**self.bits - 1
 

@@ -86,8 +86,9 @@ def packed_bytes(
         s = r.scheme
         g = group or s.group_width(r.in_f)
         zb = zero_bits if zero_bits is not None else (s.bits if zeros_always or not s.symmetric else 0)
-        sb = scale_bits if scale_bits is not None else (32 if s.scale_dtype == "float32" else 16)
+        sb = scale_bits if scale_bits is not None else s.scale_bits
         total += r.out_f * r.in_f * (code_bits or s.bits) + r.out_f * math.ceil(r.in_f / g) * (sb + zb) + r.in_f * extra_bits_per_input
+        total += s.tensor_scale_bits
         quantized += 0 if r.tied else r.out_f * r.in_f  # a tied weight still exists as the float embedding
     return int((total + (shape.params - quantized) * float_bits) / 8)
 

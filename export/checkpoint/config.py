@@ -20,7 +20,8 @@ class CompressedTensorsExportConfig(BaseExportConfig):
     holds_activation_quantization: ClassVar[bool] = True
 
     format: Literal["compressed-tensors"] = Field("compressed-tensors", description=FORMAT_DOC)
-    fp8_refusal: ClassVar[str | None] = None  # FP8 layers are written float-quantized (fp8_checkpoint.py)
+    # FP8 layers are written float-quantized (fp8_checkpoint.py), FP4 ones nvfp4/mxfp4-pack-quantized (fp4_checkpoint.py)
+    float_refusals: ClassVar[dict[str, str | None]] = {"fp8": None, "nvfp4": None, "mxfp4": None}
 
 
 class GPTQExportConfig(BaseExportConfig):

@@ -14,7 +14,6 @@ from compress.export.checkpoint.readers import CHECKPOINT_FORMATS, read_records
 from compress.hf_model import checksums
 from compress.progress import Reporter
 from compress.quantizers.core import QuantizedWeight, refuse_gguf_grids
-from compress.quantizers.fp8 import FP8Linear, fp8_activations, fp8_records
 from compress.quantizers.kv_cache import KVCacheScheme
 from compress.schema.exports import EXPORTS_DIR
 
@@ -22,9 +21,11 @@ EXACTNESS_CHECK = "records identical after reload (codes, scales, zero points, s
 
 
 def check(cfg: Any, model: nn.Module, records: dict[str, QuantizedWeight]) -> None:
-    if has_fp8_layers(model):  # FP8 records live in the model's FP8Linear layers (quantizers/fp8.py)
-        if records or cfg.fp8_refusal is not None:  # refused when the recipe is validated (FP8Config.recipe_artifacts)
-            raise FormatError(f"a {cfg.format} checkpoint cannot hold FP8 layers next to {len(records)} integer-quantized ones")
+    grid = float_grid_writer(model)
+    if grid is not None:  # FP8 / FP4 records live in the model's FP8Linear / FP4Linear layers (quantizers/fp8.py, fp4.py)
+        refused = [g for g in grid.grids(model) if cfg.float_refusal(g) is not None]
+        if records or refused:  # refused when the recipe is validated (FP8Config / FP4Config.recipe_artifacts)
+            raise FormatError(f"a {cfg.format} checkpoint cannot hold {grid.KIND} layers next to {len(records)} integer-quantized ones")
         return
     if not records:
         raise FormatError(
@@ -48,8 +49,9 @@ def export(
     kv: KVCacheScheme | None,
 ) -> dict[str, Any]:
     """Write the checkpoint to ``directory``, read it back and require the same records; returns the manifest entry."""
-    if has_fp8_layers(model):
-        return _export_fp8(directory, cfg, model, tokenizer, reporter, label, kv)
+    grid = float_grid_writer(model)
+    if grid is not None:
+        return _export_float_grid(grid, directory, cfg, model, tokenizer, reporter, label, kv)
     fmt = CHECKPOINT_FORMATS[cfg.format]
     assert fmt.write is not None, f"{fmt.name} has no writer"  # the recipe schema admits writable formats only
     with reporter.status(f"{label} writing {cfg.format} to {EXPORTS_DIR}/{cfg.name} and verifying it"):
@@ -77,22 +79,24 @@ def _entry(directory: Path, cfg: Any, layers: int, check: str, kv: KVCacheScheme
     }
 
 
-def has_fp8_layers(model: nn.Module) -> bool:
-    return any(isinstance(m, FP8Linear) for m in model.modules())
+def float_grid_writer(model: nn.Module) -> Any:
+    """The module writing the model's float-grid layers (export/checkpoint/fp8_checkpoint.py for FP8Linear,
+    fp4_checkpoint.py for FP4Linear), or None when the model has none."""
+    from compress.export.checkpoint import fp4_checkpoint, fp8_checkpoint
+
+    return next((w for w in (fp8_checkpoint, fp4_checkpoint) if w.holds(model)), None)
 
 
-def _export_fp8(
-    directory: Path, cfg: Any, model: nn.Module, tokenizer: Any, reporter: Reporter, label: str, kv: KVCacheScheme | None
+def _export_float_grid(
+    grid: Any, directory: Path, cfg: Any, model: nn.Module, tokenizer: Any, reporter: Reporter, label: str, kv: KVCacheScheme | None
 ) -> dict[str, Any]:
-    """The FP8 layers as a float-quantized checkpoint (export/checkpoint/fp8_checkpoint.py), read back exactly."""
-    from compress.export.checkpoint import fp8_checkpoint
-
-    records = fp8_records(model)
-    with reporter.status(f"{label} writing {cfg.format} (float-quantized) to {EXPORTS_DIR}/{cfg.name} and verifying it"):
-        kv_carried = fp8_checkpoint.write(directory, model, tokenizer, records, fp8_activations(model), kv)
-        problems = fp8_checkpoint.verify(directory, records)
+    """The FP8 / FP4 layers as a float-quantized / fp4-pack-quantized checkpoint (``grid``: its writer module), read back exactly."""
+    records = grid.model_records(model)
+    with reporter.status(f"{label} writing {cfg.format} ({grid.KIND}) to {EXPORTS_DIR}/{cfg.name} and verifying it"):
+        kv_carried = grid.write_model(directory, model, tokenizer, records, kv)
+        problems = grid.verify(directory, records)
     if problems:  # a writing bug: the whole artifact is abandoned rather than shipping a wrong checkpoint
         raise FormatError(
-            f"{label} ({cfg.name}): reloading the float-quantized checkpoint does not give the records back: {'; '.join(problems[:5])}"
+            f"{label} ({cfg.name}): reloading the {grid.KIND} checkpoint does not give the records back: {'; '.join(problems[:5])}"
         )
-    return _entry(directory, cfg, len(records), fp8_checkpoint.EXACTNESS_CHECK, kv, kv_carried)
+    return _entry(directory, cfg, len(records), grid.EXACTNESS_CHECK, kv, kv_carried)

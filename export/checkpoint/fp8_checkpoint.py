@@ -28,10 +28,11 @@ from compress.errors import FormatError
 from compress.export.checkpoint.compressed_tensors import METHOD, STATUS_COMPRESSED, Key, kv_cache_tensors
 from compress.export.checkpoint.hf_checkpoint import QUANT_METHOD, read_config, read_tensors, write_checkpoint
 from compress.quantizers.compressed_tensors_args import LINEAR_TARGET
-from compress.quantizers.fp8 import Activations, FP8Weight, Layout
+from compress.quantizers.fp8 import Activations, FP8Linear, FP8Weight, Layout, fp8_activations, fp8_records
 from compress.quantizers.fp8_config import BLOCK
 from compress.quantizers.kv_cache import KVCacheScheme
 
+KIND = "FP8"
 FLOAT_FORMAT = "float-quantized"
 NAIVE_FORMAT = "naive-quantized"
 """Weight-only FP8 (``activations: null``): what compressed-tensors 0.19 infers for float8 weights without
@@ -99,6 +100,27 @@ def write(
     layers = ((k, t) for name, r in records.items() for k, t in r.tensors(name).items())
     write_checkpoint(directory, model, tokenizer, records, [*layers, *kv_tensors.items()], qcfg)
     return carried
+
+
+def holds(model: nn.Module) -> bool:
+    """The model has FP8 layers (this module writes them)."""
+    return any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+def grids(model: nn.Module) -> set[str]:
+    """The float grids of the model's layers this module writes (BaseExportConfig.float_refusal's keys)."""
+    return {"fp8"} if holds(model) else set()
+
+
+def model_records(model: nn.Module) -> dict[str, FP8Weight]:
+    return fp8_records(model)
+
+
+def write_model(
+    directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, FP8Weight], kv: KVCacheScheme | None
+) -> dict[str, Any] | None:
+    """``write`` with the inputs' quantization of the model's FP8 layers."""
+    return write(directory, model, tokenizer, records, fp8_activations(model), kv)
 
 
 def verify(directory: Path, records: dict[str, FP8Weight]) -> list[str]:

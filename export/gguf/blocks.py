@@ -13,6 +13,7 @@ import torch
 
 from compress.errors import FormatError
 from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.fp4 import FP4Weight
 from compress.quantizers.grids import GRIDS, SUPER_BLOCK
 
 # Block layouts (ggml, 32 weights a block, little-endian):
@@ -29,6 +30,11 @@ from compress.quantizers.grids import GRIDS, SUPER_BLOCK
 # * K-quants (256 weights, quantizers/grids.py) hold only records on their own grid, which carry the
 #   stored fp16 ``d`` / ``dmin`` and integer sub-block scales (``record.super_blocks``); the packers
 #   below only lay those values and the codes out in llama.cpp's byte order.
+#
+# * MXFP4 — one E8M0 byte ``e``, then 16 bytes as Q4_0's nibbles (weight ``j`` low, ``j+16`` high); a
+#   4-bit code indexes the doubled E2M1 values (0, 1, 2, 3, 4, 6, 8, 12, then their negatives) and
+#   ``w = value · 2^(e-128)``: an fp4 stage's mxfp4 record (quantizers/fp4.py: the same code index,
+#   ``w = e2m1 · 2^(E-127)``) is exactly ``e = E``, its codes re-ordered from pairs to Q4_0's halves.
 #
 # A group of our records may span several blocks (its scale is repeated), so any group size that
 # is a multiple of 32 maps exactly, including a partial last group.
@@ -238,6 +244,15 @@ def pack_q2_k(record: QuantizedWeight) -> np.ndarray:
     return out.reshape(codes.shape[0], -1)
 
 
+def pack_mxfp4(record: FP4Weight) -> np.ndarray:
+    """MXFP4 bytes [out, blocks * 17] of an mxfp4 record (exact): its E8M0 byte, then 16 nibble bytes as Q4_0."""
+    if not isinstance(record, FP4Weight) or record.format != "mxfp4":
+        raise FormatError(f"MXFP4 blocks hold fp4 stages' mxfp4 records exactly, not {record.scheme.describe()}")
+    codes = record.codes().cpu().numpy()
+    out = np.concatenate([record.scale.cpu().numpy()[..., None], _nibbles(codes)], axis=-1)
+    return out.reshape(codes.shape[0], -1)
+
+
 PACKERS = {
     "q4_0": pack_q4_0,
     "q4_1": pack_q4_1,
@@ -249,6 +264,7 @@ PACKERS = {
     "q4_k": pack_q4_k,
     "q5_k": pack_q5_k,
     "q6_k": pack_q6_k,
+    "mxfp4": pack_mxfp4,
 }
 
 
@@ -267,6 +283,9 @@ def plain_values(record: QuantizedWeight, type_name: str) -> np.ndarray:
 
 def record_problem(record: QuantizedWeight, type_name: str) -> str | None:
     """Why ``record`` cannot become ``type_name`` blocks exactly, or None when it can."""
+    if isinstance(record, FP4Weight) or type_name == "mxfp4":  # FP4 records and FP4 blocks go only together
+        fmt = record.format if isinstance(record, FP4Weight) else None
+        return None if fmt == type_name else f"{record.scheme.describe()} records are not {type_name.upper()} blocks"
     s, (_, in_f) = record.scheme, record.shape
     width = s.group_width(in_f)
     grid = GRIDS[type_name]

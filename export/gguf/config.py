@@ -15,7 +15,8 @@ from compress.schema.quantize import SENSITIVITY_SAMPLES
 GGUF = "gguf"
 GGUF_FLOAT_TYPES = ("f32", "f16", "bf16")
 GGUF_EXACT_TYPES = GRID_NAMES  # blocks our records map into exactly (K-quants: records on their grid)
-GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)
+GGUF_FP4_TYPES = ("mxfp4",)  # blocks an fp4 stage's records (quantizers/fp4.py) map into exactly, by their format
+GGUF_RECORD_TYPES = (*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES, *GGUF_FP4_TYPES)
 # Types llama.cpp's quantizer also makes that were exported by it before our quantizers had their grids: without
 # `quantizer:` they stay llama.cpp's unless the records lie on the type's grid (GGUFExportConfig.records_by_default).
 GGUF_LLAMA_CPP_ONLY_BY_DEFAULT = ("q5_0", "q5_1", "q2_k", "q6_k")
@@ -41,7 +42,7 @@ GGUF_LLAMA_CPP_TYPES = (
     "bf16",
 )
 GGUFFloat = Literal["f32", "f16", "bf16", "q8_0"]
-GGUFMatrixType = Literal[GGUF_RECORD_TYPES]  # type: ignore[valid-type]  # a float type or any grid: what token_embd may be
+GGUFMatrixType = Literal[(*GGUF_FLOAT_TYPES, *GGUF_EXACT_TYPES)]  # type: ignore[valid-type]  # a float type or any grid: what token_embd may be
 
 
 MIX_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0")
@@ -102,7 +103,13 @@ class GGUFExportConfig(BaseExportConfig):
     """A GGUF file for llama.cpp (exports/<name>/model.gguf), verified in llama.cpp."""
 
     own_runtime: ClassVar[bool] = True
-    fp8_refusal: ClassVar[str | None] = "llama.cpp has no FP8 (E4M3) tensor type, so a GGUF file cannot hold these weights"
+    float_refusals: ClassVar[dict[str, str | None]] = {
+        "fp8": "llama.cpp has no FP8 (E4M3) tensor type, so a GGUF file cannot hold these weights",
+        "mxfp4": None,  # packed exactly into MXFP4 blocks (export/gguf/blocks.py pack_mxfp4)
+        "nvfp4": "GGUF's NVFP4 block (64 weights, four unsigned E4M3 scales of 16) has no float32 per-tensor global scale, "
+        "so weights e2m1 x scale / global_scale are no NVFP4 block's values (the pinned llama.cpp reads such a scale only "
+        "from per-tensor scale tensors of its own, which this export does not write); quantize with format: mxfp4 for GGUF",
+    }
 
     format: Literal["gguf"] = Field("gguf", description=FORMAT_DOC)
     type: str = Field(
@@ -110,7 +117,8 @@ class GGUFExportConfig(BaseExportConfig):
         description="Block type, in our or llama.cpp's spelling (q4_k, Q4_K_M, F16; any case). With quantizer records: auto "
         "(the records' gguf_type; else q4_0 for symmetric 4-bit records, q4_1 for other 4-bit, q8_0 for 8-bit symmetric, f16 "
         "without records), " + ", ".join(GGUF_EXACT_TYPES) + " (records packed exactly; K-quants from records quantized "
-        "with that gguf_type, rows not a multiple of 256 in llama.cpp's fallback type), f32, f16, bf16. With quantizer "
+        "with that gguf_type, rows not a multiple of 256 in llama.cpp's fallback type), mxfp4 (an fp4 stage's format: mxfp4 "
+        "records, exactly; auto picks it), f32, f16, bf16. With quantizer "
         "llama.cpp: " + ", ".join(GGUF_LLAMA_CPP_TYPES) + " (llama.cpp re-quantizes our F16 file; the _S/_M/_L mixes only here).",
     )
     quantizer: Literal["records", "llama.cpp"] | None = Field(

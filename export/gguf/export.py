@@ -52,8 +52,17 @@ def with_records_quantizer(cfg: GGUFExportConfig, records: dict[str, QuantizedWe
     return cfg
 
 
+def with_fp4_records(model: nn.Module, records: dict[str, QuantizedWeight]) -> dict[str, Any]:
+    """The records and the records of the model's FP4 layers (quantizers/fp4.py keeps them in its FP4Linear
+    layers, not in RunContext.quantized), which MXFP4 blocks hold exactly."""
+    from compress.quantizers.fp4 import fp4_records
+
+    return {**records, **fp4_records(model)}
+
+
 def check(cfg: GGUFExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], has_eval: bool) -> None:
     """Fail fast (before evaluation) on an export that cannot be made."""
+    records = with_fp4_records(model, records)
     cfg = with_records_quantizer(cfg, records)
     architecture_of(model)
     if cfg.quantizer == "records":
@@ -80,6 +89,7 @@ def export(
 ) -> tuple[dict[str, Any], list[Evaluation]]:
     """Write, read back and verify one GGUF export; return its manifest entry and evaluations.
     With a KV-cache scheme, the matching llama.cpp cache types go into ``compress.kv_cache.*`` metadata."""
+    records = with_fp4_records(model, records)
     cfg = with_records_quantizer(cfg, records)
     directory.mkdir(parents=True, exist_ok=True)
     kv_hint = kv_cache_hint(kv)

@@ -17,10 +17,11 @@ from torch import nn
 
 from compress.errors import FormatError
 from compress.export.gguf.blocks import ggml_type, record_problem
-from compress.export.gguf.config import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES
+from compress.export.gguf.config import GGUF_EXACT_TYPES, GGUF_FLOAT_TYPES, GGUF_FP4_TYPES
 from compress.export.gguf.metadata import gemma_keys
 from compress.quantizers.arch import ARCHITECTURES as QUANT_ARCHITECTURES
 from compress.quantizers.core import QuantizedWeight
+from compress.quantizers.fp4_config import FP4Scheme
 from compress.quantizers.grids import GRIDS
 
 MIX = "mix"  # the export's type when each record keeps the GGUF type of its own grid (a size budget's choice)
@@ -139,6 +140,11 @@ def resolve_type(type_name: str, records: dict[str, QuantizedWeight]) -> str:
     GGUF grid of its own keeps its type and does not take part)."""
     if type_name != "auto":
         return type_name
+    formats = {r.scheme.format for r in records.values() if isinstance(r.scheme, FP4Scheme)}
+    if formats:  # an fp4 stage's records (or their plan): the block type of their format
+        if len(formats) > 1 or any(not isinstance(r.scheme, FP4Scheme) for r in records.values()):
+            raise FormatError("type: auto cannot pick one GGUF block type for FP4 records beside others; set type (and fallback)")
+        return formats.pop()
     if any(own_head_type(n, r) for n, r in records.items()) and len(records) > 1:
         records = {n: r for n, r in records.items() if not own_head_type(n, r)}
     schemes = {(r.scheme.bits, r.scheme.symmetric) for r in records.values()}
@@ -225,7 +231,8 @@ def plan_tensors(
                     f"rows of {record.shape[1]} are not a multiple of {grid.block_weights}: {tensor_type.upper()}, "
                     + (grid.fallback_note or "llama.cpp's fallback for " + type_name.upper())
                 )
-            problem = record_problem(record, tensor_type) if tensor_type in GGUF_EXACT_TYPES else f"type {type_name} is a float type"
+            exact_types = (*GGUF_EXACT_TYPES, *GGUF_FP4_TYPES)
+            problem = record_problem(record, tensor_type) if tensor_type in exact_types else f"type {type_name} is a float type"
             if problem is None:
                 plan.tensors.append(TensorPlan(hf_name, gguf_name, tensor_type, "record", heads, shape, record=module))
                 continue

@@ -311,6 +311,7 @@ FILE_TYPES = {
     "q4_k": "MOSTLY_Q4_K_S",
     "q5_k": "MOSTLY_Q5_K_S",
     "q6_k": "MOSTLY_Q6_K",
+    "mxfp4": "MOSTLY_MXFP4_MOE",  # llama.cpp's one MXFP4 file type (general.file_type only labels the file)
 }
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from compress.eval.plan.shapes import ModelShape, Record, packed_bytes, uniform_bytes
 from compress.export.format import PlannedSize
+from compress.export.gguf.config import GGUF_FP4_TYPES
 from compress.quantizers.grids import GRIDS
 
 # llama.cpp's bits per weight: exact block sizes, and its published averages for the K-quant mixes.
@@ -29,6 +30,7 @@ GGUF_BITS = {
     "q6_k": 6.56,
     "iq4_nl": 4.5,
     "iq4_xs": 4.25,
+    "mxfp4": 4.25,
 }
 
 
@@ -49,7 +51,7 @@ def planned_size(cfg: Any, shape: ModelShape, records: dict[str, Record], dtype_
             ),
         )
     kind = _gguf_type(cfg.type, records)
-    float_type = cfg.float_type or ("q8_0" if kind.startswith("q") else kind)
+    float_type = cfg.float_type or ("q8_0" if kind.startswith("q") or kind in GGUF_FP4_TYPES else kind)  # as the writer
     bits = _single_type_bits(kind)
     size = packed_bytes(shape, records, _single_type_bits(float_type), code_bits=bits, scale_bits=0, zero_bits=0)
     return (

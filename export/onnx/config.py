@@ -20,10 +20,10 @@ class ONNXExportConfig(BaseExportConfig):
     made by onnxruntime-genai's model builder and verified in ONNX Runtime."""
 
     own_runtime: ClassVar[bool] = True
-    fp8_refusal: ClassVar[str | None] = (
-        "the ONNX export does not write float8 DequantizeLinear initializers yet (onnxruntime 1.32 does run a float8e4m3fn "
-        "QuantizeLinear/DequantizeLinear/MatMul graph on the CPU: docs/fp8.md)"
-    )
+    float_refusals: ClassVar[dict[str, str | None]] = {
+        "fp8": "the ONNX export does not write float8 DequantizeLinear initializers yet (onnxruntime 1.32 does run a "
+        "float8e4m3fn QuantizeLinear/DequantizeLinear/MatMul graph on the CPU: docs/fp8.md)"
+    }
 
     format: Literal["onnx"] = Field("onnx", description=FORMAT_DOC)
     precision: Literal["auto", "fp32", "fp16", "int8", "int4"] = Field(

@@ -71,10 +71,10 @@ class TensorRTExportConfig(BaseExportConfig):
     checked on ONNX Runtime CPU, and a TensorRT engine built from it where TensorRT and a GPU exist."""
 
     own_runtime: ClassVar[bool] = True
-    fp8_refusal: ClassVar[str | None] = (
-        "the TensorRT export writes its Q/DQ weights from integer records (its `fp8: true` re-rounds those to FP8 per row) "
-        "and does not take an fp8 stage's records and input quantization"
-    )
+    float_refusals: ClassVar[dict[str, str | None]] = {
+        "fp8": "the TensorRT export writes its Q/DQ weights from integer records (its `fp8: true` re-rounds those to FP8 "
+        "per row) and does not take an fp8 stage's records and input quantization"
+    }
 
     format: Literal["tensorrt"] = Field("tensorrt", description=FORMAT_DOC)
     dtype: Literal["float16", "float32"] = Field(
