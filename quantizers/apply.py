@@ -134,3 +134,12 @@ def summarize(layers: dict[str, dict], unused_ignore: list[str], scheme: QuantSc
         "sqnr_db_min": round(min(sqnrs), 3),
         "ignore_patterns_unmatched": unused_ignore,
     }
+
+
+def records_stage_config(stages: list[dict[str, Any]], records_file: str, config: type) -> Any:
+    """The config (``config``, validated) of the manifest stage whose summary names ``records_file``: how the
+    float-grid layers (FP8, FP4) of an artifact's records file are rebuilt on load. ValueError without one."""
+    stage = next((s for s in stages if (s.get("summary") or {}).get("records_file") == records_file), None)
+    if stage is None:
+        raise ValueError(f"no stage of the manifest wrote {records_file}")
+    return config.model_validate(stage["config"])

@@ -39,7 +39,7 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import quantize_record, select_or_fail, summarize
+from compress.quantizers.apply import quantize_record, records_stage_config, select_or_fail, summarize
 from compress.quantizers.core import FP8_MAX, sqnr_db
 from compress.quantizers.fp4_config import GROUP, SCALE_DTYPE, Format, FP4Config, FP4Scheme
 from compress.quantizers.llm_int8 import swap_module
@@ -263,10 +263,7 @@ def fp4_records(model: nn.Module) -> dict[str, FP4Weight]:
 def load_fp4_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: list[dict[str, Any]]) -> list[str]:
     """Make the layers of an artifact's RECORDS_FILE ``tensors`` FP4Linear layers of ``model`` again, with
     the format of the manifest's stage that wrote it; returns their names."""
-    stage = next((s for s in stages if (s.get("summary") or {}).get("records_file") == RECORDS_FILE), None)
-    if stage is None:
-        raise ValueError(f"no stage of the manifest wrote {RECORDS_FILE}")
-    cfg = FP4Config.model_validate(stage["config"])
+    cfg = records_stage_config(stages, RECORDS_FILE, FP4Config)
     names = sorted(k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed"))
     for name in names:
         layer = model.get_submodule(name)

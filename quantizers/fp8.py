@@ -32,7 +32,7 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import quantize_record, select_or_fail, summarize
+from compress.quantizers.apply import quantize_record, records_stage_config, select_or_fail, summarize
 from compress.quantizers.core import FP8_MAX, sqnr_db
 from compress.quantizers.fp8_config import BLOCK, FP8Config
 from compress.quantizers.llm_int8 import collect_input_absmax, swap_module
@@ -211,10 +211,7 @@ def fp8_records(model: nn.Module) -> dict[str, FP8Weight]:
 def load_fp8_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: list[dict[str, Any]]) -> list[str]:
     """Make the layers of an artifact's RECORDS_FILE ``tensors`` FP8Linear layers of ``model`` again, with
     the weights layout and activations of the manifest's stage that wrote it; returns their names."""
-    stage = next((s for s in stages if (s.get("summary") or {}).get("records_file") == RECORDS_FILE), None)
-    if stage is None:
-        raise ValueError(f"no stage of the manifest wrote {RECORDS_FILE}")
-    cfg = FP8Config.model_validate(stage["config"])
+    cfg = records_stage_config(stages, RECORDS_FILE, FP8Config)
     names = sorted(k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale"))
     for name in names:
         layer = model.get_submodule(name)

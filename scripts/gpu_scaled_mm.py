@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compress.quantizers.fp8 import BLOCK, FP8Weight, absmax_scale, fp8_linear, quantize_weight_fp8, to_e4m3
+from compress.quantizers.fp8 import FP8Weight, absmax_scale, fp8_linear, quantize_weight_fp8, to_e4m3
+from compress.quantizers.fp8_config import BLOCK
 
 SHAPES = {
     "qwen2.5-1.5b q/o (1536 -> 1536)": (1536, 1536),

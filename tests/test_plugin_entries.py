@@ -46,7 +46,7 @@ def test_a_new_method_and_format_run_end_to_end(registered: None, tmp_path: Path
 
     # a misspelt name is refused with the table's names, the new ones among them
     for method, fmt, expected in [
-        ("halfroud", "npz", "unknown quantization method 'halfroud'; known: rtn, gptq, awq, llm_int8, w8a8, fp8, halfround"),
+        ("halfroud", "npz", "unknown quantization method 'halfroud'; known: rtn, gptq, awq, llm_int8, w8a8, fp8, fp4, halfround"),
         ("halfround", "nzp", "export format 'nzp' is not available; available: compressed-tensors, gptq, gguf, onnx, tensorrt, npz"),
     ]:
         result = run_cli(["validate", _recipe(tmp_path, tiny_model_dir, text_dir, method, fmt)])

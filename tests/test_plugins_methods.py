@@ -44,7 +44,7 @@ def test_tables_match_the_schema() -> None:
     builtin = {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig, "llm_int8": LLMInt8Config, "w8a8": W8A8Config}
     for name, config in builtin.items():
         assert QUANT_METHODS[name].config is config and config.model_fields["method"].default == name
-    assert sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost) == ["rtn", "llm_int8", "w8a8", "fp8", "awq", "gptq"]
+    assert sorted(QUANT_METHODS, key=lambda m: QUANT_METHODS[m].cost) == ["rtn", "llm_int8", "w8a8", "fp8", "fp4", "awq", "gptq"]
     assert all(issubclass(method.config, WeightQuantConfig) for method in [*QUANT_METHODS.values(), HALFROUND])
 
 

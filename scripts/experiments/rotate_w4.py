@@ -25,10 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from side_by_side import print_table, score  # noqa: E402  (this folder: the script's own)
+
 from compress import streaming  # noqa: E402
 from compress.context import RunContext  # noqa: E402
 from compress.eval.bench.quant import load_bench_inputs  # noqa: E402
-from compress.eval.metrics import compare, torch_forward  # noqa: E402
+from compress.eval.metrics import torch_forward  # noqa: E402
 from compress.plugins import stage_kind  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.recipe import load_recipe, stage_model  # noqa: E402
@@ -46,12 +48,6 @@ def candidates(group: int | None, gptq: bool) -> dict[str, list[dict]]:
         found[f"{method.upper()} W4 {label}"] = [quantize]
         found[f"hadamard rotation + {method.upper()} W4 {label}"] = [ROTATE, quantize]
     return found
-
-
-def interval(scores: dict, metric: str, digits: int) -> str:
-    ci = scores.intervals.get(metric)
-    value = f"{scores[metric]:.{digits}f}"
-    return value if ci is None else f"{value} [{ci['lower']:.{digits}f}, {ci['upper']:.{digits}f}]"
 
 
 def main(args: argparse.Namespace) -> None:
@@ -79,21 +75,9 @@ def main(args: argparse.Namespace) -> None:
             stage = stage_model().model_validate(item)
             stage_kind(stage.kind, f"stages[{i}]").build(stage.config, f"stages[{i}]").apply(model, ctx)
         seconds[name] = time.perf_counter() - started
-        found = compare(baseline, {name: torch_forward(model, cpu)}, evaluation.tokens, eval_cfg.min_context, eval_cfg.batch_size)
-        scores[name], scores["baseline"] = found[name], found["baseline"]
-        print(f"{name}: KL {interval(found[name], 'kl_divergence', 5)} ({seconds[name]:.1f} s)", flush=True)
-        del model, found
-    n, length = evaluation.tokens.shape
-    print(f"\n{args.model}; calibration {calibration.tokens.shape[0]} x {calibration.tokens.shape[1]} tokens; ")
-    print(f"evaluation {n} x {length} tokens (held apart), min_context {eval_cfg.min_context}; {args.threads} threads")
-    print(f"float perplexity {interval(scores['baseline'], 'perplexity', 3)}\n")
-    print("| candidate | KL divergence [95% interval] | top-1 agreement | perplexity | stages, s |")
-    print("|---|---|---|---|---|")
-    for name in chains:
-        s = scores[name]
-        print(
-            f"| {name} | {interval(s, 'kl_divergence', 5)} | {interval(s, 'top1_agreement', 4)} | {interval(s, 'perplexity', 3)} | {seconds[name]:.1f} |"
-        )
+        score(baseline, name, model, evaluation, eval_cfg, scores)
+        del model
+    print_table(args.model, calibration, evaluation, eval_cfg, args.threads, scores, seconds, "stages")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from side_by_side import print_table, score  # noqa: E402  (this folder: the script's own)
+
 from compress.context import RunContext  # noqa: E402
 from compress.eval.bench.quant import load_bench_inputs, working_copy  # noqa: E402
-from compress.eval.metrics import compare, torch_forward  # noqa: E402
+from compress.eval.metrics import torch_forward  # noqa: E402
 from compress.progress import Reporter  # noqa: E402
 from compress.quantizers.configs import LLMInt8Config, SmoothingConfig, W8A8Config  # noqa: E402
 from compress.quantizers.fp8 import FP8Stage  # noqa: E402
@@ -55,12 +57,6 @@ def stages(alphas: list[float], fp8: bool) -> dict[str, object]:
     return found
 
 
-def interval(scores: dict, metric: str, digits: int) -> str:
-    ci = scores.intervals.get(metric)
-    value = f"{scores[metric]:.{digits}f}"
-    return value if ci is None else f"{value} [{ci['lower']:.{digits}f}, {ci['upper']:.{digits}f}]"
-
-
 def main(alphas: list[float], threads: int, fp8: bool, model: str | None, samples: int | None, calibration_samples: int | None) -> None:
     recipe = load_recipe(RECIPE).recipe
     data = recipe.data
@@ -81,22 +77,9 @@ def main(alphas: list[float], threads: int, fp8: bool, model: str | None, sample
         stage.apply(quantized, ctx)
         seconds[name] = time.perf_counter() - started
         print(f"quantized {name} in {seconds[name]:.1f} s", flush=True)
-        found = compare(baseline, {name: torch_forward(quantized, cpu)}, evaluation.tokens, eval_cfg.min_context, eval_cfg.batch_size)
-        scores[name], scores["baseline"] = found[name], found["baseline"]
-        print(f"scored {name}: KL {interval(found[name], 'kl_divergence', 5)}", flush=True)
-        del quantized, found
-    n, length = evaluation.tokens.shape
-    print(f"\n{source}; calibration {calibration.tokens.shape[0]} x {calibration.tokens.shape[1]} tokens; ")
-    print(f"evaluation {n} x {length} tokens (held apart), min_context {eval_cfg.min_context}; {threads} threads")
-    print(f"float perplexity {interval(scores['baseline'], 'perplexity', 3)}\n")
-    print("| candidate | KL divergence [95% interval] | top-1 agreement | perplexity | quantize, s |")
-    print("|---|---|---|---|---|")
-    for name in seconds:
-        s = scores[name]
-        print(
-            f"| {name} | {interval(s, 'kl_divergence', 5)} | {interval(s, 'top1_agreement', 4)} | "
-            f"{interval(s, 'perplexity', 3)} | {seconds[name]:.1f} |"
-        )
+        score(baseline, name, quantized, evaluation, eval_cfg, scores)
+        del quantized
+    print_table(source, calibration, evaluation, eval_cfg, threads, scores, seconds, "quantize")
 
 
 if __name__ == "__main__":
