@@ -241,6 +241,20 @@ def quantization_config(
     }
 
 
+def write_grid_checkpoint(
+    directory: Path, model: nn.Module, tokenizer: Any, records: dict[str, Any], qcfg: dict[str, Any], kv: KVCacheScheme | None
+) -> dict[str, Any] | None:
+    """The HF directory of a float-grid model (FP8, FP4: each record's ``tensors(name)``) under the
+    ``quantization_config`` ``qcfg``, with the KV scheme's static scales when it has them; returns what
+    was carried of the KV scheme (None without one)."""
+    carried, kv_tensors = None, {}
+    if kv is not None:
+        qcfg["kv_cache_scheme"], kv_tensors, carried = kv_cache_tensors(model, kv)
+    layers = ((k, t) for name, r in records.items() for k, t in r.tensors(name).items())
+    write_checkpoint(directory, model, tokenizer, records, [*layers, *kv_tensors.items()], qcfg)
+    return carried
+
+
 def kv_cache_tensors(model: nn.Module, kv: KVCacheScheme) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor], dict[str, Any]]:
     """``kv_cache_scheme`` and per-layer ``<attention>.k_scale``/``v_scale`` for a KV scheme with static
     scales (what vLLM reads); per-head scales become their layer maximum (compressed-tensors' tensor

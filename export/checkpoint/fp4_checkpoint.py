@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from compress.errors import FormatError
-from compress.export.checkpoint.compressed_tensors import METHOD, STATUS_COMPRESSED, Key, kv_cache_tensors
-from compress.export.checkpoint.hf_checkpoint import QUANT_METHOD, read_config, read_tensors, write_checkpoint
+from compress.export.checkpoint.compressed_tensors import METHOD, STATUS_COMPRESSED, Key, write_grid_checkpoint
+from compress.export.checkpoint.hf_checkpoint import QUANT_METHOD, read_config, read_tensors
 from compress.quantizers.compressed_tensors_args import LINEAR_TARGET
 from compress.quantizers.fp4 import FP4Linear, FP4Weight, e2m1_values, fp4_records
 from compress.quantizers.fp4_config import GROUP, Format
@@ -101,13 +101,7 @@ def write_model(
 ) -> dict[str, Any] | None:
     """Write the pack-quantized HF directory (and the KV scheme's scales, as the int writer does); returns
     what was carried of the KV scheme."""
-    qcfg = quantization_config(model, records)
-    carried, kv_tensors = None, {}
-    if kv is not None:
-        qcfg["kv_cache_scheme"], kv_tensors, carried = kv_cache_tensors(model, kv)
-    layers = ((k, t) for name, r in records.items() for k, t in r.tensors(name).items())
-    write_checkpoint(directory, model, tokenizer, records, [*layers, *kv_tensors.items()], qcfg)
-    return carried
+    return write_grid_checkpoint(directory, model, tokenizer, records, quantization_config(model, records), kv)
 
 
 def _identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
