@@ -73,6 +73,40 @@ def install_record(model: nn.Module, name: str, module: nn.Linear, record: Quant
     return info
 
 
+def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` at the dotted path ``name`` of ``model``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def install_module(
+    model: nn.Module,
+    name: str,
+    module: nn.Linear,
+    new: nn.Module,
+    dequantized: torch.Tensor,
+    bits_per_weight: float,
+    ctx: RunContext,
+    label: str,
+) -> dict:
+    """Replace Linear ``name`` with ``new``, the module of a method whose records are not ``QuantizedWeight``
+    (fp8, fp4: it holds its record, whose values are ``dequantized``). ``new`` has a Parameter of its own, so
+    a weight tied to another module is untied. Returns the per-layer summary for the manifest."""
+    original = module.weight.detach()
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
+    swap_module(model, name, new)
+    ctx.quantized_by[name] = label
+    sqnr = sqnr_db(original, dequantized.to(original.device))
+    return {
+        "shape": list(original.shape),
+        "sqnr_db": round(sqnr, 3),
+        "relative_error": float(f"{0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10):.4g}"),
+        "bits_per_weight": round(bits_per_weight, 4),
+        **({"untied_from": tied} if tied else {}),
+    }
+
+
 def quantize_each_layer(
     model: nn.Module,
     ctx: RunContext,

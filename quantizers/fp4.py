@@ -39,10 +39,9 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import quantize_record, records_stage_config, select_or_fail, summarize
+from compress.quantizers.apply import quantize_record, records_stage_config, select_or_fail, summarize, swap_module
 from compress.quantizers.core import FP8_MAX, sqnr_db
 from compress.quantizers.fp4_config import GROUP, SCALE_DTYPE, Format, FP4Config, FP4Scheme
-from compress.quantizers.llm_int8 import swap_module
 
 E4M3 = torch.float8_e4m3fn
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import quantize_record, records_stage_config, select_or_fail, summarize
-from compress.quantizers.core import FP8_MAX, sqnr_db
+from compress.quantizers.apply import install_module, quantize_record, records_stage_config, select_or_fail, summarize, swap_module
+from compress.quantizers.core import FP8_MAX
 from compress.quantizers.fp8_config import BLOCK, FP8Config
-from compress.quantizers.llm_int8 import collect_input_absmax, swap_module
+from compress.quantizers.llm_int8 import collect_input_absmax
 from compress.quantizers.sequential import peak_memory_mb
 
 E4M3 = torch.float8_e4m3fn
@@ -229,6 +230,88 @@ def fp8_activations(model: nn.Module) -> Activations:
     return found.pop() if found else None
 
 
+# --------------------------------------------------------------------------- GPTQ on the E4M3 grid
+
+
+def e4m3_nearest_numpy(x: np.ndarray) -> np.ndarray:
+    """NumPy's ``to_e4m3(x).to(torch.float32)`` (GPTQ's column loop on the CPU): clamped to ±448, then the
+    nearest E4M3 value, ties to even. A value of magnitude in [2^k, 2^(k+1)) has the step 2^(k-3) (3
+    mantissa bits), subnormals (below 2^-6) the step 2^-9."""
+    a = np.minimum(np.abs(x), np.float32(FP8_MAX))
+    _, exponent = np.frexp(a)  # a = m 2^exponent, m in [0.5, 1): a's binade is 2^(exponent - 1)
+    step = np.ldexp(np.float32(1), np.maximum(exponent - 1, -6) - 3).astype(np.float32)
+    return np.copysign(np.minimum(np.round(a / step) * step, np.float32(FP8_MAX)), x).astype(np.float32)
+
+
+class FP8Grid:
+    """The E4M3 grid of one weight for quantizers/gptq.py's column loop, its scales fixed from the original
+    weight before any column is rounded: ``GridParams``' attributes (``unit``: the columns a scale spans,
+    the whole row or a 128-column tile; ``scale`` [out, in/unit], zero ``zero`` and ``offset``), value
+    rounding (``nearest``, ``nearest_numpy``) and the record of the rounded values (``record``)."""
+
+    def __init__(self, weight: torch.Tensor, config: FP8Config, input_scale: torch.Tensor | None) -> None:
+        self.layout: Layout = config.weights
+        self.input_scale = input_scale
+        rows, cols = weight.shape
+        self.stored = weight_scales(weight, self.layout)
+        self.unit = cols if self.layout == "channel" else BLOCK
+        self.scale = self.stored if self.layout == "channel" else self.stored.repeat_interleave(BLOCK, dim=0)[:rows]
+        self.zero = torch.zeros_like(self.scale)
+        self.offset = torch.zeros_like(self.scale)
+        self.scheme = config.scheme()
+
+    def fix_all(self, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """Nothing to do: the scales were fixed from the original weight."""
+
+    def fix(self, index: int, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """Nothing to do: the scales were fixed from the original weight."""
+
+    @staticmethod
+    def nearest(x: torch.Tensor) -> torch.Tensor:
+        return to_e4m3(x).to(torch.float32)
+
+    nearest_numpy = staticmethod(e4m3_nearest_numpy)
+
+    def for_scheme(self, scheme: Any) -> Any:
+        """The scheme GPTQ's column loop groups columns by: one group a row (channel) or a 128-column tile (block)."""
+        return scheme if self.layout == "channel" else scheme.model_copy(update={"group_size": BLOCK})
+
+    def record(self, values: torch.Tensor) -> FP8Weight:
+        """The record of ``values`` [out, in], E4M3 values (what the column loop kept of each weight / scale)."""
+        return FP8Weight(to_e4m3(values.cpu()), self.stored.cpu(), self.layout, self.input_scale)
+
+
+def install_fp8(
+    model: nn.Module, name: str, module: nn.Linear, record: FP8Weight, activations: Activations, ctx: RunContext, label: str
+) -> dict[str, Any]:
+    """Replace Linear ``name`` with an FP8Linear of ``record``; its summary."""
+    info = install_module(
+        model, name, module, FP8Linear(module, record, activations), record.dequantize(), record.bits_per_weight, ctx, label
+    )
+    return {**info, **({"input_scale": float(record.input_scale)} if record.input_scale is not None else {})}
+
+
+def _fp8_gptq_stage() -> type:
+    """GPTQ's layer-wise stage with each layer rounded on the E4M3 grid and installed as an FP8Linear."""
+    from compress.quantizers.gptq import GPTQStage
+
+    class FP8GPTQStage(GPTQStage):
+        def __init__(self, config: FP8Config, label: str, input_scales: dict[str, torch.Tensor]) -> None:
+            super().__init__(config, label)
+            self.input_scales = input_scales
+
+        def quantize_layer(
+            self, model: nn.Module, ctx: RunContext, name: str, module: nn.Linear, box: list[torch.Tensor], scheme: Any
+        ) -> dict[str, Any]:
+            grid = FP8Grid(module.weight.detach().to(torch.float32), self.config, self.input_scales.get(name))
+            record, info = self.solve(module.weight, box, grid.for_scheme(scheme), grid)
+            record = record.cpu()
+            installed = install_fp8(model, name, module, record, self.config.activations, ctx, self.label)
+            return {**installed, **{k: round(v, 6) for k, v in info.items()}}
+
+    return FP8GPTQStage
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -264,28 +347,20 @@ class FP8Stage:
             raise CompressError(f"{label}: layer {already[0]} is already quantized; quantize each layer once.")
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        input_scales, cal_tokens = self._input_scales(model, chosen, ctx)
-        layers: dict[str, dict] = {}
-        records: dict[str, torch.Tensor] = {}
-        for name, module in ctx.reporter.track(chosen, f"{label} fp8 {cfg.describe_scheme()}"):
-            original = module.weight.detach()
-            record = quantize_weight_fp8(original.to(ctx.device), cfg.weights, input_scales.get(name)).cpu()
-            tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
-            swap_module(model, name, FP8Linear(module, record, cfg.activations))  # a new Parameter: a tied weight is untied
-            sqnr = sqnr_db(original, record.dequantize())
-            layers[name] = {
-                "shape": list(record.shape),
-                "sqnr_db": round(sqnr, 3),
-                "relative_error": float(f"{0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10):.4g}"),
-                "bits_per_weight": round(record.bits_per_weight, 4),
-                **({"input_scale": float(record.input_scale)} if record.input_scale is not None else {}),
-                **({"untied_from": tied} if tied else {}),
-            }
-            records.update(record.tensors(name))
-            ctx.quantized_by[name] = label
-        ctx.files[RECORDS_FILE] = records
-        summary = summarize(layers, unused_ignore, None)
-        summary.update(
+        input_scales, cal_tokens = self._input_scales(model, chosen, ctx)  # from the float model, before any rounding
+        if cfg.uses_gptq:
+            record = replace(
+                _fp8_gptq_stage()(cfg, label, input_scales).apply(model, ctx), method=cfg.method
+            )  # run_layerwise names it gptq
+        else:
+            layers: dict[str, dict] = {}
+            for name, module in ctx.reporter.track(chosen, f"{label} fp8 {cfg.describe_scheme()}"):
+                weight = quantize_weight_fp8(module.weight.detach().to(ctx.device), cfg.weights, input_scales.get(name)).cpu()
+                layers[name] = install_fp8(model, name, module, weight, cfg.activations, ctx, label)
+            record = quantize_record(cfg, start, summarize(layers, unused_ignore, None), layers)
+        fp8 = fp8_records(model)
+        ctx.files[RECORDS_FILE] = {k: t for name, r in fp8.items() if name in record.layers for k, t in r.tensors(name).items()}
+        record.summary.update(
             scheme=cfg.scheme().model_dump(mode="json"),
             weights=f"float8 E4M3, float32 scale per {'output row' if cfg.weights == 'channel' else '128x128 tile'}",
             activations={
@@ -296,5 +371,5 @@ class FP8Stage:
             records_file=RECORDS_FILE,
         )
         if cfg.activations == "static":
-            summary.update(calibration_tokens=cal_tokens, peak_memory_mb=round(peak_memory_mb(ctx.device), 1))
-        return quantize_record(cfg, start, summary, layers)
+            record.summary.update(calibration_tokens=cal_tokens, peak_memory_mb=round(peak_memory_mb(ctx.device), 1))
+        return record

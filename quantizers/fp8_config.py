@@ -11,15 +11,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from compress.schema.quantize import WeightQuantConfig
+from compress.schema.quantize import FloatGridGPTQFields, WeightQuantConfig
 
 BLOCK = 128
 """The weight tile of ``weights: block`` (DeepSeek-V3's and vLLM's 128 x 128 blocks), and the activation
 group of dynamic activations under block weights (vLLM's per-token-group 128)."""
 
 
-class FP8Config(WeightQuantConfig):
-    """`quantize: {method: fp8, weights, activations, batch_size, targets, ignore}`: FP8 E4M3 W8A8 (or W8A16)."""
+class FP8Config(WeightQuantConfig, FloatGridGPTQFields):
+    """`quantize: {method: fp8, weights, activations, algorithm, batch_size, targets, ignore}`: FP8 E4M3 W8A8 (or W8A16),
+    rounded to nearest (rtn) or with GPTQ's error feedback on the E4M3 grid (gptq; dampening, block_size, act_order)."""
 
     method: Literal["fp8"] = "fp8"
     bits: int = Field(8, description="Fixed at 8 for fp8 (float8 E4M3 weights).")
@@ -37,7 +38,7 @@ class FP8Config(WeightQuantConfig):
         "per token and group of 128 inputs, as vLLM's block kernel); static, one float32 scale per layer calibrated as "
         "the largest absmax/448 over data.calibration; null, float inputs (weight-only FP8).",
     )
-    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass (activations: static).")
+    batch_size: int = Field(8, ge=1, description="Calibration chunks per forward pass (activations: static; algorithm: gptq).")
 
     @field_validator("bits")
     @classmethod
@@ -78,13 +79,15 @@ class FP8Config(WeightQuantConfig):
 
     @property
     def needs_calibration(self) -> bool:
-        return self.activations == "static"
+        return self.activations == "static" or self.uses_gptq
 
-    calibration_hint: ClassVar[str] = " (activations: static calibrates one input scale per layer)"
+    calibration_hint: ClassVar[str] = (
+        " (activations: static calibrates one input scale per layer; algorithm: gptq accumulates each layer's input Hessian)"
+    )
 
     def describe_scheme(self) -> str:
         acts = {"dynamic": "dynamic", "static": "static", None: "float"}[self.activations]
-        return f"FP8 E4M3 {self.weights} weights, {acts} activations"
+        return f"FP8 E4M3 {self.weights} weights{' (gptq)' if self.uses_gptq else ''}, {acts} activations"
 
     def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
         """Refuses exports that cannot hold FP8 and other weight-quantizing stages (one scheme family a checkpoint)."""

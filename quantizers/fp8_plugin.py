@@ -13,7 +13,7 @@ from typing import Any
 from compress.eval.plan.estimates import RTN_WEIGHTS_PER_S, Estimate, PlanStep, forward_s
 from compress.plugin_types import QuantMethod
 from compress.quantizers.fp8_config import FP8Config
-from compress.quantizers.plugin import calibrated_estimate, layer_weights
+from compress.quantizers.plugin import GPTQ, calibrated_estimate, layer_weights
 
 
 def _fp8_stage() -> type:
@@ -23,6 +23,8 @@ def _fp8_stage() -> type:
 
 
 def _fp8_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    if step.config.uses_gptq:  # the same Hessians, solves and column loop as method gptq (static input scales: one forward more)
+        return GPTQ.estimate(step, layers)
     weights = layer_weights(layers)
     rounding = weights / RTN_WEIGHTS_PER_S
     if step.config.activations == "static":  # one forward to find each layer's input absmax, then rounding
@@ -44,5 +46,6 @@ FP8 = QuantMethod(
     load_stage=_fp8_stage,
     estimate=_fp8_estimate,
     cost=1,
-    description="FP8 E4M3 weights (per-row or 128x128-block float32 scales) and FP8 inputs scaled per token or per layer (W8A8)",
+    description="FP8 E4M3 weights (per-row or 128x128-block float32 scales), rounded to nearest or with GPTQ's error feedback on "
+    "the E4M3 grid, and FP8 inputs scaled per token or per layer (W8A8)",
 )

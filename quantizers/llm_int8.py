@@ -44,7 +44,7 @@ from torch import nn
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
 from compress.progress import Reporter
-from compress.quantizers.apply import install_record, quantize_record, select_or_fail, summarize
+from compress.quantizers.apply import install_record, quantize_record, select_or_fail, summarize, swap_module
 from compress.quantizers.configs import Int8ChannelConfig, Kernel, LLMInt8Config, ResolvedKernel
 from compress.quantizers.core import QuantizedWeight, round_scale, scale_torch_dtype
 from compress.quantizers.sequential import StopForward, peak_memory_mb
@@ -397,10 +397,3 @@ class LLMInt8Stage:
             outlier_fp16_bytes=extra_bytes,
         )
         return quantize_record(cfg, start, summary, layers)
-
-
-def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` at the dotted path ``name`` of ``model``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)

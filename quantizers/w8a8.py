@@ -35,7 +35,7 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import install_record, quantize_record, summarize
+from compress.quantizers.apply import install_record, quantize_record, summarize, swap_module
 from compress.quantizers.arch import Architecture, AWQMapping, architecture_of, decoder_blocks
 from compress.quantizers.awq import fold_scales
 from compress.quantizers.compressed_tensors_args import TOKEN_INT8_ACTIVATIONS
@@ -49,7 +49,6 @@ from compress.quantizers.llm_int8 import (
     resolve_kernel,
     signed_codes,
     start_int8_stage,
-    swap_module,
 )
 from compress.quantizers.sequential import peak_memory_mb
 

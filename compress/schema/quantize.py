@@ -9,7 +9,7 @@ lives with its code (quantizers/configs.py for the built-in ones) and is named b
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -176,3 +176,25 @@ class WeightQuantConfig(QuantScheme, BaseStageConfig):
     def selects_head(self) -> bool:
         """The patterns select a layer named ``lm_head`` (the output head of the supported architectures)."""
         return any(matches(HEAD, p) for p in self.targets) and not any(matches(HEAD, p) for p in self.ignore)
+
+
+class FloatGridGPTQFields(Strict):
+    """The algorithm keys of a method with a float grid of its own (fp8, fp4): round to nearest, or GPTQ's
+    error feedback on that grid with every scale fixed from the original weights first (quantizers/gptq.py's
+    column loop, ``grid=``), with GPTQ's settings."""
+
+    algorithm: Literal["rtn", "gptq"] = Field(
+        "rtn",
+        description="rtn: each weight to its nearest value on the format's grid; gptq: GPTQ (Hessian of each layer's inputs "
+        "over data.calibration), each rounding error pushed onto the columns not yet rounded, on the format's grid with "
+        "every scale fixed from the original weights first (quantizers/gptq.py's column loop).",
+    )
+    dampening: float = Field(0.01, gt=0, lt=1, description="gptq: added to the Hessian diagonal, as a share of its mean.")
+    block_size: int = Field(128, ge=1, description="gptq: columns updated together (lazy batch updates).")
+    act_order: bool = Field(True, description="gptq: visit columns by decreasing Hessian diagonal (the scales stay fixed).")
+    backend: ClassVar[str] = "compress"  # GPTQStage's question: the float grids' gptq is ours
+
+    @property
+    def uses_gptq(self) -> bool:
+        """``algorithm: gptq``: calibrated, layer-wise (quantizers/gptq.py's stage)."""
+        return self.algorithm == "gptq"

@@ -4,11 +4,13 @@
     python scripts/experiments/w8a8_smoothquant.py --alphas 0.5,0.8 --threads 2
     python scripts/experiments/w8a8_smoothquant.py --fp8 --model reference:qwen2.5-coder-1.5b-float-untied \
         --samples 8 --calibration-samples 16                             # issue 55's Qwen rows
+    python scripts/experiments/w8a8_smoothquant.py --fp8-only --model reference:smollm2-135m-float   # FP8 RTN vs GPTQ
 
 The model and data (calibration text, and the evaluation text held apart from it) are those of
 ``recipes/w8a8-smoothquant.yaml``. Each candidate is quantized from the same float model by the stage a
 recipe runs (``method: w8a8`` with ``smoothing: null`` and each alpha; ``method: llm_int8`` at threshold
-6.0; ``--fp8``: ``method: fp8`` with channel and with block weights, dynamic inputs) and scored against
+6.0; ``--fp8``: ``method: fp8`` with channel and with block weights, dynamic inputs, each rounded to
+nearest and with GPTQ on the E4M3 grid; ``--fp8-only``: those rows alone) and scored against
 the float model on the same evaluation sequences: KL divergence, top-1 agreement and perplexity with
 their 95% bootstrap intervals. One candidate is in memory at a time (a 1.5B model's float32 copy is
 6 GB), each scored in a ``compare`` pass of its own beside the float model, whose perplexity is the
@@ -45,11 +47,15 @@ from compress.recipe import load_recipe  # noqa: E402
 RECIPE = ROOT / "recipes" / "w8a8-smoothquant.yaml"
 
 
-def stages(alphas: list[float], fp8: bool) -> dict[str, object]:
+def stages(alphas: list[float], fp8: bool, fp8_only: bool, fp8_weights: list[str]) -> dict[str, object]:
     found: dict[str, object] = {}
-    if fp8:
-        for weights in ("channel", "block"):
-            found[f"FP8 W8A8, {weights} weights, dynamic inputs"] = FP8Stage(FP8Config(weights=weights, activations="dynamic"), "fp8")
+    if fp8 or fp8_only:
+        for weights in fp8_weights:
+            for algorithm in ("rtn", "gptq"):
+                config = FP8Config(weights=weights, activations="dynamic", algorithm=algorithm)
+                found[f"FP8 W8A8, {weights} weights ({algorithm}), dynamic inputs"] = FP8Stage(config, "fp8")
+    if fp8_only:
+        return found
     found["W8A8 plain (smoothing: null)"] = W8A8Stage(W8A8Config(smoothing=None), "w8a8")
     for alpha in alphas:
         found[f"W8A8 SmoothQuant alpha {alpha:g}"] = W8A8Stage(W8A8Config(smoothing=SmoothingConfig(alpha=alpha)), "w8a8")
@@ -57,7 +63,16 @@ def stages(alphas: list[float], fp8: bool) -> dict[str, object]:
     return found
 
 
-def main(alphas: list[float], threads: int, fp8: bool, model: str | None, samples: int | None, calibration_samples: int | None) -> None:
+def main(
+    alphas: list[float],
+    threads: int,
+    fp8: bool,
+    model: str | None,
+    samples: int | None,
+    calibration_samples: int | None,
+    fp8_only: bool = False,
+    fp8_weights: tuple[str, ...] = ("channel", "block"),
+) -> None:
     recipe = load_recipe(RECIPE).recipe
     data = recipe.data
     if samples is not None:
@@ -70,7 +85,7 @@ def main(alphas: list[float], threads: int, fp8: bool, model: str | None, sample
     cpu = torch.device("cpu")
     baseline = torch_forward(lm.model, cpu)
     scores, seconds = {}, {}
-    for name, stage in stages(alphas, fp8).items():
+    for name, stage in stages(alphas, fp8, fp8_only, list(fp8_weights)).items():
         quantized = working_copy(lm.model, stage.config)  # read whole: no stage here streams
         ctx = RunContext(seed=0, device=cpu, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens)
         started = time.perf_counter()
@@ -86,9 +101,22 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--alphas", default="0.5", help="Comma-separated SmoothQuant alphas, each a row.")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--fp8", action="store_true", help="Add FP8 W8A8 rows (channel and block weights, dynamic inputs).")
+    parser.add_argument(
+        "--fp8", action="store_true", help="Add FP8 W8A8 rows (channel and block weights, dynamic inputs; rtn and gptq each)."
+    )
+    parser.add_argument("--fp8-only", action="store_true", help="Only the FP8 rows (no int8 W8A8 or LLM.int8() rows).")
+    parser.add_argument("--fp8-weights", default="channel,block", help="The FP8 rows' weight layouts (comma-separated).")
     parser.add_argument("--model", help="Another model source than the recipe's, e.g. reference:qwen2.5-coder-1.5b-float-untied.")
     parser.add_argument("--samples", type=int, help="Evaluation sequences (the recipe's: 32).")
     parser.add_argument("--calibration-samples", type=int, help="Calibration sequences (the recipe's: 32).")
     args = parser.parse_args()
-    main([float(a) for a in args.alphas.split(",")], args.threads, args.fp8, args.model, args.samples, args.calibration_samples)
+    main(
+        [float(a) for a in args.alphas.split(",")],
+        args.threads,
+        args.fp8,
+        args.model,
+        args.samples,
+        args.calibration_samples,
+        args.fp8_only,
+        tuple(args.fp8_weights.split(",")),
+    )
