@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -199,22 +199,64 @@ class FP4Weight:
         return FP4Weight(self.format, self.packed.cpu(), self.scale.cpu(), g)
 
 
-def fp4_scales(weight: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The group scales (float8 E4M3 or E8M0 bytes) and the global scale (nvfp4) of ``weight`` [out, in]."""
+def fp4_scales(weight: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The group scales (float8 E4M3 or E8M0 bytes) and the global scale (nvfp4) of ``weight`` [out, in];
+    ``global_scale``: nvfp4's, given (``SharedGlobalScales``: one for layers a runtime fuses) rather than the weight's own."""
     absmax = group_absmax(weight, GROUP[fmt])
     if fmt == "mxfp4":
         return mxfp4_exponents(absmax), None
-    global_scale = nvfp4_global_scale(absmax.amax())
+    global_scale = nvfp4_global_scale(absmax.amax()) if global_scale is None else global_scale.to(absmax.device)
     return nvfp4_scales(absmax, global_scale), global_scale
 
 
-def quantize_weight_fp4(weight: torch.Tensor, fmt: Format) -> FP4Weight:
-    """``weight`` [out, in] (in a multiple of the format's group) rounded to nearest on ``fmt``'s scales."""
-    scale, global_scale = fp4_scales(weight, fmt)
+def quantize_weight_fp4(weight: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> FP4Weight:
+    """``weight`` [out, in] (in a multiple of the format's group) rounded to nearest on ``fmt``'s scales
+    (``global_scale``: nvfp4's, when given; see ``fp4_scales``)."""
+    scale, global_scale = fp4_scales(weight, fmt, global_scale)
     rows, cols = weight.shape
     grouped = weight.detach().to(torch.float32).reshape(rows, cols // GROUP[fmt], GROUP[fmt])
     scaled = grouped / effective_scales(scale, global_scale).unsqueeze(-1)
     return FP4Weight(fmt, pack(e2m1_codes(scaled.reshape(rows, cols))), scale, global_scale)
+
+
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+"""Linears of one parent that a serving runtime fuses into one GEMM, as they read the same input: vLLM's
+``qkv_proj`` and ``gate_up_proj`` (Mixtral's experts: ``w13``). vLLM keeps one NVFP4 global scale for a
+fused weight: it loads each shard's ``weight_global_scale`` and takes their ``.max()``
+(compressed-tensors' W4A16/W4A4 FP4 schemes, ``process_weights_after_loading``), so a shard quantized
+under another global scale would be dequantized with the wrong one. llm-compressor therefore gives the
+shards one global scale (``update_fused_layer_weight_global_scales``), and so does this stage."""
+
+
+def fused_with(name: str, names: Collection[str]) -> tuple[str, ...]:
+    """``name`` and the layers of ``names`` a runtime fuses with it (``FUSED_SIBLINGS`` under the same parent), in order."""
+    parent, _, leaf = name.rpartition(".")
+    for siblings in FUSED_SIBLINGS:
+        if leaf in siblings:
+            return tuple(n for n in (f"{parent}.{s}" if parent else s for s in siblings) if n in names)
+    return (name,)
+
+
+class SharedGlobalScales:
+    """NVFP4's global scale of each layer of ``names``: one for each set of layers a runtime fuses
+    (``fused_with``), ``448 * 6 / `` the largest |w| over the set (the smallest of the members' own, as
+    llm-compressor fuses them), read from the members' weights the first time one of the set is asked for
+    (before any of them is quantized: the stage asks in order). None for mxfp4 (no global scale)."""
+
+    def __init__(self, model: nn.Module, names: Collection[str], fmt: Format) -> None:
+        self.model, self.names, self.format = model, set(names), fmt
+        self.found: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        if self.format != "nvfp4":
+            return None
+        fused = fused_with(name, self.names)
+        if len(fused) == 1:
+            return None  # the layer's own (fp4_scales)
+        if fused not in self.found:
+            weights = [self.model.get_submodule(n).weight.detach() for n in fused]
+            self.found[fused] = nvfp4_global_scale(torch.stack([w.to(torch.float32).abs().amax() for w in weights]).amax())
+        return self.found[fused].clone()  # each record its own tensor (safetensors refuses shared memory)
 
 
 # --------------------------------------------------------------------------- the module
@@ -292,10 +334,10 @@ class FP4Grid:
     effective ``scale`` with zero ``zero`` and ``offset`` [out, in/group]), value rounding (``nearest``,
     ``nearest_numpy``) and the record of the rounded values (``record``)."""
 
-    def __init__(self, weight: torch.Tensor, fmt: Format) -> None:
+    def __init__(self, weight: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> None:
         self.format = fmt
         self.unit = GROUP[fmt]
-        self.stored, self.global_scale = fp4_scales(weight, fmt)
+        self.stored, self.global_scale = fp4_scales(weight, fmt, global_scale)
         self.scale = effective_scales(self.stored, self.global_scale)
         self.zero = torch.zeros_like(self.scale)
         self.offset = torch.zeros_like(self.scale)
@@ -344,10 +386,15 @@ def _fp4_gptq_stage() -> type:
     from compress.quantizers.gptq import GPTQStage
 
     class FP4GPTQStage(GPTQStage):
+        def __init__(self, config: FP4Config, label: str, global_scales: SharedGlobalScales) -> None:
+            super().__init__(config, label)
+            self.global_scales = global_scales
+
         def quantize_layer(
             self, model: nn.Module, ctx: RunContext, name: str, module: nn.Linear, box: list[torch.Tensor], scheme: Any
         ) -> dict[str, Any]:
-            record, info = self.solve(module.weight, box, scheme, FP4Grid(module.weight.detach().to(torch.float32), self.config.format))
+            grid = FP4Grid(module.weight.detach().to(torch.float32), self.config.format, self.global_scales(name))
+            record, info = self.solve(module.weight, box, scheme, grid)
             return {**install_fp4(model, name, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
 
     return FP4GPTQStage
@@ -373,17 +420,20 @@ class FP4Stage:
                 f"{label}: {cfg.format} scales groups of {GROUP[cfg.format]} inputs, and layer {ragged[0]} has "
                 f"{model.get_submodule(ragged[0]).in_features}; add it to `ignore`"
             )
+        global_scales = SharedGlobalScales(model, [n for n, _ in chosen], cfg.format)
         if cfg.uses_gptq:
-            record = replace(_fp4_gptq_stage()(cfg, label).apply(model, ctx), method=cfg.method)  # run_layerwise names it gptq
+            stage = _fp4_gptq_stage()(cfg, label, global_scales)
+            record = replace(stage.apply(model, ctx), method=cfg.method)  # run_layerwise names it gptq
         else:
-            record = self._rtn(model, ctx, chosen, unused_ignore, start)
+            record = self._rtn(model, ctx, chosen, unused_ignore, start, global_scales)
         ctx.files[RECORDS_FILE] = {
             k: t for name, r in fp4_records(model).items() if name in record.layers for k, t in r.tensors(name).items()
         }
         record.summary.update(
             scheme=cfg.scheme().model_dump(mode="json"),
             weights={
-                "nvfp4": "E2M1, float8 E4M3 scale per 16 weights, float32 global scale per tensor",
+                "nvfp4": "E2M1, float8 E4M3 scale per 16 weights, float32 global scale per tensor (one for the layers a "
+                "runtime fuses: q/k/v, gate/up)",
                 "mxfp4": "E2M1, E8M0 (power-of-two) scale per 32 weights",
             }[cfg.format],
             activations="float (weight-only FP4)",
@@ -392,11 +442,17 @@ class FP4Stage:
         return record
 
     def _rtn(
-        self, model: nn.Module, ctx: RunContext, chosen: list[tuple[str, nn.Linear]], unused_ignore: list[str], start: float
+        self,
+        model: nn.Module,
+        ctx: RunContext,
+        chosen: list[tuple[str, nn.Linear]],
+        unused_ignore: list[str],
+        start: float,
+        global_scales: SharedGlobalScales,
     ) -> StageRecord:
         cfg, label = self.config, self.label
         layers: dict[str, dict] = {}
         for name, module in ctx.reporter.track(chosen, f"{label} fp4 {cfg.describe_scheme()}"):
-            record = quantize_weight_fp4(module.weight.detach().to(ctx.device), cfg.format).cpu()
+            record = quantize_weight_fp4(module.weight.detach().to(ctx.device), cfg.format, global_scales(name)).cpu()
             layers[name] = install_fp4(model, name, module, record, ctx, label)
         return quantize_record(cfg, start, summarize(layers, unused_ignore, None), layers)

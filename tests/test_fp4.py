@@ -417,3 +417,56 @@ def test_plan_sizes_mxfp4_gguf(tmp_path: Path, tiny_model_dir: Path, text_dir: P
     quantized, _ = _quantized_weights(tiny_model_dir)
     assert "mxfp4" in gguf["basis"] and "q8_0" in gguf["basis"], gguf
     assert gguf["size_bytes"] == int((quantized * 4.25 + (plan["model"]["parameters"] - quantized) * 8.5) / 8)
+
+
+# --------------------------------------------------------------------------- one global scale for fused layers
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+def test_layers_a_runtime_fuses_share_one_nvfp4_global_scale(algorithm: str) -> None:
+    """q/k/v and gate/up (vLLM's qkv_proj and gate_up_proj, which keep one global scale) get one NVFP4 global
+    scale: 448·6 / the largest |w| of the set, as llm-compressor fuses them; o_proj and down_proj keep their own;
+    each layer's group scales and codes are those of RTN under that global scale."""
+    from compress.quantizers.fp4 import nvfp4_global_scale
+    from tests.tiny import tiny_model
+
+    model = tiny_model(vocab=300, hidden=64, intermediate=128)
+    weights = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    calibration = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(0))
+    ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: calibration)
+    FP4Stage(FP4Config(format="nvfp4", algorithm=algorithm), "stages[0]").apply(model, ctx)
+    records = fp4_records(model)
+    for block in ("model.layers.0", "model.layers.1"):
+        for fused in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            names = [f"{block}.{n}" for n in fused]
+            shared = nvfp4_global_scale(max(weights[n].abs().amax() for n in names))
+            assert all(torch.equal(records[n].global_scale, shared) for n in names), [float(records[n].global_scale) for n in names]
+            if algorithm == "rtn":
+                assert all(torch.equal(records[n].packed, quantize_weight_fp4(weights[n], "nvfp4", shared).packed) for n in names)
+        for alone in ("self_attn.o_proj", "mlp.down_proj"):
+            own = quantize_weight_fp4(weights[f"{block}.{alone}"], "nvfp4").global_scale
+            assert torch.equal(records[f"{block}.{alone}"].global_scale, own)
+    assert len({float(records[f"model.layers.0.self_attn.{n}"].global_scale) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}) == 2
+
+
+def test_export_refuses_fused_layers_with_two_global_scales() -> None:
+    """Records whose q/k/v carry their own global scales (what vLLM would misread) are refused at export, naming both layers."""
+    from compress.errors import FormatError
+    from compress.export.checkpoint.fp4_checkpoint import check_fused_global_scales
+
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(32, 64, generator=gen), torch.randn(32, 64, generator=gen) * 3
+    records = {
+        "m.layers.0.self_attn.q_proj": quantize_weight_fp4(q, "nvfp4"),
+        "m.layers.0.self_attn.k_proj": quantize_weight_fp4(k, "nvfp4"),
+    }
+    with pytest.raises(FormatError, match="q_proj and m.layers.0.self_attn.k_proj are one fused weight"):
+        check_fused_global_scales(records)
+    shared = records["m.layers.0.self_attn.k_proj"].global_scale
+    check_fused_global_scales({**records, "m.layers.0.self_attn.q_proj": quantize_weight_fp4(q, "nvfp4", shared)})  # one scale: accepted
+    check_fused_global_scales(
+        {
+            "m.layers.0.self_attn.q_proj": records["m.layers.0.self_attn.q_proj"],
+            "m.layers.0.self_attn.o_proj": records["m.layers.0.self_attn.k_proj"],
+        }
+    )

@@ -30,7 +30,7 @@ from compress.errors import FormatError
 from compress.export.checkpoint.compressed_tensors import METHOD, STATUS_COMPRESSED, Key, write_grid_checkpoint
 from compress.export.checkpoint.hf_checkpoint import QUANT_METHOD, read_config, read_tensors
 from compress.quantizers.compressed_tensors_args import LINEAR_TARGET
-from compress.quantizers.fp4 import FP4Linear, FP4Weight, e2m1_values, fp4_records
+from compress.quantizers.fp4 import FP4Linear, FP4Weight, e2m1_values, fp4_records, fused_with
 from compress.quantizers.fp4_config import GROUP, Format
 from compress.quantizers.kv_cache import KVCacheScheme
 
@@ -64,6 +64,7 @@ def quantization_config(model: nn.Module, records: dict[str, FP4Weight]) -> dict
     if len(formats) != 1:
         raise FormatError(f"an FP4 checkpoint holds one format, and the records have {sorted(formats)}")
     fmt = formats.pop()
+    check_fused_global_scales(records)
     group = {
         Key.TARGETS: [LINEAR_TARGET],
         Key.WEIGHTS: weight_args(fmt),
@@ -80,6 +81,21 @@ def quantization_config(model: nn.Module, records: dict[str, FP4Weight]) -> dict
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
+
+
+def check_fused_global_scales(records: dict[str, FP4Weight]) -> None:
+    """Refuse NVFP4 records whose fused layers (quantizers/fp4.py ``FUSED_SIBLINGS``: q/k/v, gate/up) have
+    different global scales: vLLM loads one global scale for a fused weight (the shards' largest), so it would
+    dequantize the other shards wrongly. The fp4 stage gives them one; records made otherwise are refused."""
+    for name, record in records.items():
+        for other in fused_with(name, records):
+            theirs = records[other].global_scale
+            if record.global_scale is not None and theirs is not None and not torch.equal(record.global_scale, theirs):
+                raise FormatError(
+                    f"{name} and {other} are one fused weight in vLLM, which keeps one NVFP4 global scale for it, and their "
+                    f"records have two ({float(record.global_scale):g} and {float(theirs):g}); quantize them with the fp4 "
+                    "stage, which gives the layers a runtime fuses one global scale"
+                )
 
 
 def holds(model: nn.Module) -> bool:
