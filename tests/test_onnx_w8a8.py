@@ -188,3 +188,20 @@ def test_w8a8_onnx_refusals_exit_2_naming_the_key(tmp_path: Path, onnx_model_dir
     result = run_cli(["run", recipe, "-o", out, "-q"])
     assert result.exit_code == 2 and "precision w8a8 holds a w8a8 quantize stage's layers" in result.output and not out.exists()
     assert "Traceback" not in result.output
+
+
+def test_plan_sizes_the_w8a8_onnx(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
+    """`compress plan`: precision w8a8 at int8 codes + one float32 scale per row, every other parameter float32."""
+    from transformers import AutoModelForCausalLM
+
+    exports = "exports:\n  - format: onnx\n    precision: w8a8\n  - format: compressed-tensors\n"
+    recipe = w8a8_recipe(tmp_path, onnx_model_dir, text_dir, "      method: w8a8\n", exports)
+    out = tmp_path / "plan.json"
+    result = run_cli(["plan", recipe, "--json", out])
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(onnx_model_dir)
+    linears = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    quantized = sum(m.weight.numel() for m in linears)
+    expected = quantized + 4 * sum(m.out_features for m in linears) + 4 * (model.num_parameters() - quantized)
+    row = next(a for a in json.loads(out.read_text())["artifacts"] if a["artifact"] == "onnx")
+    assert row["size_bytes"] == expected
