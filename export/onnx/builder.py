@@ -135,7 +135,7 @@ def set_attribute(node: Any, name: str, value: Any) -> None:
 
 
 def layer_names(node_name: str) -> tuple[str, ...] | None:
-    """The Hugging Face Linear names a builder MatMulNBits node computes (the output head included), or
+    """The Hugging Face Linear names a builder MatMulNBits (or float MatMul) node computes (the output head included), or
     None for a node that computes no Linear layer."""
     if _HEAD.match(node_name):
         return (HEAD_LAYER,)
