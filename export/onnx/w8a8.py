@@ -47,7 +47,8 @@ def w8a8_layers(model: nn.Module, records: dict[str, QuantizedWeight]) -> list[s
     """The recorded layers whose module quantizes its input to int8 per token at run time (a w8a8 stage's)."""
     from compress.quantizers.w8a8 import W8A8Linear
 
-    return [name for name in records if isinstance(model.get_submodule(name), W8A8Linear)]
+    modules = dict(model.named_modules())  # a fused expert's record names no module: never W8A8
+    return [name for name in records if isinstance(modules.get(name), W8A8Linear)]
 
 
 def float_matmuls(model: Any) -> list[tuple[Any, tuple[str, ...]]]:
