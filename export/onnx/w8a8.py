@@ -13,7 +13,8 @@ scales ``s_w`` [out], ``w = q_w · s_w``)::
 ``W`` is the record's codes as an int8 initializer [in, out] (the MatMul's B layout) and ``s_w`` its scales in
 float32 (the record's float16 values, exactly). ``|x / s_x| <= 127`` always (``s_x >= absmax / 127`` up to one
 rounding, which cannot reach 127.5), so QuantizeLinear's saturation to [-128, 127] equals the quantizer's clamp
-to [-127, 127]. Linears that read one tensor (gate and up; q/k/v are one fused MatMul) share its quantization.
+to [-127, 127]. Linears that read one tensor (gate and up; q/k/v are one fused MatMul) each quantize it with a chain of their own
+(the same codes twice), which ONNX Runtime fuses into an integer GEMM each (``quantize_input_nodes``).
 
 The activation scale is dynamic, so it is applied outside the Q/DQ pair (a Div before QuantizeLinear of scale 1,
 a Mul after the MatMul); the pair itself has constant scales, the pattern a Q/DQ-aware runtime turns into an
@@ -43,9 +44,7 @@ NOT_EXACT = (
 )
 BUILDER_PRECISION = "fp32"  # the builder's graph whose float MatMuls the Q/DQ subgraphs replace
 CONSTANT_PREFIX = "w8a8"
-INT8_MAX_NAME, ZERO_NAME, ONE_NAME, ZERO_POINT_NAME, AXES_NAME = (
-    f"{CONSTANT_PREFIX}.{n}" for n in ("int8_max", "zero", "one", "zero_point", "last_axis")
-)
+ZERO_NAME, ONE_NAME, AXES_NAME = (f"{CONSTANT_PREFIX}.{n}" for n in ("zero", "one", "last_axis"))
 
 
 def w8a8_layers(model: nn.Module, records: dict[str, QuantizedWeight]) -> list[str]:
@@ -80,18 +79,23 @@ def _layer_weight(names: tuple[str, ...], records: dict[str, QuantizedWeight]) -
 def _constants() -> list[Any]:
     from onnx import numpy_helper
 
-    values = {
-        INT8_MAX_NAME: np.array(INT8_MAX, np.float32),
-        ZERO_NAME: np.array(0, np.float32),
-        ONE_NAME: np.array(1, np.float32),
-        ZERO_POINT_NAME: np.array(0, np.int8),
-        AXES_NAME: np.array([-1], np.int64),
-    }
+    values = {ZERO_NAME: np.array(0, np.float32), ONE_NAME: np.array(1, np.float32), AXES_NAME: np.array([-1], np.int64)}
     return [numpy_helper.from_array(v, k) for k, v in values.items()]
 
 
-def quantize_input_nodes(x: str, prefix: str) -> tuple[list[Any], str, str]:
-    """Nodes that quantize ``x`` to int8 per token and back: (nodes, the dequantized codes, the per-token scale s_x)."""
+def quantize_input_nodes(x: str, prefix: str, name: str) -> tuple[list[Any], list[Any], str, str]:
+    """Nodes that quantize ``x`` to int8 per token for the MatMul of layer(s) ``name``, and their initializers of
+    their own: (nodes, initializers, the int8 codes, the per-token scale s_x). Each MatMul's chain has constants of
+    its own (the 127, QuantizeLinear's scale 1 and zero point 0): ONNX Runtime's common-subexpression pass would
+    merge identical chains reading one tensor (gate and up), and a Q/DQ pair with two consumers is not fused."""
+    from onnx import numpy_helper
+
+    int8_max, one, zero_point = f"{name}.input_int8_max", f"{name}.input_scale", f"{name}.input_zero_point"
+    initializers = [
+        numpy_helper.from_array(np.array(INT8_MAX, np.float32), int8_max),
+        numpy_helper.from_array(np.array(1, np.float32), one),
+        numpy_helper.from_array(np.array(0, np.int8), zero_point),
+    ]
     from onnx import helper
 
     def out(step: str) -> str:
@@ -100,21 +104,13 @@ def quantize_input_nodes(x: str, prefix: str) -> tuple[list[Any], str, str]:
     nodes = [
         helper.make_node("Abs", [x], [out("Abs")], name=f"{prefix}/Abs"),
         helper.make_node("ReduceMax", [out("Abs"), AXES_NAME], [out("ReduceMax")], name=f"{prefix}/ReduceMax", keepdims=1),
-        helper.make_node("Div", [out("ReduceMax"), INT8_MAX_NAME], [out("DivMax")], name=f"{prefix}/DivMax"),
+        helper.make_node("Div", [out("ReduceMax"), int8_max], [out("DivMax")], name=f"{prefix}/DivMax"),
         helper.make_node("Greater", [out("ReduceMax"), ZERO_NAME], [out("Greater")], name=f"{prefix}/Greater"),
         helper.make_node("Where", [out("Greater"), out("DivMax"), ONE_NAME], [out("Scale")], name=f"{prefix}/Scale"),
         helper.make_node("Div", [x, out("Scale")], [out("Div")], name=f"{prefix}/Div"),
-        helper.make_node(
-            "QuantizeLinear", [out("Div"), ONE_NAME, ZERO_POINT_NAME], [out("QuantizeLinear")], name=f"{prefix}/QuantizeLinear"
-        ),
-        helper.make_node(
-            "DequantizeLinear",
-            [out("QuantizeLinear"), ONE_NAME, ZERO_POINT_NAME],
-            [out("DequantizeLinear")],
-            name=f"{prefix}/DequantizeLinear",
-        ),
+        helper.make_node("QuantizeLinear", [out("Div"), one, zero_point], [out("QuantizeLinear")], name=f"{prefix}/QuantizeLinear"),
     ]
-    return nodes, out("DequantizeLinear"), out("Scale")
+    return nodes, initializers, out("QuantizeLinear"), out("Scale")
 
 
 def write_w8a8(model: Any, records: dict[str, QuantizedWeight]) -> int:
@@ -124,7 +120,6 @@ def write_w8a8(model: Any, records: dict[str, QuantizedWeight]) -> int:
 
     graph = model.graph
     graph.initializer.extend(_constants())
-    quantized_inputs: dict[str, tuple[str, str]] = {}  # input tensor -> (dequantized codes, s_x)
     written = 0
     for node, names in float_matmuls(model):
         recorded = [n for n in names if n in records]
@@ -135,19 +130,16 @@ def write_w8a8(model: Any, records: dict[str, QuantizedWeight]) -> int:
         base = node.name.removesuffix("/MatMul")
         x, output, old_weight = node.input[0], node.output[0], node.input[1]
         at = list(graph.node).index(node)
-        new = []
-        if x not in quantized_inputs:
-            prefix = f"{base}/input_quant"
-            nodes, x_dq, s_x = quantize_input_nodes(x, prefix)
-            new += nodes
-            quantized_inputs[x] = (x_dq, s_x)
-        x_dq, s_x = quantized_inputs[x]
-        codes, scales = _layer_weight(names, records)
         name = base.strip("/").replace("/", ".")
+        new, constants, x_q, s_x = quantize_input_nodes(x, f"{base}/input_quant", name)
+        x_scale, x_zero = constants[1].name, constants[2].name
+        x_dq = f"{base}/input/DequantizeLinear/output_0"
+        codes, scales = _layer_weight(names, records)
         weight, scale, weight_dq = f"{name}.weight_int8", f"{name}.weight_scale", f"{base}/weight/DequantizeLinear/output_0"
-        graph.initializer.extend([numpy_helper.from_array(codes, weight), numpy_helper.from_array(scales, scale)])
+        graph.initializer.extend([*constants, numpy_helper.from_array(codes, weight), numpy_helper.from_array(scales, scale)])
         product = f"{base}/MatMul/unscaled_output"
         new += [
+            helper.make_node("DequantizeLinear", [x_q, x_scale, x_zero], [x_dq], name=f"{base}/input/DequantizeLinear"),
             helper.make_node("DequantizeLinear", [weight, scale], [weight_dq], name=f"{base}/weight/DequantizeLinear", axis=1),
             helper.make_node("MatMul", [x_dq, weight_dq], [product], name=node.name),
             helper.make_node("Mul", [product, s_x], [output], name=f"{base}/input_scale/Mul"),
@@ -159,6 +151,16 @@ def write_w8a8(model: Any, records: dict[str, QuantizedWeight]) -> int:
             graph.initializer.remove(next(t for t in graph.initializer if t.name == old_weight))
         written += 1
     return written
+
+
+def _unit_quantizer(quantize: Any, inits: dict[str, Any]) -> bool:
+    """A QuantizeLinear of scale 1 and int8 zero point 0 (the per-token scale is divided out before it)."""
+    from onnx import numpy_helper
+
+    if len(quantize.input) != 3 or not all(name in inits for name in quantize.input[1:]):
+        return False
+    scale, zero = (numpy_helper.to_array(inits[name]) for name in quantize.input[1:])
+    return scale.dtype == np.float32 and float(scale) == 1.0 and zero.dtype == np.int8 and int(zero) == 0
 
 
 def compare_w8a8(model: Any, records: dict[str, QuantizedWeight]) -> dict[str, Any]:
@@ -183,7 +185,7 @@ def compare_w8a8(model: Any, records: dict[str, QuantizedWeight]) -> dict[str, A
             problems.append(f"{node.name}: its weight is not a per-channel DequantizeLinear (axis 1)")
             continue
         quantize = producers.get(input_dq.input[0]) if input_dq is not None and input_dq.op_type == "DequantizeLinear" else None
-        if quantize is None or quantize.op_type != "QuantizeLinear" or list(quantize.input[1:]) != [ONE_NAME, ZERO_POINT_NAME]:
+        if quantize is None or quantize.op_type != "QuantizeLinear" or not _unit_quantizer(quantize, inits):
             problems.append(f"{node.name}: its input is not quantized per token (QuantizeLinear of scale 1 -> DequantizeLinear)")
             continue
         want_codes, want_scales = _layer_weight(names, records) if len(recorded) == len(names) else (None, None)
