@@ -241,11 +241,10 @@ class W8A8Config(Int8ChannelConfig):
     def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
         """Every export must hold the int8 activation quantization, or the file would be another model."""
         for i, export in enumerate(recipe.exports):
-            if not export.holds_activation_quantization:
+            if (why := export.activation_refusal()) is not None:
                 raise ValueError(
                     f"exports[{i}] (format {export.format}): {label} (w8a8) quantizes activations to int8 per token at run "
-                    f"time, and a {export.format} export cannot hold activation quantization (it would run the int8 weights "
-                    "on float activations, another model); export compressed-tensors (int-quantized W8A8), or use "
+                    f"time, and {why}; export compressed-tensors (int-quantized W8A8) or onnx (precision w8a8), or use "
                     "method llm_int8 / rtn for weight-only int8 exports"
                 )
         return set()

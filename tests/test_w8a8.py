@@ -261,7 +261,7 @@ def test_refusals_exit_2_naming_the_key(tmp_path: Path, tiny_model_dir: Path, te
         path = w8a8_recipe(tmp_path, tiny_model_dir, text_dir, quantize, "exports: []\n")
         result = run_cli(["validate", path.rename(tmp_path / f"bad{i}.yaml")])
         assert result.exit_code == 2 and message in result.output, result.output
-    for fmt in ("gguf\n    type: q8_0", "onnx", "gptq"):
+    for fmt in ("gguf\n    type: q8_0", "onnx\n    precision: int8", "gptq"):  # onnx holds w8a8 at precision w8a8 / auto
         path = w8a8_recipe(tmp_path, tiny_model_dir, text_dir, "      method: w8a8\n", f"exports:\n  - format: {fmt}\n")
         result = run_cli(["validate", path])
         name = fmt.split()[0]

@@ -38,6 +38,14 @@ class BaseExportConfig(Strict):
     quantizers/fp8_config.py; ``nvfp4``, ``mxfp4``: quantizers/fp4_config.py), or None where it writes them;
     a grid not named is refused with INTEGER_ONLY. The recipe is refused naming the export."""
 
+    def activation_refusal(self) -> str | None:
+        """Why this export cannot hold int8 per-token activation quantization (a ``w8a8`` stage), or None; by default
+        whether the format holds it at all (``holds_activation_quantization``). A format that holds it in some
+        settings only (ONNX: precision w8a8) says so for its own settings."""
+        if self.holds_activation_quantization:
+            return None
+        return f"a {self.format} export cannot hold activation quantization (it would run the int8 weights on float activations, another model)"
+
     @classmethod
     def float_refusal(cls, grid: str) -> str | None:
         """Why the format cannot hold layers on float grid ``grid`` (``float_refusals``), or None."""

@@ -35,9 +35,9 @@ EXTRA = 'the onnx extra: pip install -e ".[onnx]" (onnx, onnxruntime, onnxruntim
 
 # Builder node names → the Hugging Face Linear names they compute (fused q/k/v and gate/up included).
 _NODE = re.compile(
-    r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/(?:MatMulNBits|MatMul_Q\d+)$"
-)  # from a GPTQ checkpoint / from its own quantizer
-_HEAD = re.compile(r"^/lm_head/(?:MatMulNBits|MatMul_Q\d+)$")
+    r"^/model/layers\.(\d+)/(attn|mlp)/(\w+)/(?:MatMulNBits|MatMul_Q\d+|MatMul)$"
+)  # from a GPTQ checkpoint / from its own quantizer / float (a w8a8 export's, export/onnx/w8a8.py)
+_HEAD = re.compile(r"^/lm_head/(?:MatMulNBits|MatMul_Q\d+|MatMul)$")
 _PARTS = {
     ("attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("attn", "q_proj"): ("self_attn.q_proj",),
@@ -135,7 +135,7 @@ def set_attribute(node: Any, name: str, value: Any) -> None:
 
 
 def layer_names(node_name: str) -> tuple[str, ...] | None:
-    """The Hugging Face Linear names a builder MatMulNBits node computes (the output head included), or
+    """The Hugging Face Linear names a builder MatMulNBits (or float MatMul) node computes (the output head included), or
     None for a node that computes no Linear layer."""
     if _HEAD.match(node_name):
         return (HEAD_LAYER,)

@@ -10,9 +10,15 @@ from pydantic import Field, model_validator
 from compress.schema.exports import FORMAT_DOC, BaseExportConfig
 
 ONNX = "onnx"
-ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4")
-# what onnxruntime-genai's builder makes for each execution provider
-ONNX_DEVICE_PRECISIONS = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp32", "fp16", "int8", "int4")}
+ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
+# what onnxruntime-genai's builder makes for each execution provider (w8a8: its fp32 graph with our Q/DQ layers)
+ONNX_DEVICE_PRECISIONS = {"cpu": ("fp32", "int8", "int4", "w8a8"), "cuda": ("fp32", "fp16", "int8", "int4")}
+W8A8 = "w8a8"
+W8A8_TABLES = (
+    "keep_float does not apply to precision w8a8: the file's head and embeddings are what the quantize stage left, as the "
+    "in-memory model computes them (the head a W8A8 layer when the stage quantized it, ignore: [], else float; the "
+    "embeddings float); leave keep_float out"
+)
 
 
 class ONNXExportConfig(BaseExportConfig):
@@ -26,10 +32,11 @@ class ONNXExportConfig(BaseExportConfig):
     }
 
     format: Literal["onnx"] = Field("onnx", description=FORMAT_DOC)
-    precision: Literal["auto", "fp32", "fp16", "int8", "int4"] = Field(
+    precision: Literal["auto", "fp32", "fp16", "int8", "int4", "w8a8"] = Field(
         "auto",
-        description="Weight precision: int4 / int8 (MatMulNBits), fp32, fp16 (cuda). auto: int4 or int8 from the "
-        "records' bits, fp32 without records.",
+        description="Weight precision: int4 / int8 (MatMulNBits, float activations), fp32, fp16 (cuda), w8a8 (a w8a8 stage's "
+        "int8 weights and per-token int8 activations as standard QuantizeLinear/DequantizeLinear + MatMul, cpu). auto: w8a8 "
+        "for a w8a8 stage's records, else int4 or int8 from the records' bits, fp32 without records.",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Execution provider the builder targets: cpu | cuda.")
     quantizer: Literal["records", "builder"] | None = Field(
@@ -50,7 +57,8 @@ class ONNXExportConfig(BaseExportConfig):
         "(head quantized, embeddings float; keep_float: [] quantizes them too). A quantized head "
         "keeps its record (ignore: [] on the quantize stage) or is rounded to nearest at export in the records' scheme; "
         "the embeddings go into a GatherBlockQuantized that reads the head's blocks (tied) or a table of their own, "
-        "proven like every other record. [lm_head, embeddings] keeps both float: more bytes, less error.",
+        "proven like every other record. [lm_head, embeddings] keeps both float: more bytes, less error. Not for precision "
+        "w8a8, whose tables are what the quantize stage left.",
     )
     accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
         4,
@@ -83,7 +91,21 @@ class ONNXExportConfig(BaseExportConfig):
             raise ValueError("block_size applies to quantizer builder; with records the block size follows their group size")
         if self.keep_float is not None and len(set(self.keep_float)) != len(self.keep_float):
             raise ValueError(f"keep_float names a table twice: {self.keep_float}")
+        if self.precision == W8A8 and self.keep_float is not None:
+            raise ValueError(W8A8_TABLES)
         return self
+
+    def activation_refusal(self) -> str | None:
+        """Precision w8a8 (and auto, which picks it for a w8a8 stage's records) holds int8 per-token activations;
+        the other precisions are weight-only."""
+        if self.precision in ("auto", W8A8) and self.quantizer != "builder":
+            return None
+        if self.quantizer == "builder":
+            return "quantizer: builder rounds the float weights itself, weight-only; leave quantizer out (records)"
+        return (
+            f"precision {self.precision} cannot hold activation quantization (weight-only: it would run the int8 weights on "
+            f"float activations, another model); set precision: w8a8 or auto"
+        )
 
     def float_tables(self, precision: str) -> tuple[str, ...]:
         """The tables kept float in an export of ``precision``: keep_float, or the builder's own layout."""

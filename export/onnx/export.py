@@ -25,7 +25,8 @@ from compress.export.checkpoint.hf_checkpoint import save_sharded
 from compress.export.onnx import builder as ob
 from compress.export.onnx import matmulnbits as mnb
 from compress.export.onnx import tables as tb
-from compress.export.onnx.config import ONNXExportConfig
+from compress.export.onnx import w8a8 as qdq
+from compress.export.onnx.config import W8A8_TABLES, ONNXExportConfig
 from compress.export.onnx.names import ONNX_FILE
 from compress.export.parity import SAME_WEIGHTS_CHUNKS, VerifyInputs, parity_corpus, special_ids, tokenization_mismatches
 from compress.hf_model import float_tensors, write_config_and_tokenizer
@@ -40,13 +41,20 @@ EXACT_MAX_KL = 1e-3  # level 0 computes in float: what is left is summation orde
 GENERATION_PROMPT = "The quick brown fox"
 GENERATED_TOKENS = 32
 INT_BITS = {"int4": 4, "int8": 8}
+W8A8_CHECK = (
+    "every W8A8 MatMul read back: int8 weight initializer equal to the record's codes, per-channel DequantizeLinear "
+    "scales equal to the record's scales, input quantized per token (QuantizeLinear / DequantizeLinear)"
+)
 GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention kernel
 
 
-def resolve(cfg: ONNXExportConfig, records: dict[str, QuantizedWeight]) -> tuple[str, str | None]:
-    """(precision, quantizer) for this model: auto follows the records' bits."""
+def resolve(cfg: ONNXExportConfig, records: dict[str, QuantizedWeight], model: nn.Module | None = None) -> tuple[str, str | None]:
+    """(precision, quantizer) for this model: auto is w8a8 for a w8a8 stage's records (their modules quantize
+    activations), else follows the records' bits."""
     precision = cfg.precision
-    if precision == "auto":
+    if precision == "auto" and model is not None and qdq.w8a8_layers(model, records):
+        precision = qdq.PRECISION
+    elif precision == "auto":
         bits = {r.scheme.bits for r in records.values()}
         if not records:
             precision = "fp32"
@@ -57,6 +65,8 @@ def resolve(cfg: ONNXExportConfig, records: dict[str, QuantizedWeight]) -> tuple
                 f"precision auto: the records have {sorted(bits)} bits; MatMulNBits holds 4 or 8 bits, one per "
                 "export (set precision: fp32 for a float export of the dequantized weights)"
             )
+    if precision == qdq.PRECISION:
+        return precision, "records"
     if precision not in INT_BITS:
         return precision, None
     return precision, cfg.quantizer or ("records" if records else "builder")
@@ -71,8 +81,9 @@ def check(cfg: ONNXExportConfig, model: nn.Module, records: dict[str, QuantizedW
             f"ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of {GQA_HEAD_MULTIPLE}; "
             f"this model's is {head_dim}"
         )
-    precision, quantizer = resolve(cfg, records)
-    if quantizer == "records":
+    precision, quantizer = resolve(cfg, records, model)
+    check_w8a8(cfg, model, records, precision)
+    if quantizer == "records" and precision != qdq.PRECISION:
         refuse_gguf_grids(records, "onnx")
         if not records:
             raise FormatError("quantizer records: no layer is quantized; add a quantize stage or use quantizer: builder")
@@ -86,6 +97,25 @@ def check(cfg: ONNXExportConfig, model: nn.Module, records: dict[str, QuantizedW
             "verify: true scores the ONNX model on the evaluation chunks, and the recipe has no data.evaluation; "
             "add it, or set verify: false on the export"
         )
+
+
+def check_w8a8(cfg: ONNXExportConfig, model: nn.Module, records: dict[str, QuantizedWeight], precision: str) -> None:
+    """A w8a8 export holds a w8a8 stage's layers and nothing else; those layers go nowhere else (a weight-only
+    precision would run them on float activations: recipe validation refuses that, this catches the rest)."""
+    w8a8 = qdq.w8a8_layers(model, records)
+    if precision != qdq.PRECISION:
+        if w8a8:
+            raise FormatError(f"precision {precision}: {w8a8[0]} quantizes its activations (w8a8); set precision: w8a8 or auto")
+        return
+    if not w8a8:
+        raise FormatError(
+            "precision w8a8 holds a w8a8 quantize stage's layers, and this model has none; add the stage or set precision: auto"
+        )
+    others = sorted(set(records) - set(w8a8))
+    if others:
+        raise FormatError(f"precision w8a8: {others[0]} is quantized weight-only by another stage; a w8a8 export holds w8a8 layers only")
+    if cfg.keep_float is not None:
+        raise FormatError(W8A8_TABLES)
 
 
 def builder_options(
@@ -142,14 +172,24 @@ def build(
 ) -> tuple[dict[str, Any], Any]:
     """Run the builder into ``directory`` and put our records into the graph. Returns how the weights got
     there and the graph, loaded with its weights for an int precision (the caller proves and saves it)."""
-    precision, quantizer = resolve(cfg, records)
+    precision, quantizer = resolve(cfg, records, model)
     options = builder_options(cfg, precision, quantizer, records, kv_options, model.config)
     log = directory.parent / f".{directory.name}.{BUILDER_LOG}"
     facts: dict[str, Any] = {"precision": precision, "device": cfg.device, "quantizer": quantizer, "builder_options": options}
     graph = None
     with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.src-") as tmp:
         gptq, float_dir = Path(tmp) / "gptq", Path(tmp) / "float"
-        if quantizer == "records":
+        if precision == qdq.PRECISION:
+            _save_float(float_dir, model, tokenizer)
+            _fresh(directory)
+            ob.run_builder(float_dir, directory, qdq.BUILDER_PRECISION, cfg.device, options, log)
+            graph = ob.load(directory)
+            facts["nodes_written"] = qdq.write_w8a8(graph, records)
+            facts["weights_written_by"] = (
+                "compress: the builder's fp32 graph, each W8A8 layer's MatMul replaced by a Q/DQ subgraph of its record "
+                "(int8 weights, per-token int8 activations)"
+            )
+        elif quantizer == "records":
             try:
                 autogptq.write(gptq, model, tokenizer, records)
                 _fresh(directory)
@@ -202,7 +242,9 @@ def export(
         entry["verification_skipped"] = skipped
     elif cfg.verify:
         assert inputs is not None
-        evaluation = verify(directory, cfg, tokenizer, inputs, reporter, label, entry["precision"] in INT_BITS, tables)
+        evaluation = verify(
+            directory, cfg, tokenizer, inputs, reporter, label, entry["precision"] in INT_BITS, tables, entry["precision"] != qdq.PRECISION
+        )
         evaluations.append(evaluation)
         entry["verified"] = True
         entry["check"] += "; verified in ONNX Runtime (tokenizer parity, same-weights KL, metrics vs baseline, GenAI generation)"
@@ -244,9 +286,11 @@ def _write(
     directory.mkdir(parents=True, exist_ok=True)
     scale_file = directory.parent / f".{directory.name}.{KV_SCALE_FILE}"
     kv_entry, kv_options = kv_cache_options(kv, model.config, scale_file, cfg.device)
-    precision, quantizer = resolve(cfg, records)
+    precision, quantizer = resolve(cfg, records, model)
     tables, file_records = tb.Tables(), records
-    if quantizer == "records":
+    if precision == qdq.PRECISION:
+        tables.facts = w8a8_tables(records)
+    elif quantizer == "records":
         tables = tb.plan(model, records, cfg.float_tables(precision), INT_BITS[precision], mnb.common_block_size(records))
         if tables.head_rounded_here:  # handed over and proven like the others
             file_records = {**records, tb.HEAD: tables.head}
@@ -256,7 +300,12 @@ def _write(
     if graph is None:  # a float export: nothing to edit, the op counts need no weights
         graph = ob.load(directory, with_data=False)
     proof = None
-    if facts["quantizer"] == "records":
+    if facts["precision"] == qdq.PRECISION:
+        proof = qdq.compare_w8a8(graph, records)
+        if proof["problems"]:
+            raise FormatError(f"{label}: the ONNX file does not hold the W8A8 records: {'; '.join(proof['problems'][:5])}")
+        ob.save(graph, directory)
+    elif facts["quantizer"] == "records":
         proof = ob.compare_records(graph, file_records)
         if proof["problems"]:  # a packing bug: never ship a file that does not hold the records
             raise FormatError(f"{label}: the ONNX file does not hold the records: {'; '.join(proof['problems'][:5])}")
@@ -287,7 +336,9 @@ def _write(
         "builder_version": _version("onnxruntime-genai"),
         "verified": False,
         "check": (
-            "every MatMulNBits node unpacked and compared with the records: codes, scales and zero points identical"
+            W8A8_CHECK
+            if facts["precision"] == qdq.PRECISION
+            else "every MatMulNBits node unpacked and compared with the records: codes, scales and zero points identical"
             if proof
             else "written by onnxruntime-genai's builder"
         ),
@@ -297,6 +348,12 @@ def _write(
     if kv_entry is not None:
         entry["kv_cache"] = kv_entry
     return entry, tables
+
+
+def w8a8_tables(records: dict[str, QuantizedWeight]) -> dict[str, Any]:
+    """A w8a8 file's head and embeddings: as the quantize stage left them."""
+    head = {"type": "w8a8", "record": "the quantize stage's"} if tb.HEAD in records else {"type": "float"}
+    return {tb.HEAD: head, tb.EMBEDDINGS: {"type": "float"}}
 
 
 def _builder_tables(graph: Any, precision: str) -> dict[str, Any]:
@@ -376,7 +433,11 @@ def verify(
     label: str,
     quantized: bool,
     tables: tb.Tables | None = None,
+    exact: bool = True,
 ) -> Evaluation:
+    """``exact``: the file computes our model up to float summation order, so its same-weights KL must be below
+    EXACT_MAX_KL. Not for w8a8: its per-token int8 activations turn float32 rounding differences into code flips
+    that cascade through the layers (qdq.NOT_EXACT), so only ``same_weights_max_kl`` applies."""
     from compress.export.onnx import runtime as rt
 
     assert inputs.chunks is not None
@@ -445,7 +506,9 @@ def verify(
         details["level0_same_weights_top1"] = float(got["level0"]["top1_agreement"])
     else:  # the shipped file already computes in float
         details["level0_same_weights_kl"] = details["same_weights_kl"]
-    if details["level0_same_weights_kl"] > EXACT_MAX_KL:
+    if not exact:
+        details["same_weights_note"] = qdq.NOT_EXACT
+    elif details["level0_same_weights_kl"] > EXACT_MAX_KL:
         raise FormatError(
             f"{label}: ONNX Runtime at accuracy level 0 differs from our model with the same weights by KL "
             f"{details['level0_same_weights_kl']:.2e} > {EXACT_MAX_KL}: the graph does not compute our model"

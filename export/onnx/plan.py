@@ -14,6 +14,9 @@ def planned_size(cfg: Any, shape: ModelShape, records: dict[str, Record], dtype_
     precision = cfg.precision
     if precision == "auto":
         precision = {4: "int4", 8: "int8"}.get(only_bits(records), "fp32") if records else "fp32"
+    if precision == "w8a8":  # export/onnx/w8a8.py: int8 codes + a float32 scale per row, head and embeddings as the stage left them
+        size = packed_bytes(shape, records, float_bits, code_bits=8, scale_bits=32)
+        return size, float_bits / 8, "Q/DQ int8 weights + float32 scale per row; activations int8 per token at run time; the rest float32"
     if precision in ("fp32", "fp16"):
         size = shape.params * (32 if precision == "fp32" else 16) // 8
         return size, float_bits / 8, f"every parameter at {precision}"
