@@ -636,3 +636,25 @@ def test_awq_on_fp4_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: P
     no_cal = text[: text.index("  calibration:")] + text[text.index("  evaluation:") :]
     result = run_cli(["validate", write_recipe(tmp_path, no_cal, "nocal.yaml")])
     assert result.exit_code == 2 and "needs data.calibration" in result.output, result.output
+
+
+def test_plan_of_w4a4_sizes_as_weight_only_and_adds_the_input_calibration(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """compress plan: FP4 inputs change no stored size (the plan leaves out nvfp4's 4-byte input_global_scale a layer);
+    nvfp4's calibration forward adds time, mxfp4's dynamic inputs none."""
+    plans = {}
+    for fmt, acts in (("nvfp4", "null"), ("nvfp4", "dynamic"), ("mxfp4", "null"), ("mxfp4", "dynamic")):
+        text = recipe_text(tiny_model_dir, text_dir).replace(RTN, f"      method: fp4\n      format: {fmt}\n      activations: {acts}\n")
+        text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n")
+        result = run_cli(["plan", write_recipe(tmp_path, text), "--json", tmp_path / "plan.json"])
+        assert result.exit_code == 0, result.output
+        plans[fmt, acts] = json.loads((tmp_path / "plan.json").read_text())
+    for fmt in ("nvfp4", "mxfp4"):
+        size = {
+            a: next(x for x in plans[fmt, a]["artifacts"] if x["artifact"] == "compressed-tensors")["size_bytes"]
+            for a in ("null", "dynamic")
+        }
+        assert size["null"] == size["dynamic"]
+    stage = {k: next(s for s in p["steps"] if s["step"].startswith("stages[0]")) for k, p in plans.items()}
+    assert "input global scales" in stage["nvfp4", "dynamic"]["basis"]
+    assert stage["nvfp4", "dynamic"]["time_s"] > stage["nvfp4", "null"]["time_s"]
+    assert stage["mxfp4", "dynamic"] == stage["mxfp4", "null"]
