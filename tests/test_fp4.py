@@ -253,15 +253,22 @@ def test_recipe_runs_end_to_end_and_exports_pack_quantized_exactly(
         if fmt == "mxfp4":  # power-of-two scales: bfloat16 holds the record's values exactly
             assert torch.equal(theirs.to(torch.float32), record.dequantize())
     # `compress gate` on the artifact rebuilds the FP4 layers from fp4/records.safetensors: the run's numbers again
+    kl, run_kl = _gate_again(tmp_path, out, gates)
+    assert kl["compressed-tensors"] == kl["compressed"] == pytest.approx(run_kl["compressed"], rel=1e-4, abs=1e-7)
+    assert kl["compressed"] > 1e-5  # the FP4 model, not the float source
+
+
+def _gate_again(tmp_path: Path, out: Path, gates: str) -> tuple[dict[str, float], dict[str, float]]:
+    """`compress gate` on the artifact ``out`` with ``gates``: the KL by artifact it measures, and the run's."""
     gates_file = tmp_path / "gates.yaml"
     gates_file.write_text("gates:\n" + gates)
     result = run_cli(["gate", out, "--gates", gates_file, "-o", tmp_path / "gate", "-q"])
     assert result.exit_code == 0, result.output
-    again = json.loads((tmp_path / "gate" / "report.json").read_text())
-    kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in again["evaluations"] if e["kind"] == "accuracy"}
-    run_kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in report["evaluations"] if e["kind"] == "accuracy"}
-    assert kl["compressed-tensors"] == kl["compressed"] == pytest.approx(run_kl["compressed"], rel=1e-4, abs=1e-7)
-    assert kl["compressed"] > 1e-5  # the FP4 model, not the float source
+    kls = []
+    for report in (tmp_path / "gate" / "report.json", out / "report.json"):
+        evaluations = json.loads(report.read_text())["evaluations"]
+        kls.append({e["artifact"]: e["metrics"]["kl_divergence"] for e in evaluations if e["kind"] == "accuracy"})
+    return kls[0], kls[1]
 
 
 @pytest.mark.parametrize(
@@ -568,14 +575,7 @@ def test_w4a4_recipe_exports_the_input_args_and_global_scales_exactly(
     for k in inputs:
         assert tensors[k].dtype == torch.float32 and torch.equal(tensors[k], records[k])
         assert float(tensors[k]) == layers[k.removesuffix(".input_global_scale")]["input_global_scale"]
-    report = json.loads((out / "report.json").read_text())
-    gates_file = tmp_path / "gates.yaml"
-    gates_file.write_text("gates:\n" + gates)
-    result = run_cli(["gate", out, "--gates", gates_file, "-o", tmp_path / "gate", "-q"])
-    assert result.exit_code == 0, result.output
-    again = json.loads((tmp_path / "gate" / "report.json").read_text())
-    kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in again["evaluations"] if e["kind"] == "accuracy"}
-    run_kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in report["evaluations"] if e["kind"] == "accuracy"}
+    kl, run_kl = _gate_again(tmp_path, out, gates)
     assert kl["compressed"] == pytest.approx(run_kl["compressed"], rel=1e-4, abs=1e-7)
 
 

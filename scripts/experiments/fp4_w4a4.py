@@ -15,25 +15,13 @@ each is printed as it is scored. ``--only`` picks candidates by a substring of t
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from side_by_side import print_table, score  # noqa: E402  (this folder: the script's own)
-
-from compress import streaming  # noqa: E402
-from compress.context import RunContext  # noqa: E402
-from compress.eval.bench.quant import load_bench_inputs  # noqa: E402
-from compress.eval.metrics import torch_forward  # noqa: E402
-from compress.plugins import stage_kind  # noqa: E402
-from compress.progress import Reporter  # noqa: E402
-from compress.recipe import load_recipe, stage_model  # noqa: E402
+from side_by_side import score_chains  # noqa: E402  (this folder: the script's own)
 
 RECIPE = ROOT / "recipes" / "nvfp4-w4a4.yaml"
 ROTATE = {"rotate": {"kind": "hadamard", "residual": True, "heads": True, "seed": 0}}
@@ -56,31 +44,8 @@ def candidates() -> dict[str, list[dict]]:
 
 
 def main(args: argparse.Namespace) -> None:
-    recipe = load_recipe(RECIPE).recipe
-    data = recipe.data
-    data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": args.samples})})
-    data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": args.calibration_samples})})
-    reporter = Reporter(quiet=True)
-    lm, calibration, evaluation, eval_cfg = load_bench_inputs(args.model, data, args.threads, reporter, "float32")
-    cpu = torch.device("cpu")
-    baseline = torch_forward(lm.model, cpu)
     chains = {name: chain for name, chain in candidates().items() if not args.only or any(o in name for o in args.only.split(","))}
-    scores, seconds = {}, {}
-    for name, chain in chains.items():
-        model = copy.deepcopy(lm.model)
-        if streaming.is_streamed(model):
-            streaming.materialize(model)
-        ctx = RunContext(
-            seed=0, device=cpu, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens, original=lm.model
-        )
-        started = time.perf_counter()
-        for i, item in enumerate(chain):
-            stage = stage_model().model_validate(item)
-            stage_kind(stage.kind, f"stages[{i}]").build(stage.config, f"stages[{i}]").apply(model, ctx)
-        seconds[name] = time.perf_counter() - started
-        score(baseline, name, model, evaluation, eval_cfg, scores)
-        del model
-    print_table(args.model, calibration, evaluation, eval_cfg, args.threads, scores, seconds, "stages")
+    score_chains(args, RECIPE, chains)
 
 
 if __name__ == "__main__":
