@@ -32,7 +32,8 @@ def fp4(fmt: str, algorithm: str, activations: str | None) -> dict:
 
 
 def candidates() -> dict[str, list[dict]]:
-    """Each candidate's recipe stages: W4A4 with and without the rotation, then NVFP4 weight-only by algorithm."""
+    """Each candidate's recipe stages: W4A4 with and without the rotation, then NVFP4 weight-only by algorithm (and RTN
+    after the rotation)."""
     found: dict[str, list[dict]] = {}
     for fmt, algorithm in (("nvfp4", "rtn"), ("nvfp4", "gptq"), ("mxfp4", "rtn")):
         name = f"{fmt.upper()} W4A4 {algorithm.upper()}"
@@ -40,6 +41,7 @@ def candidates() -> dict[str, list[dict]]:
         found[f"hadamard rotation + {name}"] = [ROTATE, fp4(fmt, algorithm, "dynamic")]
     for algorithm in ("rtn", "awq", "gptq"):
         found[f"NVFP4 W4A16 {algorithm.upper()}"] = [fp4("nvfp4", algorithm, None)]
+    found["hadamard rotation + NVFP4 W4A16 RTN"] = [ROTATE, fp4("nvfp4", "rtn", None)]  # the rotation's effect on the weights alone
     return found
 
 
