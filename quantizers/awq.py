@@ -214,11 +214,23 @@ def _sample_plan(rows: int, n: int, seed: int) -> torch.Tensor:
 
 
 class AWQStage:
-    """The recipe step ``quantize: {method: awq, ...}``: layer-wise over the decoder blocks."""
+    """The recipe step ``quantize: {method: awq, ...}``: layer-wise over the decoder blocks. The weights' rounding is
+    two methods, ``round_trip`` (the search's fake quantization) and ``install`` (the final rounding into a record);
+    fp4's awq (quantizers/fp4.py) overrides both to search and round on the FP4 grid."""
 
     def __init__(self, config: AWQConfig, label: str) -> None:
         self.config = config
         self.label = label
+
+    def round_trip(self, weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+        """The quantize-dequantize the scale search scores a candidate with (float32 [out, in])."""
+        return fake_quantize(weight, scheme)
+
+    def install(
+        self, model: nn.Module, name: str, module: nn.Linear, weight: torch.Tensor, scheme: QuantScheme, ctx: RunContext
+    ) -> dict[str, Any]:
+        """Round the scaled (and clipped) float32 ``weight`` of Linear ``name`` and install the record; its summary."""
+        return install_record(model, name, module, rtn_quantize(weight, scheme), ctx, self.label)
 
     def apply(self, model: nn.Module, ctx: RunContext) -> StageRecord:
         cfg = self.config
@@ -265,7 +277,7 @@ class AWQStage:
                             scaled_w = apply_clip(
                                 scaled_w, search_clip(xs[name] / s, scaled_w, scheme, cfg.clip_grid, cfg.max_shrink), scheme
                             )
-                        lin.weight.data = (fake_quantize(scaled_w, scheme) / s).to(w0.dtype)
+                        lin.weight.data = (self.round_trip(scaled_w, scheme) / s).to(w0.dtype)
                     return parents[mapping.parent].loss(parent)
 
                 try:
@@ -290,9 +302,8 @@ class AWQStage:
                     bound = search_clip(xs[name], weight, scheme, cfg.clip_grid, cfg.max_shrink)
                     info["clipped_share"] = round(float((bound < group_rows(weight, scheme).abs().amax(-1)).float().mean()), 4)
                     weight = apply_clip(weight, bound, scheme)
-                record = rtn_quantize(weight, scheme)
                 full = job.prefix + name
-                job.layer_info[full] = {**install_record(model, full, module, record, ctx, self.label), **info}
+                job.layer_info[full] = {**self.install(model, full, module, weight, scheme, ctx), **info}
 
         record = run_layerwise(model, ctx, cfg, self.label, "awq", process, cfg.batch_size)
         record.summary["awq_mappings_skipped"] = skipped

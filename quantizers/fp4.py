@@ -27,7 +27,6 @@ so they are not in ``RunContext.quantized``.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
@@ -39,9 +38,10 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import quantize_record, records_stage_config, select_or_fail, summarize, swap_module
-from compress.quantizers.core import FP8_MAX, sqnr_db
-from compress.quantizers.fp4_config import GROUP, SCALE_DTYPE, Format, FP4Config, FP4Scheme
+from compress.quantizers.apply import install_module, quantize_record, records_stage_config, select_or_fail, summarize, swap_module
+from compress.quantizers.core import FP8_MAX
+from compress.quantizers.fp4_config import GROUP, SCALE_DTYPE, Activations, Format, FP4Config, FP4Scheme
+from compress.quantizers.llm_int8 import collect_input_absmax
 
 E4M3 = torch.float8_e4m3fn
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -54,7 +54,9 @@ E4M3_EPS = 0.125
 """The NVFP4 group scale of an all-zero group (compressed-tensors' eps for float8 E4M3 scales)."""
 RECORDS_FILE = "fp4/records.safetensors"
 """The artifact's copy of every FP4 record (``<layer>.weight_packed``, ``<layer>.weight_scale``,
-``<layer>.weight_global_scale`` for NVFP4), written by the run from ``RunContext.files``."""
+``<layer>.weight_global_scale`` for NVFP4, ``<layer>.input_global_scale`` for NVFP4 W4A4), written by the run
+from ``RunContext.files``."""
+INPUT_GLOBAL_SCALE = "input_global_scale"
 
 
 # --------------------------------------------------------------------------- pure math
@@ -124,12 +126,14 @@ def effective_scales(scale: torch.Tensor, global_scale: torch.Tensor | None) -> 
 @dataclass
 class FP4Weight:
     """One FP4 Linear [out, in]: ``packed`` uint8 [out, in/2] E2M1 codes; ``scale`` [out, in/group]: float8 E4M3
-    (nvfp4, group 16) or uint8 E8M0 exponents (mxfp4, group 32); ``global_scale`` float32 [1] (nvfp4), else None."""
+    (nvfp4, group 16) or uint8 E8M0 exponents (mxfp4, group 32); ``global_scale`` float32 [1] (nvfp4), else None;
+    ``input_global_scale`` float32 [1]: an nvfp4 W4A4 layer's calibrated input global scale, else None."""
 
     format: Format
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor | None = None
+    input_global_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -143,8 +147,11 @@ class FP4Weight:
             raise ValueError(f"{self.format} scales are {dtype} {[rows, cols // group]}, got {self.scale.dtype} {list(self.scale.shape)}")
         if (self.global_scale is not None) != (self.format == "nvfp4"):
             raise ValueError("an nvfp4 record has one float32 global scale, an mxfp4 record none")
-        if self.global_scale is not None and (self.global_scale.dtype != torch.float32 or self.global_scale.numel() != 1):
-            raise ValueError("an nvfp4 global scale is one float32 value")
+        for g in (self.global_scale, self.input_global_scale):
+            if g is not None and (g.dtype != torch.float32 or g.numel() != 1):
+                raise ValueError("an nvfp4 global scale is one float32 value")
+        if self.input_global_scale is not None and self.format != "nvfp4":
+            raise ValueError("only nvfp4 inputs have a global scale (mxfp4 inputs are scaled per group alone)")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -163,7 +170,7 @@ class FP4Weight:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FP4Weight:
         """The record with ``fn`` (a permutation of rows) applied to the rows of its codes and scales."""
-        return FP4Weight(self.format, fn(self.packed), fn(self.scale), self.global_scale)
+        return FP4Weight(self.format, fn(self.packed), fn(self.scale), self.global_scale, self.input_global_scale)
 
     def codes(self) -> torch.Tensor:
         """uint8 [out, in] 4-bit codes."""
@@ -184,39 +191,61 @@ class FP4Weight:
         return 4 + 8 / self.group + (32 / (self.shape[0] * self.shape[1]) if self.global_scale is not None else 0)
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The record as named tensors (compressed-tensors' names: ``weight_packed``, ``weight_scale``, ``weight_global_scale``)."""
+        """The record as named tensors (compressed-tensors' names: ``weight_packed``, ``weight_scale``,
+        ``weight_global_scale``, ``input_global_scale``)."""
         out = {f"{prefix}.weight_packed": self.packed.contiguous(), f"{prefix}.weight_scale": self.scale.contiguous()}
         if self.global_scale is not None:
             out[f"{prefix}.weight_global_scale"] = self.global_scale.contiguous()
+        if self.input_global_scale is not None:
+            out[f"{prefix}.{INPUT_GLOBAL_SCALE}"] = self.input_global_scale.contiguous()
         return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, fmt: Format) -> FP4Weight:
-        return cls(fmt, tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"], tensors.get(f"{prefix}.weight_global_scale"))
+        return cls(
+            fmt,
+            tensors[f"{prefix}.weight_packed"],
+            tensors[f"{prefix}.weight_scale"],
+            tensors.get(f"{prefix}.weight_global_scale"),
+            tensors.get(f"{prefix}.{INPUT_GLOBAL_SCALE}"),
+        )
 
     def cpu(self) -> FP4Weight:
-        g = None if self.global_scale is None else self.global_scale.cpu()
-        return FP4Weight(self.format, self.packed.cpu(), self.scale.cpu(), g)
+        g, i = (None if t is None else t.cpu() for t in (self.global_scale, self.input_global_scale))
+        return FP4Weight(self.format, self.packed.cpu(), self.scale.cpu(), g, i)
 
 
-def fp4_scales(weight: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The group scales (float8 E4M3 or E8M0 bytes) and the global scale (nvfp4) of ``weight`` [out, in];
-    ``global_scale``: nvfp4's, given (``SharedGlobalScales``: one for layers a runtime fuses) rather than the weight's own."""
-    absmax = group_absmax(weight, GROUP[fmt])
+def fp4_scales(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The group scales (float8 E4M3 or E8M0 bytes) and the global scale (nvfp4) of ``x`` [rows, cols]: a weight's
+    own global scale, or the given one (one for the weights a runtime fuses, ``SharedGlobalScales``; an input's
+    calibrated ``input_global_scale``)."""
+    absmax = group_absmax(x, GROUP[fmt])
     if fmt == "mxfp4":
         return mxfp4_exponents(absmax), None
     global_scale = nvfp4_global_scale(absmax.amax()) if global_scale is None else global_scale.to(absmax.device)
     return nvfp4_scales(absmax, global_scale), global_scale
 
 
+def round_fp4(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> FP4Weight:
+    """``x`` [rows, cols] (cols a multiple of the format's group) rounded to nearest on ``fmt``'s scales: the record."""
+    scale, global_scale = fp4_scales(x, fmt, global_scale)
+    rows, cols = x.shape
+    grouped = x.detach().to(torch.float32).reshape(rows, cols // GROUP[fmt], GROUP[fmt])
+    scaled = grouped / effective_scales(scale, global_scale).unsqueeze(-1)
+    return FP4Weight(fmt, pack(e2m1_codes(scaled.reshape(rows, cols))), scale, global_scale)
+
+
 def quantize_weight_fp4(weight: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> FP4Weight:
     """``weight`` [out, in] (in a multiple of the format's group) rounded to nearest on ``fmt``'s scales
     (``global_scale``: nvfp4's, when given; see ``fp4_scales``)."""
-    scale, global_scale = fp4_scales(weight, fmt, global_scale)
-    rows, cols = weight.shape
-    grouped = weight.detach().to(torch.float32).reshape(rows, cols // GROUP[fmt], GROUP[fmt])
-    scaled = grouped / effective_scales(scale, global_scale).unsqueeze(-1)
-    return FP4Weight(fmt, pack(e2m1_codes(scaled.reshape(rows, cols))), scale, global_scale)
+    return round_fp4(weight, fmt, global_scale)
+
+
+def quantize_input_fp4(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """What a W4A4 runtime multiplies: ``x`` [tokens, in] (float32) quantize-dequantized as compressed-tensors'
+    NVFP4 / MXFP4 input activations (dynamic group scales, the weights' rule; nvfp4 over the layer's calibrated
+    ``global_scale``, a group scale beyond 448 clamped and its values saturated at ±6)."""
+    return round_fp4(x, fmt, global_scale).dequantize()
 
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -263,13 +292,17 @@ class SharedGlobalScales:
 
 
 class FP4Linear(nn.Linear):
-    """A Linear that computes with its FP4 record: float32 inputs times the record's dequantized weight, the
-    bias added in float32. ``weight`` holds the dequantized values at the model's dtype (what state dicts and
-    model/ see); the packed codes and scales are non-persistent buffers. Returns the input dtype."""
+    """A Linear that computes with its FP4 record: float32 inputs (W4A4, ``activations: dynamic``: quantize-dequantized
+    by ``quantize_input_fp4``) times the record's dequantized weight, the bias added in float32. ``weight`` holds the
+    dequantized values at the model's dtype (what state dicts and model/ see); the packed codes and scales are
+    non-persistent buffers. Returns the input dtype."""
 
-    def __init__(self, linear: nn.Linear, record: FP4Weight) -> None:
+    def __init__(self, linear: nn.Linear, record: FP4Weight, activations: Activations = None) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        if activations is not None and (record.input_global_scale is None) != (record.format == "mxfp4"):
+            raise ValueError("an nvfp4 W4A4 layer needs its calibrated input global scale, an mxfp4 one has none")
         self.format = record.format
+        self.activations = activations
         device = linear.weight.device
         self.weight = nn.Parameter(record.dequantize().to(device=device, dtype=linear.weight.dtype), requires_grad=False)
         self.bias = linear.bias
@@ -277,14 +310,29 @@ class FP4Linear(nn.Linear):
         self.register_buffer("weight_scale", record.scale.to(device), persistent=False)
         global_scale = torch.ones(1) if record.global_scale is None else record.global_scale
         self.register_buffer("weight_global_scale", global_scale.to(device), persistent=False)
+        input_global = torch.ones(1) if record.input_global_scale is None else record.input_global_scale
+        self.register_buffer(INPUT_GLOBAL_SCALE, input_global.to(device), persistent=False)
 
     @property
     def record(self) -> FP4Weight:
-        g = self.weight_global_scale if self.format == "nvfp4" else None
-        return FP4Weight(self.format, self.weight_packed, self.weight_scale, g)
+        nvfp4 = self.format == "nvfp4"
+        g = self.weight_global_scale if nvfp4 else None
+        return FP4Weight(
+            self.format, self.weight_packed, self.weight_scale, g, self.input_global_scale if nvfp4 and self.activations else None
+        )
+
+    def quantize_inputs(self, input_global_scale: torch.Tensor | None) -> None:
+        """Make the layer W4A4 (``activations: dynamic``), with nvfp4's calibrated ``input_global_scale``."""
+        if (input_global_scale is None) != (self.format == "mxfp4"):
+            raise ValueError("an nvfp4 W4A4 layer needs its calibrated input global scale, an mxfp4 one has none")
+        if input_global_scale is not None:
+            self.input_global_scale = input_global_scale.to(torch.float32).reshape(1).to(self.weight_packed.device)
+        self.activations = "dynamic"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32)
+        if self.activations is not None:
+            flat = quantize_input_fp4(flat, self.format, self.input_global_scale if self.format == "nvfp4" else None)
         # a float32 model's weight is the record's dequantized weight itself
         weight = self.weight if self.weight.dtype == torch.float32 else self.record.dequantize()
         y = flat @ weight.t()
@@ -293,12 +341,20 @@ class FP4Linear(nn.Linear):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, format={self.format}"
+        return f"{super().extra_repr()}, format={self.format}, activations={self.activations}"
 
 
 def fp4_records(model: nn.Module) -> dict[str, FP4Weight]:
     """The FP4 records of ``model``'s FP4Linear layers, by module name (on the CPU)."""
     return {name: m.record.cpu() for name, m in model.named_modules() if isinstance(m, FP4Linear)}
+
+
+def fp4_activations(model: nn.Module) -> Activations:
+    """How ``model``'s FP4 layers quantize their inputs (one stage sets them all)."""
+    found = {m.activations for m in model.modules() if isinstance(m, FP4Linear)}
+    if len(found) > 1:
+        raise CompressError(f"the model's FP4 layers quantize their inputs in different ways ({sorted(map(str, found))})")
+    return found.pop() if found else None
 
 
 def load_fp4_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: list[dict[str, Any]]) -> list[str]:
@@ -311,7 +367,7 @@ def load_fp4_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: 
         record = FP4Weight.from_tensors(tensors, name, cfg.format)
         if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != record.shape:
             raise ValueError(f"{name} is no Linear of the record's shape")
-        swap_module(model, name, FP4Linear(layer, record))
+        swap_module(model, name, FP4Linear(layer, record, cfg.activations))
     return names
 
 
@@ -367,18 +423,7 @@ class FP4Grid:
 
 def install_fp4(model: nn.Module, name: str, module: nn.Linear, record: FP4Weight, ctx: RunContext, label: str) -> dict[str, Any]:
     """Replace Linear ``name`` with an FP4Linear of ``record`` (a new Parameter: a tied weight is untied); its summary."""
-    original = module.weight.detach()
-    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
-    swap_module(model, name, FP4Linear(module, record))
-    ctx.quantized_by[name] = label
-    sqnr = sqnr_db(original, record.dequantize().to(original.device))
-    return {
-        "shape": list(record.shape),
-        "sqnr_db": round(sqnr, 3),
-        "relative_error": float(f"{0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10):.4g}"),
-        "bits_per_weight": round(record.bits_per_weight, 4),
-        **({"untied_from": tied} if tied else {}),
-    }
+    return install_module(model, name, module, FP4Linear(module, record), record.dequantize(), record.bits_per_weight, ctx, label)
 
 
 def _fp4_gptq_stage() -> type:
@@ -398,6 +443,25 @@ def _fp4_gptq_stage() -> type:
             return {**install_fp4(model, name, module, record, ctx, self.label), **{k: round(v, 6) for k, v in info.items()}}
 
     return FP4GPTQStage
+
+
+def _fp4_awq_stage(fmt: Format, global_scales: SharedGlobalScales) -> Any:
+    """AWQ's layer-wise stage (its scale search and folding, quantizers/awq.py) with FP4 rounding in the search and
+    each layer installed as an FP4Linear, under the global scale it shares with the layers a runtime fuses with it
+    (read from their scaled weights: a block's scales are all folded before its first layer is installed; the search
+    rounds each candidate under its own)."""
+    from compress.quantizers.awq import AWQStage
+
+    class FP4AWQStage(AWQStage):
+        def round_trip(self, weight: torch.Tensor, scheme: Any) -> torch.Tensor:
+            return quantize_weight_fp4(weight, fmt).dequantize()
+
+        def install(
+            self, model: nn.Module, name: str, module: nn.Linear, weight: torch.Tensor, scheme: Any, ctx: RunContext
+        ) -> dict[str, Any]:
+            return install_fp4(model, name, module, quantize_weight_fp4(weight, fmt, global_scales(name)).cpu(), ctx, self.label)
+
+    return FP4AWQStage
 
 
 class FP4Stage:
@@ -424,8 +488,12 @@ class FP4Stage:
         if cfg.uses_gptq:
             stage = _fp4_gptq_stage()(cfg, label, global_scales)
             record = replace(stage.apply(model, ctx), method=cfg.method)  # run_layerwise names it gptq
+        elif cfg.algorithm == "awq":
+            record = replace(_fp4_awq_stage(cfg.format, global_scales)(cfg.awq(), label).apply(model, ctx), method=cfg.method)
         else:
             record = self._rtn(model, ctx, chosen, unused_ignore, start, global_scales)
+        if cfg.activations is not None:
+            self._quantize_inputs(model, ctx, record)
         ctx.files[RECORDS_FILE] = {
             k: t for name, r in fp4_records(model).items() if name in record.layers for k, t in r.tensors(name).items()
         }
@@ -436,10 +504,40 @@ class FP4Stage:
                 "runtime fuses: q/k/v, gate/up)",
                 "mxfp4": "E2M1, E8M0 (power-of-two) scale per 32 weights",
             }[cfg.format],
-            activations="float (weight-only FP4)",
+            activations={
+                None: "float (weight-only FP4)",
+                "dynamic": {
+                    "nvfp4": "E2M1 per 16 inputs, float8 E4M3 scale per group at run time, calibrated float32 global scale per layer",
+                    "mxfp4": "E2M1 per 32 inputs, E8M0 scale per group at run time",
+                }[cfg.format],
+            }[cfg.activations],
             records_file=RECORDS_FILE,
         )
         return record
+
+    def _quantize_inputs(self, model: nn.Module, ctx: RunContext, record: StageRecord) -> None:
+        """W4A4: the stage's layers quantize their inputs; nvfp4 first calibrates each layer's input global scale,
+        ``448 * 6 / max|x|`` over data.calibration's tokens as the model with FP4 weights and float inputs computes them
+        (llm-compressor's NVFP4 ``static_minmax`` observer and ``generate_gparam``)."""
+        layers = {name: model.get_submodule(name) for name in record.layers}
+        if not self.config.calibrates_inputs:
+            for layer in layers.values():
+                layer.quantize_inputs(None)
+            return
+        tokens = ctx.calibration()
+        absmax = collect_input_absmax(
+            model,
+            layers,
+            tokens,
+            self.config.batch_size,
+            ctx.device,
+            ctx.reporter,
+            f"{self.label} fp4 calibrating input global scales ({tokens.shape[0]} x {tokens.shape[1]} tokens)",
+        )
+        for name, a in absmax.items():
+            layers[name].quantize_inputs(nvfp4_global_scale(a.max()))
+            record.layers[name]["input_global_scale"] = float(layers[name].input_global_scale)
+        record.summary["input_calibration_tokens"] = int(tokens.numel())
 
     def _rtn(
         self,

@@ -13,9 +13,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from compress.schema.quantize import QuantScheme, WeightQuantConfig
+from compress.quantizers.configs import AWQConfig
+from compress.schema.quantize import FloatGridGPTQFields, QuantScheme, WeightQuantConfig
 
 Format = Literal["nvfp4", "mxfp4"]
+Activations = Literal["dynamic"] | None
 GROUP = {"nvfp4": 16, "mxfp4": 32}
 """Weights per scale: NVFP4 scales each 16 weights with a float8 E4M3 scale (and the tensor with one
 float32), MXFP4 each 32 with an E8M0 power of two (OCP Microscaling v1.0)."""
@@ -47,9 +49,10 @@ class FP4Scheme(QuantScheme):
         return f"{self.format.upper()} g{self.group_size}"
 
 
-class FP4Config(WeightQuantConfig):
-    """`quantize: {method: fp4, format, algorithm, targets, ignore}`: NVFP4 or MXFP4 weights (W4A16), rounded to
-    nearest (rtn) or with GPTQ's error feedback on the FP4 grid (gptq; dampening, block_size, act_order, batch_size)."""
+class FP4Config(WeightQuantConfig, FloatGridGPTQFields):
+    """`quantize: {method: fp4, format, activations, algorithm, targets, ignore}`: NVFP4 or MXFP4 weights (W4A16, or
+    W4A4 with FP4 inputs), rounded to nearest (rtn), with GPTQ's error feedback on the FP4 grid (gptq; dampening,
+    block_size, act_order, batch_size) or after AWQ's activation-aware scales (awq; awq_grid, duo_scaling, search_tokens)."""
 
     method: Literal["fp4"] = "fp4"
     format: Format = Field(
@@ -58,18 +61,33 @@ class FP4Config(WeightQuantConfig):
         "tensor (NVIDIA Blackwell's NVFP4, llm-compressor's NVFP4A16); mxfp4: E2M1 values, one E8M0 (power-of-two) "
         "scale per 32 weights (OCP MXFP4, llm-compressor's MXFP4A16).",
     )
-    algorithm: Literal["rtn", "gptq"] = Field(
+    activations: Activations = Field(
+        None,
+        description="null: float inputs (weight-only, W4A16); dynamic: W4A4, each Linear's input quantized to E2M1 at run "
+        "time in groups of the format's size along the input dimension, each group's scale computed from the group "
+        "(nvfp4: float8 E4M3 scale per 16 over one float32 global scale per layer, calibrated on data.calibration as "
+        "448 * 6 / max|x|, llm-compressor's NVFP4 preset; mxfp4: E8M0 scale per 32, no calibration, its MXFP4 preset).",
+    )
+    algorithm: Literal["rtn", "gptq", "awq"] = Field(
         "rtn",
         description="rtn: each weight to its nearest E2M1 value; gptq: GPTQ (Hessian of each layer's inputs over "
         "data.calibration), each rounding error pushed onto the columns not yet rounded, on the FP4 grid with every "
-        "group's scale fixed from the original weights first (quantizers/gptq.py's column loop).",
+        "group's scale fixed from the original weights first (quantizers/gptq.py's column loop); awq: AWQ's per-input-channel "
+        "scales searched on data.calibration with FP4 rounding (quantizers/awq.py's search, no clipping), folded into the "
+        "preceding norm or Linear, then each weight to its nearest E2M1 value.",
     )
-    dampening: float = Field(0.01, gt=0, lt=1, description="gptq: added to the Hessian diagonal, as a share of its mean.")
-    block_size: int = Field(128, ge=1, description="gptq: columns updated together (lazy batch updates).")
-    act_order: bool = Field(True, description="gptq: visit columns by decreasing Hessian diagonal (the scales stay fixed).")
-    batch_size: int = Field(8, ge=1, description="gptq: calibration chunks per forward pass.")
-    backend: ClassVar[str] = "compress"  # GPTQStage's question: fp4's gptq is ours
-    calibration_hint: ClassVar[str] = " (algorithm: gptq accumulates each layer's input Hessian)"
+    batch_size: int = Field(8, ge=1, description="gptq, awq, nvfp4 activations: calibration chunks per forward pass.")
+    awq_grid: int = Field(
+        20, ge=2, description="awq: points of the scale-exponent grid in [0, 1) (method awq's `grid`; `grid` here is the format)."
+    )
+    duo_scaling: bool | Literal["both"] = Field(
+        True, description="awq: s = x_mean^α / w_mean^(1-α) (true), x_mean^α (false), or both families (method awq's)."
+    )
+    search_tokens: int = Field(4096, ge=64, description="awq: calibration tokens (whole sequences) the scale search replays.")
+    calibration_hint: ClassVar[str] = (
+        " (algorithm: gptq accumulates each layer's input Hessian, awq searches its scales on it, nvfp4 activations calibrate "
+        "each layer's input global scale)"
+    )
     bits: int = Field(4, description="Fixed at 4 for fp4 (E2M1 values: 1 sign, 2 exponent, 1 mantissa bit).")
     group_size: int | None = Field(
         None, description="Fixed by the format for fp4 (nvfp4: 16, mxfp4: 32); leave it out or give the format's value."
@@ -116,12 +134,29 @@ class FP4Config(WeightQuantConfig):
 
     @property
     def needs_calibration(self) -> bool:
-        return self.uses_gptq
+        return self.uses_gptq or self.algorithm == "awq" or self.calibrates_inputs
 
     @property
-    def uses_gptq(self) -> bool:
-        """``algorithm: gptq``: calibrated, layer-wise (quantizers/gptq.py's stage)."""
-        return self.algorithm == "gptq"
+    def calibrates_inputs(self) -> bool:
+        """NVFP4 activations: each layer's float32 input global scale is calibrated (MXFP4's inputs need nothing)."""
+        return self.activations is not None and self.format == "nvfp4"
+
+    def awq(self) -> AWQConfig:
+        """The AWQConfig of ``algorithm: awq`` (quantizers/awq.py's stage runs it with FP4 rounding): its search settings
+        and layers, the format's group, no clipping (AWQ's clipping search rounds on the integer grid)."""
+        return AWQConfig(
+            bits=4,
+            group_size=self.group_size,
+            symmetric=True,
+            grid=self.awq_grid,
+            duo_scaling=self.duo_scaling,
+            clip=False,
+            clip_in_search=False,
+            search_tokens=self.search_tokens,
+            batch_size=self.batch_size,
+            targets=self.targets,
+            ignore=self.ignore,
+        )
 
     def scheme(self) -> FP4Scheme:
         return FP4Scheme(bits=4, group_size=GROUP[self.format], symmetric=True, scale_dtype=SCALE_DTYPE[self.format])
@@ -132,7 +167,8 @@ class FP4Config(WeightQuantConfig):
         return self.format
 
     def describe_scheme(self) -> str:
-        return f"{self.format.upper()} weights (E2M1, group {self.group_size}, {self.algorithm})"
+        inputs = ", FP4 inputs (W4A4)" if self.activations else ""
+        return f"{self.format.upper()} weights (E2M1, group {self.group_size}, {self.algorithm}){inputs}"
 
     def recipe_artifacts(self, label: str, recipe: Any) -> set[str]:
         """Refuses exports that cannot hold this format and other weight-quantizing stages (one scheme family a checkpoint)."""
@@ -142,6 +178,12 @@ class FP4Config(WeightQuantConfig):
                 raise ValueError(
                     f"exports[{i}] ({export.name}): format {export.format} cannot hold the fp4 ({self.format}) stage {label}: {why}; "
                     f"export compressed-tensors ({self.format}-pack-quantized, what vLLM loads)"
+                )
+            if self.activations is not None and not export.holds_activation_quantization:
+                raise ValueError(
+                    f"exports[{i}] ({export.name}): format {export.format} cannot hold the FP4 activation quantization of {label} "
+                    f"(activations: {self.activations}, W4A4): it would run the FP4 weights on float inputs, another model; "
+                    f"export compressed-tensors ({self.format}-pack-quantized with input_activations), or set activations: null"
                 )
         others = [
             f"stages[{i}]" for i, st in enumerate(recipe.stages) if isinstance(st.config, WeightQuantConfig) and st.config is not self

@@ -7,12 +7,13 @@ when a run builds it; its plan formula sits here, the shared numbers in compress
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from compress.eval.plan.estimates import RTN_WEIGHTS_PER_S, Estimate, PlanStep
+from compress.eval.plan.estimates import RTN_WEIGHTS_PER_S, Estimate, PlanStep, forward_s
 from compress.plugin_types import QuantMethod
 from compress.quantizers.fp4_config import FP4Config
-from compress.quantizers.plugin import GPTQ, layer_weights
+from compress.quantizers.plugin import AWQ, GPTQ, layer_weights
 
 
 def _fp4_stage() -> type:
@@ -22,8 +23,20 @@ def _fp4_stage() -> type:
 
 
 def _fp4_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
+    estimate = _fp4_weights_estimate(step, layers)
+    if not step.config.calibrates_inputs:
+        return estimate
+    # nvfp4 W4A4: one more forward over the calibration tokens for each layer's input absmax
+    seconds = estimate.seconds + forward_s(step.shape.params, step.cal_tokens)
+    how = f"{estimate.basis}; + one forward over {step.cal_tokens:,} calibration tokens (the input global scales)"
+    return Estimate(estimate.memory_bytes, seconds, how)
+
+
+def _fp4_weights_estimate(step: PlanStep, layers: dict[str, Any]) -> Estimate:
     if step.config.uses_gptq:  # the same Hessians, solves and column loop as method gptq
         return GPTQ.estimate(step, layers)
+    if step.config.algorithm == "awq":  # AWQ's search, without its clipping
+        return AWQ.estimate(replace(step, config=step.config.awq()), layers)
     weights = layer_weights(layers)
     widest = max((r.out_f * r.in_f for r in layers.values()), default=0)
     return Estimate(
@@ -41,5 +54,5 @@ FP4 = QuantMethod(
     estimate=_fp4_estimate,
     cost=1,
     description="NVFP4 (E2M1, float8 E4M3 scale per 16, float32 per tensor) or MXFP4 (E2M1, E8M0 scale per 32) weights, "
-    "rounded to nearest or with GPTQ's error feedback on the FP4 grid",
+    "rounded to nearest, with GPTQ's error feedback on the FP4 grid or after AWQ's scales; optionally FP4 inputs (W4A4)",
 )

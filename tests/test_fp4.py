@@ -253,15 +253,22 @@ def test_recipe_runs_end_to_end_and_exports_pack_quantized_exactly(
         if fmt == "mxfp4":  # power-of-two scales: bfloat16 holds the record's values exactly
             assert torch.equal(theirs.to(torch.float32), record.dequantize())
     # `compress gate` on the artifact rebuilds the FP4 layers from fp4/records.safetensors: the run's numbers again
+    kl, run_kl = _gate_again(tmp_path, out, gates)
+    assert kl["compressed-tensors"] == kl["compressed"] == pytest.approx(run_kl["compressed"], rel=1e-4, abs=1e-7)
+    assert kl["compressed"] > 1e-5  # the FP4 model, not the float source
+
+
+def _gate_again(tmp_path: Path, out: Path, gates: str) -> tuple[dict[str, float], dict[str, float]]:
+    """`compress gate` on the artifact ``out`` with ``gates``: the KL by artifact it measures, and the run's."""
     gates_file = tmp_path / "gates.yaml"
     gates_file.write_text("gates:\n" + gates)
     result = run_cli(["gate", out, "--gates", gates_file, "-o", tmp_path / "gate", "-q"])
     assert result.exit_code == 0, result.output
-    again = json.loads((tmp_path / "gate" / "report.json").read_text())
-    kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in again["evaluations"] if e["kind"] == "accuracy"}
-    run_kl = {e["artifact"]: e["metrics"]["kl_divergence"] for e in report["evaluations"] if e["kind"] == "accuracy"}
-    assert kl["compressed-tensors"] == kl["compressed"] == pytest.approx(run_kl["compressed"], rel=1e-4, abs=1e-7)
-    assert kl["compressed"] > 1e-5  # the FP4 model, not the float source
+    kls = []
+    for report in (tmp_path / "gate" / "report.json", out / "report.json"):
+        evaluations = json.loads(report.read_text())["evaluations"]
+        kls.append({e["artifact"]: e["metrics"]["kl_divergence"] for e in evaluations if e["kind"] == "accuracy"})
+    return kls[0], kls[1]
 
 
 @pytest.mark.parametrize(
@@ -417,6 +424,240 @@ def test_plan_sizes_mxfp4_gguf(tmp_path: Path, tiny_model_dir: Path, text_dir: P
     quantized, _ = _quantized_weights(tiny_model_dir)
     assert "mxfp4" in gguf["basis"] and "q8_0" in gguf["basis"], gguf
     assert gguf["size_bytes"] == int((quantized * 4.25 + (plan["model"]["parameters"] - quantized) * 8.5) / 8)
+
+
+# --------------------------------------------------------------------------- W4A4: FP4 inputs
+
+
+def _ct_input_quantization(x: torch.Tensor, fmt: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """compressed-tensors' own input quantization of llm-compressor's NVFP4 / MXFP4 preset (forward_quantize)."""
+    from types import SimpleNamespace
+
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    module = SimpleNamespace(quantization_status=QuantizationStatus.COMPRESSED, input_global_scale=global_scale)
+    return forward_quantize(module, x.clone(), "input", PRESET_SCHEMES[fmt.upper()]["input_activations"])
+
+
+def test_nvfp4_input_rounding_groups_ties_zero_groups_and_saturation() -> None:
+    """Inputs per 16 over a global scale of 64: a group whose absmax is 6 gets the E4M3 scale 64 (effective 1), so its
+    values round as E2M1 itself (ties to even); an all-zero group gets 0.125 and stays 0; a group whose scale would pass
+    448 is clamped there and its largest values saturate at 6 x 448 / 64 = 42."""
+    from compress.quantizers.fp4 import quantize_input_fp4
+
+    g = torch.tensor([64.0])
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]
+    x = torch.zeros(2, 48)
+    x[0, :16] = torch.tensor(ties + [-t for t in ties])
+    x[0, 32:48] = torch.linspace(-84.0, 84.0, 16)  # absmax 84: scale 84 / 6 x 64 = 896 -> 448
+    x[1, 16:32] = torch.full((16,), 3.0)  # one group, every value the absmax: scale 32, effective 0.5, value 3
+    got = quantize_input_fp4(x, "nvfp4", g)
+    rounded = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+    assert got[0, :16].tolist() == rounded + [-r for r in rounded]
+    assert got[0, 16:32].abs().sum() == 0 and got[1, :16].abs().sum() == 0  # zero groups
+    assert got[0, 32] == -42.0 and got[0, 47] == 42.0  # saturated at ±6 x 7
+    assert torch.equal(got[1, 16:32], x[1, 16:32])
+    assert torch.equal(got, _ct_input_quantization(x, "nvfp4", g))  # compressed-tensors' own NVFP4 input path
+    wide = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 1, 128)
+    assert torch.equal(quantize_input_fp4(wide, "nvfp4", g), _ct_input_quantization(wide, "nvfp4", g))
+
+
+def test_mxfp4_input_rounding_groups_ties_zero_groups() -> None:
+    """Inputs per 32, each group's E8M0 scale from its own absmax (the weights' OCP rule): absmax 6 gives 2**0."""
+    from compress.quantizers.fp4 import quantize_input_fp4
+
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]
+    x = torch.zeros(1, 96)
+    x[0, :8] = torch.tensor(ties)
+    x[0, 64:72] = torch.tensor(ties) * 2.0**-20  # the same ties 20 octaves down
+    got = quantize_input_fp4(x, "mxfp4", None)
+    rounded = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0])
+    assert torch.equal(got[0, :8], rounded) and torch.equal(got[0, 64:72], rounded * 2.0**-20)
+    assert got[0, 32:64].abs().sum() == 0  # a zero group (E = 0) stays 0
+    assert torch.equal(got, _ct_input_quantization(x, "mxfp4", None))
+    wide = torch.randn(64, 128, generator=torch.Generator().manual_seed(6)) * torch.logspace(-3, 1, 128)
+    assert torch.equal(quantize_input_fp4(wide, "mxfp4", None), _ct_input_quantization(wide, "mxfp4", None))
+
+
+def test_w4a4_linear_equals_a_hand_computation() -> None:
+    """The W4A4 layer: compressed-tensors' input quantization, then the product with the record's weight, bias in float32."""
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(64, 24)
+    x = torch.randn(3, 64) * 3
+    for fmt, g in (("nvfp4", torch.tensor([448 * 6 / 10.0])), ("mxfp4", None)):
+        record = quantize_weight_fp4(linear.weight.detach(), fmt)
+        layer = FP4Linear(linear, record)
+        layer.quantize_inputs(g)
+        with torch.no_grad():
+            want = _ct_input_quantization(x, fmt, g) @ record.dequantize().t() + linear.bias
+            assert torch.equal(layer(x), want)
+            assert not torch.equal(want, x @ record.dequantize().t() + linear.bias)  # the inputs were rounded
+        kept = layer.record
+        assert (kept.input_global_scale is None) == (fmt == "mxfp4")
+        assert sorted(kept.tensors("l")) == sorted(
+            ["l.weight_packed", "l.weight_scale"] + (["l.weight_global_scale", "l.input_global_scale"] if g is not None else [])
+        )
+    with pytest.raises(ValueError, match="needs its calibrated input global scale"):
+        FP4Linear(linear, quantize_weight_fp4(linear.weight.detach(), "nvfp4")).quantize_inputs(None)
+
+
+def test_input_global_scales_are_calibrated_as_llm_compressor() -> None:
+    """nvfp4 W4A4: each layer's input global scale is generate_gparam(min, max) over every calibration input the layer
+    receives in the model with FP4 weights (llm-compressor's static_minmax observer); mxfp4 calibrates nothing."""
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    from tests.tiny import tiny_model
+
+    tokens = torch.randint(0, 300, (6, 24), generator=torch.Generator().manual_seed(8))
+    models = {}
+    for acts in (None, "dynamic"):
+        model = tiny_model(vocab=300, hidden=64, intermediate=128)
+        ctx = RunContext(seed=0, device=torch.device("cpu"), tokenizer=None, reporter=QUIET, calibration=lambda: tokens)
+        record = FP4Stage(FP4Config(activations=acts, batch_size=4), "stages[0]").apply(model, ctx)
+        models[acts] = (model, record)
+    weight_only, _ = models[None]
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(args[0].detach()))
+        for n, m in weight_only.named_modules()
+        if isinstance(m, FP4Linear)
+    ]
+    with torch.no_grad():
+        weight_only(input_ids=tokens)
+    for h in hooks:
+        h.remove()
+    w4a4, record = models["dynamic"]
+    assert record.summary["input_calibration_tokens"] == 6 * 24 and "calibrated float32 global scale" in record.summary["activations"]
+    for name, xs in seen.items():
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
+        layer = w4a4.get_submodule(name)
+        assert layer.activations == "dynamic" and torch.equal(layer.input_global_scale, generate_gparam(x.min(), x.max()))
+        assert record.layers[name]["input_global_scale"] == float(layer.input_global_scale)
+        assert torch.equal(layer.weight_packed, weight_only.get_submodule(name).weight_packed)  # the same weights
+    assert FP4Config(activations="dynamic").needs_calibration and not FP4Config(format="mxfp4", activations="dynamic").needs_calibration
+
+
+@pytest.mark.parametrize(("fmt", "preset"), [("nvfp4", "NVFP4"), ("mxfp4", "MXFP4")])
+def test_w4a4_recipe_exports_the_input_args_and_global_scales_exactly(
+    tmp_path: Path, tiny_model_dir: Path, text_dir: Path, fmt: str, preset: str
+) -> None:
+    """recipe -> fp4 W4A4 -> compressed-tensors with llm-compressor's NVFP4 / MXFP4 input_activations and (nvfp4) each
+    layer's input_global_scale, read back bit for bit; `compress gate` rebuilds the W4A4 layers (the same KL)."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+    from safetensors.torch import load_file
+
+    gates = "  - {metric: kl_divergence, artifact: compressed-tensors, max: 2.0}\n"
+    text = recipe_text(tiny_model_dir, text_dir, gates=gates).replace(
+        RTN, f"      method: fp4\n      format: {fmt}\n      activations: dynamic\n"
+    )
+    text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["exports"][0]["verified"] and "probe input" in manifest["exports"][0]["check"], manifest["exports"][0]
+    qcfg = json.loads((out / "exports/compressed-tensors/config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qcfg).config_groups["group_0"]
+    want = PRESET_SCHEMES[preset]
+    for part in ("weights", "input_activations"):
+        for key in ("num_bits", "type", "strategy", "dynamic", "symmetric", "group_size", "scale_dtype"):
+            assert getattr(getattr(parsed, part), key) == getattr(want[part], key), (part, key)
+    assert infer_module_format(torch.nn.Linear, parsed).value == qcfg["format"] == f"{fmt}-pack-quantized"
+    tensors = load_file(str(out / "exports/compressed-tensors/model.safetensors"))
+    records = load_file(str(out / RECORDS_FILE))
+    layers = manifest["stages"][0]["layers"]
+    inputs = sorted(k for k in tensors if k.endswith(".input_global_scale"))
+    assert inputs == (sorted(f"{n}.input_global_scale" for n in layers) if fmt == "nvfp4" else [])
+    for k in inputs:
+        assert tensors[k].dtype == torch.float32 and torch.equal(tensors[k], records[k])
+        assert float(tensors[k]) == layers[k.removesuffix(".input_global_scale")]["input_global_scale"]
+    kl, run_kl = _gate_again(tmp_path, out, gates)
+    assert kl["compressed"] == pytest.approx(run_kl["compressed"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "export", "message"),
+    [
+        ("mxfp4", "  - format: gguf\n", "format gguf cannot hold the FP4 activation quantization of stages.0."),
+        ("nvfp4", "  - format: onnx\n", "format onnx cannot hold the fp4 .nvfp4. stage"),
+    ],
+)
+def test_w4a4_on_an_export_that_cannot_hold_it_exits_2_naming_the_export(
+    tmp_path: Path, tiny_model_dir: Path, text_dir: Path, fmt: str, export: str, message: str
+) -> None:
+    stage = f"      method: fp4\n      format: {fmt}\n      activations: dynamic\n"
+    text = recipe_text(tiny_model_dir, text_dir).replace(RTN, stage).replace("exports: []\n", "exports:\n" + export)
+    result = run_cli(["validate", write_recipe(tmp_path, text)])
+    assert result.exit_code == 2 and "exports[0]" in result.output and "Traceback" not in result.output, result.output
+    assert __import__("re").search(message, " ".join(result.output.split())), result.output
+    bad = recipe_text(tiny_model_dir, text_dir).replace(RTN, "      method: fp4\n      activations: static\n")
+    result = run_cli(["validate", write_recipe(tmp_path, bad, "bad.yaml")])
+    assert result.exit_code == 2 and "activations" in result.output and "Traceback" not in result.output, result.output
+
+
+def test_rotate_then_w4a4_runs_end_to_end(tmp_path: Path, onnx_model_dir: Path, text_dir: Path) -> None:
+    """rotate (hadamard) before an NVFP4 W4A4 GPTQ stage: the rotated weights are quantized, the input global scales
+    calibrated on the rotated model, and the compressed-tensors export verifies exactly."""
+    text = recipe_text(onnx_model_dir, text_dir).replace(
+        RTN, "      method: fp4\n      format: nvfp4\n      activations: dynamic\n      algorithm: gptq\n"
+    )
+    text = text.replace("stages:\n", "stages:\n  - rotate: {kind: hadamard}\n").replace(
+        "exports: []\n", "exports:\n  - format: compressed-tensors\n"
+    )
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out, "-q"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    rotate, fp4 = manifest["stages"]
+    assert rotate["kind"] == "rotate" and fp4["method"] == "fp4" and manifest["exports"][0]["verified"]
+    assert all(layer["input_global_scale"] > 0 and "gptq_loss" in layer for layer in fp4["layers"].values())
+
+
+def test_awq_on_fp4_end_to_end(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """`algorithm: awq`: AWQ's scale search with FP4 rounding, folded into the norms, the layers FP4; every searched
+    scale does no worse than no scaling on its own calibration loss, and the export reads back exactly."""
+    text = recipe_text(tiny_model_dir, text_dir).replace(
+        RTN, "      method: fp4\n      format: nvfp4\n      algorithm: awq\n      awq_grid: 4\n"
+    )
+    text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n")
+    out = tmp_path / "out"
+    result = run_cli(["run", write_recipe(tmp_path, text), "-o", out, "-q"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    stage = manifest["stages"][0]
+    assert stage["method"] == "fp4" and len(stage["layers"]) == 14 and manifest["exports"][0]["verified"]
+    scaled = [layer for layer in stage["layers"].values() if layer.get("awq_alpha") is not None]
+    assert scaled and all(layer["awq_loss_ratio"] <= 1.0 for layer in scaled)
+    assert all(layer["bits_per_weight"] > 4.5 for layer in stage["layers"].values())
+    no_cal = text[: text.index("  calibration:")] + text[text.index("  evaluation:") :]
+    result = run_cli(["validate", write_recipe(tmp_path, no_cal, "nocal.yaml")])
+    assert result.exit_code == 2 and "needs data.calibration" in result.output, result.output
+
+
+def test_plan_of_w4a4_sizes_as_weight_only_and_adds_the_input_calibration(tmp_path: Path, tiny_model_dir: Path, text_dir: Path) -> None:
+    """compress plan: FP4 inputs change no stored size (the plan leaves out nvfp4's 4-byte input_global_scale a layer);
+    nvfp4's calibration forward adds time, mxfp4's dynamic inputs none."""
+    plans = {}
+    for fmt, acts in (("nvfp4", "null"), ("nvfp4", "dynamic"), ("mxfp4", "null"), ("mxfp4", "dynamic")):
+        text = recipe_text(tiny_model_dir, text_dir).replace(RTN, f"      method: fp4\n      format: {fmt}\n      activations: {acts}\n")
+        text = text.replace("exports: []\n", "exports:\n  - format: compressed-tensors\n")
+        result = run_cli(["plan", write_recipe(tmp_path, text), "--json", tmp_path / "plan.json"])
+        assert result.exit_code == 0, result.output
+        plans[fmt, acts] = json.loads((tmp_path / "plan.json").read_text())
+    for fmt in ("nvfp4", "mxfp4"):
+        size = {
+            a: next(x for x in plans[fmt, a]["artifacts"] if x["artifact"] == "compressed-tensors")["size_bytes"]
+            for a in ("null", "dynamic")
+        }
+        assert size["null"] == size["dynamic"]
+    stage = {k: next(s for s in p["steps"] if s["step"].startswith("stages[0]")) for k, p in plans.items()}
+    assert "input global scales" in stage["nvfp4", "dynamic"]["basis"]
+    assert stage["nvfp4", "dynamic"]["time_s"] > stage["nvfp4", "null"]["time_s"]
+    assert stage["mxfp4", "dynamic"] == stage["mxfp4", "null"]
 
 
 # --------------------------------------------------------------------------- one global scale for fused layers

@@ -7,15 +7,21 @@ Layout of one FP4 Linear ``<layer>`` [out, in] (quantizers/fp4.py's ``FP4Weight`
 * ``<layer>.weight_packed`` uint8 [out, in/2]: two E2M1 codes a byte, the even column in the low nibble;
 * ``<layer>.weight_scale``: float8_e4m3fn [out, in/16] (nvfp4, ``strategy: tensor_group``) or uint8 E8M0
   exponents [out, in/32] (mxfp4, ``strategy: group``, ``scale_dtype: torch.uint8``);
-* ``<layer>.weight_global_scale`` float32 [1]: nvfp4 only.
+* ``<layer>.weight_global_scale`` float32 [1]: nvfp4 only;
+* ``<layer>.input_global_scale`` float32 [1]: nvfp4 W4A4 only (``activations: dynamic``), the calibrated
+  global scale of the layer's inputs.
 
 Dequantization is ``e2m1 * (weight_scale / weight_global_scale)`` (nvfp4) or ``e2m1 * 2 ** (E - 127)``
-(mxfp4). ``verify`` reads the file back and requires (1) the stored tensors to equal the records bit for
+(mxfp4). W4A4 layers carry the ``input_activations`` args of llm-compressor's NVFP4 preset (E2M1 per 16,
+``tensor_group``, ``dynamic: local``: group scales at run time over the stored ``input_global_scale``) or
+its MXFP4 preset (E2M1 per 32, ``group``, ``dynamic: true``, E8M0 scales). ``verify`` reads the file back and requires (1) the stored tensors to equal the records bit for
 bit, (2) compressed-tensors' own unpacking (``unpack_fp4_from_uint8``, in float32) to give the records'
 E2M1 values and its scale decoding the records' float32 group scales, and (3) its decompressor
 (``NVFP4PackedCompressor`` / ``MXFP4PackedCompressor`` with the scheme it parses from the written config),
 which returns bfloat16, to give each record's dequantized weight rounded once to bfloat16 (exactly the
-record for mxfp4, whose values bfloat16 holds).
+record for mxfp4, whose values bfloat16 holds); for W4A4, (4) the input args it parses to be the preset's and its
+own input quantization (``forward_quantize`` with the stored ``input_global_scale``) to give, on a probe input,
+exactly what the in-memory FP4Linear computes (``quantize_input_fp4``).
 """
 
 from __future__ import annotations
@@ -30,8 +36,17 @@ from compress.errors import FormatError
 from compress.export.checkpoint.compressed_tensors import METHOD, STATUS_COMPRESSED, Key, write_grid_checkpoint
 from compress.export.checkpoint.hf_checkpoint import QUANT_METHOD, read_config, read_tensors
 from compress.quantizers.compressed_tensors_args import LINEAR_TARGET
-from compress.quantizers.fp4 import FP4Linear, FP4Weight, e2m1_values, fp4_records, fused_with
-from compress.quantizers.fp4_config import GROUP, Format
+from compress.quantizers.fp4 import (
+    INPUT_GLOBAL_SCALE,
+    FP4Linear,
+    FP4Weight,
+    e2m1_values,
+    fp4_activations,
+    fp4_records,
+    fused_with,
+    quantize_input_fp4,
+)
+from compress.quantizers.fp4_config import GROUP, Activations, Format
 from compress.quantizers.kv_cache import KVCacheScheme
 
 KIND = "FP4"
@@ -41,8 +56,10 @@ SCALE_DTYPE = {"nvfp4": "torch.float8_e4m3fn", "mxfp4": "torch.uint8"}
 GLOBAL_SCALE = "weight_global_scale"
 EXACTNESS_CHECK = (
     "packed codes, group scales and global scales identical after reload; compressed-tensors' unpacking gives the records' "
-    "values and scales, its decompressor their weights (at its bfloat16)"
+    "values and scales, its decompressor their weights (at its bfloat16); W4A4: its input quantization gives ours on a probe input"
 )
+PRESET = {"nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+"""llm-compressor's W4A4 presets (compressed-tensors 0.19 ``PRESET_SCHEMES``), whose input args a W4A4 export writes."""
 
 
 def weight_args(fmt: Format) -> dict[str, Any]:
@@ -58,7 +75,18 @@ def weight_args(fmt: Format) -> dict[str, Any]:
     }
 
 
-def quantization_config(model: nn.Module, records: dict[str, FP4Weight]) -> dict[str, Any]:
+def input_args(fmt: Format, activations: Activations) -> dict[str, Any] | None:
+    """NVFP4's or MXFP4's input activations (W4A4), None for weight-only: E2M1 groups with dynamic scales (nvfp4:
+    ``dynamic: local``, the group scales at run time over the stored static ``input_global_scale``, calibrated by
+    the ``static_minmax`` observer)."""
+    if activations is None:
+        return None
+    if fmt == "nvfp4":
+        return {**weight_args(fmt), "dynamic": "local", "observer": "static_minmax"}
+    return {**weight_args(fmt), "dynamic": True}
+
+
+def quantization_config(model: nn.Module, records: dict[str, FP4Weight], activations: Activations = None) -> dict[str, Any]:
     """config.json ``quantization_config``: one group (one format a stage), every other Linear in ``ignore``."""
     formats = {r.format for r in records.values()}
     if len(formats) != 1:
@@ -68,7 +96,7 @@ def quantization_config(model: nn.Module, records: dict[str, FP4Weight]) -> dict
     group = {
         Key.TARGETS: [LINEAR_TARGET],
         Key.WEIGHTS: weight_args(fmt),
-        Key.INPUTS: None,
+        Key.INPUTS: input_args(fmt, activations),
         "output_activations": None,
         Key.FORMAT: PACK_FORMAT[fmt],
     }
@@ -117,7 +145,7 @@ def write_model(
 ) -> dict[str, Any] | None:
     """Write the pack-quantized HF directory (and the KV scheme's scales, as the int writer does); returns
     what was carried of the KV scheme."""
-    return write_grid_checkpoint(directory, model, tokenizer, records, quantization_config(model, records), kv)
+    return write_grid_checkpoint(directory, model, tokenizer, records, quantization_config(model, records, fp4_activations(model)), kv)
 
 
 def _identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
@@ -143,8 +171,9 @@ def verify(directory: Path, records: dict[str, FP4Weight]) -> list[str]:
     for name, record in records.items():
         mine = record.tensors(name)
         problems += [f"{key}: not the record's {t.dtype} {list(t.shape)}" for key, t in mine.items() if not _identical(tensors.get(key), t)]
-        if f"{name}.{GLOBAL_SCALE}" in tensors and record.global_scale is None:
-            problems.append(f"{name}.{GLOBAL_SCALE}: stored, and the record has none")
+        for key, kept in ((GLOBAL_SCALE, record.global_scale), (INPUT_GLOBAL_SCALE, record.input_global_scale)):
+            if f"{name}.{key}" in tensors and kept is None:
+                problems.append(f"{name}.{key}: stored, and the record has none")
         if problems:
             continue
         rows, cols = record.shape
@@ -158,7 +187,33 @@ def verify(directory: Path, records: dict[str, FP4Weight]) -> list[str]:
             problems.append(f"{name}: compressed-tensors unpacks other values or scales than the record's")
             continue
         compressor = NVFP4PackedCompressor if record.format == "nvfp4" else MXFP4PackedCompressor
-        theirs = compressor.decompress({k.removeprefix(f"{name}."): tensors[k] for k in mine}, scheme)["weight"]
+        weights = {k.removeprefix(f"{name}."): tensors[k] for k in mine if not k.endswith(INPUT_GLOBAL_SCALE)}
+        theirs = compressor.decompress(weights, scheme)["weight"]
         if not torch.equal(theirs, record.dequantize().to(theirs.dtype)):
             problems.append(f"{name}: compressed-tensors dequantizes it to other values than the record's")
+        elif scheme.input_activations is not None:
+            problems += _input_problems(name, record, scheme.input_activations, tensors.get(f"{name}.{INPUT_GLOBAL_SCALE}"))
     return problems
+
+
+def _input_problems(name: str, record: FP4Weight, args: Any, input_global_scale: torch.Tensor | None) -> list[str]:
+    """A W4A4 layer's input args as the preset's, and compressed-tensors' input quantization (its ``forward_quantize``
+    with the stored input global scale) equal to ``quantize_input_fp4`` on a probe input spanning several octaves."""
+    from types import SimpleNamespace
+
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    want = PRESET_SCHEMES[PRESET[record.format]]["input_activations"]
+    keys = ("num_bits", "type", "strategy", "dynamic", "symmetric", "group_size", "scale_dtype")
+    if any(getattr(args, k) != getattr(want, k) for k in keys):
+        return [f"{name}: the input activations' args are not llm-compressor's {PRESET[record.format]} preset's"]
+    cols = record.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(4, cols, generator=gen) * torch.logspace(-2, 1, cols).roll(cols // 3)
+    module = SimpleNamespace(quantization_status=QuantizationStatus.COMPRESSED, input_global_scale=input_global_scale)
+    theirs = forward_quantize(module, probe.clone(), "input", args)
+    if not torch.equal(theirs, quantize_input_fp4(probe, record.format, record.input_global_scale)):
+        return [f"{name}: compressed-tensors quantizes the inputs to other values than the FP4 layer does"]
+    return []

@@ -15,25 +15,13 @@ on a 135M model, about 40 on a 1.5B one). Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from side_by_side import print_table, score  # noqa: E402  (this folder: the script's own)
-
-from compress import streaming  # noqa: E402
-from compress.context import RunContext  # noqa: E402
-from compress.eval.bench.quant import load_bench_inputs  # noqa: E402
-from compress.eval.metrics import torch_forward  # noqa: E402
-from compress.plugins import stage_kind  # noqa: E402
-from compress.progress import Reporter  # noqa: E402
-from compress.recipe import load_recipe, stage_model  # noqa: E402
+from side_by_side import score_chains  # noqa: E402  (this folder: the script's own)
 
 RECIPE = ROOT / "recipes" / "rotate-w4.yaml"
 ROTATE = {"rotate": {"kind": "hadamard", "residual": True, "heads": True, "seed": 0}}
@@ -51,33 +39,10 @@ def candidates(group: int | None, gptq: bool) -> dict[str, list[dict]]:
 
 
 def main(args: argparse.Namespace) -> None:
-    recipe = load_recipe(RECIPE).recipe
-    data = recipe.data
-    data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": args.samples})})
-    data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": args.calibration_samples})})
-    reporter = Reporter(quiet=True)
-    lm, calibration, evaluation, eval_cfg = load_bench_inputs(args.model, data, args.threads, reporter, "float32")
-    cpu = torch.device("cpu")
-    baseline = torch_forward(lm.model, cpu)
     groups = [None if g == "channel" else int(g) for g in args.groups.split(",")]
     chains = {"hadamard rotation alone (no quantization: its KL is the rotation's float32 rounding)": [ROTATE]} if args.check else {}
     chains.update({name: chain for group in groups for name, chain in candidates(group, args.gptq).items()})
-    scores, seconds = {}, {}
-    for name, chain in chains.items():
-        model = copy.deepcopy(lm.model)
-        if streaming.is_streamed(model):
-            streaming.materialize(model)
-        ctx = RunContext(
-            seed=0, device=cpu, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens, original=lm.model
-        )
-        started = time.perf_counter()
-        for i, item in enumerate(chain):
-            stage = stage_model().model_validate(item)
-            stage_kind(stage.kind, f"stages[{i}]").build(stage.config, f"stages[{i}]").apply(model, ctx)
-        seconds[name] = time.perf_counter() - started
-        score(baseline, name, model, evaluation, eval_cfg, scores)
-        del model
-    print_table(args.model, calibration, evaluation, eval_cfg, args.threads, scores, seconds, "stages")
+    score_chains(args, RECIPE, chains)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,24 @@
-"""What the side-by-side experiment scripts share (w8a8_smoothquant.py, rotate_w4.py): score one candidate
-beside the float model on the evaluation sequences, and print the table of every candidate's KL
-divergence, top-1 agreement and perplexity with their 95% bootstrap intervals. Not run on its own."""
+"""What the side-by-side experiment scripts share (w8a8_smoothquant.py, rotate_w4.py, fp4_w4a4.py): score one
+candidate beside the float model on the evaluation sequences, run candidates that are chains of recipe stages,
+and print the table of every candidate's KL divergence, top-1 agreement and perplexity with their 95% bootstrap
+intervals. Not run on its own."""
 
 from __future__ import annotations
 
+import copy
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from compress import streaming
+from compress.context import RunContext
+from compress.eval.bench.quant import load_bench_inputs
 from compress.eval.metrics import compare, torch_forward
+from compress.plugins import stage_kind
+from compress.progress import Reporter
+from compress.recipe import load_recipe, stage_model
 
 
 def interval(scores: Any, metric: str, digits: int) -> str:
@@ -48,3 +58,32 @@ def print_table(
         print(
             f"| {name} | {interval(s, 'kl_divergence', 5)} | {interval(s, 'top1_agreement', 4)} | {interval(s, 'perplexity', 3)} | {spent:.1f} |"
         )
+
+
+def score_chains(args: Any, recipe: Path, chains: dict[str, list[dict]]) -> None:
+    """Load ``args.model`` and ``recipe``'s data (``args.samples`` evaluation and ``args.calibration_samples``
+    calibration sequences), apply each candidate's chain of recipe stages to a copy of the float model as a recipe
+    runs them, score it beside the float model (one candidate in memory at a time) and print the table."""
+    data = load_recipe(recipe).recipe.data
+    data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": args.samples})})
+    data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": args.calibration_samples})})
+    reporter = Reporter(quiet=True)
+    lm, calibration, evaluation, eval_cfg = load_bench_inputs(args.model, data, args.threads, reporter, "float32")
+    cpu = torch.device("cpu")
+    baseline = torch_forward(lm.model, cpu)
+    scores, seconds = {}, {}
+    for name, chain in chains.items():
+        model = copy.deepcopy(lm.model)
+        if streaming.is_streamed(model):
+            streaming.materialize(model)
+        ctx = RunContext(
+            seed=0, device=cpu, tokenizer=lm.tokenizer, reporter=reporter, calibration=lambda: calibration.tokens, original=lm.model
+        )
+        started = time.perf_counter()
+        for i, item in enumerate(chain):
+            stage = stage_model().model_validate(item)
+            stage_kind(stage.kind, f"stages[{i}]").build(stage.config, f"stages[{i}]").apply(model, ctx)
+        seconds[name] = time.perf_counter() - started
+        score(baseline, name, model, evaluation, eval_cfg, scores)
+        del model
+    print_table(args.model, calibration, evaluation, eval_cfg, args.threads, scores, seconds, "stages")
