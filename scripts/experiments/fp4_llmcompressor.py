@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from side_by_side import print_table, score  # noqa: E402  (this folder: the script's own)
+from side_by_side import print_table, score, shortened_data  # noqa: E402  (this folder: the script's own)
 
 from compress import streaming  # noqa: E402
 from compress.context import RunContext  # noqa: E402
@@ -44,7 +44,6 @@ from compress.quantizers.apply import swap_module  # noqa: E402
 from compress.quantizers.fp4 import FP4Linear, FP4Stage, FP4Weight, fp4_records  # noqa: E402
 from compress.quantizers.fp4_config import FP4Config  # noqa: E402
 from compress.quantizers.llmcompressor_backend import run_oneshot  # noqa: E402
-from compress.recipe import load_recipe  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "w8a8-smoothquant.yaml"  # its data: calibration text, and evaluation text held apart from it
 
@@ -100,12 +99,7 @@ def same_bytes(ours: dict[str, FP4Weight], theirs: dict[str, FP4Weight]) -> str:
 def main(
     model: str | None, formats: list[str], threads: int, samples: int | None, calibration_samples: int | None, algorithms: list[str]
 ) -> None:
-    recipe = load_recipe(RECIPE).recipe
-    data = recipe.data
-    if samples is not None:
-        data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": samples})})
-    if calibration_samples is not None:
-        data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": calibration_samples})})
+    data = shortened_data(RECIPE, samples, calibration_samples)
     source = model or "reference:smollm2-135m-float"
     reporter = Reporter(quiet=True)
     lm, calibration, evaluation, eval_cfg = load_bench_inputs(source, data, threads, reporter, "float32")

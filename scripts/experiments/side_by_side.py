@@ -60,13 +60,21 @@ def print_table(
         )
 
 
+def shortened_data(recipe: Path, samples: int | None, calibration_samples: int | None) -> Any:
+    """``recipe``'s ``data`` with ``samples`` evaluation and ``calibration_samples`` calibration sequences (None: the recipe's)."""
+    data = load_recipe(recipe).recipe.data
+    if samples is not None:
+        data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": samples})})
+    if calibration_samples is not None:
+        data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": calibration_samples})})
+    return data
+
+
 def score_chains(args: Any, recipe: Path, chains: dict[str, list[dict]]) -> None:
     """Load ``args.model`` and ``recipe``'s data (``args.samples`` evaluation and ``args.calibration_samples``
     calibration sequences), apply each candidate's chain of recipe stages to a copy of the float model as a recipe
     runs them, score it beside the float model (one candidate in memory at a time) and print the table."""
-    data = load_recipe(recipe).recipe.data
-    data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": args.samples})})
-    data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": args.calibration_samples})})
+    data = shortened_data(recipe, args.samples, args.calibration_samples)
     reporter = Reporter(quiet=True)
     lm, calibration, evaluation, eval_cfg = load_bench_inputs(args.model, data, args.threads, reporter, "float32")
     cpu = torch.device("cpu")

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from side_by_side import print_table, score  # noqa: E402  (this folder: the script's own)
+from side_by_side import print_table, score, shortened_data  # noqa: E402  (this folder: the script's own)
 
 from compress.context import RunContext  # noqa: E402
 from compress.eval.bench.quant import load_bench_inputs, working_copy  # noqa: E402
@@ -74,11 +74,7 @@ def main(
     fp8_weights: tuple[str, ...] = ("channel", "block"),
 ) -> None:
     recipe = load_recipe(RECIPE).recipe
-    data = recipe.data
-    if samples is not None:
-        data = data.model_copy(update={"evaluation": data.evaluation.model_copy(update={"samples": samples})})
-    if calibration_samples is not None:
-        data = data.model_copy(update={"calibration": data.calibration.model_copy(update={"samples": calibration_samples})})
+    data = shortened_data(RECIPE, samples, calibration_samples)
     source = model or recipe.model.source
     reporter = Reporter(quiet=True)
     lm, calibration, evaluation, eval_cfg = load_bench_inputs(source, data, threads, reporter, recipe.model.dtype)
