@@ -32,8 +32,8 @@ def fp4(fmt: str, algorithm: str, activations: str | None) -> dict:
 
 
 def candidates() -> dict[str, list[dict]]:
-    """Each candidate's recipe stages: W4A4 with and without the rotation, then NVFP4 weight-only by algorithm (and RTN
-    after the rotation)."""
+    """Each candidate's recipe stages: W4A4 with and without the rotation, then weight-only by algorithm (NVFP4: rtn,
+    awq, gptq, and rtn after the rotation; MXFP4: rtn, gptq)."""
     found: dict[str, list[dict]] = {}
     for fmt, algorithm in (("nvfp4", "rtn"), ("nvfp4", "gptq"), ("mxfp4", "rtn")):
         name = f"{fmt.upper()} W4A4 {algorithm.upper()}"
@@ -41,6 +41,8 @@ def candidates() -> dict[str, list[dict]]:
         found[f"hadamard rotation + {name}"] = [ROTATE, fp4(fmt, algorithm, "dynamic")]
     for algorithm in ("rtn", "awq", "gptq"):
         found[f"NVFP4 W4A16 {algorithm.upper()}"] = [fp4("nvfp4", algorithm, None)]
+    for algorithm in ("rtn", "gptq"):
+        found[f"MXFP4 W4A16 {algorithm.upper()}"] = [fp4("mxfp4", algorithm, None)]
     found["hadamard rotation + NVFP4 W4A16 RTN"] = [ROTATE, fp4("nvfp4", "rtn", None)]  # the rotation's effect on the weights alone
     return found
 
