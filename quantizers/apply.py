@@ -51,22 +51,33 @@ def install_record(model: nn.Module, name: str, module: nn.Linear, record: Quant
     """
     if name in ctx.quantized:
         raise CompressError(f"{label}: layer {name} was already quantized by {ctx.quantized_by[name]}; quantize each layer once.")
-    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
+    tied = tied_elsewhere(model, name, module)
     original = module.weight.detach()
     deq = record.dequantize(original.dtype).to(original.device)
     module.weight = nn.Parameter(deq, requires_grad=False)
     ctx.quantized[name] = record.cpu()  # records wait on the CPU; only the block being worked on sits on the accelerator
     ctx.quantized_by[name] = label
-    sqnr = sqnr_db(original, deq)
-    sums = ctx.input_sums.get(name)
-    # ‖ΔW‖²/‖W‖², weighted by the calibration's Σx² per input column when a calibrated method measured
-    # it; unweighted it is the SQNR's own ratio, so no second pass over the weight
-    rel = relative_error(original, deq, sums[0]) if sums else (0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10))
+    return layer_summary(original, deq, record.bits_per_weight, tied, ctx.input_sums.get(name))
+
+
+def tied_elsewhere(model: nn.Module, name: str, module: nn.Linear) -> list[str]:
+    """The other parameter names that hold Linear ``name``'s weight (a head tied to the token embedding)."""
+    return [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
+
+
+def layer_summary(
+    original: torch.Tensor, dequantized: torch.Tensor, bits_per_weight: float, tied: list[str], sums: tuple | None = None
+) -> dict:
+    """A quantized layer's manifest summary: shape, SQNR, relative error, bits a weight, and the names it was untied from.
+    The relative error is ‖ΔW‖²/‖W‖², weighted by the calibration's Σx² per input column (``sums``) when a calibrated
+    method measured it; unweighted it is the SQNR's own ratio, so no second pass over the weight."""
+    sqnr = sqnr_db(original, dequantized)
+    rel = relative_error(original, dequantized, sums[0]) if sums else (0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10))
     info = {
-        "shape": list(record.shape),
+        "shape": list(original.shape),
         "sqnr_db": round(sqnr, 3),
         "relative_error": float(f"{rel:.4g}"),
-        "bits_per_weight": round(record.bits_per_weight, 4),
+        "bits_per_weight": round(bits_per_weight, 4),
     }
     if tied:
         info["untied_from"] = tied
@@ -94,17 +105,19 @@ def install_module(
     (fp8, fp4: it holds its record, whose values are ``dequantized``). ``new`` has a Parameter of its own, so
     a weight tied to another module is untied. Returns the per-layer summary for the manifest."""
     original = module.weight.detach()
-    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is module.weight and n != f"{name}.weight"]
+    tied = tied_elsewhere(model, name, module)
     swap_module(model, name, new)
     ctx.quantized_by[name] = label
-    sqnr = sqnr_db(original, dequantized.to(original.device))
-    return {
-        "shape": list(original.shape),
-        "sqnr_db": round(sqnr, 3),
-        "relative_error": float(f"{0.0 if math.isinf(sqnr) else 10 ** (-sqnr / 10):.4g}"),
-        "bits_per_weight": round(bits_per_weight, 4),
-        **({"untied_from": tied} if tied else {}),
-    }
+    return layer_summary(original, dequantized.to(original.device), bits_per_weight, tied)
+
+
+def layers_activations(model: nn.Module, kind: type) -> Any:
+    """How ``model``'s layers of module type ``kind`` (FP8Linear, FP4Linear) quantize their inputs (their
+    ``activations``; one stage sets them all), None without such layers."""
+    found = {m.activations for m in model.modules() if isinstance(m, kind)}
+    if len(found) > 1:
+        raise CompressError(f"the model's {kind.__name__} layers quantize their inputs in different ways ({sorted(map(str, found))})")
+    return found.pop() if found else None
 
 
 def quantize_each_layer(

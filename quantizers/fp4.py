@@ -38,9 +38,18 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import install_module, quantize_record, records_stage_config, select_or_fail, summarize, swap_module
+from compress.quantizers.apply import (
+    install_module,
+    layers_activations,
+    quantize_record,
+    records_stage_config,
+    select_or_fail,
+    summarize,
+    swap_module,
+)
 from compress.quantizers.core import FP8_MAX
 from compress.quantizers.fp4_config import GROUP, SCALE_DTYPE, Activations, Format, FP4Config, FP4Scheme
+from compress.quantizers.grid_search import FixedScales
 from compress.quantizers.llm_int8 import collect_input_absmax
 
 E4M3 = torch.float8_e4m3fn
@@ -226,8 +235,9 @@ def fp4_scales(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None =
     return nvfp4_scales(absmax, global_scale), global_scale
 
 
-def round_fp4(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> FP4Weight:
-    """``x`` [rows, cols] (cols a multiple of the format's group) rounded to nearest on ``fmt``'s scales: the record."""
+def quantize_weight_fp4(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> FP4Weight:
+    """``x`` [rows, cols] (a weight [out, in], or inputs; cols a multiple of the format's group) rounded to nearest on
+    ``fmt``'s scales: the record (``global_scale``: nvfp4's, when given; see ``fp4_scales``)."""
     scale, global_scale = fp4_scales(x, fmt, global_scale)
     rows, cols = x.shape
     grouped = x.detach().to(torch.float32).reshape(rows, cols // GROUP[fmt], GROUP[fmt])
@@ -235,17 +245,11 @@ def round_fp4(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = 
     return FP4Weight(fmt, pack(e2m1_codes(scaled.reshape(rows, cols))), scale, global_scale)
 
 
-def quantize_weight_fp4(weight: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> FP4Weight:
-    """``weight`` [out, in] (in a multiple of the format's group) rounded to nearest on ``fmt``'s scales
-    (``global_scale``: nvfp4's, when given; see ``fp4_scales``)."""
-    return round_fp4(weight, fmt, global_scale)
-
-
 def quantize_input_fp4(x: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None) -> torch.Tensor:
     """What a W4A4 runtime multiplies: ``x`` [tokens, in] (float32) quantize-dequantized as compressed-tensors'
     NVFP4 / MXFP4 input activations (dynamic group scales, the weights' rule; nvfp4 over the layer's calibrated
     ``global_scale``, a group scale beyond 448 clamped and its values saturated at ±6)."""
-    return round_fp4(x, fmt, global_scale).dequantize()
+    return quantize_weight_fp4(x, fmt, global_scale).dequantize()
 
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -299,10 +303,8 @@ class FP4Linear(nn.Linear):
 
     def __init__(self, linear: nn.Linear, record: FP4Weight, activations: Activations = None) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
-        if activations is not None and (record.input_global_scale is None) != (record.format == "mxfp4"):
-            raise ValueError("an nvfp4 W4A4 layer needs its calibrated input global scale, an mxfp4 one has none")
         self.format = record.format
-        self.activations = activations
+        self.activations: Activations = None
         device = linear.weight.device
         self.weight = nn.Parameter(record.dequantize().to(device=device, dtype=linear.weight.dtype), requires_grad=False)
         self.bias = linear.bias
@@ -310,8 +312,9 @@ class FP4Linear(nn.Linear):
         self.register_buffer("weight_scale", record.scale.to(device), persistent=False)
         global_scale = torch.ones(1) if record.global_scale is None else record.global_scale
         self.register_buffer("weight_global_scale", global_scale.to(device), persistent=False)
-        input_global = torch.ones(1) if record.input_global_scale is None else record.input_global_scale
-        self.register_buffer(INPUT_GLOBAL_SCALE, input_global.to(device), persistent=False)
+        self.register_buffer(INPUT_GLOBAL_SCALE, torch.ones(1, device=device), persistent=False)
+        if activations is not None:
+            self.quantize_inputs(record.input_global_scale)
 
     @property
     def record(self) -> FP4Weight:
@@ -351,10 +354,7 @@ def fp4_records(model: nn.Module) -> dict[str, FP4Weight]:
 
 def fp4_activations(model: nn.Module) -> Activations:
     """How ``model``'s FP4 layers quantize their inputs (one stage sets them all)."""
-    found = {m.activations for m in model.modules() if isinstance(m, FP4Linear)}
-    if len(found) > 1:
-        raise CompressError(f"the model's FP4 layers quantize their inputs in different ways ({sorted(map(str, found))})")
-    return found.pop() if found else None
+    return layers_activations(model, FP4Linear)
 
 
 def load_fp4_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: list[dict[str, Any]]) -> list[str]:
@@ -384,26 +384,16 @@ def e2m1_nearest_numpy(x: np.ndarray) -> np.ndarray:
 E2M1_NUMPY = np.array(E2M1_VALUES, dtype=np.float32)
 
 
-class FP4Grid:
+class FP4Grid(FixedScales):
     """The FP4 grid of one weight for quantizers/gptq.py's column loop, its scales fixed from the original
-    weight before any column is rounded (GPTQ's static groups): ``GridParams``' attributes (``unit``, the
-    effective ``scale`` with zero ``zero`` and ``offset`` [out, in/group]), value rounding (``nearest``,
-    ``nearest_numpy``) and the record of the rounded values (``record``)."""
+    weight before any column is rounded (GPTQ's static groups; ``FixedScales``: the effective scales per group of
+    the format's size), value rounding (``nearest``, ``nearest_numpy``) and the record of the rounded values (``record``)."""
 
     def __init__(self, weight: torch.Tensor, fmt: Format, global_scale: torch.Tensor | None = None) -> None:
         self.format = fmt
-        self.unit = GROUP[fmt]
         self.stored, self.global_scale = fp4_scales(weight, fmt, global_scale)
-        self.scale = effective_scales(self.stored, self.global_scale)
-        self.zero = torch.zeros_like(self.scale)
-        self.offset = torch.zeros_like(self.scale)
+        super().__init__(effective_scales(self.stored, self.global_scale), GROUP[fmt])
         self.scheme = FP4Config(format=fmt).scheme()
-
-    def fix_all(self, w: torch.Tensor, importance: torch.Tensor) -> None:
-        """Nothing to do: the scales were fixed from the original weight."""
-
-    def fix(self, index: int, w: torch.Tensor, importance: torch.Tensor) -> None:
-        """Nothing to do: the scales were fixed from the original weight."""
 
     @staticmethod
     def nearest(x: torch.Tensor) -> torch.Tensor:

@@ -33,9 +33,18 @@ from torch import nn
 
 from compress.context import RunContext, StageRecord
 from compress.errors import CompressError
-from compress.quantizers.apply import install_module, quantize_record, records_stage_config, select_or_fail, summarize, swap_module
+from compress.quantizers.apply import (
+    install_module,
+    layers_activations,
+    quantize_record,
+    records_stage_config,
+    select_or_fail,
+    summarize,
+    swap_module,
+)
 from compress.quantizers.core import FP8_MAX
 from compress.quantizers.fp8_config import BLOCK, FP8Config
+from compress.quantizers.grid_search import FixedScales
 from compress.quantizers.llm_int8 import collect_input_absmax
 from compress.quantizers.sequential import peak_memory_mb
 
@@ -224,10 +233,7 @@ def load_fp8_layers(model: nn.Module, tensors: dict[str, torch.Tensor], stages: 
 
 def fp8_activations(model: nn.Module) -> Activations:
     """How ``model``'s FP8 layers quantize their inputs (one stage sets them all)."""
-    found = {m.activations for m in model.modules() if isinstance(m, FP8Linear)}
-    if len(found) > 1:
-        raise CompressError(f"the model's FP8 layers quantize their inputs in different ways ({sorted(map(str, found))})")
-    return found.pop() if found else None
+    return layers_activations(model, FP8Linear)
 
 
 # --------------------------------------------------------------------------- GPTQ on the E4M3 grid
@@ -243,10 +249,9 @@ def e4m3_nearest_numpy(x: np.ndarray) -> np.ndarray:
     return np.copysign(np.minimum(np.round(a / step) * step, np.float32(FP8_MAX)), x).astype(np.float32)
 
 
-class FP8Grid:
+class FP8Grid(FixedScales):
     """The E4M3 grid of one weight for quantizers/gptq.py's column loop, its scales fixed from the original
-    weight before any column is rounded: ``GridParams``' attributes (``unit``: the columns a scale spans,
-    the whole row or a 128-column tile; ``scale`` [out, in/unit], zero ``zero`` and ``offset``), value
+    weight before any column is rounded (``FixedScales``: one scale a row, or per row and 128-column tile), value
     rounding (``nearest``, ``nearest_numpy``) and the record of the rounded values (``record``)."""
 
     def __init__(self, weight: torch.Tensor, config: FP8Config, input_scale: torch.Tensor | None) -> None:
@@ -254,17 +259,11 @@ class FP8Grid:
         self.input_scale = input_scale
         rows, cols = weight.shape
         self.stored = weight_scales(weight, self.layout)
-        self.unit = cols if self.layout == "channel" else BLOCK
-        self.scale = self.stored if self.layout == "channel" else self.stored.repeat_interleave(BLOCK, dim=0)[:rows]
-        self.zero = torch.zeros_like(self.scale)
-        self.offset = torch.zeros_like(self.scale)
+        if self.layout == "channel":
+            super().__init__(self.stored, cols)
+        else:
+            super().__init__(self.stored.repeat_interleave(BLOCK, dim=0)[:rows], BLOCK)
         self.scheme = config.scheme()
-
-    def fix_all(self, w: torch.Tensor, importance: torch.Tensor) -> None:
-        """Nothing to do: the scales were fixed from the original weight."""
-
-    def fix(self, index: int, w: torch.Tensor, importance: torch.Tensor) -> None:
-        """Nothing to do: the scales were fixed from the original weight."""
 
     @staticmethod
     def nearest(x: torch.Tensor) -> torch.Tensor:

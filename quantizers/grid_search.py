@@ -138,6 +138,24 @@ class _Best:
             target.copy_(value)
 
 
+class FixedScales:
+    """A float grid's parameters for quantizers/gptq.py's column loop (``gptq_quantize``'s ``grid``: fp8, fp4), its
+    scales fixed from the original weight before any column is rounded: ``GridParams``' attributes (``unit``, the
+    columns one scale spans; the effective ``scale`` [out, in/unit], zero ``zero`` and ``offset``) with nothing to
+    fix per unit. A subclass adds ``scheme``, value rounding (``nearest``, ``nearest_numpy``) and ``record``."""
+
+    def __init__(self, scale: torch.Tensor, unit: int) -> None:
+        self.scale, self.unit = scale, unit
+        self.zero = torch.zeros_like(scale)
+        self.offset = torch.zeros_like(scale)
+
+    def fix_all(self, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """Nothing to do: the scales were fixed from the original weight."""
+
+    def fix(self, index: int, w: torch.Tensor, importance: torch.Tensor) -> None:
+        """Nothing to do: the scales were fixed from the original weight."""
+
+
 class GridParams:
     """Every group's scale, zero point and offset of one weight [out, in], filled unit by unit."""
 
